@@ -1,0 +1,111 @@
+"""One attention entry point for every mode.
+
+    attention(q, k, v, mode="attn_qat")   # (batch, heads, seqlen, head_dim), like SDPA
+
+Each mode is a small :class:`Mode` record in a registry: its Triton path (CUDA tensors, or CPU tensors
+under ``TRITON_INTERPRET=1``) and its PyTorch-reference path (plain CPU tensors: slow but exact, and
+differentiable for trainable modes, so the tiny model trains and generates on a laptop).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ._common import interpreting
+
+
+@dataclass(frozen=True)
+class Mode:
+    """An attention mode: ``kernel`` runs on CUDA (or the interpreter), ``reference`` on plain CPU.
+
+    Both are called as ``fn(q, k, v, sm_scale=..., causal=..., **options)`` on (B, H, L, D) tensors.
+    ``trainable`` modes have a backward; the others refuse to run with grad enabled.
+    """
+    name: str
+    description: str
+    trainable: bool
+    kernel: Callable[..., torch.Tensor]
+    reference: Callable[..., torch.Tensor]
+
+
+_MODES: dict[str, Mode] = {}
+
+
+def register_mode(mode: Mode) -> None:
+    """Add (or replace) a mode in the registry."""
+    _MODES[mode.name] = mode
+
+
+def available_modes() -> list[str]:
+    """Names of every registered mode, in registration order."""
+    return list(_MODES)
+
+
+def get_mode(name: str) -> Mode:
+    try:
+        return _MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown attention mode {name!r}; available: {', '.join(_MODES)}") from None
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = "bf16", *,
+              sm_scale: float | None = None, causal: bool = False, **options) -> torch.Tensor:
+    """Scaled dot-product attention in the given mode.
+
+    Arguments:
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim). Any strides
+            whose last dim is contiguous, so diffusers' (B, L, H, D) tensors pass as ``.transpose(1, 2)``.
+        mode: one of :func:`available_modes`.
+        sm_scale: softmax scale; default 1/sqrt(head_dim).
+        causal: top-left aligned causal mask (as SDPA's ``is_causal``).
+        options: mode-specific keywords (e.g. ``p_bwd`` for ``attn_qat``); unknown ones are refused.
+    Return:
+        (batch, heads, seqlen_q, head_dim) in q's dtype.
+    """
+    m = get_mode(mode)
+    if not m.trainable and _needs_grad(q, k, v):
+        raise ValueError(f"attention mode {mode!r} is inference-only (it has no backward); "
+                         f"run it under torch.no_grad() or use a trainable mode: "
+                         f"{', '.join(n for n, x in _MODES.items() if x.trainable)}")
+    fn = m.kernel if (q.is_cuda or interpreting()) else m.reference
+    return fn(q, k, v, sm_scale=sm_scale, causal=causal, **options)
+
+
+def backend_info(device: torch.device | str | None = None) -> dict:
+    """Which path each mode takes on ``device`` (default: CUDA if available, else CPU)."""
+    import triton
+
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    info = {"device": str(dev), "torch": torch.__version__, "triton": triton.__version__,
+            "interpreter": interpreting()}
+    if dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["compute_capability"] = f"{cap[0]}.{cap[1]}"
+        info["fp4_path"] = "bf16 tensor cores over exactly dequantized NVFP4 operands (SPEC §1)"
+        info["path"] = "triton"
+    else:
+        info["path"] = "triton-interpreter" if interpreting() else "pytorch-reference"
+        info["fp4_path"] = "fp32 arithmetic over dequantized NVFP4 operands"
+    info["modes"] = available_modes()
+    return info
+
+
+def _no_options(mode: str, options: dict) -> None:
+    if options:
+        raise ValueError(f"attention mode {mode!r} takes no options, got {sorted(options)}")
+
+
+def _sdpa(q, k, v, *, sm_scale=None, causal=False, **options):
+    _no_options("bf16", options)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+
+
+register_mode(Mode("bf16", "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True, _sdpa, _sdpa))

@@ -1,0 +1,214 @@
+"""NVFP4 quantization: e2m1 values with one e4m3 scale per block of 16 (SPEC §1).
+
+    amax = max|x| over the block;  s = e4m3(amax / 6);  x^F = e2m1(x / s) * s
+
+Two layers live here:
+
+* ``@triton.jit`` helpers (:func:`round_e4m3`, :func:`round_e2m1`, :func:`fake_quant_tile`) that the
+  attention kernels inline. Rounding is done by explicit fp32 arithmetic (integer adds on the bit
+  pattern and the "add a magic constant" trick), never by float->fp8 casts, so the same code is exact
+  under ``TRITON_INTERPRET=1`` and fast on the GPU.
+* torch-facing functions: :func:`fake_quant_nvfp4` (a Triton launch on CUDA or under the interpreter, the
+  torch reference otherwise), and :func:`quantize_nvfp4` / :func:`dequantize_nvfp4` for the packed
+  storage format (two e2m1 codes per byte, element 0 in the low nibble; scales as float8_e4m3fn).
+
+Every ``q * s`` is exactly representable in bf16 and fp16, so a 16-bit tensor-core dot over
+dequantized operands with fp32 accumulation reproduces a block-scaled FP4 MMA up to summation order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import interpreting
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+P_SCALE = E4M3_MAX * E2M1_MAX  # 2688: SageAttention3's two-level scale for P (SPEC §2)
+BLOCK = 16
+
+# Grid of e2m1 magnitudes, indexed by the 3-bit code (code 0..7; sign is bit 3).
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@triton.jit
+def round_e4m3(x):
+    """Round non-negative fp32 ``x`` to e4m3 (round-to-nearest-even, saturating at 448).
+
+    Normal range (>= 2^-6): keep 3 of fp32's 23 mantissa bits by adding half an ulp (plus the
+    tie-to-even bit) to the bit pattern and clearing the 20 low bits. Subnormal range: e4m3's spacing
+    is a fixed 2^-9, and adding 1.5 * 2^14 pushes x into a binade whose ulp is 2^-9, so the fp32 add
+    itself rounds to nearest even. NaN and +inf pass through (inf is not saturated: SPEC §1).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == ~0xFFFFF
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0  # 24576 = 1.5 * 2^14: ulp there is 2^-9
+    s = tl.where(x < 0.015625, subnormal, normal)  # 0.015625 = 2^-6, e4m3's smallest normal
+    return tl.where((s > 448.0) & (s != float("inf")), 448.0, s)
+
+
+@triton.jit
+def round_e2m1(y):
+    """Round fp32 ``y`` to the e2m1 grid ±{0, .5, 1, 1.5, 2, 3, 4, 6}, nearest, ties to the even
+    code, saturating at 6. NaN propagates.
+
+    The grid's spacing is 0.5 below 2, 1 in [2, 4) and 2 from 4 on; adding 1.5 * 2^(23+k) moves
+    |y| into a binade whose fp32 ulp is exactly that spacing 2^k, so the add rounds (RNE) and the
+    subtraction is exact. Ties to even in that binade are ties to the even e2m1 code.
+    """
+    a = tl.abs(y)
+    magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
+    r = (a + magic) - magic
+    r = tl.where(r > 6.0, 6.0, r)
+    return tl.where(y < 0.0, -r, r)
+
+
+@triton.jit
+def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexpr,
+                    EXACT_DIV: tl.constexpr, PROPAGATE_NAN: tl.constexpr):
+    """phi(x) for a 2-D fp32 tile, blocks of 16 along ``AXIS`` (0 or 1); returns fp32.
+
+    EXACT_DIV: constexpr so the hot loop can use a reciprocal multiply (SPEC §1 allows it: results
+    differ from true division only at rounding ties, by one grid step). PROPAGATE_NAN: constexpr so
+    kernels whose input cannot hold NaN skip the extra reduction; with it, a NaN (or inf) anywhere in
+    a block makes the whole block non-finite, like the reference (GPU max ignores NaN otherwise).
+    """
+    tl.static_assert(AXIS == 0 or AXIS == 1)
+    if AXIS == 1:
+        tl.static_assert(COLS % 16 == 0)
+        xb = tl.reshape(x, (ROWS, COLS // 16, 16))
+        amax = tl.max(tl.abs(xb), axis=2)
+        if PROPAGATE_NAN:
+            amax += tl.sum(xb * 0.0, axis=2)  # NaN if the block holds NaN or inf
+        if EXACT_DIV:
+            s = round_e4m3(tl.math.div_rn(amax, 6.0))
+            safe = tl.where(s > 0.0, s, 1.0)
+            y = tl.math.div_rn(xb, safe[:, :, None])
+        else:
+            s = round_e4m3(amax * (1.0 / 6.0))
+            inv = tl.where(s > 0.0, 1.0 / s, 0.0)
+            y = xb * inv[:, :, None]
+        q = round_e2m1(y) * s[:, :, None]
+        q = tl.where((s > 0.0)[:, :, None] | (s != s)[:, :, None], q, 0.0)
+        return tl.reshape(q, (ROWS, COLS))
+    else:
+        tl.static_assert(ROWS % 16 == 0)
+        xb = tl.reshape(x, (ROWS // 16, 16, COLS))
+        amax = tl.max(tl.abs(xb), axis=1)
+        if PROPAGATE_NAN:
+            amax += tl.sum(xb * 0.0, axis=1)
+        if EXACT_DIV:
+            s = round_e4m3(tl.math.div_rn(amax, 6.0))
+            safe = tl.where(s > 0.0, s, 1.0)
+            y = tl.math.div_rn(xb, safe[:, None, :])
+        else:
+            s = round_e4m3(amax * (1.0 / 6.0))
+            inv = tl.where(s > 0.0, 1.0 / s, 0.0)
+            y = xb * inv[:, None, :]
+        q = round_e2m1(y) * s[:, None, :]
+        q = tl.where((s > 0.0)[:, None, :] | (s != s)[:, None, :], q, 0.0)
+        return tl.reshape(q, (ROWS, COLS))
+
+
+@triton.jit
+def _fake_quant_rows_kernel(X, Y, n_rows, n_cols, stride_xr, stride_yr, pre_scale,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """phi along the last axis of a (n_rows, n_cols) view; tails are zero-padded (padding never
+    changes a block's amax)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(X + rows[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = fake_quant_tile(x * pre_scale, BLOCK_R, BLOCK_C, 1, True, True)
+    q = tl.math.div_rn(q, pre_scale)
+    tl.store(Y + rows[:, None] * stride_yr + cols[None, :], q, mask=mask)
+
+
+def fake_quant_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16, pre_scale: float = 1.0) -> torch.Tensor:
+    """NVFP4 fake quantization phi (SPEC §1): quantize to e2m1 with e4m3 block scales and dequantize.
+
+    Arguments:
+        x: any float tensor.
+        dim: the axis the blocks run along (the axis the following matmul reduces over).
+        block: elements per scale block; NVFP4 fixes it at 16.
+        pre_scale: quantize ``pre_scale * x`` and divide the result by it (SageAttention3's two-level
+            scaling of P uses 2688 = 448 * 6).
+    Return:
+        a tensor of x's shape and dtype holding phi(x). Exact in bf16/fp16 (unless pre_scale != 1).
+
+    CUDA tensors run the Triton kernel; CPU tensors run it under ``TRITON_INTERPRET=1`` and the torch
+    reference otherwise.
+    """
+    if block != BLOCK:
+        raise ValueError(f"NVFP4 blocks are 16 elements, got block={block}")
+    if not x.is_floating_point():
+        raise ValueError(f"fake_quant_nvfp4 needs a float tensor, got {x.dtype}")
+    if not (x.is_cuda or interpreting()):
+        from .reference import fake_quant_nvfp4_ref
+        return fake_quant_nvfp4_ref(x, dim=dim, pre_scale=pre_scale)
+    if x.numel() == 0:
+        return x.clone()
+    xt = x.movedim(dim, -1)
+    shape = xt.shape
+    rows = xt.reshape(-1, shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+    block_r, block_c = 16, 128
+    grid = (triton.cdiv(rows.shape[0], block_r), triton.cdiv(rows.shape[1], block_c))
+    _fake_quant_rows_kernel[grid](rows, out, rows.shape[0], rows.shape[1], rows.stride(0), out.stride(0),
+                                  float(pre_scale), BLOCK_R=block_r, BLOCK_C=block_c)
+    return out.to(x.dtype).reshape(shape).movedim(-1, dim)
+
+
+def _blocks_last(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+    """Move ``dim`` last and zero-pad it to a multiple of 16; returns (blocks (..., nb, 16), length)."""
+    xt = x.movedim(dim, -1).float()
+    n = xt.shape[-1]
+    pad = (-n) % BLOCK
+    if pad:
+        xt = torch.nn.functional.pad(xt, (0, pad))
+    return xt.reshape(*xt.shape[:-1], -1, BLOCK), n
+
+
+def quantize_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize to packed NVFP4 storage.
+
+    Return:
+        packed: uint8, x's shape with ``dim`` halved (rounded up to a multiple of 16 first); two e2m1
+            codes per byte, element 0 in the low nibble, sign in bit 3 of each code.
+        scales: float8_e4m3fn, x's shape with ``dim`` divided by 16 (rounded up).
+    Non-finite blocks cannot be stored: they raise ``ValueError``.
+    """
+    if block != BLOCK:
+        raise ValueError(f"NVFP4 blocks are 16 elements, got block={block}")
+    from .reference import e2m1_codes_ref, e4m3_scale_ref
+    xb, _ = _blocks_last(x, dim)
+    if not torch.isfinite(xb).all():
+        raise ValueError("quantize_nvfp4: input holds NaN or inf, which NVFP4 storage cannot represent")
+    s = e4m3_scale_ref(xb.abs().amax(dim=-1))
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = e2m1_codes_ref(torch.where(s[..., None] > 0, xb / safe[..., None], torch.zeros_like(xb)))
+    codes = codes.reshape(*codes.shape[:-2], -1)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed.movedim(-1, dim).contiguous(), s.to(torch.float8_e4m3fn).movedim(-1, dim).contiguous()
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, dim: int = -1,
+                     dtype: torch.dtype = torch.bfloat16, length: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_nvfp4`: returns ``q * s`` in ``dtype`` (exact in bf16/fp16).
+
+    ``length`` trims the zero padding of a quantized axis whose size was not a multiple of 16.
+    """
+    p = packed.movedim(dim, -1).to(torch.int32)
+    codes = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], -1)
+    grid = torch.tensor(E2M1_GRID, device=packed.device)
+    mag = grid[codes & 0x7]
+    val = torch.where((codes & 0x8) != 0, -mag, mag)
+    s = scales.movedim(dim, -1).float()
+    val = (val.reshape(*val.shape[:-1], -1, BLOCK) * s[..., None]).reshape(val.shape)
+    if length is not None:
+        val = val[..., :length]
+    return val.to(dtype).movedim(-1, dim)
