@@ -88,7 +88,7 @@ def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexp
             y = tl.math.div_rn(xb, safe[:, :, None])
         else:
             s = round_e4m3(amax * (1.0 / 6.0))
-            inv = tl.where(s > 0.0, 1.0 / s, 0.0)
+            inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)  # no 1/0 even in dead lanes
             y = xb * inv[:, :, None]
         q = round_e2m1(y) * s[:, :, None]
         q = tl.where((s > 0.0)[:, :, None] | (s != s)[:, :, None], q, 0.0)
@@ -105,7 +105,7 @@ def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexp
             y = tl.math.div_rn(xb, safe[:, None, :])
         else:
             s = round_e4m3(amax * (1.0 / 6.0))
-            inv = tl.where(s > 0.0, 1.0 / s, 0.0)
+            inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)  # no 1/0 even in dead lanes
             y = xb * inv[:, None, :]
         q = round_e2m1(y) * s[:, None, :]
         q = tl.where((s > 0.0)[:, None, :] | (s != s)[:, None, :], q, 0.0)

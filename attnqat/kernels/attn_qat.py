@@ -1,0 +1,384 @@
+"""Attn-QAT: FP4 (NVFP4) attention with a matching backward, fused in Triton (SPEC §2).
+
+Forward (flash-style over key tiles, exponents in log2 units):
+
+    S = Q^F K^F^T * scale * log2(e)
+    m_new = max(m, ceil(rowmax(S_j)))            integer running max: tiles rescale by powers of 2,
+    P~_j  = 2688 * 2^(S_j - m_new)               which phi commutes with, so O is tile-width free
+    l = 2^(m - m_new) l + rowsum(P~_j);  O = 2^(m - m_new) O + phi(P~_j) V^F_j
+    O' = 2^(m - m_new) O' + P~_j V^F_j           (training only: the high-precision auxiliary output)
+
+Backward: recompute S from the same Q^F, K^F (principle 1), P^F = phi(P~)/l with the saved integer max
+(the forward's quantized P), D = rowsum(dO * O') (principle 2), dV = P^F^T dO, dP = dO V^F^T,
+dS = P (dP - D), dQ = dS K^F scale, dK = dS^T Q^F scale; straight-through to Q, K, V.
+
+Pieces, in the order of Triton's fused-attention tutorial: ``_quantize_rows`` (the phi pre-pass over
+head_dim) -> ``_attn_fwd`` -> ``_attn_bwd_preprocess`` -> ``_attn_bwd_dkdv`` -> ``_attn_bwd_dq`` ->
+``AttnQATFunction`` -> :func:`attn_qat_attention`. ``QUANT_P=False`` turns the same forward into
+plain attention over quantized Q, K, V (tests use it to isolate P's quantization).
+
+On the GPU the dots take bf16/fp16 operands; phi's outputs are exact there (SPEC §1), so this is the
+exact emulation of block-scaled FP4 MMAs. Under ``TRITON_INTERPRET=1`` every dot runs in fp32
+(the interpreter's bf16 dot is wrong) and outputs land in fp32 buffers (its bf16 casts round wrongly).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
+from .nvfp4 import fake_quant_tile
+
+LOG2_P_SCALE = math.log2(2688.0)  # P~ = 2688 * 2^x = 2^(x + log2 2688): the scale folds into exp2
+
+# Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages). Pin with ATTNQAT_FWD_CONFIG /
+# ATTNQAT_BWD_CONFIG="128,64,8,3" for tests and benchmarks.
+# Forward: 128 query rows per program keep the tensor cores fed; 64-key tiles keep P and its
+# 16-wide quantization blocks in registers without spilling at head_dim 128.
+FWD_CONFIG_GPU = {64: LaunchConfig(128, 64, 4, 3), 128: LaunchConfig(128, 64, 8, 3)}
+# Backward (dK/dV over query blocks, dQ over key blocks): the tutorial's Hopper shapes.
+BWD_CONFIG_GPU = {64: LaunchConfig(64, 64, 4, 3), 128: LaunchConfig(64, 64, 4, 3)}
+# Interpreter: small tiles keep numpy arrays small; the result does not depend on them.
+CONFIG_INTERPRET = LaunchConfig(32, 32, 4, 1)
+
+
+def fwd_config(head_dim: int) -> LaunchConfig:
+    if interpreting():
+        return pinned_config("ATTNQAT_FWD_CONFIG") or CONFIG_INTERPRET
+    return pinned_config("ATTNQAT_FWD_CONFIG") or FWD_CONFIG_GPU[head_dim]
+
+
+def bwd_config(head_dim: int) -> LaunchConfig:
+    if interpreting():
+        return pinned_config("ATTNQAT_BWD_CONFIG") or CONFIG_INTERPRET
+    return pinned_config("ATTNQAT_BWD_CONFIG") or BWD_CONFIG_GPU[head_dim]
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b; IEEE (constexpr: the interpreter path) forces exact fp32 products, not tf32."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+# ---------------------------------------------------------------------------------------------------
+# phi pre-pass over head_dim: Q, K, V -> Q^F, K^F, V^F, contiguous (B*H, L, D)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_rows(X, XF, stride_b, stride_h, stride_l, H, L,
+                   HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr):
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = tl.arange(0, HEAD_DIM)
+    x_ptrs = X + (bh // H) * stride_b + (bh % H) * stride_h + rows[:, None] * stride_l + cols[None, :]
+    x = tl.load(x_ptrs, mask=rows[:, None] < L, other=0.0).to(tl.float32)
+    xf = fake_quant_tile(x, BLOCK_L, HEAD_DIM, 1, True, True)
+    tl.store(XF + bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
+             xf.to(XF.dtype.element_ty), mask=rows[:, None] < L)
+
+
+def quantize_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """phi along head_dim of a (B, H, L, D) tensor -> contiguous (B, H, L, D) in ``dtype``."""
+    b, h, n, d = x.shape
+    out = torch.empty((b, h, n, d), dtype=dtype, device=x.device)
+    block_l = 32 if interpreting() else 64
+    _quantize_rows[(triton.cdiv(n, block_l), b * h)](x, out, x.stride(0), x.stride(1), x.stride(2), h, n,
+                                                     HEAD_DIM=d, BLOCK_L=block_l)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum,
+              stride_ob, stride_oh, stride_ol,
+              H, LQ, LK, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
+              IEEE: tl.constexpr, EXACT_DIV: tl.constexpr):
+    tl.static_assert(BLOCK_N % 16 == 0)  # quantization blocks of P must not straddle tiles
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    dot_ty = QF.dtype.element_ty
+    q = tl.load(QF + bh * LQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=offs_m[:, None] < LQ, other=0.0)
+    k_base = KF + bh * LK * HEAD_DIM
+    v_base = VF + bh * LK * HEAD_DIM
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc_aux = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # Causal (top-left aligned): keys beyond this block's last row are never visible.
+    hi = tl.minimum(LK, (start_m + 1) * BLOCK_M) if CAUSAL else LK
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
+        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
+        valid = offs_n[None, :] < LK
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(s, 1)))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - (m_new[:, None] - 11.392317422778761))  # 11.39... = log2(2688)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < LK, other=0.0)
+        if QUANT_P:
+            pq = fake_quant_tile(p, BLOCK_M, BLOCK_N, 1, EXACT_DIV, False)
+        else:
+            pq = p
+        acc = _dot(pq.to(dot_ty), v, acc * alpha[:, None], IEEE)
+        if TRAINING:
+            acc_aux = _dot(p.to(dot_ty), v, acc_aux * alpha[:, None], IEEE)
+        m_i = m_new
+
+    inv_l = 1.0 / l_i
+    o_mask = offs_m[:, None] < LQ
+    o_ptrs = O + (bh // H) * stride_ob + (bh % H) * stride_oh + offs_m[:, None] * stride_ol + offs_d[None, :]
+    tl.store(o_ptrs, (acc * inv_l[:, None]).to(O.dtype.element_ty), mask=o_mask)
+    if TRAINING:
+        tl.store(OAux + bh * LQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+                 (acc_aux * inv_l[:, None]).to(OAux.dtype.element_ty), mask=o_mask)
+    tl.store(M + bh * LQ + offs_m, m_i, mask=offs_m < LQ)
+    tl.store(Lsum + bh * LQ + offs_m, l_i, mask=offs_m < LQ)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_preprocess(OAux, DO, Delta, stride_dob, stride_doh, stride_dol, H, LQ,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """D = rowsum(dO * O') (principle 2: O', not the FP4 O)."""
+    bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = offs_m[:, None] < LQ
+    o = tl.load(OAux + bh * LQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + (bh // H) * stride_dob + (bh % H) * stride_doh + offs_m[:, None] * stride_dol + offs_d[None, :],
+                 mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(Delta + bh * LQ + offs_m, delta, mask=offs_m < LQ)
+
+
+@triton.jit
+def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV,
+                   stride_dob, stride_doh, stride_dol,
+                   stride_kb, stride_kh, stride_kl,
+                   H, LQ, LK, qk_scale, sm_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, IEEE: tl.constexpr):
+    """One key block per program, looping over query blocks; S and P are held transposed
+    (keys x queries) so P^T and dS^T feed the dots without a transpose, and phi runs along axis 0."""
+    tl.static_assert(BLOCK_N % 16 == 0)
+    start_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    dot_ty = QF.dtype.element_ty
+    kv_mask = offs_n[:, None] < LK
+    k = tl.load(KF + bh * LK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(VF + bh * LK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    q_base = QF + bh * LQ * HEAD_DIM
+    do_base = DO + (bh // H) * stride_dob + (bh % H) * stride_doh
+    # Causal: queries before this key block never see it.
+    lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    for start_m in range(lo, LQ, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < LQ
+        qt = tl.load(q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+        m = tl.load(M + bh * LQ + offs_m, mask=row_ok, other=0.0)
+        inv_l = 1.0 / tl.load(Lsum + bh * LQ + offs_m, mask=row_ok, other=1.0)
+        delta = tl.load(Delta + bh * LQ + offs_m, mask=row_ok, other=0.0)
+        st = _dot(k, qt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE) * qk_scale
+        valid = (offs_n[:, None] < LK) & row_ok[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[:, None] <= offs_m[None, :])
+        st = tl.where(valid, st, float("-inf"))
+        pt_tilde = tl.math.exp2(st - (m[None, :] - 11.392317422778761))  # P~^T = 2688 * 2^(S - m)
+        pt = pt_tilde * inv_l[None, :]
+        if P_NORMALIZED:
+            pft = fake_quant_tile(pt, BLOCK_N, BLOCK_M, 0, False, False)
+        else:
+            pft = fake_quant_tile(pt_tilde, BLOCK_N, BLOCK_M, 0, False, False) * inv_l[None, :]
+        do = tl.load(do_base + offs_m[:, None] * stride_dol + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = do.to(dot_ty)
+        dv = _dot(pft.to(dot_ty), do, dv, IEEE)
+        dpt = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+        dst = pt * (dpt - delta[None, :])
+        dk = _dot(dst.to(dot_ty), tl.trans(qt), dk, IEEE)
+
+    out = (bh // H) * stride_kb + (bh % H) * stride_kh + offs_n[:, None] * stride_kl + offs_d[None, :]
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
+                 stride_dob, stride_doh, stride_dol,
+                 stride_qb, stride_qh, stride_ql,
+                 H, LQ, LK, qk_scale, sm_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """One query block per program, looping over key blocks: dQ = sum_j dS_j K^F_j * scale."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    dot_ty = QF.dtype.element_ty
+    row_ok = offs_m < LQ
+    q = tl.load(QF + bh * LQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + (bh // H) * stride_dob + (bh % H) * stride_doh + offs_m[:, None] * stride_dol + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0).to(dot_ty)
+    m = tl.load(M + bh * LQ + offs_m, mask=row_ok, other=0.0)
+    inv_l = 1.0 / tl.load(Lsum + bh * LQ + offs_m, mask=row_ok, other=1.0)
+    delta = tl.load(Delta + bh * LQ + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    k_base = KF + bh * LK * HEAD_DIM
+    v_base = VF + bh * LK * HEAD_DIM
+    hi = tl.minimum(LK, (start_m + 1) * BLOCK_M) if CAUSAL else LK
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
+        vt = tl.load(v_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
+        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
+        valid = offs_n[None, :] < LK
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        p = tl.math.exp2(s - (m[:, None] - 11.392317422778761)) * inv_l[:, None]  # P = P~ / l (unquantized)
+        dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(dot_ty), tl.trans(kt), dq, IEEE)
+    out = DQ + (bh // H) * stride_qb + (bh % H) * stride_qh + offs_m[:, None] * stride_ql + offs_d[None, :]
+    tl.store(out, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers and the autograd Function
+# ---------------------------------------------------------------------------------------------------
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of quantized operands and outputs: fp32 under the interpreter (exact there), else the input's."""
+    return torch.float32 if interpreting() else dtype
+
+
+def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Like ``torch.empty_like(x, dtype=dtype)``: keeps x's stride order, so a (B, L, H, D) caller's
+    ``.transpose(1, 2)`` view gets an output it can transpose back for free."""
+    return torch.empty_like(x, dtype=dtype)
+
+
+def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, quant_p: bool = True,
+                     config: LaunchConfig | None = None):
+    """Launch the forward. Returns (o, o_aux | None, m, l, (q^F, k^F, v^F)); o in q's layout."""
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    cfg = config or fwd_config(d)
+    wdt = _work_dtype(q.dtype)
+    qf, kf, vf = (quantize_heads(t, wdt) for t in (q, k, v))
+    o = _empty_like_layout(q, wdt)
+    o_aux = torch.empty((b, h, lq, d), dtype=wdt, device=q.device) if training else o
+    m = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    grid = (triton.cdiv(lq, cfg.block_m), b * h)
+    _attn_fwd[grid](qf, kf, vf, o, o_aux, m, l, o.stride(0), o.stride(1), o.stride(2),
+                    h, lq, lk, sm_scale * LOG2E,
+                    HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TRAINING=training,
+                    QUANT_P=quant_p, IEEE=interpreting(), EXACT_DIV=interpreting(),
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o, (o_aux if training else None), m, l, (qf, kf, vf)
+
+
+def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, causal: bool,
+                      p_bwd: str = "final_max", config: LaunchConfig | None = None):
+    """Launch the backward. Returns (dq, dk, dv) in the layouts and dtype of q and k."""
+    b, h, lq, d = qf.shape
+    lk = kf.shape[2]
+    cfg = config or bwd_config(d)
+    wdt = _work_dtype(q.dtype)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    delta = torch.empty_like(m)
+    _attn_bwd_preprocess[(triton.cdiv(lq, 64), b * h)](o_aux, do, delta, do.stride(0), do.stride(1), do.stride(2),
+                                                       h, lq, HEAD_DIM=d, BLOCK_M=64)
+    dq = _empty_like_layout(q, wdt)
+    dk = _empty_like_layout(k, wdt)
+    dv = torch.empty_like(dk)  # same layout as dk: one set of strides for both stores
+    common = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, IEEE=interpreting(),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _attn_bwd_dkdv[(triton.cdiv(lk, cfg.block_n), b * h)](
+        qf, kf, vf, do, m, l, delta, dk, dv, do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
+        P_NORMALIZED=(p_bwd == "normalized"), **common)
+    _attn_bwd_dq[(triton.cdiv(lq, cfg.block_m), b * h)](
+        qf, kf, vf, do, m, l, delta, dq, do.stride(0), do.stride(1), do.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale, **common)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype)
+
+
+class AttnQATFunction(torch.autograd.Function):
+    """FP4 forward that saves Q^F, K^F, V^F, O', m, l; the matching FP4-consistent backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sm_scale, causal, p_bwd):
+        o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal, training=True)
+        ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l)
+        ctx.sm_scale, ctx.causal, ctx.p_bwd = sm_scale, causal, p_bwd
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, qf, kf, vf, o_aux, m, l = ctx.saved_tensors
+        dq, dk, dv = attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=ctx.sm_scale,
+                                       causal=ctx.causal, p_bwd=ctx.p_bwd)
+        return dq, dk, dv, None, None, None
+
+
+P_BWD_CHOICES = ("final_max", "normalized")
+
+
+def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                       causal: bool = False, p_bwd: str = "final_max") -> torch.Tensor:
+    """Attn-QAT attention: NVFP4 forward with the matching backward (SPEC §2).
+
+    Arguments:
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); bf16 or fp16;
+            head_dim 64 or 128; any strides with a contiguous last dim. CUDA, or CPU under
+            ``TRITON_INTERPRET=1``.
+        sm_scale: softmax scale, default 1/sqrt(head_dim).
+        causal: top-left aligned causal mask (SDPA's ``is_causal``).
+        p_bwd: ``"final_max"`` (default: the backward quantizes P~ = 2688 * 2^(S - m) with the saved
+            integer max, i.e. exactly the forward's quantized P) or ``"normalized"`` (the published
+            code's phi of the normalized P; an ablation that loses dV at long sequence lengths).
+    Return:
+        out: (batch, heads, seqlen_q, head_dim), q's dtype and stride order.
+
+    Without grad (inference) it runs the forward alone and skips the auxiliary output O'.
+    """
+    check_qkv(q, k, v, name="attn_qat_attention")
+    if p_bwd not in P_BWD_CHOICES:
+        raise ValueError(f"p_bwd {p_bwd!r} not in {P_BWD_CHOICES}")
+    scale = default_scale(q.shape[-1], sm_scale)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return AttnQATFunction.apply(q, k, v, scale, causal, p_bwd)
+    o, *_ = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=False)
+    return o.to(q.dtype)
