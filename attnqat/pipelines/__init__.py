@@ -1,0 +1,22 @@
+"""Wan 2.1 (diffusers) with attnqat attention: processor patching, the offline ``tiny`` model,
+model/checkpoint loading, and the ``attnqat generate`` command (:mod:`attnqat.pipelines.generate`).
+
+    from attnqat.pipelines import load_pipeline, patch_attention
+    pipe = load_pipeline("tiny")                       # or a local Wan2.1-T2V-*-Diffusers folder
+    patch_attention(pipe.transformer, "attn_qat")      # self-attention (attn1) in FP4
+"""
+from .loading import (CheckpointMismatchError, ModelNotFoundError, is_tiny, load_pipeline, load_qat_checkpoint,
+                      load_transformer)
+from .processor import (AttentionTimer, AttnQATProcessor, attention_modes, patch_attention, patched_attention,
+                        unpatch_attention)
+from .tiny import (TINY_NOTICE, TINY_TRANSFORMER_CONFIG, build_tiny_pipeline, build_tiny_text_encoder,
+                   build_tiny_tokenizer, build_tiny_transformer, build_tiny_vae)
+
+__all__ = [
+    "patch_attention", "unpatch_attention", "patched_attention", "attention_modes", "AttnQATProcessor",
+    "AttentionTimer",
+    "load_pipeline", "load_transformer", "load_qat_checkpoint", "is_tiny", "ModelNotFoundError",
+    "CheckpointMismatchError",
+    "build_tiny_pipeline", "build_tiny_transformer", "build_tiny_text_encoder", "build_tiny_tokenizer",
+    "build_tiny_vae", "TINY_NOTICE", "TINY_TRANSFORMER_CONFIG",
+]

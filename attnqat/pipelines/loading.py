@@ -1,0 +1,162 @@
+"""Load Wan 2.1 text-to-video pipelines (the offline ``tiny`` one, a local folder, or a hub id) and
+QAT checkpoints, with errors that say what to do instead of a traceback.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .tiny import build_tiny_pipeline, build_tiny_transformer
+
+__all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
+           "load_qat_checkpoint", "is_tiny"]
+
+#: The real model this project targets; also the example in error messages.
+DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model folder is missing / incomplete, or a hub id is neither cached nor downloadable."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A QAT checkpoint whose keys or shapes do not match the transformer it is loaded into."""
+
+
+def is_tiny(model: str) -> bool:
+    return model.strip().lower() == "tiny"
+
+
+def _download_hint(model: str) -> str:
+    repo = model if _looks_like_hub_id(model) else DEFAULT_REAL_MODEL
+    return (f"download it once with `huggingface-cli download {repo} --local-dir ./{repo.split('/')[-1]}` "
+            f"(or `hf download ...`) and pass that folder: --model ./{repo.split('/')[-1]}; "
+            f"or use --model tiny for the offline random-weight model")
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    """``org/name`` with exactly one slash and no path markers (``./``, ``/``, ``~``, backslashes)."""
+    return (model.count("/") == 1 and not model.startswith((".", "/", "~")) and "\\" not in model
+            and all(model.split("/")))
+
+
+def _resolve(model: str, subfolder: str | None = None) -> str:
+    """The folder or hub id to pass to ``from_pretrained``; raises :class:`ModelNotFoundError` early."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFoundError(f"--model {model!r} is a file; expected a diffusers-format Wan 2.1 folder "
+                                     f"(with model_index.json, transformer/, vae/, ...)")
+        wanted = path / subfolder / "config.json" if subfolder else path / "model_index.json"
+        if not wanted.exists():
+            raise ModelNotFoundError(f"{str(path)!r} is not a diffusers-format Wan 2.1 folder: "
+                                     f"{wanted.relative_to(path)} is missing; {_download_hint(DEFAULT_REAL_MODEL)}")
+        return str(path)
+    if _looks_like_hub_id(model):
+        return model
+    raise ModelNotFoundError(f"model folder {model!r} does not exist; {_download_hint(DEFAULT_REAL_MODEL)}")
+
+
+def _from_pretrained(cls, model: str, **kwargs):
+    """``cls.from_pretrained`` with network/cache failures turned into :class:`ModelNotFoundError`."""
+    target = _resolve(model, kwargs.get("subfolder"))
+    try:
+        return cls.from_pretrained(target, **kwargs)
+    except (OSError, ValueError, EnvironmentError) as e:  # hub: not cached and offline/unreachable/unknown id
+        if Path(target).exists():
+            raise ModelNotFoundError(f"could not load {cls.__name__} from folder {target!r}: {e}".splitlines()[0]) from e
+        raise ModelNotFoundError(f"model {model!r} is not in the local Hugging Face cache and could not be "
+                                 f"downloaded ({type(e).__name__}); {_download_hint(model)}") from e
+
+
+def load_pipeline(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                  flow_shift: float | None = None, vae_dtype: torch.dtype = torch.float32):
+    """A Wan 2.1 text-to-video ``diffusers.WanPipeline``.
+
+    Arguments:
+        model: ``"tiny"`` (offline, RANDOM weights, built in code), a local diffusers-format folder
+            (e.g. one made by ``huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir ...``),
+            or a hub id (used from the local cache, else downloaded if the network allows).
+        dtype: dtype of the transformer and text encoder.
+        device: where to put the pipeline; None leaves it on the CPU (for ``enable_model_cpu_offload``).
+        flow_shift: the UniPC scheduler's flow shift (Wan 2.1: 3.0 at 480p, 5.0 at 720p); None keeps
+            the model's own.
+        vae_dtype: the VAE's dtype (float32, as diffusers recommends for Wan's VAE).
+    Return:
+        the pipeline. Raises :class:`ModelNotFoundError` with download instructions when the model
+        is missing locally and cannot be downloaded.
+    """
+    if is_tiny(model):
+        kwargs = {} if flow_shift is None else {"flow_shift": flow_shift}
+        pipe = build_tiny_pipeline(dtype=dtype, **kwargs)
+        return pipe.to(device) if device is not None else pipe
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    vae = _from_pretrained(AutoencoderKLWan, model, subfolder="vae", torch_dtype=vae_dtype)
+    pipe = _from_pretrained(WanPipeline, model, vae=vae, torch_dtype=dtype)
+    if flow_shift is not None:
+        pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=flow_shift)
+    return pipe.to(device) if device is not None else pipe
+
+
+def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16,
+                     device: torch.device | str | None = None):
+    """Only the ``WanTransformer3DModel`` of :func:`load_pipeline`'s model (same ``model`` values)."""
+    if is_tiny(model):
+        return build_tiny_transformer(dtype=dtype, device=device)
+    from diffusers import WanTransformer3DModel
+
+    transformer = _from_pretrained(WanTransformer3DModel, model, subfolder="transformer", torch_dtype=dtype)
+    return transformer.to(device) if device is not None else transformer
+
+
+def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"QAT checkpoint {str(p)!r} does not exist")
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors")) or sorted(p.glob("transformer/*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"QAT checkpoint folder {str(p)!r} holds no .safetensors file")
+    else:
+        files = [p]
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error types for corrupt/non-safetensors files
+            raise CheckpointMismatchError(f"{str(f)!r} is not a readable safetensors file: {e}") from e
+    return state
+
+
+def load_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
+    """Load transformer weights (a QAT fine-tune) from a safetensors file, or a folder of shards.
+
+    The checkpoint must be a full state dict of this architecture: every key present, no extra key,
+    every shape equal; otherwise :class:`CheckpointMismatchError` says what differs (and nothing is
+    loaded). Values are cast to each parameter's dtype and device. Attention processors are kept.
+    Return: ``transformer``.
+    """
+    state = _read_state_dict(path)
+    own = transformer.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                    for k in set(own) & set(state) if state[k].shape != own[k].shape)
+    if missing or unexpected or shapes:
+        def few(xs):
+            return ", ".join(xs[:3]) + (f", ... ({len(xs)} in all)" if len(xs) > 3 else "")
+        parts = [f"{len(missing)} missing keys ({few(missing)})" if missing else "",
+                 f"{len(unexpected)} unexpected keys ({few(unexpected)})" if unexpected else "",
+                 f"{len(shapes)} shape mismatches ({few(shapes)})" if shapes else ""]
+        arch = getattr(getattr(transformer, "config", None), "num_layers", None)
+        raise CheckpointMismatchError(
+            f"QAT checkpoint {str(path)!r} does not match this transformer"
+            f"{f' ({arch} blocks)' if arch is not None else ''}: " + "; ".join(p for p in parts if p)
+            + ". Was it trained on another model? Pass the --model it was trained from.")
+    transformer.load_state_dict(state, strict=True)
+    return transformer
