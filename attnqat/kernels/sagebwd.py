@@ -1,0 +1,490 @@
+"""SageBwd: trainable attention with six of its seven matmuls in INT8 (SPEC §4).
+
+    psi(X) = round(X / s),  s = max|X| / 127 over a block,  int8, round half away from zero
+
+    forward   S  = psi(Q) psi(K_s)^T     Q per 128-row block, K_s = K - mean(K) per 64-row block
+              O  = psi(P~) psi(V)        P~ = exp(S_j - m_j) per row of a key tile,
+                                         s = exp(rowmax(S_j) - m_j) / 127;  V per 64-row block
+    backward  S  = psi(Q) psi(K_s)^T     the int8 Q, K and scales saved by the forward
+              dV = psi(P)^T psi(dO)      P per (BLOCK_N1 x BLOCK_M1) tile, dO per 128-row block
+              dP = dO V^T                bf16/fp16 operands, fp32 accumulation (dS is fragile)
+              dQ = psi(dS) psi(K_s)      dS per (BLOCK_M2 x BLOCK_N2) tile
+              dK = psi(dS)^T psi(Q)      dS per (BLOCK_N1 x BLOCK_M1) tile
+
+K-smoothing needs no backward change because rows of dS sum to zero (dS K = dS K_s). Optional
+Q-smoothing (Q_s = Q - mean(Q)) adds the exact bias (mean(Q) . K_s,j) to every column of S and
+dK += (dS^T 1) mean(Q)^T.
+
+Layout of this file follows Triton's fused-attention tutorial: ``@triton.jit`` pieces by role
+(``_quant_rows``, ``_attn_fwd_inner``, ``_attn_fwd``, ``_attn_bwd_preprocess``, ``_attn_bwd_dkdv``,
+``_attn_bwd_dq``) -> :class:`_SageBwdAttention` (autograd) -> :func:`sagebwd_attention`.
+
+Interpreter notes (tests run with ``TRITON_INTERPRET=1``): INT8 ``tl.dot`` is exact there, a bf16
+``tl.dot`` is not, and float->bf16 casts round wrongly. So the one 16-bit matmul (dP) takes its
+operand dtype from the launcher (fp32 under the interpreter), outputs go to fp32 buffers under the
+interpreter and are cast by torch, and all rounding to int8 is explicit fp32 arithmetic.
+
+Matmul precisions actually used, per ``pv`` option (``"int8"`` is the SPEC default):
+
+    =============  ======  ======  ==========
+    matmul         int8    fp8     bf16
+    =============  ======  ======  ==========
+    fwd QK^T       int8    int8    int8
+    fwd PV         int8    e4m3    bf16/fp16 (P unquantized, V original)
+    bwd S, dV,     int8    int8    int8
+    dQ, dK
+    bwd dP         16-bit  16-bit  16-bit
+    =============  ======  ======  ==========
+
+``"fp8"`` and ``"bf16"`` exist to measure the forward PV alternative of SPEC §6 on the GPU; the
+interpreter cannot run ``"fp8"`` exactly (its fp8 casts round wrongly).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
+
+Q_BLOCK = 128  # SPEC §4: psi(Q) and psi(dO) share one scale per 128 rows
+K_BLOCK = 64   # SPEC §4: psi(K) and psi(V) share one scale per 64 rows
+INT8_MAX = 127.0
+FP8_MAX = 448.0  # e4m3's largest finite value
+SCALE_FLOOR = 1e-30  # s = max(amax, 1e-30) / 127: an all-zero block quantizes to zeros, not NaN
+PV_MODES = ("int8", "fp8", "bf16")
+
+
+@triton.jit
+def _round_half_away(y):
+    """round(y), ties away from zero, exactly: floor(|y|) is exact, so is |y| - floor(|y|); a plain
+    floor(|y| + 0.5) would round the sum first and turn 0.49999997 into 1."""
+    a = tl.abs(y)
+    r = tl.floor(a)
+    r = r + tl.where(a - r >= 0.5, 1.0, 0.0)
+    return tl.where(y < 0.0, -r, r)
+
+
+@triton.jit
+def _quant_tile(x):
+    """psi(x) of a whole 2-D fp32 tile: (int8 tile, fp32 scale)."""
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    s = tl.maximum(amax, 1e-30) / 127.0  # 1e-30: SCALE_FLOOR
+    return _round_half_away(x / s).to(tl.int8), s
+
+
+@triton.jit
+def _quant_rows(X, MEAN, XQ, XS, L, n_blocks,
+                BLK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, FP8: tl.constexpr):
+    """Quantize one BLK-row block of a contiguous (B*H, L, D) tensor, minus its per-(b, h) channel
+    mean when HAS_MEAN (smoothing). int8 with s = amax / 127, or e4m3 with s = amax / 448 (FP8)."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = blk * BLK + tl.arange(0, BLK)
+    cols = tl.arange(0, HEAD_DIM)
+    offs = bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    mask = rows[:, None] < L
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MEAN:
+        x = tl.where(mask, x - tl.load(MEAN + bh * HEAD_DIM + cols)[None, :], 0.0)
+    if FP8:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        s = tl.maximum(amax, 1e-30) / 448.0  # 448: FP8_MAX
+        tl.store(XQ + offs, (x / s).to(tl.float8e4nv), mask=mask)
+    else:
+        xq, s = _quant_tile(x)
+        tl.store(XQ + offs, xq, mask=mask)
+    tl.store(XS + bh * n_blocks + blk, s)
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base, offs_m, lo, hi, Lk,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KBLK: tl.constexpr,
+                    CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, PV: tl.constexpr):
+    """Key tiles [lo, hi) of one query block. CAUSAL_MASK: constexpr so tiles wholly below the
+    diagonal skip the compare; ragged key tails are masked through ``colterm`` (-inf) instead."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < Lk
+        kT = tl.load(K8 + kv_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=n_ok[None, :], other=0)
+        sk = tl.load(SK + ks_base + start_n // KBLK)  # BLOCK_N divides KBLK: one K scale per tile
+        colterm = tl.where(n_ok, 0.0, float("-inf"))
+        if HAS_BIAS:
+            colterm += tl.load(BIAS + kv_base // HEAD_DIM + offs_n, mask=n_ok, other=0.0)  # (B*H, Lk)
+        s = tl.dot(q, kT, out_dtype=tl.int32).to(tl.float32) * (row_scale * sk)[:, None] + colterm[None, :]
+        if CAUSAL_MASK:
+            s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+        rowmax = tl.max(s, 1)
+        m_new = tl.maximum(m_i, rowmax)
+        # rows with no visible key in this tile: exponentiate against 0 so e = 0, not NaN
+        e = tl.exp2(s - tl.where(rowmax == float("-inf"), 0.0, rowmax)[:, None])
+        c = tl.exp2(rowmax - m_new)  # max of this tile's P~ row: exp(rowmax(S_j) - m_j)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(e, 1) * c
+        acc = acc * alpha[:, None]
+        if PV == 0:  # int8: psi(P~) = round(127 e) with s = c / 127; e >= 0 so floor(x + .5) suffices
+            p8 = tl.floor(e * 127.0 + 0.5).to(tl.int8)
+            v = tl.load(V8 + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0)
+            sv = tl.load(SV + ks_base + start_n // KBLK)
+            acc += tl.dot(p8, v, out_dtype=tl.int32).to(tl.float32) * (c * (sv / 127.0))[:, None]
+        elif PV == 1:  # fp8 e4m3: P~ / s = 448 e, s = c / 448
+            p8 = (e * 448.0).to(tl.float8e4nv)
+            v = tl.load(V8 + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            sv = tl.load(SV + ks_base + start_n // KBLK)
+            acc += tl.dot(p8, v) * (c * (sv / 448.0))[:, None]
+        else:  # 16-bit: V8 is the original V, P~ = e * c unquantized
+            v = tl.load(V8 + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            acc += tl.dot((e * c[:, None]).to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q8, K8, V8, SQ, SK, SV, BIAS, Out, LSE, Lq, Lk, qk_scale, nq_blocks, nk_blocks,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+              QBLK: tl.constexpr, KBLK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+              PV: tl.constexpr):
+    """One program per (BLOCK_M query rows, batch*head). Writes O (Out's dtype) and the log2-domain
+    log-sum-exp LSE = m + log2(l) that the backward recomputes P with."""
+    tl.static_assert(KBLK % BLOCK_N == 0)  # one K (and V) scale per key tile
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # causal: the diagonal starts on a tile boundary
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < Lq
+    q = tl.load(Q8 + bh * Lq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=m_ok[:, None], other=0)
+    row_scale = tl.load(SQ + bh * nq_blocks + offs_m // QBLK, mask=m_ok, other=0.0) * qk_scale
+    kv_base = bh * Lk * HEAD_DIM
+    ks_base = bh * nk_blocks
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if CAUSAL:  # top-left aligned: row i sees keys 0..i
+        hi_full = tl.minimum(start_m, Lk)
+    else:
+        hi_full = Lk
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base, offs_m,
+                                    0, hi_full, Lk, BLOCK_N, HEAD_DIM, KBLK, False, HAS_BIAS, PV)
+    if CAUSAL:
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base,
+                                        offs_m, hi_full, tl.minimum(start_m + BLOCK_M, Lk), Lk,
+                                        BLOCK_N, HEAD_DIM, KBLK, True, HAS_BIAS, PV)
+    o = acc / l_i[:, None]
+    tl.store(LSE + bh * Lq + offs_m, m_i + tl.log2(l_i), mask=m_ok)
+    tl.store(Out + bh * Lq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+             o.to(Out.dtype.element_ty), mask=m_ok[:, None])
+
+
+@triton.jit
+def _attn_bwd_preprocess(O, DO, DELTA, DO8, SDO, Lq, n_blocks,
+                         BLK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Delta = rowsum(dO * O), and psi(dO) per BLK-row block (used by dV = P^T dO)."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = blk * BLK + tl.arange(0, BLK)
+    cols = tl.arange(0, HEAD_DIM)
+    offs = bh * Lq * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    mask = rows[:, None] < Lq
+    o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh * Lq + rows, tl.sum(o * do, 1), mask=rows < Lq)
+    do8, s = _quant_tile(do)
+    tl.store(DO8 + offs, do8, mask=mask)
+    tl.store(SDO + bh * n_blocks + blk, s)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, SQ, DO, DO8, SDO, LSE, DELTA,
+                         q_base, qs_base, offs_n, lo, hi, Lq,
+                         BLOCK_M1: tl.constexpr, HEAD_DIM: tl.constexpr, QBLK: tl.constexpr,
+                         CAUSAL_MASK: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_m in range(lo, hi, BLOCK_M1):
+        offs_m = start_m + tl.arange(0, BLOCK_M1)
+        m_ok = offs_m < Lq
+        qT = tl.load(Q8 + q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=m_ok[None, :], other=0)
+        sq = tl.load(SQ + qs_base + start_m // QBLK)  # BLOCK_M1 divides QBLK: one Q (and dO) scale per tile
+        sT = tl.dot(k8, qT, out_dtype=tl.int32).to(tl.float32) * (row_scale * sq)[:, None] + colterm[:, None]
+        if CAUSAL_MASK:
+            sT = tl.where(offs_m[None, :] >= offs_n[:, None], sT, float("-inf"))
+        lse = tl.load(LSE + q_base // HEAD_DIM + offs_m, mask=m_ok, other=float("inf"))  # inf: P = 0 past Lq
+        pT = tl.exp2(sT - lse[None, :])
+        # dV += psi(P)^T psi(dO)
+        p8, sp = _quant_tile(pT)
+        do8 = tl.load(DO8 + q_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=m_ok[:, None], other=0)
+        sdo = tl.load(SDO + qs_base + start_m // QBLK)
+        dv += tl.dot(p8, do8, out_dtype=tl.int32).to(tl.float32) * (sp * sdo)
+        # dP^T = V dO^T in 16-bit: the one matmul SageBwd keeps out of INT8
+        doT = tl.load(DO + q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=m_ok[None, :], other=0.0)
+        dpT = tl.dot(v, doT.to(DOT_DTYPE))
+        delta = tl.load(DELTA + q_base // HEAD_DIM + offs_m, mask=m_ok, other=0.0)
+        dsT = pT * (dpT - delta[None, :])
+        if SMOOTH_Q:
+            colsum += tl.sum(dsT, 1)
+        # dK += psi(dS)^T psi(Q)
+        ds8, sds = _quant_tile(dsT)
+        dk += tl.dot(ds8, tl.trans(qT), out_dtype=tl.int32).to(tl.float32) * (sds * sq)
+    return dk, dv, colsum
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q8, K8, V, SQ, SK, BIAS, QMEAN, DO, DO8, SDO, LSE, DELTA, DK, DV,
+                   Lq, Lk, qk_scale, sm_scale, nq_blocks, nk_blocks,
+                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   QBLK: tl.constexpr, KBLK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr):
+    """One program per (BLOCK_N1 keys, batch*head): dK and dV of those keys, looping over queries."""
+    tl.static_assert(QBLK % BLOCK_M1 == 0)
+    tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)  # causal: the diagonal starts on a tile boundary
+    start_n = tl.program_id(0) * BLOCK_N1
+    bh = tl.program_id(1).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_ok = offs_n < Lk
+    kv_offs = bh * Lk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    k8 = tl.load(K8 + kv_offs, mask=n_ok[:, None], other=0)
+    v = tl.load(V + kv_offs, mask=n_ok[:, None], other=0.0).to(DOT_DTYPE)
+    row_scale = tl.load(SK + bh * nk_blocks + offs_n // KBLK, mask=n_ok, other=0.0) * qk_scale
+    colterm = tl.where(n_ok, 0.0, float("-inf"))  # keys past Lk get P = 0
+    if HAS_BIAS:
+        colterm += tl.load(BIAS + bh * Lk + offs_n, mask=n_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
+    colsum = tl.zeros([BLOCK_N1], tl.float32)
+    q_base = bh * Lq * HEAD_DIM
+    qs_base = bh * nq_blocks
+    if CAUSAL:  # queries >= start_n see these keys; the first BLOCK_N1 of them straddle the diagonal
+        lo_full = start_n + BLOCK_N1
+        dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, SQ, DO, DO8, SDO,
+                                              LSE, DELTA, q_base, qs_base, offs_n, start_n,
+                                              tl.minimum(lo_full, Lq), Lq, BLOCK_M1, HEAD_DIM, QBLK,
+                                              True, HAS_BIAS, DOT_DTYPE)
+    else:
+        lo_full = 0
+    dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, SQ, DO, DO8, SDO,
+                                          LSE, DELTA, q_base, qs_base, offs_n, lo_full, Lq, Lq,
+                                          BLOCK_M1, HEAD_DIM, QBLK, False, HAS_BIAS, DOT_DTYPE)
+    if HAS_BIAS:  # Q-smoothing: dK = dS^T Q_s + (dS^T 1) mean(Q)^T
+        dk += colsum[:, None] * tl.load(QMEAN + bh * HEAD_DIM + offs_d)[None, :]
+    tl.store(DK + kv_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
+
+
+@triton.jit
+def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, V, SK, BIAS, kv_base, ks_base, offs_m, lo, hi, Lk,
+                       BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr, KBLK: tl.constexpr,
+                       CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N2):
+        offs_n = start_n + tl.arange(0, BLOCK_N2)
+        n_ok = offs_n < Lk
+        kT = tl.load(K8 + kv_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=n_ok[None, :], other=0)
+        vT = tl.load(V + kv_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+        sk = tl.load(SK + ks_base + start_n // KBLK)  # BLOCK_N2 divides KBLK: one K scale per tile
+        colterm = tl.where(n_ok, 0.0, float("-inf"))
+        if HAS_BIAS:
+            colterm += tl.load(BIAS + kv_base // HEAD_DIM + offs_n, mask=n_ok, other=0.0)
+        s = tl.dot(q8, kT, out_dtype=tl.int32).to(tl.float32) * (row_scale * sk)[:, None] + colterm[None, :]
+        if CAUSAL_MASK:
+            s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])
+        dp = tl.dot(do, vT.to(DOT_DTYPE))  # 16-bit dP = dO V^T
+        ds = p * (dp - delta[:, None])
+        ds8, sds = _quant_tile(ds)  # dQ += psi(dS) psi(K_s): rows of dS sum to 0, so K_s is exact
+        dq += tl.dot(ds8, tl.trans(kT), out_dtype=tl.int32).to(tl.float32) * (sds * sk)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q8, K8, V, SQ, SK, BIAS, DO, LSE, DELTA, DQ, Lq, Lk, qk_scale, sm_scale, nq_blocks, nk_blocks,
+                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 QBLK: tl.constexpr, KBLK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr):
+    """One program per (BLOCK_M2 queries, batch*head): dQ of those queries, looping over keys."""
+    tl.static_assert(KBLK % BLOCK_N2 == 0)
+    tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
+    start_m = tl.program_id(0) * BLOCK_M2
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < Lq
+    q_offs = bh * Lq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    q8 = tl.load(Q8 + q_offs, mask=m_ok[:, None], other=0)
+    do = tl.load(DO + q_offs, mask=m_ok[:, None], other=0.0).to(DOT_DTYPE)
+    row_scale = tl.load(SQ + bh * nq_blocks + offs_m // QBLK, mask=m_ok, other=0.0) * qk_scale
+    lse = tl.load(LSE + bh * Lq + offs_m, mask=m_ok, other=float("inf"))  # inf: P = 0 past Lq
+    delta = tl.load(DELTA + bh * Lq + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M2, HEAD_DIM], tl.float32)
+    kv_base = bh * Lk * HEAD_DIM
+    ks_base = bh * nk_blocks
+    if CAUSAL:
+        hi_full = tl.minimum(start_m, Lk)
+    else:
+        hi_full = Lk
+    dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, V, SK, BIAS, kv_base, ks_base, offs_m,
+                            0, hi_full, Lk, BLOCK_N2, HEAD_DIM, KBLK, False, HAS_BIAS, DOT_DTYPE)
+    if CAUSAL:
+        dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, V, SK, BIAS, kv_base, ks_base, offs_m,
+                                hi_full, tl.minimum(start_m + BLOCK_M2, Lk), Lk, BLOCK_N2, HEAD_DIM, KBLK,
+                                True, HAS_BIAS, DOT_DTYPE)
+    tl.store(DQ + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch configs
+# ---------------------------------------------------------------------------------------------------
+
+# Fixed tiles, one place. Constraints (static_asserts above): fwd BLOCK_N and dQ's BLOCK_N2 divide
+# K_BLOCK=64 (one K/V scale per reduction tile); dK/dV's BLOCK_M1 divides Q_BLOCK=128; the int8 MMA
+# needs a reduction of >= 32. The tile shapes also define the P and dS quantization blocks, so the
+# reference takes them as arguments (see :func:`launch_configs`).
+_GPU_CONFIGS = {  # (fwd, dkdv, dq) for head_dim 64 / 128 on Hopper
+    64: (LaunchConfig(128, 64, 4, 3), LaunchConfig(64, 128, 8, 2), LaunchConfig(128, 64, 8, 2)),
+    128: (LaunchConfig(128, 64, 8, 3), LaunchConfig(64, 128, 8, 2), LaunchConfig(128, 64, 8, 2)),
+}
+# Interpreter: small tiles so the odd test sizes cross several tiles and both causal loop phases.
+_INTERP_CONFIGS = (LaunchConfig(64, 32), LaunchConfig(32, 64), LaunchConfig(64, 32))
+_ENV = ("ATTNQAT_SAGEBWD_FWD_CONFIG", "ATTNQAT_SAGEBWD_DKDV_CONFIG", "ATTNQAT_SAGEBWD_DQ_CONFIG")
+
+
+def launch_configs(head_dim: int) -> dict[str, LaunchConfig]:
+    """The tiles the next launch will use: ``{"fwd": .., "dkdv": .., "dq": ..}``. Each can be pinned
+    with ``ATTNQAT_SAGEBWD_{FWD,DKDV,DQ}_CONFIG="BLOCK_M,BLOCK_N[,WARPS[,STAGES]]"`` (for dK/dV the
+    first number is BLOCK_M1 (queries), the second BLOCK_N1 (keys))."""
+    base = _INTERP_CONFIGS if interpreting() else _GPU_CONFIGS[head_dim]
+    out = {}
+    for name, cfg, env in zip(("fwd", "dkdv", "dq"), base, _ENV):
+        out[name] = pinned_config(env) or cfg
+    f, kv, dq = out["fwd"], out["dkdv"], out["dq"]
+    if K_BLOCK % f.block_n or f.block_m % f.block_n:
+        raise ValueError(f"sagebwd fwd config {f}: BLOCK_N must divide {K_BLOCK} and BLOCK_M")
+    if Q_BLOCK % kv.block_m or kv.block_n % kv.block_m:
+        raise ValueError(f"sagebwd dkdv config {kv}: BLOCK_M1 must divide {Q_BLOCK} and BLOCK_N1")
+    if K_BLOCK % dq.block_n or dq.block_m % dq.block_n:
+        raise ValueError(f"sagebwd dq config {dq}: BLOCK_N2 must divide {K_BLOCK} and BLOCK_M2")
+    return out
+
+
+def quantize_int8_rows(x: torch.Tensor, block: int, mean: torch.Tensor | None = None, fp8: bool = False):
+    """psi(x - mean) per ``block`` rows of a contiguous (B, H, L, D) tensor.
+
+    Return:
+        xq: (B, H, L, D) int8 (float8_e4m3fn when ``fp8``); scales: (B, H, ceil(L / block)) float32.
+    """
+    b, h, n, d = x.shape
+    nb = triton.cdiv(n, block)
+    xq = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
+    s = torch.empty(b, h, nb, dtype=torch.float32, device=x.device)
+    _quant_rows[(nb, b * h)](x, mean if mean is not None else s, xq, s, n, nb,
+                             BLK=block, HEAD_DIM=d, HAS_MEAN=mean is not None, FP8=fp8)
+    return xq, s
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------------
+
+
+class _SageBwdAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sm_scale, causal, smooth_k, smooth_q, pv):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        b, h, lq, d = q.shape
+        lk = k.shape[2]
+        interp = interpreting()
+        cfg = launch_configs(d)
+        qk_scale = sm_scale * LOG2E  # exponents in log2 units: exp(x) = exp2(x * log2(e))
+        kmean = k.mean(dim=2, dtype=torch.float32).contiguous() if smooth_k else None
+        qmean = q.mean(dim=2, dtype=torch.float32).contiguous() if smooth_q else None
+        q8, sq = quantize_int8_rows(q, Q_BLOCK, qmean)
+        k8, sk = quantize_int8_rows(k, K_BLOCK, kmean)
+        pv_code = PV_MODES.index(pv)
+        if pv_code == 0:
+            v8, sv = quantize_int8_rows(v, K_BLOCK)
+        elif pv_code == 1:
+            v8, sv = quantize_int8_rows(v, K_BLOCK, fp8=True)
+        else:
+            v8, sv = v, sk  # sv unused
+        bias = None
+        if smooth_q:  # S = Q_s K_s^T + mean(Q) . K_s,j: the exact rank-1 part, in fp32, log2 units
+            ks = k.float() - kmean[:, :, None, :] if smooth_k else k.float()
+            bias = ((ks @ qmean[..., None]).squeeze(-1) * qk_scale).contiguous()
+        o = torch.empty(q.shape, dtype=torch.float32 if interp else q.dtype, device=q.device)
+        lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+        f = cfg["fwd"]
+        _attn_fwd[(triton.cdiv(lq, f.block_m), b * h)](
+            q8, k8, v8, sq, sk, sv, bias if bias is not None else sk, o, lse, lq, lk, qk_scale,
+            sq.shape[-1], sk.shape[-1], BLOCK_M=f.block_m, BLOCK_N=f.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
+            KBLK=K_BLOCK, CAUSAL=causal, HAS_BIAS=bias is not None, PV=pv_code,
+            num_warps=f.num_warps, num_stages=f.num_stages)
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q8, k8, v, sq, sk, bias, qmean, o, lse)
+        ctx.sm_scale, ctx.causal, ctx.cfg = sm_scale, causal, cfg
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q8, k8, v, sq, sk, bias, qmean, o, lse = ctx.saved_tensors
+        do = do.contiguous()
+        b, h, lq, d = o.shape
+        lk = k8.shape[2]
+        interp = interpreting()
+        cfg = ctx.cfg
+        qk_scale = ctx.sm_scale * LOG2E
+        dot_dtype = tl.float32 if interp else (tl.bfloat16 if o.dtype == torch.bfloat16 else tl.float16)
+        nq = triton.cdiv(lq, Q_BLOCK)
+        delta = torch.empty(b, h, lq, dtype=torch.float32, device=o.device)
+        do8 = torch.empty(do.shape, dtype=torch.int8, device=o.device)
+        sdo = torch.empty(b, h, nq, dtype=torch.float32, device=o.device)
+        _attn_bwd_preprocess[(nq, b * h)](o, do, delta, do8, sdo, lq, nq, BLK=Q_BLOCK, HEAD_DIM=d)
+        gdt = torch.float32 if interp else o.dtype
+        dq = torch.empty(b, h, lq, d, dtype=gdt, device=o.device)
+        dk = torch.empty(b, h, lk, d, dtype=gdt, device=o.device)
+        dv = torch.empty(b, h, lk, d, dtype=gdt, device=o.device)
+        has_bias = bias is not None
+        kv = cfg["dkdv"]
+        _attn_bwd_dkdv[(triton.cdiv(lk, kv.block_n), b * h)](
+            q8, k8, v, sq, sk, bias if has_bias else sk, qmean if has_bias else sk, do, do8, sdo, lse, delta,
+            dk, dv, lq, lk, qk_scale, ctx.sm_scale, nq, sk.shape[-1],
+            BLOCK_M1=kv.block_m, BLOCK_N1=kv.block_n, HEAD_DIM=d, QBLK=Q_BLOCK, KBLK=K_BLOCK,
+            CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype,
+            num_warps=kv.num_warps, num_stages=kv.num_stages)
+        c = cfg["dq"]
+        _attn_bwd_dq[(triton.cdiv(lq, c.block_m), b * h)](
+            q8, k8, v, sq, sk, bias if has_bias else sk, do, lse, delta, dq, lq, lk, qk_scale, ctx.sm_scale,
+            nq, sk.shape[-1], BLOCK_M2=c.block_m, BLOCK_N2=c.block_n, HEAD_DIM=d, QBLK=Q_BLOCK, KBLK=K_BLOCK,
+            CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype,
+            num_warps=c.num_warps, num_stages=c.num_stages)
+        dt = o.dtype
+        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
+
+
+def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                      causal: bool = False, smooth_k: bool = True, smooth_q: bool = False,
+                      pv: str = "int8") -> torch.Tensor:
+    """SageBwd attention (SPEC §4): INT8 forward and backward, trainable.
+
+    Arguments:
+        q: (batch, nheads, seqlen_q, head_dim); k, v: (batch, nheads, seqlen_k, head_dim); bf16 or fp16,
+            head_dim 64 or 128, any lengths (seqlen_q may differ from seqlen_k). CUDA tensors, or CPU
+            tensors under ``TRITON_INTERPRET=1``.
+        sm_scale: softmax scale; default 1/sqrt(head_dim).
+        causal: top-left aligned causal mask (as SDPA's ``is_causal``): query i sees keys 0..i.
+        smooth_k: subtract the per-(batch, head) channel mean of K before quantizing (default on: it
+            removes K's shared offset at no cost in accuracy or in the backward).
+        smooth_q: also smooth Q (off by default; costs a per-key bias and a rank-1 dK correction).
+        pv: precision of the forward P V: ``"int8"`` (SPEC, default), ``"fp8"`` (e4m3 P and V, GPU
+            only) or ``"bf16"`` (unquantized P and V; for measurements).
+    Return:
+        (batch, nheads, seqlen_q, head_dim) in q's dtype. The backward returns dq, dk, dv in q's dtype.
+    """
+    check_qkv(q, k, v, name="sagebwd_attention")
+    if pv not in PV_MODES:
+        raise ValueError(f"sagebwd_attention: pv {pv!r} not in {PV_MODES}")
+    if pv != "int8" and interpreting():
+        raise ValueError(f"sagebwd_attention: pv={pv!r} needs a GPU (the interpreter's fp8/bf16 casts and "
+                         "bf16 dots are wrong)")
+    return _SageBwdAttention.apply(q, k, v, default_scale(q.shape[-1], sm_scale), bool(causal),
+                                   bool(smooth_k), bool(smooth_q), pv)
