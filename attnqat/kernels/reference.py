@@ -189,3 +189,122 @@ def forward_quantized_p_ref(q, k, v, *, sm_scale=None, causal=False, block_n: in
     l = sum((P_SCALE * torch.exp2(s[..., j:j + block_n] - m[..., None])).sum(-1)
             for j in range(0, k.shape[-2], block_n))
     return torch.cat([t * torch.exp2(mj - m)[..., None] for t, mj in zip(tiles, maxes)], dim=-1) / l[..., None]
+
+
+# ---------------------------------------------------------------------------------------------------
+# SageBwd (SPEC §4)
+# ---------------------------------------------------------------------------------------------------
+# Written from SPEC §4 with dequantized float32 matmuls (products of int8 codes summed over at most
+# 128 terms are exact in float32). The tile arguments name the kernel's tiles because the P~, P and
+# dS quantization blocks are the kernel's tiles; the defaults are the GPU tiles.
+
+SAGEBWD_Q_BLOCK = 128  # psi(Q), psi(dO): one scale per 128 rows
+SAGEBWD_K_BLOCK = 64   # psi(K), psi(V): one scale per 64 rows
+
+
+def int8_round_ref(y: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero, exactly (in float64) for float32 ``y``."""
+    y = y.double()
+    return (torch.sign(y) * torch.floor(y.abs() + 0.5)).float()
+
+
+def int8_fake_quant_ref(x: torch.Tensor, block_rows: int, block_cols: int | None = None) -> torch.Tensor:
+    """psi(x) * s over (block_rows x block_cols) tiles of the last two dims (whole rows when
+    ``block_cols`` is None): s = max(max|x|, 1e-30) / 127, codes round(x / s) in float32."""
+    x = x.float()
+    r, c = x.shape[-2:]
+    bc = c if block_cols is None else block_cols
+    pr, pc = (-r) % block_rows, (-c) % bc
+    xp = torch.nn.functional.pad(x, (0, pc, 0, pr))
+    t = xp.reshape(*x.shape[:-2], (r + pr) // block_rows, block_rows, (c + pc) // bc, bc)
+    s = t.abs().amax(dim=(-3, -1), keepdim=True).clamp_min(1e-30) / 127.0
+    return (int8_round_ref(t / s) * s).reshape(xp.shape)[..., :r, :c]
+
+
+def _sagebwd_logits_ref(q, k, scale, causal, smooth_k, smooth_q):
+    """S in log2 units from psi(Q_s), psi(K_s) (+ the Q-smoothing bias); also returns the
+    dequantized Q_s, K_s and mean(Q) (or None)."""
+    qf, kf = q.float(), k.float()
+    ks = kf - kf.mean(dim=-2, keepdim=True) if smooth_k else kf
+    qmean = qf.mean(dim=-2, keepdim=True) if smooth_q else None
+    qs = qf - qmean if smooth_q else qf
+    qd = int8_fake_quant_ref(qs, SAGEBWD_Q_BLOCK)
+    kd = int8_fake_quant_ref(ks, SAGEBWD_K_BLOCK)
+    s = (qd @ kd.transpose(-1, -2)) * (scale * LOG2E)
+    if smooth_q:  # mean(Q) . K_s,j, unquantized: Q_s K_s^T + 1 mean(Q)^T K_s^T = Q K_s^T
+        s = s + (qmean @ ks.transpose(-1, -2)) * (scale * LOG2E)
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    return s, qd, kd, qmean
+
+
+def sagebwd_forward_ref(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False,
+                        block_n: int = 64):
+    """SageBwd forward (SPEC §4), tile by tile over ``block_n`` keys (the kernel's BLOCK_N).
+
+    Per tile j with running max m_j: e = exp2(S_j - rowmax(S_j)), psi(P~_j) = floor(127 e + 1/2) with
+    row scale exp2(rowmax(S_j) - m_j) / 127; l sums the unquantized P~.
+    Return:
+        o: (B, H, Lq, D) float32; lse: (B, H, Lq) float32, m + log2(l) (log2 units).
+    """
+    scale = _scale(q, sm_scale)
+    s, _, _, _ = _sagebwd_logits_ref(q, k, scale, causal, smooth_k, smooth_q)
+    vd = int8_fake_quant_ref(v, SAGEBWD_K_BLOCK)
+    shape = q.shape[:-1]
+    m = torch.full(shape, float("-inf"), device=q.device)
+    l = torch.zeros(shape, device=q.device)
+    o = torch.zeros(*shape, v.shape[-1], device=q.device)
+    for j in range(0, k.shape[-2], block_n):
+        s_j = s[..., j:j + block_n]
+        rowmax = s_j.amax(dim=-1)
+        m_new = torch.maximum(m, rowmax)
+        e = torch.exp2(s_j - torch.where(rowmax == float("-inf"), 0.0, rowmax)[..., None])
+        c = torch.exp2(rowmax - m_new)
+        alpha = torch.exp2(m - m_new).nan_to_num(0.0)  # first tile: 2^(-inf - m_new) = 0
+        p_codes = torch.floor(e * 127.0 + 0.5)
+        l = alpha * l + e.sum(-1) * c
+        o = alpha[..., None] * o + (p_codes @ vd[..., j:j + block_n, :]) * (c / 127.0)[..., None]
+        m = m_new
+    return o / l[..., None], m + torch.log2(l)
+
+
+def sagebwd_backward_ref(q, k, v, o, do, lse, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False,
+                         block_m1: int = 64, block_n1: int = 128, block_m2: int = 128, block_n2: int = 64):
+    """SageBwd backward (SPEC §4) from the forward's ``o`` and ``lse``: INT8 S recompute, dV, dQ, dK;
+    dP = dO V^T unquantized. P and dS for dV / dK are quantized per (block_m1 x block_n1) tile, dS for
+    dQ per (block_m2 x block_n2) tile, dO per 128 rows. Returns float32 (dq, dk, dv)."""
+    scale = _scale(q, sm_scale)
+    s, qd, kd, qmean = _sagebwd_logits_ref(q, k, scale, causal, smooth_k, smooth_q)
+    dof = do.float()
+    p = torch.exp2(s - lse[..., None])
+    delta = (dof * o.float()).sum(-1, keepdim=True)
+    ds = p * (dof @ v.float().transpose(-1, -2) - delta)
+    dv = int8_fake_quant_ref(p, block_m1, block_n1).transpose(-1, -2) @ int8_fake_quant_ref(dof, SAGEBWD_Q_BLOCK)
+    dk = int8_fake_quant_ref(ds, block_m1, block_n1).transpose(-1, -2) @ qd
+    if smooth_q:  # dS^T Q = dS^T Q_s + (dS^T 1) mean(Q)^T
+        dk = dk + ds.sum(dim=-2)[..., None] * qmean
+    dq = int8_fake_quant_ref(ds, block_m2, block_n2) @ kd
+    return dq * scale, dk * scale, dv
+
+
+class _SageBwdRef(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sm_scale, causal, smooth_k, smooth_q):
+        o, lse = sagebwd_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k,
+                                     smooth_q=smooth_q)
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = dict(sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = sagebwd_backward_ref(q, k, v, o, do, lse, **ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def sagebwd_attention_ref(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False):
+    """Differentiable SageBwd on plain PyTorch (any device, any float dtype): the reference forward
+    and, through autograd, the reference backward. Returns q's dtype."""
+    return _SageBwdRef.apply(q, k, v, sm_scale, causal, smooth_k, smooth_q)
