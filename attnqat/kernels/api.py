@@ -109,3 +109,29 @@ def _sdpa(q, k, v, *, sm_scale=None, causal=False, **options):
 
 
 register_mode(Mode("bf16", "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True, _sdpa, _sdpa))
+
+
+# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv.
+def _sagebwd_options(options: dict) -> None:
+    if options:
+        raise ValueError(f"attention mode 'sagebwd' takes options smooth_k, smooth_q, pv; got {sorted(options)}")
+
+
+def _sagebwd_kernel(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False, pv="int8", **options):
+    from .sagebwd import sagebwd_attention
+
+    _sagebwd_options(options)
+    return sagebwd_attention(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q, pv=pv)
+
+
+def _sagebwd_reference(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False, pv="int8", **options):
+    from .reference import sagebwd_attention_ref
+
+    _sagebwd_options(options)
+    if pv != "int8":
+        raise ValueError(f"attention mode 'sagebwd': the reference path implements pv='int8' only, got {pv!r}")
+    return sagebwd_attention_ref(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q)
+
+
+register_mode(Mode("sagebwd", "trainable INT8 attention: six of seven matmuls in INT8, dP in 16-bit (SageBwd)",
+                   True, _sagebwd_kernel, _sagebwd_reference))
