@@ -94,6 +94,7 @@ def load_pipeline(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16, d
         return pipe.to(device) if device is not None else pipe
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
 
+    _resolve(model)  # a folder without model_index.json fails here, before any component loads
     vae = _from_pretrained(AutoencoderKLWan, model, subfolder="vae", torch_dtype=vae_dtype)
     pipe = _from_pretrained(WanPipeline, model, vae=vae, torch_dtype=dtype)
     if flow_shift is not None:
