@@ -53,6 +53,7 @@ INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_FLOOR = 1e-30  # s = max(amax, 1e-30) / 127: an all-zero block quantizes to zeros, not NaN
 PV_MODES = ("int8", "fp8", "bf16")
+_empty = torch.empty  # every kernel output is allocated here: tests swap in a poisoning allocator
 
 
 @triton.jit
@@ -375,8 +376,8 @@ def quantize_int8_rows(x: torch.Tensor, block: int, mean: torch.Tensor | None = 
     """
     b, h, n, d = x.shape
     nb = triton.cdiv(n, block)
-    xq = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
-    s = torch.empty(b, h, nb, dtype=torch.float32, device=x.device)
+    xq = _empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
+    s = _empty(b, h, nb, dtype=torch.float32, device=x.device)
     _quant_rows[(nb, b * h)](x, mean if mean is not None else s, xq, s, n, nb,
                              BLK=block, HEAD_DIM=d, HAS_MEAN=mean is not None, FP8=fp8)
     return xq, s
@@ -411,8 +412,8 @@ class _SageBwdAttention(torch.autograd.Function):
         if smooth_q:  # S = Q_s K_s^T + mean(Q) . K_s,j: the exact rank-1 part, in fp32, log2 units
             ks = k.float() - kmean[:, :, None, :] if smooth_k else k.float()
             bias = ((ks @ qmean[..., None]).squeeze(-1) * qk_scale).contiguous()
-        o = torch.empty(q.shape, dtype=torch.float32 if interp else q.dtype, device=q.device)
-        lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+        o = _empty(q.shape, dtype=torch.float32 if interp else q.dtype, device=q.device)
+        lse = _empty(b, h, lq, dtype=torch.float32, device=q.device)
         f = cfg["fwd"]
         _attn_fwd[(triton.cdiv(lq, f.block_m), b * h)](
             q8, k8, v8, sq, sk, sv, bias if bias is not None else sk, o, lse, lq, lk, qk_scale,
@@ -435,14 +436,14 @@ class _SageBwdAttention(torch.autograd.Function):
         qk_scale = ctx.sm_scale * LOG2E
         dot_dtype = tl.float32 if interp else (tl.bfloat16 if o.dtype == torch.bfloat16 else tl.float16)
         nq = triton.cdiv(lq, Q_BLOCK)
-        delta = torch.empty(b, h, lq, dtype=torch.float32, device=o.device)
-        do8 = torch.empty(do.shape, dtype=torch.int8, device=o.device)
-        sdo = torch.empty(b, h, nq, dtype=torch.float32, device=o.device)
+        delta = _empty(b, h, lq, dtype=torch.float32, device=o.device)
+        do8 = _empty(do.shape, dtype=torch.int8, device=o.device)
+        sdo = _empty(b, h, nq, dtype=torch.float32, device=o.device)
         _attn_bwd_preprocess[(nq, b * h)](o, do, delta, do8, sdo, lq, nq, BLK=Q_BLOCK, HEAD_DIM=d)
         gdt = torch.float32 if interp else o.dtype
-        dq = torch.empty(b, h, lq, d, dtype=gdt, device=o.device)
-        dk = torch.empty(b, h, lk, d, dtype=gdt, device=o.device)
-        dv = torch.empty(b, h, lk, d, dtype=gdt, device=o.device)
+        dq = _empty(b, h, lq, d, dtype=gdt, device=o.device)
+        dk = _empty(b, h, lk, d, dtype=gdt, device=o.device)
+        dv = _empty(b, h, lk, d, dtype=gdt, device=o.device)
         has_bias = bias is not None
         kv = cfg["dkdv"]
         _attn_bwd_dkdv[(triton.cdiv(lk, kv.block_n), b * h)](
