@@ -35,12 +35,14 @@ from .nvfp4 import fake_quant_tile
 LOG2_P_SCALE = math.log2(2688.0)  # P~ = 2688 * 2^x = 2^(x + log2 2688): the scale folds into exp2
 
 # Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages). Pin with ATTNQAT_FWD_CONFIG /
-# ATTNQAT_BWD_CONFIG="128,64,8,3" for tests and benchmarks.
+# ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests and benchmarks.
 # Forward: 128 query rows per program keep the tensor cores fed; 64-key tiles keep P and its
 # 16-wide quantization blocks in registers without spilling at head_dim 128.
 FWD_CONFIG_GPU = {64: LaunchConfig(128, 64, 4, 3), 128: LaunchConfig(128, 64, 8, 3)}
-# Backward (dK/dV over query blocks, dQ over key blocks): the tutorial's Hopper shapes.
-BWD_CONFIG_GPU = {64: LaunchConfig(64, 64, 4, 3), 128: LaunchConfig(64, 64, 4, 3)}
+# Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program) and dQ kernel.
+BWD_CONFIG_GPU = {64: LaunchConfig(64, 128, 8, 3), 128: LaunchConfig(64, 128, 8, 3)}
+DQ_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}
+S_TRANSPOSED_DEFAULT = True
 # Interpreter: small tiles keep numpy arrays small; the result does not depend on them.
 CONFIG_INTERPRET = LaunchConfig(32, 32, 4, 1)
 
@@ -55,6 +57,12 @@ def bwd_config(head_dim: int) -> LaunchConfig:
     if interpreting():
         return pinned_config("ATTNQAT_BWD_CONFIG") or CONFIG_INTERPRET
     return pinned_config("ATTNQAT_BWD_CONFIG") or BWD_CONFIG_GPU[head_dim]
+
+
+def dq_config(head_dim: int) -> LaunchConfig:
+    if interpreting():
+        return pinned_config("ATTNQAT_DQ_CONFIG") or CONFIG_INTERPRET
+    return pinned_config("ATTNQAT_DQ_CONFIG") or DQ_CONFIG_GPU[head_dim]
 
 
 @triton.jit
@@ -182,9 +190,15 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV,
                    stride_kb, stride_kh, stride_kl,
                    H, LQ, LK, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, IEEE: tl.constexpr):
-    """One key block per program, looping over query blocks; S and P are held transposed
-    (keys x queries) so P^T and dS^T feed the dots without a transpose, and phi runs along axis 0."""
+                   CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, IEEE: tl.constexpr,
+                   S_TRANSPOSED: tl.constexpr, QUANT_P: tl.constexpr):
+    """One key block per program, looping over query blocks.
+
+    S_TRANSPOSED (constexpr: two layouts of the same math, picked by measurement): hold S, P as
+    keys x queries, so P^T and dS^T feed the dots directly and phi runs along axis 0; or as
+    queries x keys like the forward (phi along axis 1) with the transposes moved into the dots.
+    QUANT_P=False drops phi (benchmarks use it to price the quantization).
+    """
     tl.static_assert(BLOCK_N % 16 == 0)
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -203,27 +217,49 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV,
     for start_m in range(lo, LQ, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < LQ
-        qt = tl.load(q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=row_ok[None, :], other=0.0)
         m = tl.load(M + bh * LQ + offs_m, mask=row_ok, other=0.0)
         inv_l = 1.0 / tl.load(Lsum + bh * LQ + offs_m, mask=row_ok, other=1.0)
         delta = tl.load(Delta + bh * LQ + offs_m, mask=row_ok, other=0.0)
-        st = _dot(k, qt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE) * qk_scale
-        valid = (offs_n[:, None] < LK) & row_ok[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[:, None] <= offs_m[None, :])
-        st = tl.where(valid, st, float("-inf"))
-        pt_tilde = tl.math.exp2(st - (m[None, :] - 11.392317422778761))  # P~^T = 2688 * 2^(S - m)
-        pt = pt_tilde * inv_l[None, :]
-        if P_NORMALIZED:
-            pft = fake_quant_tile(pt, BLOCK_N, BLOCK_M, 0, False, False)
-        else:
-            pft = fake_quant_tile(pt_tilde, BLOCK_N, BLOCK_M, 0, False, False) * inv_l[None, :]
         do = tl.load(do_base + offs_m[:, None] * stride_dol + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         do = do.to(dot_ty)
-        dv = _dot(pft.to(dot_ty), do, dv, IEEE)
-        dpt = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
-        dst = pt * (dpt - delta[None, :])
-        dk = _dot(dst.to(dot_ty), tl.trans(qt), dk, IEEE)
+        if S_TRANSPOSED:
+            qt = tl.load(q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+            st = _dot(k, qt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE) * qk_scale
+            valid = (offs_n[:, None] < LK) & row_ok[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[:, None] <= offs_m[None, :])
+            st = tl.where(valid, st, float("-inf"))
+            pt_tilde = tl.math.exp2(st - (m[None, :] - 11.392317422778761))  # P~^T = 2688 * 2^(S - m)
+            pt = pt_tilde * inv_l[None, :]
+            if not QUANT_P:
+                pft = pt
+            elif P_NORMALIZED:
+                pft = fake_quant_tile(pt, BLOCK_N, BLOCK_M, 0, False, False)
+            else:
+                pft = fake_quant_tile(pt_tilde, BLOCK_N, BLOCK_M, 0, False, False) * inv_l[None, :]
+            dv = _dot(pft.to(dot_ty), do, dv, IEEE)
+            dpt = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+            dst = pt * (dpt - delta[None, :])
+            dk = _dot(dst.to(dot_ty), tl.trans(qt), dk, IEEE)
+        else:
+            q = tl.load(q_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
+            valid = (offs_n[None, :] < LK) & row_ok[:, None]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(valid, s, float("-inf"))
+            p_tilde = tl.math.exp2(s - (m[:, None] - 11.392317422778761))
+            p = p_tilde * inv_l[:, None]
+            if not QUANT_P:
+                pf = p
+            elif P_NORMALIZED:
+                pf = fake_quant_tile(p, BLOCK_M, BLOCK_N, 1, False, False)
+            else:
+                pf = fake_quant_tile(p_tilde, BLOCK_M, BLOCK_N, 1, False, False) * inv_l[:, None]
+            dv = _dot(tl.trans(pf.to(dot_ty)), do, dv, IEEE)
+            dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+            ds = p * (dp - delta[:, None])
+            dk = _dot(tl.trans(ds.to(dot_ty)), q, dk, IEEE)
 
     out = (bh // H) * stride_kb + (bh % H) * stride_kh + offs_n[:, None] * stride_kl + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -309,11 +345,20 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
 
 
 def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, causal: bool,
-                      p_bwd: str = "final_max", config: LaunchConfig | None = None):
-    """Launch the backward. Returns (dq, dk, dv) in the layouts and dtype of q and k."""
+                      p_bwd: str = "final_max", config: LaunchConfig | None = None,
+                      config_dq: LaunchConfig | None = None, s_transposed: bool | None = None,
+                      quant_p: bool = True):
+    """Launch the backward. Returns (dq, dk, dv) in the layouts and dtype of q and k.
+
+    ``config`` is the dK/dV kernel's (BLOCK_M: queries per step, BLOCK_N: keys per program),
+    ``config_dq`` the dQ kernel's; ``s_transposed`` and ``quant_p`` pick kernel variants (benchmarks).
+    """
     b, h, lq, d = qf.shape
     lk = kf.shape[2]
     cfg = config or bwd_config(d)
+    cfg_dq = config_dq or dq_config(d)
+    if s_transposed is None:
+        s_transposed = S_TRANSPOSED_DEFAULT
     wdt = _work_dtype(q.dtype)
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -323,15 +368,17 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     dq = _empty_like_layout(q, wdt)
     dk = _empty_like_layout(k, wdt)
     dv = torch.empty_like(dk)  # same layout as dk: one set of strides for both stores
-    common = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, IEEE=interpreting(),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _attn_bwd_dkdv[(triton.cdiv(lk, cfg.block_n), b * h)](
         qf, kf, vf, do, m, l, delta, dk, dv, do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
-        P_NORMALIZED=(p_bwd == "normalized"), **common)
-    _attn_bwd_dq[(triton.cdiv(lq, cfg.block_m), b * h)](
+        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, IEEE=interpreting(),
+        P_NORMALIZED=(p_bwd == "normalized"), S_TRANSPOSED=s_transposed, QUANT_P=quant_p,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _attn_bwd_dq[(triton.cdiv(lq, cfg_dq.block_m), b * h)](
         qf, kf, vf, do, m, l, delta, dq, do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale, **common)
+        dq.stride(0), dq.stride(1), dq.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
+        HEAD_DIM=d, BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, CAUSAL=causal, IEEE=interpreting(),
+        num_warps=cfg_dq.num_warps, num_stages=cfg_dq.num_stages)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype)
 
 

@@ -1,0 +1,48 @@
+"""Write one benchmark's section of docs/benchmarks.md between markers, leaving the others alone."""
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import platform
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+HEADER = "# Benchmarks\n\nEvery table is written by a script in `bench/`; ratios are to cuDNN SDPA (or bf16) measured in the same run.\n"
+
+
+def environment() -> dict:
+    import torch
+    import triton
+
+    env = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
+           "python": platform.python_version()}
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    else:
+        env["device"] = "CPU"
+    return env
+
+
+def env_line(env: dict) -> str:
+    return (f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}"
+            + (f", CUDA {env['cuda']}" if env.get("cuda") else "") + f"; {env['date']}.")
+
+
+def update_section(name: str, markdown: str, doc: pathlib.Path = DOC) -> None:
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    text = doc.read_text() if doc.exists() else HEADER
+    block = f"{begin}\n{markdown.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+
+
+def write_json(path: pathlib.Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))

@@ -1,0 +1,70 @@
+"""Price the pieces of the Attn-QAT kernels and sweep launch configs (one device run).
+
+    python bench/tune_attn_qat.py [--L 32760] [--heads 40]
+
+Prints the median time of: the forward with/without P quantization and O' per config; the backward
+(both dK/dV layouts, with/without phi) per dK/dV config; the dQ kernel per config. The chosen
+defaults in attnqat/kernels/attn_qat.py come from this table (docs/kernels.md records it).
+"""
+import argparse
+import itertools
+import json
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from attnqat.kernels._common import LaunchConfig  # noqa: E402
+from attnqat.kernels.attn_qat import attn_qat_backward, attn_qat_forward  # noqa: E402
+from bench.kernels import bench_ms  # noqa: E402
+
+
+def safe(fn):
+    try:
+        return round(bench_ms(fn, 5, 30), 2)
+    except Exception as e:  # a config that does not fit: report it, keep going
+        return "err: " + str(e).splitlines()[0][:60]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--L", type=int, default=32760)
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--json", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, args.heads, args.L, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    sc = 128 ** -0.5
+    res = {}
+    for cfg in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 32, 8, 3),
+                (64, 32, 4, 3), (128, 128, 8, 2)]:
+        c = LaunchConfig(*cfg)
+        for quant, train in itertools.product((True, False), (False, True)):
+            t = safe(lambda: attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=train, quant_p=quant, config=c))
+            res[f"fwd {cfg} quant={quant} train={train}"] = t
+            print(f"fwd {cfg} quant={quant} train={train}: {t}", flush=True)
+    o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=True)
+    dq_fixed = LaunchConfig(128, 64, 8, 3)
+    for cfg in [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+                (32, 64, 4, 3)]:
+        c = LaunchConfig(*cfg)
+        for st, quant in itertools.product((True, False), (True, False)):
+            t = safe(lambda: attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False,
+                                               config=c, config_dq=dq_fixed, s_transposed=st, quant_p=quant))
+            res[f"bwd dkdv={cfg} s_t={st} quant={quant}"] = t
+            print(f"bwd dkdv={cfg} s_transposed={st} quant={quant}: {t}", flush=True)
+    dkdv_fixed = LaunchConfig(64, 128, 8, 3)
+    for cfg in [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 128, 8, 3)]:
+        c = LaunchConfig(*cfg)
+        t = safe(lambda: attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False,
+                                           config=dkdv_fixed, config_dq=c))
+        res[f"bwd dq={cfg}"] = t
+        print(f"bwd (dkdv fixed {tuple(dkdv_fixed.__dict__.values())}) dq={cfg}: {t}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
