@@ -1,0 +1,154 @@
+"""``attnqat generate``: end to end on the tiny model (mp4 read back), and bad input → one-line error,
+exit status 2, no traceback."""
+import os
+import subprocess
+import sys
+
+import imageio.v2 as imageio
+import numpy as np
+import pytest
+import torch
+
+from attnqat.cli import main
+from attnqat.kernels import available_modes
+
+SMALL = ["--height", "64", "--width", "96", "--frames", "5", "--steps", "2", "--device", "cpu"]
+
+
+def _cli(*argv, env=None, cwd=None):
+    """Run the real console entry point in a fresh process (as a user would)."""
+    return subprocess.run([sys.executable, "-m", "attnqat.cli", *argv], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)
+
+
+def _read_mp4(path):
+    reader = imageio.get_reader(str(path))
+    try:
+        return np.stack([f for f in reader]), reader.get_meta_data()
+    finally:
+        reader.close()
+
+
+def test_generate_tiny_writes_mp4_with_requested_frames_and_size(tmp_path):
+    out = tmp_path / "sub" / "corgi.mp4"
+    r = _cli("generate", "--prompt", "a corgi surfing a wave", *SMALL, "--out", str(out),
+             "--frames-dir", str(tmp_path / "png"))
+    assert r.returncode == 0, r.stderr
+    assert "RANDOM weights" in r.stderr
+    for key in ("total time", "per step", "attention", "peak memory", "wrote"):
+        assert key in r.stderr
+    assert r.stdout.strip() == str(out)
+    frames, meta = _read_mp4(out)
+    assert frames.shape == (5, 64, 96, 3)
+    assert meta["fps"] == 16
+    pngs = sorted((tmp_path / "png").glob("frame_*.png"))
+    assert len(pngs) == 5 and imageio.imread(pngs[0]).shape == (64, 96, 3)
+    # the mp4 holds the PNG frames up to lossy compression
+    assert np.abs(frames.astype(float) - np.stack([imageio.imread(p) for p in pngs]).astype(float)).mean() < 12
+
+
+@pytest.mark.parametrize("mode", ["attn_qat", "nvfp4", "sage3"])
+def test_generate_tiny_in_fp4_mode(tmp_path, capsys, mode):
+    if mode not in available_modes():
+        pytest.skip(f"mode {mode!r} not registered yet")
+    out_bf16, out_fp4 = tmp_path / "bf16.mp4", tmp_path / f"{mode}.mp4"
+    assert main(["generate", "--prompt", "p", *SMALL, "--out", str(out_bf16)]) == 0
+    assert main(["generate", "--prompt", "p", *SMALL, "--mode", mode, "--out", str(out_fp4)]) == 0
+    assert f"{mode} on self-attention (attn1) of all 2 blocks" in capsys.readouterr().err
+    a, _ = _read_mp4(out_bf16)
+    b, _ = _read_mp4(out_fp4)
+    assert a.shape == b.shape == (5, 64, 96, 3)
+
+
+def test_same_seed_same_video_and_qat_checkpoint_is_used(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from attnqat.pipelines import build_tiny_transformer
+
+    outs = [tmp_path / f"{i}.mp4" for i in range(3)]
+    for o in outs[:2]:
+        assert main(["generate", "--prompt", "p", *SMALL, "--seed", "7", "--out", str(o)]) == 0
+    state = {k: v * 1.5 if k == "proj_out.weight" else v for k, v in build_tiny_transformer().state_dict().items()}
+    save_file(state, tmp_path / "qat.safetensors")
+    assert main(["generate", "--prompt", "p", *SMALL, "--seed", "7", "--out", str(outs[2]),
+                 "--qat-checkpoint", str(tmp_path / "qat.safetensors")]) == 0
+    v0, v1, v2 = (_read_mp4(o)[0] for o in outs)
+    assert np.array_equal(v0, v1)
+    assert not np.array_equal(v0, v2)
+
+
+def _save_other_architecture(path):
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    from attnqat.pipelines import TINY_TRANSFORMER_CONFIG
+
+    other = WanTransformer3DModel(**{**TINY_TRANSFORMER_CONFIG, "num_layers": 3, "attention_head_dim": 32})
+    save_file(other.state_dict(), path)
+
+
+BAD = [
+    (["--height", "100"], "--height 100 is not a positive multiple of 16.*nearest valid: 96 or 112"),
+    (["--width", "8"], "--width 8 is not a positive multiple of 16.*nearest valid: 16"),
+    (["--frames", "10"], "--frames 10 is not of the form 4k\\+1.*nearest valid: 9"),
+    (["--frames", "12"], "nearest valid: 13"),
+    (["--frames", "0"], "nearest valid: 1"),
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--mode", "fp3"], "unknown --mode 'fp3'; available: bf16"),
+    (["--layers", "0,x"], "--layers '0,x'"),
+    (["--layers", "0,7"], "block indices \\[7\\] out of range"),
+    (["--model", "{tmp}/missing-model"], "model folder .*missing-model' does not exist; download it once with "
+                                         "`huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
+    (["--model", "{tmp}"], "is not a diffusers-format Wan 2.1 folder: model_index.json is missing"),
+    (["--qat-checkpoint", "{tmp}/nope.safetensors"], "--qat-checkpoint .* does not exist"),
+    (["--qat-checkpoint", "{tmp}/other.safetensors"], "does not match this transformer \\(2 blocks\\): 27 unexpected keys "
+                                                      "\\(blocks.2.*; 66 shape mismatches \\(blocks.0.attn1"),
+    (["--qat-checkpoint", "{tmp}/garbage.safetensors"], "not a readable safetensors file"),
+    (["--device", "cuda:0" if not torch.cuda.is_available() else "nope"], "--device"),
+    (["--offload", "--device", "cpu"], "--offload needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_gives_one_line_error(tmp_path, capsys, extra, message):
+    import re
+
+    _save_other_architecture(tmp_path / "other.safetensors")
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a safetensors file at all")
+    argv = ["generate", "--prompt", "p", *SMALL[:-2], *[a.format(tmp=tmp_path) for a in extra],
+            "--out", str(tmp_path / "v.mp4")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("attnqat generate: error: ")
+    assert re.search(message, last), last
+    assert "Traceback" not in err
+    assert not (tmp_path / "v.mp4").exists()
+
+
+def test_bad_input_exit_status_in_a_real_process(tmp_path):
+    r = _cli("generate", "--prompt", "p", "--frames", "10", "--out", str(tmp_path / "v.mp4"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("attnqat generate: error: --frames 10 is not of the form 4k+1 (Wan's VAE keeps the "
+                                "first frame and compresses the rest by 4); nearest valid: 9")
+    r = _cli("generate", "--frames", "9")  # argparse's own usage error: also status 2, no traceback
+    assert r.returncode == 2 and "--prompt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_hub_id_not_cached_and_offline_says_how_to_download(tmp_path):
+    r = _cli("generate", "--prompt", "p", "--model", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "--device", "cpu",
+             env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert ("model 'Wan-AI/Wan2.1-T2V-14B-Diffusers' is not in the local Hugging Face cache and could not be "
+            "downloaded") in r.stderr
+    assert "huggingface-cli download Wan-AI/Wan2.1-T2V-14B-Diffusers --local-dir" in r.stderr
+
+
+def test_help_lists_every_flag():
+    r = _cli("generate", "--help")
+    assert r.returncode == 0
+    for flag in ("--prompt", "--negative-prompt", "--model", "--mode", "--qat-checkpoint", "--height", "--width",
+                 "--frames", "--steps", "--guidance", "--flow-shift", "--seed", "--out", "--dtype", "--device",
+                 "--offload", "--compile", "--frames-dir", "--layers"):
+        assert flag in r.stdout
