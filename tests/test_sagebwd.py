@@ -74,7 +74,7 @@ def test_int8_rounding_is_half_away_from_zero(device):
     vals = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5, 2.5, 0.49999997, -126.5])
     x = torch.zeros(1, 1, 128, 64)
     x[0, 0, 0, :len(vals)] = vals  # amax 127 -> scale exactly 1
-    xq, s = S.quantize_int8_rows(x.to(device), 128)
+    xq, _, s = S.quantize_int8_rows(x.to(device), 128)
     assert s.flatten().tolist() == [1.0]
     assert xq[0, 0, 0, :len(vals)].tolist() == [127, 1, -1, 2, -3, 3, 0, -127]
     assert (xq.flatten()[len(vals):] == 0).all()
@@ -84,11 +84,12 @@ def test_int8_rounding_is_half_away_from_zero(device):
 def test_quantize_rows_matches_reference(n, block, smooth, device, poison):
     x = torch.randn(2, 3, n, 64, device=device) * torch.rand(2, 3, n, 1, device=device) * 5 + 1.0
     mean = x.mean(dim=2) if smooth else None
-    xq, s = S.quantize_int8_rows(x, block, mean)
+    xq, xqt, s = S.quantize_int8_rows(x, block, mean, col=True)
     xs = x - mean[:, :, None] if smooth else x
     ref = R.int8_fake_quant_ref(xs, block)
     deq = xq.float() * s.repeat_interleave(block, dim=-1)[..., :n, None]
     assert torch.equal(deq, ref)
+    assert torch.equal(xqt, xq.transpose(-1, -2))
 
 
 CASES = [  # (lq, lk, causal, head_dim, dtype, smooth_q)
@@ -116,12 +117,23 @@ def test_kernel_matches_reference(lq, lk, causal, d, dtype, smooth_q, device, po
         assert (got[2][:, :, lq:] == 0).all() and (got[3][:, :, lq:] == 0).all()
 
 
+def test_row_major_operand_path(device, poison, monkeypatch):
+    """ATTNQAT_SAGEBWD_KMAJOR=0 (row-major 8-bit B operands) computes the same function."""
+    q, k, v, do = _inputs(1, 2, 80, 144, 64, torch.float16, device, k_offset=1.0, seed=5)
+    a = _run_kernel(q, k, v, do, causal=True)
+    monkeypatch.setenv("ATTNQAT_SAGEBWD_KMAJOR", "0")
+    b = _run_kernel(q, k, v, do, causal=True)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 def test_backward_reuses_int8_q_and_k(device):
-    q, k, v, _ = _inputs(1, 1, 64, 64, 64, torch.float16, device)
+    q, k, v, _ = _inputs(1, 1, 96, 96, 64, torch.float16, device)
     q.requires_grad_(True)
     o = sagebwd_attention(q, k, v)
     saved = [t for t in o.grad_fn.saved_tensors if t is not None]
     assert sum(t.dtype == torch.int8 and t.shape == q.shape for t in saved) == 2  # psi(Q), psi(K)
+    assert sum(t.dtype == torch.int8 and t.shape == q.transpose(-1, -2).shape for t in saved) == 2  # K-major copies
     assert not any(t.dtype == q.dtype and (t.data_ptr() == q.data_ptr() or t.data_ptr() == k.data_ptr())
                    for t in saved)
 

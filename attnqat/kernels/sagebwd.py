@@ -41,6 +41,8 @@ interpreter cannot run ``"fp8"`` exactly (its fp8 casts round wrongly).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -75,10 +77,13 @@ def _quant_tile(x):
 
 
 @triton.jit
-def _quant_rows(X, MEAN, XQ, XS, L, n_blocks,
-                BLK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, FP8: tl.constexpr):
+def _quant_rows(X, MEAN, XQ, XQT, XS, L, n_blocks,
+                BLK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, FP8: tl.constexpr,
+                ROW: tl.constexpr, COL: tl.constexpr):
     """Quantize one BLK-row block of a contiguous (B*H, L, D) tensor, minus its per-(b, h) channel
-    mean when HAS_MEAN (smoothing). int8 with s = amax / 127, or e4m3 with s = amax / 448 (FP8)."""
+    mean when HAS_MEAN (smoothing). int8 with s = amax / 127, or e4m3 with s = amax / 448 (FP8).
+    Writes XQ as (B*H, L, D) when ROW and XQT as (B*H, D, L) when COL: Hopper's 8-bit wgmma reads
+    only K-contiguous operands, and matmuls that reduce over L want the transposed copy."""
     blk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = blk * BLK + tl.arange(0, BLK)
@@ -91,17 +96,30 @@ def _quant_rows(X, MEAN, XQ, XS, L, n_blocks,
     if FP8:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         s = tl.maximum(amax, 1e-30) / 448.0  # 448: FP8_MAX
-        tl.store(XQ + offs, (x / s).to(tl.float8e4nv), mask=mask)
+        xq = (x / s).to(tl.float8e4nv)
     else:
         xq, s = _quant_tile(x)
+    if ROW:
         tl.store(XQ + offs, xq, mask=mask)
+    if COL:
+        tl.store(XQT + bh * L * HEAD_DIM + cols[None, :] * L + rows[:, None], xq, mask=mask)
     tl.store(XS + bh * n_blocks + blk, s)
+
+
+@triton.jit
+def _load_kv8(X8, base, offs_n, offs_d, n_ok, L, HEAD_DIM: tl.constexpr, KMAJOR: tl.constexpr):
+    """A (len(offs_n), D) 8-bit tile that is the B operand of a matmul reducing over rows: from the
+    transposed (D, L) copy when KMAJOR (K-contiguous, what 8-bit wgmma needs), else row-major."""
+    if KMAJOR:
+        return tl.trans(tl.load(X8 + base + offs_d[:, None] * L + offs_n[None, :], mask=n_ok[None, :], other=0))
+    else:
+        return tl.load(X8 + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0)
 
 
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base, offs_m, lo, hi, Lk,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KBLK: tl.constexpr,
-                    CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, PV: tl.constexpr):
+                    CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, PV: tl.constexpr, KMAJOR: tl.constexpr):
     """Key tiles [lo, hi) of one query block. CAUSAL_MASK: constexpr so tiles wholly below the
     diagonal skip the compare; ragged key tails are masked through ``colterm`` (-inf) instead."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -126,12 +144,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, 
         acc = acc * alpha[:, None]
         if PV == 0:  # int8: psi(P~) = round(127 e) with s = c / 127; e >= 0 so floor(x + .5) suffices
             p8 = tl.floor(e * 127.0 + 0.5).to(tl.int8)
-            v = tl.load(V8 + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0)
+            v = _load_kv8(V8, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, KMAJOR)
             sv = tl.load(SV + ks_base + start_n // KBLK)
             acc += tl.dot(p8, v, out_dtype=tl.int32).to(tl.float32) * (c * (sv / 127.0))[:, None]
         elif PV == 1:  # fp8 e4m3: P~ / s = 448 e, s = c / 448
             p8 = (e * 448.0).to(tl.float8e4nv)
-            v = tl.load(V8 + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            v = _load_kv8(V8, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, KMAJOR)
             sv = tl.load(SV + ks_base + start_n // KBLK)
             acc += tl.dot(p8, v) * (c * (sv / 448.0))[:, None]
         else:  # 16-bit: V8 is the original V, P~ = e * c unquantized
@@ -145,7 +163,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, 
 def _attn_fwd(Q8, K8, V8, SQ, SK, SV, BIAS, Out, LSE, Lq, Lk, qk_scale, nq_blocks, nk_blocks,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
               QBLK: tl.constexpr, KBLK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-              PV: tl.constexpr):
+              PV: tl.constexpr, KMAJOR: tl.constexpr):
     """One program per (BLOCK_M query rows, batch*head). Writes O (Out's dtype) and the log2-domain
     log-sum-exp LSE = m + log2(l) that the backward recomputes P with."""
     tl.static_assert(KBLK % BLOCK_N == 0)  # one K (and V) scale per key tile
@@ -167,11 +185,11 @@ def _attn_fwd(Q8, K8, V8, SQ, SK, SV, BIAS, Out, LSE, Lq, Lk, qk_scale, nq_block
     else:
         hi_full = Lk
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base, offs_m,
-                                    0, hi_full, Lk, BLOCK_N, HEAD_DIM, KBLK, False, HAS_BIAS, PV)
+                                    0, hi_full, Lk, BLOCK_N, HEAD_DIM, KBLK, False, HAS_BIAS, PV, KMAJOR)
     if CAUSAL:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base,
                                         offs_m, hi_full, tl.minimum(start_m + BLOCK_M, Lk), Lk,
-                                        BLOCK_N, HEAD_DIM, KBLK, True, HAS_BIAS, PV)
+                                        BLOCK_N, HEAD_DIM, KBLK, True, HAS_BIAS, PV, KMAJOR)
     o = acc / l_i[:, None]
     tl.store(LSE + bh * Lq + offs_m, m_i + tl.log2(l_i), mask=m_ok)
     tl.store(Out + bh * Lq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
@@ -180,7 +198,7 @@ def _attn_fwd(Q8, K8, V8, SQ, SK, SV, BIAS, Out, LSE, Lq, Lk, qk_scale, nq_block
 
 @triton.jit
 def _attn_bwd_preprocess(O, DO, DELTA, DO8, SDO, Lq, n_blocks,
-                         BLK: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         BLK: tl.constexpr, HEAD_DIM: tl.constexpr, KMAJOR: tl.constexpr):
     """Delta = rowsum(dO * O), and psi(dO) per BLK-row block (used by dV = P^T dO)."""
     blk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -192,15 +210,19 @@ def _attn_bwd_preprocess(O, DO, DELTA, DO8, SDO, Lq, n_blocks,
     do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(DELTA + bh * Lq + rows, tl.sum(o * do, 1), mask=rows < Lq)
     do8, s = _quant_tile(do)
-    tl.store(DO8 + offs, do8, mask=mask)
+    if KMAJOR:  # (B*H, D, Lq): dV = P^T dO reduces over Lq
+        tl.store(DO8 + bh * Lq * HEAD_DIM + cols[None, :] * Lq + rows[:, None], do8, mask=mask)
+    else:
+        tl.store(DO8 + offs, do8, mask=mask)
     tl.store(SDO + bh * n_blocks + blk, s)
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, SQ, DO, DO8, SDO, LSE, DELTA,
+def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, Q8T, SQ, DO, DO8, SDO, LSE, DELTA,
                          q_base, qs_base, offs_n, lo, hi, Lq,
                          BLOCK_M1: tl.constexpr, HEAD_DIM: tl.constexpr, QBLK: tl.constexpr,
-                         CAUSAL_MASK: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                         CAUSAL_MASK: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                         KMAJOR: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M1):
         offs_m = start_m + tl.arange(0, BLOCK_M1)
@@ -214,7 +236,7 @@ def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, SQ, DO, 
         pT = tl.exp2(sT - lse[None, :])
         # dV += psi(P)^T psi(dO)
         p8, sp = _quant_tile(pT)
-        do8 = tl.load(DO8 + q_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=m_ok[:, None], other=0)
+        do8 = _load_kv8(DO8, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, KMAJOR)
         sdo = tl.load(SDO + qs_base + start_m // QBLK)
         dv += tl.dot(p8, do8, out_dtype=tl.int32).to(tl.float32) * (sp * sdo)
         # dP^T = V dO^T in 16-bit: the one matmul SageBwd keeps out of INT8
@@ -226,16 +248,20 @@ def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, SQ, DO, 
             colsum += tl.sum(dsT, 1)
         # dK += psi(dS)^T psi(Q)
         ds8, sds = _quant_tile(dsT)
-        dk += tl.dot(ds8, tl.trans(qT), out_dtype=tl.int32).to(tl.float32) * (sds * sq)
+        if KMAJOR:
+            q8 = _load_kv8(Q8T, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, True)
+        else:
+            q8 = tl.trans(qT)
+        dk += tl.dot(ds8, q8, out_dtype=tl.int32).to(tl.float32) * (sds * sq)
     return dk, dv, colsum
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q8, K8, V, SQ, SK, BIAS, QMEAN, DO, DO8, SDO, LSE, DELTA, DK, DV,
+def _attn_bwd_dkdv(Q8, Q8T, K8, V, SQ, SK, BIAS, QMEAN, DO, DO8, SDO, LSE, DELTA, DK, DV,
                    Lq, Lk, qk_scale, sm_scale, nq_blocks, nk_blocks,
                    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, HEAD_DIM: tl.constexpr,
                    QBLK: tl.constexpr, KBLK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, KMAJOR: tl.constexpr):
     """One program per (BLOCK_N1 keys, batch*head): dK and dV of those keys, looping over queries."""
     tl.static_assert(QBLK % BLOCK_M1 == 0)
     tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)  # causal: the diagonal starts on a tile boundary
@@ -258,15 +284,15 @@ def _attn_bwd_dkdv(Q8, K8, V, SQ, SK, BIAS, QMEAN, DO, DO8, SDO, LSE, DELTA, DK,
     qs_base = bh * nq_blocks
     if CAUSAL:  # queries >= start_n see these keys; the first BLOCK_N1 of them straddle the diagonal
         lo_full = start_n + BLOCK_N1
-        dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, SQ, DO, DO8, SDO,
+        dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, Q8T, SQ, DO, DO8, SDO,
                                               LSE, DELTA, q_base, qs_base, offs_n, start_n,
                                               tl.minimum(lo_full, Lq), Lq, BLOCK_M1, HEAD_DIM, QBLK,
-                                              True, HAS_BIAS, DOT_DTYPE)
+                                              True, HAS_BIAS, DOT_DTYPE, KMAJOR)
     else:
         lo_full = 0
-    dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, SQ, DO, DO8, SDO,
+    dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, Q8T, SQ, DO, DO8, SDO,
                                           LSE, DELTA, q_base, qs_base, offs_n, lo_full, Lq, Lq,
-                                          BLOCK_M1, HEAD_DIM, QBLK, False, HAS_BIAS, DOT_DTYPE)
+                                          BLOCK_M1, HEAD_DIM, QBLK, False, HAS_BIAS, DOT_DTYPE, KMAJOR)
     if HAS_BIAS:  # Q-smoothing: dK = dS^T Q_s + (dS^T 1) mean(Q)^T
         dk += colsum[:, None] * tl.load(QMEAN + bh * HEAD_DIM + offs_d)[None, :]
     tl.store(DK + kv_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok[:, None])
@@ -274,9 +300,10 @@ def _attn_bwd_dkdv(Q8, K8, V, SQ, SK, BIAS, QMEAN, DO, DO8, SDO, LSE, DELTA, DK,
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, V, SK, BIAS, kv_base, ks_base, offs_m, lo, hi, Lk,
-                       BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr, KBLK: tl.constexpr,
-                       CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, K8T, V, SK, BIAS, kv_base, ks_base, offs_m, lo, hi,
+                       Lk, BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr, KBLK: tl.constexpr,
+                       CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                       KMAJOR: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N2):
         offs_n = start_n + tl.arange(0, BLOCK_N2)
@@ -294,15 +321,19 @@ def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, V, SK, BIAS, kv_ba
         dp = tl.dot(do, vT.to(DOT_DTYPE))  # 16-bit dP = dO V^T
         ds = p * (dp - delta[:, None])
         ds8, sds = _quant_tile(ds)  # dQ += psi(dS) psi(K_s): rows of dS sum to 0, so K_s is exact
-        dq += tl.dot(ds8, tl.trans(kT), out_dtype=tl.int32).to(tl.float32) * (sds * sk)
+        if KMAJOR:
+            k8 = _load_kv8(K8T, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, True)
+        else:
+            k8 = tl.trans(kT)
+        dq += tl.dot(ds8, k8, out_dtype=tl.int32).to(tl.float32) * (sds * sk)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq(Q8, K8, V, SQ, SK, BIAS, DO, LSE, DELTA, DQ, Lq, Lk, qk_scale, sm_scale, nq_blocks, nk_blocks,
-                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _attn_bwd_dq(Q8, K8, K8T, V, SQ, SK, BIAS, DO, LSE, DELTA, DQ, Lq, Lk, qk_scale, sm_scale, nq_blocks,
+                 nk_blocks, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr,
                  QBLK: tl.constexpr, KBLK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, KMAJOR: tl.constexpr):
     """One program per (BLOCK_M2 queries, batch*head): dQ of those queries, looping over keys."""
     tl.static_assert(KBLK % BLOCK_N2 == 0)
     tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
@@ -324,12 +355,12 @@ def _attn_bwd_dq(Q8, K8, V, SQ, SK, BIAS, DO, LSE, DELTA, DQ, Lq, Lk, qk_scale, 
         hi_full = tl.minimum(start_m, Lk)
     else:
         hi_full = Lk
-    dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, V, SK, BIAS, kv_base, ks_base, offs_m,
-                            0, hi_full, Lk, BLOCK_N2, HEAD_DIM, KBLK, False, HAS_BIAS, DOT_DTYPE)
+    dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, K8T, V, SK, BIAS, kv_base, ks_base, offs_m,
+                            0, hi_full, Lk, BLOCK_N2, HEAD_DIM, KBLK, False, HAS_BIAS, DOT_DTYPE, KMAJOR)
     if CAUSAL:
-        dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, V, SK, BIAS, kv_base, ks_base, offs_m,
-                                hi_full, tl.minimum(start_m + BLOCK_M2, Lk), Lk, BLOCK_N2, HEAD_DIM, KBLK,
-                                True, HAS_BIAS, DOT_DTYPE)
+        dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, K8T, V, SK, BIAS, kv_base, ks_base,
+                                offs_m, hi_full, tl.minimum(start_m + BLOCK_M2, Lk), Lk, BLOCK_N2, HEAD_DIM, KBLK,
+                                True, HAS_BIAS, DOT_DTYPE, KMAJOR)
     tl.store(DQ + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
 
 
@@ -368,19 +399,31 @@ def launch_configs(head_dim: int) -> dict[str, LaunchConfig]:
     return out
 
 
-def quantize_int8_rows(x: torch.Tensor, block: int, mean: torch.Tensor | None = None, fp8: bool = False):
+def kmajor() -> bool:
+    """Whether the kernels read the B operand of every L-reducing 8-bit matmul (P V, P^T dO, dS^T Q,
+    dS K) from a transposed (D, L) int8 copy. Default on; ``ATTNQAT_SAGEBWD_KMAJOR=0`` reads the
+    row-major copy through ``tl.trans`` instead (for measurements)."""
+    return os.environ.get("ATTNQAT_SAGEBWD_KMAJOR", "1") != "0"
+
+
+def quantize_int8_rows(x: torch.Tensor, block: int, mean: torch.Tensor | None = None, fp8: bool = False,
+                       row: bool = True, col: bool = False):
     """psi(x - mean) per ``block`` rows of a contiguous (B, H, L, D) tensor.
 
     Return:
-        xq: (B, H, L, D) int8 (float8_e4m3fn when ``fp8``); scales: (B, H, ceil(L / block)) float32.
+        xq: (B, H, L, D) int8 (float8_e4m3fn when ``fp8``), or None unless ``row``;
+        xqt: the same codes as (B, H, D, L), or None unless ``col``;
+        scales: (B, H, ceil(L / block)) float32.
     """
     b, h, n, d = x.shape
     nb = triton.cdiv(n, block)
-    xq = _empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
+    dt = torch.float8_e4m3fn if fp8 else torch.int8
+    xq = _empty(x.shape, dtype=dt, device=x.device) if row else None
+    xqt = _empty(b, h, d, n, dtype=dt, device=x.device) if col else None
     s = _empty(b, h, nb, dtype=torch.float32, device=x.device)
-    _quant_rows[(nb, b * h)](x, mean if mean is not None else s, xq, s, n, nb,
-                             BLK=block, HEAD_DIM=d, HAS_MEAN=mean is not None, FP8=fp8)
-    return xq, s
+    _quant_rows[(nb, b * h)](x, mean if mean is not None else s, xq if row else xqt, xqt if col else xq, s, n, nb,
+                             BLK=block, HEAD_DIM=d, HAS_MEAN=mean is not None, FP8=fp8, ROW=row, COL=col)
+    return xq, xqt, s
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -399,13 +442,13 @@ class _SageBwdAttention(torch.autograd.Function):
         qk_scale = sm_scale * LOG2E  # exponents in log2 units: exp(x) = exp2(x * log2(e))
         kmean = k.mean(dim=2, dtype=torch.float32).contiguous() if smooth_k else None
         qmean = q.mean(dim=2, dtype=torch.float32).contiguous() if smooth_q else None
-        q8, sq = quantize_int8_rows(q, Q_BLOCK, qmean)
-        k8, sk = quantize_int8_rows(k, K_BLOCK, kmean)
+        km = kmajor()
+        q8, q8t, sq = quantize_int8_rows(q, Q_BLOCK, qmean, col=km)
+        k8, k8t, sk = quantize_int8_rows(k, K_BLOCK, kmean, col=km)
         pv_code = PV_MODES.index(pv)
-        if pv_code == 0:
-            v8, sv = quantize_int8_rows(v, K_BLOCK)
-        elif pv_code == 1:
-            v8, sv = quantize_int8_rows(v, K_BLOCK, fp8=True)
+        if pv_code < 2:
+            v8, v8t, sv = quantize_int8_rows(v, K_BLOCK, fp8=pv_code == 1, row=not km, col=km)
+            v8 = v8t if km else v8
         else:
             v8, sv = v, sk  # sv unused
         bias = None
@@ -418,16 +461,17 @@ class _SageBwdAttention(torch.autograd.Function):
         _attn_fwd[(triton.cdiv(lq, f.block_m), b * h)](
             q8, k8, v8, sq, sk, sv, bias if bias is not None else sk, o, lse, lq, lk, qk_scale,
             sq.shape[-1], sk.shape[-1], BLOCK_M=f.block_m, BLOCK_N=f.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
-            KBLK=K_BLOCK, CAUSAL=causal, HAS_BIAS=bias is not None, PV=pv_code,
+            KBLK=K_BLOCK, CAUSAL=causal, HAS_BIAS=bias is not None, PV=pv_code, KMAJOR=km and pv_code < 2,
             num_warps=f.num_warps, num_stages=f.num_stages)
         o = o.to(q.dtype)
-        ctx.save_for_backward(q8, k8, v, sq, sk, bias, qmean, o, lse)
-        ctx.sm_scale, ctx.causal, ctx.cfg = sm_scale, causal, cfg
+        ctx.save_for_backward(q8, q8t, k8, k8t, v, sq, sk, bias, qmean, o, lse)
+        ctx.sm_scale, ctx.causal, ctx.cfg, ctx.kmajor = sm_scale, causal, cfg, km
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q8, k8, v, sq, sk, bias, qmean, o, lse = ctx.saved_tensors
+        q8, q8t, k8, k8t, v, sq, sk, bias, qmean, o, lse = ctx.saved_tensors
+        km = ctx.kmajor
         do = do.contiguous()
         b, h, lq, d = o.shape
         lk = k8.shape[2]
@@ -437,9 +481,10 @@ class _SageBwdAttention(torch.autograd.Function):
         dot_dtype = tl.float32 if interp else (tl.bfloat16 if o.dtype == torch.bfloat16 else tl.float16)
         nq = triton.cdiv(lq, Q_BLOCK)
         delta = _empty(b, h, lq, dtype=torch.float32, device=o.device)
-        do8 = _empty(do.shape, dtype=torch.int8, device=o.device)
+        do8 = _empty(b, h, d, lq, dtype=torch.int8, device=o.device) if km else _empty(do.shape, dtype=torch.int8,
+                                                                                         device=o.device)
         sdo = _empty(b, h, nq, dtype=torch.float32, device=o.device)
-        _attn_bwd_preprocess[(nq, b * h)](o, do, delta, do8, sdo, lq, nq, BLK=Q_BLOCK, HEAD_DIM=d)
+        _attn_bwd_preprocess[(nq, b * h)](o, do, delta, do8, sdo, lq, nq, BLK=Q_BLOCK, HEAD_DIM=d, KMAJOR=km)
         gdt = torch.float32 if interp else o.dtype
         dq = _empty(b, h, lq, d, dtype=gdt, device=o.device)
         dk = _empty(b, h, lk, d, dtype=gdt, device=o.device)
@@ -447,16 +492,17 @@ class _SageBwdAttention(torch.autograd.Function):
         has_bias = bias is not None
         kv = cfg["dkdv"]
         _attn_bwd_dkdv[(triton.cdiv(lk, kv.block_n), b * h)](
-            q8, k8, v, sq, sk, bias if has_bias else sk, qmean if has_bias else sk, do, do8, sdo, lse, delta,
+            q8, q8t if km else q8, k8, v, sq, sk, bias if has_bias else sk, qmean if has_bias else sk, do, do8, sdo,
+            lse, delta,
             dk, dv, lq, lk, qk_scale, ctx.sm_scale, nq, sk.shape[-1],
             BLOCK_M1=kv.block_m, BLOCK_N1=kv.block_n, HEAD_DIM=d, QBLK=Q_BLOCK, KBLK=K_BLOCK,
-            CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype,
+            CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km,
             num_warps=kv.num_warps, num_stages=kv.num_stages)
         c = cfg["dq"]
         _attn_bwd_dq[(triton.cdiv(lq, c.block_m), b * h)](
-            q8, k8, v, sq, sk, bias if has_bias else sk, do, lse, delta, dq, lq, lk, qk_scale, ctx.sm_scale,
+            q8, k8, k8t if km else k8, v, sq, sk, bias if has_bias else sk, do, lse, delta, dq, lq, lk, qk_scale, ctx.sm_scale,
             nq, sk.shape[-1], BLOCK_M2=c.block_m, BLOCK_N2=c.block_n, HEAD_DIM=d, QBLK=Q_BLOCK, KBLK=K_BLOCK,
-            CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype,
+            CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km,
             num_warps=c.num_warps, num_stages=c.num_stages)
         dt = o.dtype
         return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
