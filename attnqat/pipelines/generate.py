@@ -255,6 +255,7 @@ def _describe_layers(layers, n_blocks: int) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
     from .loading import is_tiny, load_pipeline, load_qat_checkpoint
     from .processor import AttentionTimer, patch_attention
     from .tiny import TINY_NOTICE
@@ -266,7 +267,6 @@ def main(args: argparse.Namespace) -> int:
         log(f"NOTE: {TINY_NOTICE}.")
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
 
-    t_start = time.perf_counter()
     pipe = load_pipeline(args.model, dtype=dtype, device=None if args.offload else device,
                          flow_shift=args.flow_shift)
     if args.qat_checkpoint:
