@@ -111,6 +111,50 @@ def _sdpa(q, k, v, *, sm_scale=None, causal=False, **options):
 register_mode(Mode("bf16", "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True, _sdpa, _sdpa))
 
 
+
+# Attn-QAT family (SPEC §2): one FP4 forward; the modes differ in their backward.
+def _attn_qat_kernel(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max", **options):
+    from .attn_qat import attn_qat_attention
+
+    _no_options("attn_qat (besides p_bwd)", options)
+    return attn_qat_attention(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
+
+
+def _attn_qat_reference(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max", **options):
+    from .attn_qat import P_BWD_CHOICES
+    from .reference import attn_qat_attention_ref
+
+    _no_options("attn_qat (besides p_bwd)", options)
+    if p_bwd not in P_BWD_CHOICES:
+        raise ValueError(f"p_bwd {p_bwd!r} not in {P_BWD_CHOICES}")
+    return attn_qat_attention_ref(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
+
+
+def _plain(mode: str, kernel_name: str, reference_name: str):
+    """A mode taking no options, calling ``attn_qat.<kernel_name>`` / ``reference.<reference_name>``."""
+    def kernel(q, k, v, *, sm_scale=None, causal=False, **options):
+        from . import attn_qat
+
+        _no_options(mode, options)
+        return getattr(attn_qat, kernel_name)(q, k, v, sm_scale=sm_scale, causal=causal)
+
+    def ref(q, k, v, *, sm_scale=None, causal=False, **options):
+        from . import reference
+
+        _no_options(mode, options)
+        return getattr(reference, reference_name)(q, k, v, sm_scale=sm_scale, causal=causal)
+
+    return kernel, ref
+
+
+register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
+                   *_plain("nvfp4", "nvfp4_attention", "nvfp4_attention_ref")))
+register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
+                   "grad it is the nvfp4 forward)", True, _attn_qat_kernel, _attn_qat_reference))
+register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
+                   "(unstable in training)", True,
+                   *_plain("attn_qat_dropin", "attn_qat_dropin_attention", "attn_qat_dropin_attention_ref")))
+
 # SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv.
 def _sagebwd_options(options: dict) -> None:
     if options:

@@ -36,21 +36,26 @@ LOG2_P_SCALE = math.log2(2688.0)  # P~ = 2688 * 2^x = 2^(x + log2 2688): the sca
 
 # Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages). Pin with ATTNQAT_FWD_CONFIG /
 # ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests and benchmarks.
-# Forward: 128 query rows per program keep the tensor cores fed; 64-key tiles keep P and its
-# 16-wide quantization blocks in registers without spilling at head_dim 128.
-FWD_CONFIG_GPU = {64: LaunchConfig(128, 64, 4, 3), 128: LaunchConfig(128, 64, 8, 3)}
-# Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program) and dQ kernel.
-BWD_CONFIG_GPU = {64: LaunchConfig(64, 128, 8, 3), 128: LaunchConfig(64, 128, 8, 3)}
+# Measured on an H100 at (1, 40, 32760, 128) by bench/tune_attn_qat.py (docs/kernels.md has the table).
+# Inference forward: 64x64 tiles with 4 warps (92.7 ms) beat 128x64/8 warps (95.5 ms): phi(P) is
+# ALU work, and smaller tiles keep it in registers. The training forward also carries O' (a second
+# accumulator), where 128x128/8 warps wins (108 ms vs 110-116 ms).
+FWD_CONFIG_GPU = {64: LaunchConfig(64, 64, 4, 3), 128: LaunchConfig(64, 64, 4, 3)}
+FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 4, 3), 128: LaunchConfig(128, 128, 8, 3)}
+# Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program): 32x64, S held
+# transposed (266 ms for the whole backward; the untransposed layout's best was 292 ms). dQ: 128x64.
+BWD_CONFIG_GPU = {64: LaunchConfig(32, 64, 4, 3), 128: LaunchConfig(32, 64, 4, 3)}
 DQ_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}
 S_TRANSPOSED_DEFAULT = True
 # Interpreter: small tiles keep numpy arrays small; the result does not depend on them.
 CONFIG_INTERPRET = LaunchConfig(32, 32, 4, 1)
 
 
-def fwd_config(head_dim: int) -> LaunchConfig:
+def fwd_config(head_dim: int, training: bool) -> LaunchConfig:
     if interpreting():
         return pinned_config("ATTNQAT_FWD_CONFIG") or CONFIG_INTERPRET
-    return pinned_config("ATTNQAT_FWD_CONFIG") or FWD_CONFIG_GPU[head_dim]
+    table = FWD_TRAIN_CONFIG_GPU if training else FWD_CONFIG_GPU
+    return pinned_config("ATTNQAT_FWD_CONFIG") or table[head_dim]
 
 
 def bwd_config(head_dim: int) -> LaunchConfig:
@@ -324,13 +329,20 @@ def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, quant_p: bool = True,
-                     config: LaunchConfig | None = None):
-    """Launch the forward. Returns (o, o_aux | None, m, l, (q^F, k^F, v^F)); o in q's layout."""
+                     quant_qkv: bool = True, config: LaunchConfig | None = None):
+    """Launch the forward. Returns (o, o_aux | None, m, l, (q^F, k^F, v^F)); o in q's layout.
+
+    ``quant_qkv=False`` and ``quant_p=False`` give plain high-precision attention through the same
+    kernel (the drop-in ablation's backward needs its m and l).
+    """
     b, h, lq, d = q.shape
     lk = k.shape[2]
-    cfg = config or fwd_config(d)
+    cfg = config or fwd_config(d, training)
     wdt = _work_dtype(q.dtype)
-    qf, kf, vf = (quantize_heads(t, wdt) for t in (q, k, v))
+    if quant_qkv:
+        qf, kf, vf = (quantize_heads(t, wdt) for t in (q, k, v))
+    else:
+        qf, kf, vf = (t.to(wdt).contiguous() for t in (q, k, v))
     o = _empty_like_layout(q, wdt)
     o_aux = torch.empty((b, h, lq, d), dtype=wdt, device=q.device) if training else o
     m = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
@@ -398,6 +410,50 @@ class AttnQATFunction(torch.autograd.Function):
         dq, dk, dv = attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=ctx.sm_scale,
                                        causal=ctx.causal, p_bwd=ctx.p_bwd)
         return dq, dk, dv, None, None, None
+
+
+class AttnQATDropinFunction(torch.autograd.Function):
+    """The paper's failing ablation: FP4 forward, then a standard high-precision FlashAttention
+    backward (P recomputed from unquantized Q, K; no phi; D = rowsum(dO * O) with the FP4 O)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sm_scale, causal):
+        o, *_ = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal, training=False)
+        ctx.save_for_backward(q, k, v, o)
+        ctx.sm_scale, ctx.causal = sm_scale, causal
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o = ctx.saved_tensors
+        # m and l of the unquantized logits (a FlashAttention forward would have saved its LSE).
+        _, _, m, l, (qc, kc, vc) = attn_qat_forward(q, k, v, sm_scale=ctx.sm_scale, causal=ctx.causal,
+                                                    training=False, quant_p=False, quant_qkv=False)
+        o_work = o if o.stride(-1) == 1 and o.is_contiguous() else o.contiguous()
+        dq, dk, dv = attn_qat_backward(do, q, k, qc, kc, vc, o_work, m, l, sm_scale=ctx.sm_scale,
+                                       causal=ctx.causal, quant_p=False)
+        return dq, dk, dv, None, None
+
+
+def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                              causal: bool = False) -> torch.Tensor:
+    """The ``attn_qat_dropin`` ablation: NVFP4 forward, high-precision backward (unstable in training).
+    Arguments and return as :func:`attn_qat_attention`."""
+    check_qkv(q, k, v, name="attn_qat_dropin_attention")
+    scale = default_scale(q.shape[-1], sm_scale)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return AttnQATDropinFunction.apply(q, k, v, scale, causal)
+    o, *_ = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=False)
+    return o.to(q.dtype)
+
+
+def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                    causal: bool = False) -> torch.Tensor:
+    """Naive NVFP4 attention (inference only): phi on Q, K, V along head_dim and on P along keys.
+    Arguments and return as :func:`attn_qat_attention`."""
+    check_qkv(q, k, v, name="nvfp4_attention")
+    o, *_ = attn_qat_forward(q, k, v, sm_scale=default_scale(q.shape[-1], sm_scale), causal=causal, training=False)
+    return o.to(q.dtype)
 
 
 P_BWD_CHOICES = ("final_max", "normalized")

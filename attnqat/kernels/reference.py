@@ -191,6 +191,44 @@ def forward_quantized_p_ref(q, k, v, *, sm_scale=None, causal=False, block_n: in
     return torch.cat([t * torch.exp2(mj - m)[..., None] for t, mj in zip(tiles, maxes)], dim=-1) / l[..., None]
 
 
+
+class _AttnQATRef(torch.autograd.Function):
+    """Differentiable Attn-QAT on plain tensors (CPU training of the tiny model). ``dropin`` swaps in
+    the paper's failing ablation: FP4 forward, standard high-precision backward with D from the FP4 O."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sm_scale, causal, p_bwd, dropin):
+        o, o_aux, m, l = attn_qat_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, training=not dropin)
+        ctx.save_for_backward(q, k, v, o if dropin else o_aux, m, l)
+        ctx.args = (sm_scale, causal, p_bwd, dropin)
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o_saved, m, l = ctx.saved_tensors
+        sm_scale, causal, p_bwd, dropin = ctx.args
+        if dropin:
+            dq, dk, dv = attention_bwd_fp32(q, k, v, o_saved, do, sm_scale=sm_scale, causal=causal)
+        else:
+            dq, dk, dv = attn_qat_backward_ref(q, k, v, o_saved, do, m, l, sm_scale=sm_scale, causal=causal,
+                                               p_bwd=p_bwd)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def attn_qat_attention_ref(q, k, v, *, sm_scale=None, causal=False, p_bwd: str = "final_max"):
+    """Reference ``attn_qat`` mode: FP4 forward, Attn-QAT backward (differentiable)."""
+    return _AttnQATRef.apply(q, k, v, sm_scale, causal, p_bwd, False)
+
+
+def attn_qat_dropin_attention_ref(q, k, v, *, sm_scale=None, causal=False):
+    """Reference ``attn_qat_dropin`` mode: FP4 forward, high-precision FlashAttention-style backward."""
+    return _AttnQATRef.apply(q, k, v, sm_scale, causal, "final_max", True)
+
+
+def nvfp4_attention_ref(q, k, v, *, sm_scale=None, causal=False):
+    """Reference ``nvfp4`` mode (naive FP4 attention, inference): the Attn-QAT forward without O'."""
+    return attn_qat_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, training=False)[0].to(q.dtype)
+
 # ---------------------------------------------------------------------------------------------------
 # SageBwd (SPEC §4)
 # ---------------------------------------------------------------------------------------------------
