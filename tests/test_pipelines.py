@@ -265,3 +265,25 @@ def test_missing_models_say_how_to_download(tmp_path):
     with pytest.raises(ModelNotFoundError, match="model_index.json is missing"):
         load_pipeline(str(tmp_path))
     # a hub id that is neither cached nor reachable: tests/test_generate_cli.py (needs HF_HUB_OFFLINE at start-up)
+
+
+def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "e2e.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e", path)
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n## End-to-end: Wan 2.1 14B transformer step\n\nold\n"
+                    "\n## Later\n\nkeep me too\n")
+    assert e2e.main(["--tiny", "--modes", "bf16", "--repeats", "1", "--docs", str(docs),
+                     "--json", str(tmp_path / "e2e.json")]) == 0
+    text = docs.read_text()
+    assert text.count("## End-to-end") == 1 and "old" not in text
+    assert "keep me\n" in text and "## Later\n\nkeep me too" in text and "| bf16 |" in text
+    res = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    assert res[0]["mode"] == "bf16" and res[0]["attention_calls_per_step"] == 4  # 2 blocks x (cond + uncond)
+    assert 0 < res[0]["attention_s"] < res[0]["step_s"]

@@ -1,0 +1,272 @@
+"""End-to-end: one denoising step of the Wan 2.1 14B transformer in each attention mode.
+
+    python bench/e2e.py                          # GPU: 14B from its published config, random bf16 weights
+    python bench/e2e.py --layers 10              # a cheaper partial model (10 of 40 blocks), said in the table
+    python bench/e2e.py --tiny                   # the code path on CPU with the tiny model (seconds)
+
+The transformer is built in code from Wan 2.1 T2V 14B's published config (no download) with random
+weights created directly on the GPU in bf16. One step = the two transformer calls of classifier-free
+guidance (cond, then uncond; batch 1 each, as diffusers' WanPipeline runs them) on 480x832x81-frame
+latents (1, 16, 21, 60, 104) -> 32,760 self-attention tokens, with 512 text tokens.
+
+Per mode (self-attention attn1 patched, as in the paper; cross-attention stays diffusers' SDPA):
+step time (CUDA events, after warm-up), attention time (CUDA events around every patched attention
+call, via the processors' AttentionTimer) and its share of the step, peak GPU memory, ratios to bf16
+measured in the same run. Writes the `## End-to-end: Wan 2.1 14B transformer step` section of
+docs/benchmarks.md (only that section) and a JSON file, and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from attnqat.kernels import available_modes  # noqa: E402
+from attnqat.pipelines import AttentionTimer, TINY_TRANSFORMER_CONFIG, patch_attention, unpatch_attention  # noqa: E402
+
+SECTION = "## End-to-end: Wan 2.1 14B transformer step"
+
+# Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (the WanTransformer3DModel arguments).
+WAN21_14B_CONFIG = dict(
+    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024,
+)
+# 480x832 pixels, 81 frames -> latents (16, 21, 60, 104): VAE 4x in time (+1 frame), 8x in space.
+LATENT_480P = (16, 21, 60, 104)
+TEXT_TOKENS = 512
+# Modes whose inference forward is another mode's: timing them again adds nothing.
+SAME_FORWARD_AS = {"attn_qat_dropin": "attn_qat"}
+
+
+def build_transformer(config: dict, device: torch.device, dtype: torch.dtype, num_layers: int | None):
+    """WanTransformer3DModel with random weights created directly on ``device`` in ``dtype`` (no
+    fp32 copy on the CPU: 14B parameters would be 56 GB), then diffusers' fp32 modules cast back."""
+    from diffusers import WanTransformer3DModel
+
+    cfg = dict(config, num_layers=num_layers or config["num_layers"])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = WanTransformer3DModel(**cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    keep = model._keep_in_fp32_modules or []
+    for name, p in model.named_parameters():
+        if any(part in keep for part in name.split(".")):
+            p.data = p.data.float()
+    return model.eval().requires_grad_(False)
+
+
+class _Events:
+    """Wall time of a region: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    @contextlib.contextmanager
+    def time(self, out: list):
+        if self.cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            yield
+            e.record()
+            torch.cuda.synchronize()
+            out.append(s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            yield
+            out.append(time.perf_counter() - t0)
+
+
+def sdpa_context(backend: str):
+    if backend == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                        "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend])
+
+
+@torch.no_grad()
+def run_mode(model, mode: str, inputs: dict, *, warmup: int, repeats: int, device: torch.device,
+             sdpa: str) -> dict:
+    """Warm up, then time ``repeats`` steps (cond + uncond) of ``model`` with attn1 in ``mode``."""
+    timer = AttentionTimer()
+    patch_attention(model, mode, "self", timer=timer)
+    clock = _Events(device)
+
+    def step():
+        outs = []
+        for ctx in (inputs["cond"], inputs["uncond"]):
+            outs.append(model(hidden_states=inputs["latents"], timestep=inputs["timestep"],
+                              encoder_hidden_states=ctx, return_dict=False)[0])
+        return outs
+
+    try:
+        with sdpa_context(sdpa):
+            for _ in range(warmup):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            timer.reset()
+            times: list[float] = []
+            for _ in range(repeats):
+                with clock.time(times):
+                    outs = step()
+    finally:
+        unpatch_attention(model)
+    step_s = sum(times) / len(times)
+    attn_s = timer.total_seconds() / repeats
+    return {
+        "mode": mode, "step_s": step_s, "step_s_all": times, "attention_s": attn_s,
+        "attention_share": attn_s / step_s, "attention_calls_per_step": timer.calls // repeats,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "finite": bool(all(torch.isfinite(o).all() for o in outs)),
+    }
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    base = next((r for r in results if r["mode"] == "bf16"), None)
+    lines = [SECTION, "",
+             f"{meta['model']}: one denoising step = transformer calls for cond + uncond (batch 1 each) at "
+             f"{meta['resolution']} ({meta['tokens']:,} self-attention tokens, {meta['text_tokens']} text tokens); "
+             f"self-attention (attn1) in the mode, cross-attention in diffusers' SDPA. Random {meta['dtype']} weights "
+             f"built from the published config (no download); {meta['warmup']} warm-up step(s), mean of "
+             f"{meta['repeats']}. Times from {meta['clock']}; attention time = the patched attn1 calls.",
+             "",
+             f"Device: {meta['device']}; torch {meta['torch']}, diffusers {meta['diffusers']}, triton {meta['triton']}; "
+             f"SDPA backend: {meta['sdpa']}; {meta['date']}.", ""]
+    if meta["partial"]:
+        lines += [f"**Partial model: {meta['layers']} of 40 blocks** (`--layers {meta['layers']}`); a full "
+                  f"step takes about 40/{meta['layers']} times the block part.", ""]
+    lines += ["| mode | step (s) | × bf16 | attention (s) | attention share | attention × bf16 | peak memory (GiB) | output finite |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rs = f"{r['step_s'] / base['step_s']:.2f}" if base else "–"
+        ra = f"{r['attention_s'] / base['attention_s']:.2f}" if base and base["attention_s"] > 0 else "–"
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
+        lines.append(f"| {r['mode']} | {r['step_s']:.3f} | {rs} | {r['attention_s']:.3f} | "
+                     f"{100 * r['attention_share']:.1f}% | {ra} | {peak} | {'yes' if r['finite'] else 'NO'} |")
+    for m, same in SAME_FORWARD_AS.items():
+        if m in meta["skipped"]:
+            lines += ["", f"`{m}` is not timed: its inference forward is `{same}`'s."]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace (or append) only this benchmark's section of a markdown file; other sections stay."""
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = old.find(SECTION)
+    if start < 0:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        nxt = old.find("\n## ", start + len(SECTION))
+        new = old[:start] + text + ("\n" + old[nxt + 1:] if nxt >= 0 else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--modes", help="comma-separated modes (default: every registered mode except "
+                   f"{', '.join(SAME_FORWARD_AS)}, whose forward is another mode's); bf16 always runs first")
+    p.add_argument("--layers", type=int, help="build only this many of the 40 blocks (cheaper; said in the table)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps per mode (default 1)")
+    p.add_argument("--repeats", type=int, default=2, help="timed steps per mode (default 2)")
+    p.add_argument("--sdpa", default="default", choices=["default", "cudnn", "flash", "efficient", "math"],
+                   help="torch SDPA backend for bf16 and the unpatched cross-attention (default: torch's choice)")
+    p.add_argument("--tiny", action="store_true", help="the tiny CPU model and tiny latents: tests the code path")
+    p.add_argument("--device", help="default: cuda (cpu with --tiny)")
+    p.add_argument("--docs", help="markdown file whose section to write (default: docs/benchmarks.md; none with --tiny)")
+    p.add_argument("--json", help="JSON results path (default: bench/results/e2e.json; none with --tiny)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import diffusers
+    import triton
+
+    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench/e2e.py: error: no CUDA GPU; use --tiny to check the code path on CPU", file=sys.stderr)
+        return 2
+    registered = available_modes()
+    wanted = args.modes.split(",") if args.modes else [m for m in registered if m not in SAME_FORWARD_AS]
+    unknown = [m for m in wanted if m not in registered]
+    if unknown:
+        print(f"bench/e2e.py: error: unknown modes {unknown}; available: {', '.join(registered)}", file=sys.stderr)
+        return 2
+    modes = ["bf16"] + [m for m in wanted if m != "bf16"]
+    skipped = [m for m in registered if m not in modes]
+
+    if args.tiny:
+        config, dtype = TINY_TRANSFORMER_CONFIG, torch.float32 if device.type == "cpu" else torch.bfloat16
+        latent, text, name, resolution = (16, 2, 8, 8), 32, "Tiny Wan 2.1-architecture transformer", "64×64×5 frames"
+        text_dim = config["text_dim"]
+    else:
+        config, dtype = WAN21_14B_CONFIG, torch.bfloat16
+        latent, text, name, resolution = LATENT_480P, TEXT_TOKENS, "Wan 2.1 T2V 14B transformer", "480×832×81 frames"
+        text_dim = config["text_dim"]
+    layers = args.layers or config["num_layers"]
+    t0 = time.perf_counter()
+    model = build_transformer(config, device, dtype, layers)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"built {name} ({layers} blocks, {n_params / 1e9:.2f} B parameters) in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    inputs = {
+        "latents": torch.randn(1, *latent, generator=g).to(device, dtype),
+        "cond": torch.randn(1, text, text_dim, generator=g).to(device, dtype),
+        "uncond": torch.randn(1, text, text_dim, generator=g).to(device, dtype),
+        "timestep": torch.tensor([999.0], device=device),
+    }
+    tokens = latent[1] * (latent[2] // 2) * (latent[3] // 2)
+    results = []
+    for mode in modes:
+        r = run_mode(model, mode, inputs, warmup=args.warmup, repeats=args.repeats, device=device, sdpa=args.sdpa)
+        results.append(r)
+        print(f"{mode:>16}: step {r['step_s']:.3f} s, attention {r['attention_s']:.3f} s "
+              f"({100 * r['attention_share']:.1f}%), peak {r['peak_gib'] if r['peak_gib'] is None else round(r['peak_gib'], 1)} GiB",
+              file=sys.stderr)
+
+    meta = {"model": name + (f" ({layers} of {config['num_layers']} blocks)" if layers != config["num_layers"] else ""),
+            "layers": layers, "partial": layers != config["num_layers"] and not args.tiny,
+            "resolution": resolution, "tokens": tokens, "text_tokens": text, "warmup": args.warmup,
+            "repeats": args.repeats, "sdpa": args.sdpa, "skipped": skipped,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
+            "torch": torch.__version__, "diffusers": diffusers.__version__, "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(), "parameters": n_params,
+            "dtype": str(dtype).replace("torch.", ""), "clock": "CUDA events" if device.type == "cuda" else "perf_counter"}
+    table = markdown(results, meta)
+    print(table)
+    docs = args.docs or (None if args.tiny else str(ROOT / "docs" / "benchmarks.md"))
+    if docs:
+        write_section(Path(docs), table)
+        print(f"wrote section {SECTION!r} of {docs}", file=sys.stderr)
+    js = args.json or (None if args.tiny else str(ROOT / "bench" / "results" / "e2e.json"))
+    if js:
+        Path(js).parent.mkdir(parents=True, exist_ok=True)
+        Path(js).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        print(f"wrote {js}", file=sys.stderr)
+    return 0 if all(math.isfinite(r["step_s"]) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
