@@ -114,27 +114,17 @@ def _logits_log2(qf, kf, scale, causal):
     return s
 
 
-def attn_qat_forward_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int = 64, training: bool = True):
-    """Tile-wise Attn-QAT forward with the integer running max and the 2688 P scale (SPEC §2).
-
-    Return:
-        o: (B, H, Lq, D) float32, the FP4 output O.
-        o_aux: float32 O' (P unquantized, V^F), or None when ``training`` is False.
-        m: (B, H, Lq) float32, the final integer running max (log2 units).
-        l: (B, H, Lq) float32, the row sum of the unquantized P~ = 2688 * 2^(S - m).
-    """
+def _fp4_online_softmax(s, vf, *, block_n: int, training: bool):
+    """The tile loop shared by the FP4 forwards: integer running max, P~ = 2688 * 2^(S - m),
+    l and O' from the unquantized P~, O from phi(P~) (blocks of 16 keys). ``s`` in log2 units."""
     if block_n % BLOCK:
         raise ValueError(f"block_n {block_n} must be a multiple of 16")
-    scale = _scale(q, sm_scale)
-    qf, kf, vf = (fake_quant_nvfp4_ref(t.float()) for t in (q, k, v))
-    s = _logits_log2(qf, kf, scale, causal)
-    lk = k.shape[-2]
-    shape = q.shape[:-1]
-    m = torch.full(shape, float("-inf"), device=q.device)
-    l = torch.zeros(shape, device=q.device)
-    o = torch.zeros(*shape, v.shape[-1], device=q.device)
+    shape = s.shape[:-1]
+    m = torch.full(shape, float("-inf"), device=s.device)
+    l = torch.zeros(shape, device=s.device)
+    o = torch.zeros(*shape, vf.shape[-1], device=s.device)
     o_aux = torch.zeros_like(o) if training else None
-    for j in range(0, lk, block_n):
+    for j in range(0, s.shape[-1], block_n):
         s_j = s[..., j:j + block_n]
         m_new = torch.maximum(m, torch.ceil(s_j.amax(dim=-1)))
         alpha = torch.exp2(m - m_new).nan_to_num(0.0)  # first tile: 2^(-inf - m_new) = 0
@@ -148,6 +138,20 @@ def attn_qat_forward_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int =
     if training:
         o_aux = o_aux / l[..., None]
     return o, o_aux, m, l
+
+
+def attn_qat_forward_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int = 64, training: bool = True):
+    """Tile-wise Attn-QAT forward with the integer running max and the 2688 P scale (SPEC §2).
+
+    Return:
+        o: (B, H, Lq, D) float32, the FP4 output O.
+        o_aux: float32 O' (P unquantized, V^F), or None when ``training`` is False.
+        m: (B, H, Lq) float32, the final integer running max (log2 units).
+        l: (B, H, Lq) float32, the row sum of the unquantized P~ = 2688 * 2^(S - m).
+    """
+    scale = _scale(q, sm_scale)
+    qf, kf, vf = (fake_quant_nvfp4_ref(t.float()) for t in (q, k, v))
+    return _fp4_online_softmax(_logits_log2(qf, kf, scale, causal), vf, block_n=block_n, training=training)
 
 
 def attn_qat_backward_ref(q, k, v, o_aux, do, m, l, *, sm_scale=None, causal=False, p_bwd: str = "final_max"):
@@ -229,6 +233,44 @@ def nvfp4_attention_ref(q, k, v, *, sm_scale=None, causal=False):
     """Reference ``nvfp4`` mode (naive FP4 attention, inference): the Attn-QAT forward without O'."""
     return attn_qat_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, training=False)[0].to(q.dtype)
 
+
+# ---------------------------------------------------------------------------------------------------
+# SageAttention3, emulated (SPEC §3; inference only)
+# ---------------------------------------------------------------------------------------------------
+
+SAGE3_Q_BLOCK = 128  # Q is smoothed per block of 128 query rows
+
+
+def sage3_smooth(q, k):
+    """K_s = K - mean_tokens(K); per 128-row query block i: q̄_i = mean_rows(Q_i), Q_s = Q - q̄_i,
+    ΔS_i = q̄_i K_s^T. Returns float32 (q_s, k_s, delta_s (B, H, ceil(Lq/128), Lk))."""
+    qf, kf = q.float(), k.float()
+    k_s = kf - kf.mean(dim=2, keepdim=True)
+    lq = q.shape[2]
+    nb = -(-lq // SAGE3_Q_BLOCK)
+    pad = nb * SAGE3_Q_BLOCK - lq
+    sums = torch.nn.functional.pad(qf, (0, 0, 0, pad)).reshape(*q.shape[:2], nb, SAGE3_Q_BLOCK, q.shape[3]).sum(3)
+    counts = torch.full((nb,), float(SAGE3_Q_BLOCK), device=q.device)
+    counts[-1] = lq - (nb - 1) * SAGE3_Q_BLOCK
+    q_bar = sums / counts[:, None]
+    q_s = qf - q_bar.repeat_interleave(SAGE3_Q_BLOCK, dim=2)[:, :, :lq]
+    return q_s, k_s, q_bar @ k_s.transpose(-1, -2)
+
+
+def sage3_attention_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int = 64):
+    """SageAttention3 emulated: S = (phi(Q_s) phi(K_s)^T + ΔS) * scale; P~ with the 2688 two-level
+    scale; V quantized in blocks of 16 along tokens. Same online softmax as the FP4 modes (integer
+    running max, so the result is tile-width free). Returns q's dtype."""
+    scale = _scale(q, sm_scale)
+    q_s, k_s, delta_s = sage3_smooth(q, k)
+    qf, kf = fake_quant_nvfp4_ref(q_s), fake_quant_nvfp4_ref(k_s)
+    vf = fake_quant_nvfp4_ref(v.float(), dim=2)
+    s = (qf @ kf.transpose(-1, -2) + delta_s.repeat_interleave(SAGE3_Q_BLOCK, dim=2)[:, :, :q.shape[2]])
+    s = s * (scale * LOG2E)
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    return _fp4_online_softmax(s, vf, block_n=block_n, training=False)[0].to(q.dtype)
+
 # ---------------------------------------------------------------------------------------------------
 # SageBwd (SPEC §4)
 # ---------------------------------------------------------------------------------------------------
@@ -307,21 +349,22 @@ def sagebwd_forward_ref(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, 
 
 
 def sagebwd_backward_ref(q, k, v, o, do, lse, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False,
-                         block_m1: int = 64, block_n1: int = 128, block_m2: int = 128, block_n2: int = 64):
+                         block_m1: int = 64, block_n2: int = 64):
     """SageBwd backward (SPEC §4) from the forward's ``o`` and ``lse``: INT8 S recompute, dV, dQ, dK;
-    dP = dO V^T unquantized. P and dS for dV / dK are quantized per (block_m1 x block_n1) tile, dS for
-    dQ per (block_m2 x block_n2) tile, dO per 128 rows. Returns float32 (dq, dk, dv)."""
+    dP = dO V^T unquantized. P and dS for dV / dK are quantized per block of one key x ``block_m1``
+    queries (the kernel's BLOCK_M1), dS for dQ per one query x ``block_n2`` keys (BLOCK_N2), dO per
+    128 rows. Returns float32 (dq, dk, dv)."""
     scale = _scale(q, sm_scale)
     s, qd, kd, qmean = _sagebwd_logits_ref(q, k, scale, causal, smooth_k, smooth_q)
     dof = do.float()
     p = torch.exp2(s - lse[..., None])
     delta = (dof * o.float()).sum(-1, keepdim=True)
     ds = p * (dof @ v.float().transpose(-1, -2) - delta)
-    dv = int8_fake_quant_ref(p, block_m1, block_n1).transpose(-1, -2) @ int8_fake_quant_ref(dof, SAGEBWD_Q_BLOCK)
-    dk = int8_fake_quant_ref(ds, block_m1, block_n1).transpose(-1, -2) @ qd
+    dv = int8_fake_quant_ref(p, block_m1, 1).transpose(-1, -2) @ int8_fake_quant_ref(dof, SAGEBWD_Q_BLOCK)
+    dk = int8_fake_quant_ref(ds, block_m1, 1).transpose(-1, -2) @ qd
     if smooth_q:  # dS^T Q = dS^T Q_s + (dS^T 1) mean(Q)^T
         dk = dk + ds.sum(dim=-2)[..., None] * qmean
-    dq = int8_fake_quant_ref(ds, block_m2, block_n2) @ kd
+    dq = int8_fake_quant_ref(ds, 1, block_n2) @ kd
     return dq * scale, dk * scale, dv
 
 

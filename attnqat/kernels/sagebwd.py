@@ -6,10 +6,14 @@
               O  = psi(P~) psi(V)        P~ = exp(S_j - m_j) per row of a key tile,
                                          s = exp(rowmax(S_j) - m_j) / 127;  V per 64-row block
     backward  S  = psi(Q) psi(K_s)^T     the int8 Q, K and scales saved by the forward
-              dV = psi(P)^T psi(dO)      P per (BLOCK_N1 x BLOCK_M1) tile, dO per 128-row block
+              dV = psi(P)^T psi(dO)      P per block of 1 key x BLOCK_M1 queries, dO per 128-row block
               dP = dO V^T                bf16/fp16 operands, fp32 accumulation (dS is fragile)
-              dQ = psi(dS) psi(K_s)      dS per (BLOCK_M2 x BLOCK_N2) tile
-              dK = psi(dS)^T psi(Q)      dS per (BLOCK_N1 x BLOCK_M1) tile
+              dQ = psi(dS) psi(K_s)      dS per block of 1 query x BLOCK_N2 keys
+              dK = psi(dS)^T psi(Q)      dS per block of 1 key x BLOCK_M1 queries
+
+The P and dS blocks are one row of the matmul's left operand (a scale there factors out of the
+sum); a first version used whole (BLOCK_N1 x BLOCK_M1) tiles, which cost a cross-warp max per tile
+and lost accuracy on small entries of P.
 
 K-smoothing needs no backward change because rows of dS sum to zero (dS K = dS K_s). Optional
 Q-smoothing (Q_s = Q - mean(Q)) adds the exact bias (mean(Q) . K_s,j) to every column of S and
@@ -74,6 +78,15 @@ def _quant_tile(x):
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     s = tl.maximum(amax, 1e-30) / 127.0  # 1e-30: SCALE_FLOOR
     return _round_half_away(x / s).to(tl.int8), s
+
+
+@triton.jit
+def _quant_tile_rows(x):
+    """psi(x) with one scale per row of a 2-D fp32 tile: (int8 tile, fp32 scales (rows,)). A per-row
+    scale of the left operand factors out of the matmul, and a row max stays inside a warp's quad
+    (shuffles), where a whole-tile max needs a shared-memory round trip and a barrier per tile."""
+    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) / 127.0  # 1e-30: SCALE_FLOOR
+    return _round_half_away(x / s[:, None]).to(tl.int8), s
 
 
 @triton.jit
@@ -149,7 +162,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, 
             acc += tl.dot(p8, v, out_dtype=tl.int32).to(tl.float32) * (c * (sv / 127.0))[:, None]
         elif PV == 1:  # fp8 e4m3: P~ / s = 448 e, s = c / 448
             p8 = (e * 448.0).to(tl.float8e4nv)
-            v = _load_kv8(V8, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, KMAJOR)
+            v = _load_kv8(V8, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, KMAJOR).to(tl.float8e4nv, bitcast=True)
             sv = tl.load(SV + ks_base + start_n // KBLK)
             acc += tl.dot(p8, v) * (c * (sv / 448.0))[:, None]
         else:  # 16-bit: V8 is the original V, P~ = e * c unquantized
@@ -235,10 +248,10 @@ def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, Q8T, SQ,
         lse = tl.load(LSE + q_base // HEAD_DIM + offs_m, mask=m_ok, other=float("inf"))  # inf: P = 0 past Lq
         pT = tl.exp2(sT - lse[None, :])
         # dV += psi(P)^T psi(dO)
-        p8, sp = _quant_tile(pT)
+        p8, sp = _quant_tile_rows(pT)  # one scale per key over the BLOCK_M1 queries
         do8 = _load_kv8(DO8, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, KMAJOR)
         sdo = tl.load(SDO + qs_base + start_m // QBLK)
-        dv += tl.dot(p8, do8, out_dtype=tl.int32).to(tl.float32) * (sp * sdo)
+        dv += tl.dot(p8, do8, out_dtype=tl.int32).to(tl.float32) * (sp * sdo)[:, None]
         # dP^T = V dO^T in 16-bit: the one matmul SageBwd keeps out of INT8
         doT = tl.load(DO + q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=m_ok[None, :], other=0.0)
         dpT = tl.dot(v, doT.to(DOT_DTYPE))
@@ -247,12 +260,12 @@ def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, Q8T, SQ,
         if SMOOTH_Q:
             colsum += tl.sum(dsT, 1)
         # dK += psi(dS)^T psi(Q)
-        ds8, sds = _quant_tile(dsT)
+        ds8, sds = _quant_tile_rows(dsT)
         if KMAJOR:
             q8 = _load_kv8(Q8T, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, True)
         else:
             q8 = tl.trans(qT)
-        dk += tl.dot(ds8, q8, out_dtype=tl.int32).to(tl.float32) * (sds * sq)
+        dk += tl.dot(ds8, q8, out_dtype=tl.int32).to(tl.float32) * (sds * sq)[:, None]
     return dk, dv, colsum
 
 
@@ -320,12 +333,12 @@ def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, K8T, V, SK, BIAS, 
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, vT.to(DOT_DTYPE))  # 16-bit dP = dO V^T
         ds = p * (dp - delta[:, None])
-        ds8, sds = _quant_tile(ds)  # dQ += psi(dS) psi(K_s): rows of dS sum to 0, so K_s is exact
+        ds8, sds = _quant_tile_rows(ds)  # dQ += psi(dS) psi(K_s): rows of dS sum to 0, so K_s is exact
         if KMAJOR:
             k8 = _load_kv8(K8T, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, True)
         else:
             k8 = tl.trans(kT)
-        dq += tl.dot(ds8, k8, out_dtype=tl.int32).to(tl.float32) * (sds * sk)
+        dq += tl.dot(ds8, k8, out_dtype=tl.int32).to(tl.float32) * (sds * sk)[:, None]
     return dq
 
 
@@ -448,7 +461,7 @@ class _SageBwdAttention(torch.autograd.Function):
         pv_code = PV_MODES.index(pv)
         if pv_code < 2:
             v8, v8t, sv = quantize_int8_rows(v, K_BLOCK, fp8=pv_code == 1, row=not km, col=km)
-            v8 = v8t if km else v8
+            v8 = (v8t if km else v8).view(torch.int8)  # fp8 codes travel as int8 bits (masked loads need an 'other')
         else:
             v8, sv = v, sk  # sv unused
         bias = None
