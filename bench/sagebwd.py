@@ -115,9 +115,9 @@ def sweep_configs(shape=(1, 40, 32760, 128, False), warmup=10, rep=30) -> list[d
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
     grids = {
-        "ATTNQAT_SAGEBWD_FWD_CONFIG": ["128,64,4,3", "128,64,8,3", "128,32,4,3", "64,64,4,3", "128,64,8,4"],
-        "ATTNQAT_SAGEBWD_DKDV_CONFIG": ["64,128,8,2", "32,128,4,2", "64,128,4,3", "64,64,4,3", "32,64,4,3"],
-        "ATTNQAT_SAGEBWD_DQ_CONFIG": ["128,64,8,2", "128,32,4,2", "64,64,4,3", "128,64,4,3", "64,32,4,3"],
+        "ATTNQAT_SAGEBWD_FWD_CONFIG": ["128,64,4,3", "128,32,4,3", "64,64,4,3"],
+        "ATTNQAT_SAGEBWD_DKDV_CONFIG": ["32,128,4,2", "64,128,4,3", "64,64,4,3"],
+        "ATTNQAT_SAGEBWD_DQ_CONFIG": ["128,32,4,2", "64,64,4,3", "128,64,4,3"],
     }
     out = []
     for env, cfgs in grids.items():
