@@ -16,7 +16,9 @@ from attnqat.pipelines import (AttentionTimer, AttnQATProcessor, CheckpointMisma
                                unpatch_attention)
 from attnqat.kernels import attention
 
-FP4_MODES = ["nvfp4", "attn_qat", "attn_qat_dropin", "sage3"]
+# Quantized modes: NVFP4 ones, and SageBwd's INT8. Their Triton kernels (run by the interpreter here)
+# take bf16/fp16, so these tests use the tiny model in bf16 against the unpatched bf16 model.
+FP4_MODES = ["nvfp4", "attn_qat", "attn_qat_dropin", "sage3", "sagebwd"]
 # Lower bounds on cos-sim to the unpatched fp32 model, measured on the tiny model (see docs/pipeline.md):
 # transformer output (attention's contribution through the random gates is small) and block 0's attn1.
 COS_OUTPUT_MIN = 0.999
@@ -115,10 +117,15 @@ def test_processor_matches_independent_wan_attention(transformer):
     torch.testing.assert_close(seen["out"], ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def transformer_bf16():
+    return build_tiny_transformer(torch.bfloat16)
+
+
 @pytest.mark.parametrize("mode", FP4_MODES)
-def test_fp4_mode_changes_output_but_stays_close(transformer, mode):
-    mode = _fp4(mode)
-    inputs = _inputs(seed=torch.seed() % 2**31)
+def test_fp4_mode_changes_output_but_stays_close(transformer_bf16, mode):
+    mode, transformer = _fp4(mode), transformer_bf16
+    inputs = [x.bfloat16() if x.ndim > 1 else x for x in _inputs(seed=torch.seed() % 2**31)]
     seen_ref, ref = _attn1_io(transformer, inputs)
     patch_attention(transformer, mode)
     try:

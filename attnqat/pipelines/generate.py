@@ -25,7 +25,7 @@ HELP = "generate a video with Wan 2.1 text-to-video (attention in an attnqat mod
 
 # Per-model defaults for options left unset: the tiny model's are small so the CPU run takes seconds;
 # the real model's are Wan 2.1's 480p settings (flow shift 3.0 at 480p, 5.0 at 720p).
-TINY_DEFAULTS = dict(height=128, width=128, frames=17, steps=10, guidance=5.0, flow_shift=3.0)
+TINY_DEFAULTS = dict(height=64, width=64, frames=9, steps=8, guidance=5.0, flow_shift=3.0)
 REAL_DEFAULTS = dict(height=480, width=832, frames=81, steps=50, guidance=5.0, flow_shift=3.0)
 FPS = 16  # Wan 2.1 generates 16 frames per second
 SIZE_MULTIPLE = 16  # the VAE downsamples by 8, then the transformer patches 2x2
@@ -38,11 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt", required=True, help="text prompt")
     g.add_argument("--negative-prompt", default="", help="negative prompt for classifier-free guidance (default: empty)")
     g.add_argument("--height", type=int, help="video height in pixels, a multiple of 16 "
-                   "(default: 128 for tiny, 480 otherwise)")
-    g.add_argument("--width", type=int, help="video width in pixels, a multiple of 16 (default: 128 for tiny, 832 otherwise)")
-    g.add_argument("--frames", type=int, help="number of frames, 4k+1 (default: 17 for tiny, 81 otherwise); "
+                   "(default: 64 for tiny, 480 otherwise)")
+    g.add_argument("--width", type=int, help="video width in pixels, a multiple of 16 (default: 64 for tiny, 832 otherwise)")
+    g.add_argument("--frames", type=int, help="number of frames, 4k+1 (default: 9 for tiny, 81 otherwise); "
                    "other values are refused with the nearest valid ones")
-    g.add_argument("--steps", type=int, help="denoising steps (default: 10 for tiny, 50 otherwise)")
+    g.add_argument("--steps", type=int, help="denoising steps (default: 8 for tiny, 50 otherwise)")
     g.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: 5.0; <= 1 disables "
                    "the unconditional pass)")
     g.add_argument("--flow-shift", type=float, help="UniPC flow-matching shift (default: 3.0, Wan 2.1's 480p "
@@ -246,6 +246,21 @@ def write_pngs(frames: np.ndarray, folder: str | Path) -> list[Path]:
     return paths
 
 
+def check_mode_runs(mode: str, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Run ``mode`` once on small inputs of the model's head_dim, device and dtype, so that an
+    unsupported combination (e.g. an FP4 kernel given fp32, or head_dim 96) fails before the model runs."""
+    from attnqat.kernels import attention
+
+    q = torch.randn(1, 1, 32, head_dim, device=device).to(dtype)
+    try:
+        with torch.no_grad():
+            attention(q, q, q, mode)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        hint = "; try --dtype bf16" if dtype == torch.float32 and "dtype" in str(e) else ""
+        raise ValueError(f"--mode {mode} cannot run this model ({dtype}, head_dim {head_dim}, {device}): "
+                         f"{str(e).splitlines()[0]}{hint}") from e
+
+
 def _describe_layers(layers, n_blocks: int) -> str:
     if layers == "self":
         return f"self-attention (attn1) of all {n_blocks} blocks"
@@ -271,6 +286,7 @@ def main(args: argparse.Namespace) -> int:
                          flow_shift=args.flow_shift)
     if args.qat_checkpoint:
         load_qat_checkpoint(pipe.transformer, args.qat_checkpoint)
+    check_mode_runs(args.mode, pipe.transformer.config.attention_head_dim, device, dtype)
     timer = AttentionTimer(enabled=not args.compile)
     patch_attention(pipe.transformer, args.mode, args.layers, timer=timer)
     if args.offload:
