@@ -133,10 +133,11 @@ def _attn_qat_reference(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_ma
 def _plain(mode: str, kernel_name: str, reference_name: str):
     """A mode taking no options, calling ``attn_qat.<kernel_name>`` / ``reference.<reference_name>``."""
     def kernel(q, k, v, *, sm_scale=None, causal=False, **options):
-        from . import attn_qat
+        from . import attn_qat, sage3
 
         _no_options(mode, options)
-        return getattr(attn_qat, kernel_name)(q, k, v, sm_scale=sm_scale, causal=causal)
+        module = sage3 if kernel_name.startswith("sage3") else attn_qat
+        return getattr(module, kernel_name)(q, k, v, sm_scale=sm_scale, causal=causal)
 
     def ref(q, k, v, *, sm_scale=None, causal=False, **options):
         from . import reference
@@ -154,6 +155,8 @@ register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 ba
 register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
                    "(unstable in training)", True,
                    *_plain("attn_qat_dropin", "attn_qat_dropin_attention", "attn_qat_dropin_attention_ref")))
+register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
+                   False, *_plain("sage3", "sage3_attention", "sage3_attention_ref")))
 
 # SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv.
 def _sagebwd_options(options: dict) -> None:

@@ -113,13 +113,17 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum,
+def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
               stride_ob, stride_oh, stride_ol,
-              H, LQ, LK, qk_scale,
+              H, LQ, LK, NQB, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
-              IEEE: tl.constexpr, EXACT_DIV: tl.constexpr):
+              IEEE: tl.constexpr, EXACT_DIV: tl.constexpr, SMOOTH_Q: tl.constexpr):
+    """One block of BLOCK_M query rows per program. SMOOTH_Q (constexpr: SageAttention3's
+    Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T."""
     tl.static_assert(BLOCK_N % 16 == 0)  # quantization blocks of P must not straddle tiles
+    if SMOOTH_Q:
+        tl.static_assert(128 % BLOCK_M == 0)  # a program's rows share one 128-row smoothing block
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -139,7 +143,11 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum,
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
+        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        if SMOOTH_Q:
+            ds = tl.load(DeltaS + (bh * NQB + start_m * BLOCK_M // 128) * LK + offs_n, mask=offs_n < LK, other=0.0)
+            s += ds[None, :]
+        s = s * qk_scale
         valid = offs_n[None, :] < LK
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None])
@@ -329,29 +337,38 @@ def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, quant_p: bool = True,
-                     quant_qkv: bool = True, config: LaunchConfig | None = None):
+                     quant_qkv: bool = True, config: LaunchConfig | None = None,
+                     operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     delta_s: torch.Tensor | None = None):
     """Launch the forward. Returns (o, o_aux | None, m, l, (q^F, k^F, v^F)); o in q's layout.
 
     ``quant_qkv=False`` and ``quant_p=False`` give plain high-precision attention through the same
-    kernel (the drop-in ablation's backward needs its m and l).
+    kernel (the drop-in ablation's backward needs its m and l). ``operands`` passes ready (B, H, L, D)
+    contiguous work-dtype Q^F, K^F, V^F and ``delta_s`` (B, H, ceil(Lq/128), Lk) fp32 the Q-smoothing
+    correction (sage3 prepares both).
     """
     b, h, lq, d = q.shape
     lk = k.shape[2]
     cfg = config or fwd_config(d, training)
     wdt = _work_dtype(q.dtype)
-    if quant_qkv:
+    if operands is not None:
+        qf, kf, vf = operands
+    elif quant_qkv:
         qf, kf, vf = (quantize_heads(t, wdt) for t in (q, k, v))
     else:
         qf, kf, vf = (t.to(wdt).contiguous() for t in (q, k, v))
+    if delta_s is not None and 128 % cfg.block_m:
+        cfg = LaunchConfig(min(cfg.block_m, 64), cfg.block_n, cfg.num_warps, cfg.num_stages)
     o = _empty_like_layout(q, wdt)
     o_aux = torch.empty((b, h, lq, d), dtype=wdt, device=q.device) if training else o
     m = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     grid = (triton.cdiv(lq, cfg.block_m), b * h)
-    _attn_fwd[grid](qf, kf, vf, o, o_aux, m, l, o.stride(0), o.stride(1), o.stride(2),
-                    h, lq, lk, sm_scale * LOG2E,
+    _attn_fwd[grid](qf, kf, vf, o, o_aux, m, l, m if delta_s is None else delta_s,
+                    o.stride(0), o.stride(1), o.stride(2),
+                    h, lq, lk, 0 if delta_s is None else delta_s.shape[2], sm_scale * LOG2E,
                     HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TRAINING=training,
-                    QUANT_P=quant_p, IEEE=interpreting(), EXACT_DIV=interpreting(),
+                    QUANT_P=quant_p, IEEE=interpreting(), EXACT_DIV=interpreting(), SMOOTH_Q=delta_s is not None,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, (o_aux if training else None), m, l, (qf, kf, vf)
 
