@@ -23,14 +23,33 @@ COMMANDS: dict[str, str] = {
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _selected_command(argv: list[str]) -> str | None:
+    """The command named on the command line (the first non-option word), if it is one of ours."""
+    for a in argv:
+        if not a.startswith("-"):
+            return a if a in COMMANDS else None
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``only``, just that command's module is imported (so one command's missing
+    optional dependency never breaks another); without, every importable command is listed."""
     from attnqat import __version__
 
     parser = argparse.ArgumentParser(prog="attnqat", description="4-bit (NVFP4) attention for Wan 2.1 video diffusion.")
     parser.add_argument("--version", action="version", version=f"attnqat {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
-        module = importlib.import_module(module_name)
+        if only is not None and name != only:
+            sub.add_parser(name)
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            if only == name:
+                raise
+            sub.add_parser(name, help=f"(unavailable: {e})")
+            continue
         p = sub.add_parser(name, help=module.HELP, description=(module.__doc__ or module.HELP).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
@@ -39,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_selected_command(argv)).parse_args(argv)
     try:
         return int(args._module.main(args) or 0)
     except USER_ERRORS as e:
