@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 
-from attnqat.demo import DemoEngine, HEAT_MAX, demo_modes, new_request_dir, validate_request
+from attnqat.demo import DemoEngine, demo_modes, new_request_dir, validate_request
 
 TITLE = "attnqat: BF16 vs SageAttention3 vs Attn-QAT (Wan 2.1)"
 DEFAULT_PROMPT = "a corgi surfing a wave at sunset, cinematic"
@@ -46,10 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _fmt_metrics(run) -> str:
     lines = [f"**{run.label}**", f"time **{run.seconds:.2f} s** (denoising {run.denoise_seconds:.2f} s)"]
     if run.psnr is None:
-        lines.append("reference for the metrics")
+        lines.append("reference for the metrics (strip: its frames)")
     else:
         p = "∞ (identical)" if math.isinf(run.psnr) else f"{run.psnr:.2f} dB"
         lines.append(f"PSNR vs BF16 **{p}** · SSIM **{run.ssim:.4f}**")
+        lines.append(f"heat map: |difference| 0 to {run.heat_max:.0f} (of 255)")
     return "  \n".join(lines)
 
 
@@ -100,15 +101,15 @@ def build_demo(engine: DemoEngine, modes: list[str], out_root: str):
             if r is None:
                 outputs += [None, f"**{engine.label(m)}**  \nnot selected", None]
                 continue
-            outputs += [str(r.video), _fmt_metrics(r), None if r.strip is None else str(r.strip)]
+            outputs += [str(r.video), _fmt_metrics(r), str(r.strip)]
             summary["modes"][m] = r.summary()
         return [*outputs, summary]
 
     with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as demo:
         gr.Markdown(f"# {TITLE}\nThe same prompt and seed, with the transformer's self-attention in each mode. "
                     "Each video shows its generation time and its fidelity to the BF16 video: PSNR and SSIM "
-                    f"averaged over frames, and a strip of frames over a heat map of |difference| (0 to "
-                    f"{HEAT_MAX:.0f} of 255).")
+                    f"averaged over frames, and a strip of its frames over a heat map of |difference| (one colour "
+                    "scale for all modes of a request, dark = equal).")
         notes = [f"model `{engine.model}` on `{engine.device}` ({str(engine.dtype).replace('torch.', '')})"]
         if tiny:
             notes.append(f"**Note:** {TINY_NOTICE}. It shows the mechanics (the same seed, modes swapped, metrics), "

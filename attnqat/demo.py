@@ -12,8 +12,9 @@ Metrics, over the frames of a mode's video against the BF16 video of the same se
 - SSIM: Wang et al. 2004's SSIM with an 11x11 Gaussian window (sigma 1.5), K1 = 0.01, K2 = 0.03,
   on the luma (BT.601) of each frame, averaged over frames;
 - a difference strip: the mode's frames on top, ``|frame - bf16 frame|`` (mean over RGB) as a heat
-  map below, every frame side by side, on one fixed colour scale (0 to :data:`HEAT_MAX`) so strips of
-  different modes compare.
+  map below, every frame side by side. All strips of one request share one colour scale, 0 to the
+  smallest power of two (at least 1, at most 256) above every mode's 99.9th-percentile difference,
+  so strips of different modes compare and small differences stay visible.
 
 Weights: the pipeline is loaded once; switching modes only swaps attention processors
 (:func:`~attnqat.pipelines.patch_attention`). With a QAT checkpoint, Attn-QAT runs on the QAT weights
@@ -24,6 +25,7 @@ and one host-to-device copy per swap, instead of a second transformer in GPU mem
 """
 from __future__ import annotations
 
+import math
 import shutil
 import threading
 import time
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "difference_strip",
-           "heat_colors", "demo_modes", "mode_label", "validate_request"]
+           "heat_colors", "heat_scale", "demo_modes", "mode_label", "validate_request"]
 
 #: The modes the demo compares, in page order; only those registered in attnqat.kernels appear.
 DEMO_MODES = ("bf16", "sage3", "attn_qat", "nvfp4")
@@ -48,7 +50,7 @@ MODE_LABELS = {
     "sagebwd": "SageBwd (INT8)",
 }
 NO_CHECKPOINT_LABEL = "Attn-QAT: plain FP4 attention (no QAT checkpoint)"
-HEAT_MAX = 64.0  # |difference| (0-255 scale) drawn at the top of the heat map's colour scale
+HEAT_MAX = 64.0  # default top of the heat map's colour scale (|difference| on the 0-255 scale)
 
 # Per-request limits, so one visitor cannot ask the CPU-only tiny demo for minutes of work.
 TINY_LIMITS = dict(height=256, width=256, frames=33, steps=50)
@@ -142,23 +144,38 @@ def heat_colors(values: np.ndarray, vmax: float = HEAT_MAX) -> np.ndarray:
     return np.round(_HEAT_ANCHORS[lo] * (1 - frac) + _HEAT_ANCHORS[hi] * frac).astype(np.uint8)
 
 
-def difference_strip(ref: np.ndarray, x: np.ndarray, *, vmax: float = HEAT_MAX, gap: int = 2,
+def _abs_diff(ref: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return np.abs(x.astype(np.float64) - ref.astype(np.float64)).mean(axis=-1)  # (frames, H, W)
+
+
+def heat_scale(refs_and_videos, percentile: float = 99.9) -> float:
+    """A common top of the colour scale for several ``(ref, x)`` pairs: the smallest power of two
+    (1 ... 256) at or above every pair's ``percentile`` of ``|x - ref|``."""
+    top = max([float(np.percentile(_abs_diff(r, x), percentile)) for r, x in refs_and_videos] or [0.0])
+    return float(2 ** min(8, max(0, math.ceil(math.log2(max(top, 1.0))))))
+
+
+def difference_strip(ref: np.ndarray | None, x: np.ndarray, *, vmax: float = HEAT_MAX, gap: int = 2,
                      max_frames: int = 9) -> np.ndarray:
-    """One image: ``x``'s frames on top, the heat map of ``|x - ref|`` (mean over RGB) below.
+    """One image: ``x``'s frames on top, the heat map of ``|x - ref|`` (mean over RGB) below
+    (frames only when ``ref`` is None).
 
     At most ``max_frames`` frames, evenly spaced, side by side with ``gap`` white pixels between.
-    Return: (2 H + gap, n W + (n - 1) gap, 3) uint8.
+    Return: (2 H + gap, n W + (n - 1) gap, 3) uint8 (H rows without ``ref``).
     """
-    _check_videos(ref, x)
+    if ref is not None:
+        _check_videos(ref, x)
     n = len(x)
     idx = np.unique(np.linspace(0, n - 1, min(n, max_frames)).round().astype(int))
-    diff = np.abs(x.astype(np.float64) - ref.astype(np.float64)).mean(axis=-1)
     h, w = x.shape[1:3]
-    out = np.full((2 * h + gap, len(idx) * w + (len(idx) - 1) * gap, 3), 255, dtype=np.uint8)
+    rows = h if ref is None else 2 * h + gap
+    out = np.full((rows, len(idx) * w + (len(idx) - 1) * gap, 3), 255, dtype=np.uint8)
+    diff = None if ref is None else _abs_diff(ref, x)
     for j, i in enumerate(idx):
         c = j * (w + gap)
         out[:h, c:c + w] = x[i]
-        out[h + gap:, c:c + w] = heat_colors(diff[i], vmax)
+        if diff is not None:
+            out[h + gap:, c:c + w] = heat_colors(diff[i], vmax)
     return out
 
 
@@ -207,7 +224,7 @@ class ModeRun:
     mode: str
     label: str
     video: Path                          # mp4
-    strip: Path | None                   # PNG difference strip against bf16 (None for bf16 itself)
+    strip: Path                          # PNG: frames over |difference| vs bf16 (bf16 itself: frames only)
     frames: np.ndarray = field(repr=False)
     seconds: float                       # the pipeline call (text encoding, denoising, VAE decoding)
     denoise_seconds: float
@@ -216,6 +233,7 @@ class ModeRun:
     ssim: float | None
     psnr_frames: list[float] = field(default_factory=list)
     ssim_frames: list[float] = field(default_factory=list)
+    heat_max: float | None = None        # top of the strip's colour scale (None for bf16)
 
     def summary(self) -> dict:
         """JSON-friendly metrics (``inf`` PSNR as the string "inf")."""
@@ -226,7 +244,7 @@ class ModeRun:
                 "psnr_db": num(self.psnr), "ssim": num(self.ssim),
                 "psnr_db_per_frame": [num(v) for v in self.psnr_frames],
                 "ssim_per_frame": [num(v) for v in self.ssim_frames],
-                "frames": int(self.frames.shape[0]), "height": int(self.frames.shape[1]),
+                "heat_max": self.heat_max, "frames": int(self.frames.shape[0]), "height": int(self.frames.shape[1]),
                 "width": int(self.frames.shape[2])}
 
 
@@ -311,19 +329,26 @@ class DemoEngine:
                                         steps=int(steps), guidance=self.guidance, seed=int(seed), timer=self.timer,
                                         device=self.device)
                 video = write_mp4(result.frames, out_dir / f"{mode}.mp4", fps=FPS)
-                run = ModeRun(mode=mode, label=self.label(mode), video=video, strip=None, frames=result.frames,
-                              seconds=result.seconds, denoise_seconds=sum(result.step_seconds),
+                run = ModeRun(mode=mode, label=self.label(mode), video=video, strip=out_dir / f"{mode}_strip.png",
+                              frames=result.frames, seconds=result.seconds, denoise_seconds=sum(result.step_seconds),
                               attention_seconds=result.attention_seconds, psnr=None, ssim=None)
                 if runs:
-                    import imageio.v2 as imageio
-
-                    ref = runs[0].frames
-                    run.psnr, run.psnr_frames = psnr(ref, result.frames)
-                    run.ssim, run.ssim_frames = ssim(ref, result.frames)
-                    run.strip = out_dir / f"{mode}_difference.png"
-                    imageio.imwrite(run.strip, difference_strip(ref, result.frames))
+                    run.psnr, run.psnr_frames = psnr(runs[0].frames, result.frames)
+                    run.ssim, run.ssim_frames = ssim(runs[0].frames, result.frames)
                 runs.append(run)
+        self._write_strips(runs)
         return runs
+
+    @staticmethod
+    def _write_strips(runs: list[ModeRun]) -> None:
+        import imageio.v2 as imageio
+
+        ref = runs[0].frames
+        vmax = heat_scale([(ref, r.frames) for r in runs[1:]])
+        imageio.imwrite(runs[0].strip, difference_strip(None, ref))
+        for r in runs[1:]:
+            r.heat_max = vmax
+            imageio.imwrite(r.strip, difference_strip(ref, r.frames, vmax=vmax))
 
 
 def new_request_dir(root: str | Path) -> Path:
