@@ -228,3 +228,44 @@ def test_browser_loads_page_clicks_generate_and_shows_videos(served_app, tmp_pat
     assert len(shown) == len(demo_modes())
     assert all(v["ready"] >= 2 and (v["width"], v["height"]) == (64, 64) for v in shown), result
     assert imageio.imread(tmp_path / "demo.png").shape[0] > 500
+
+
+class _FlakyEngine:
+    """Stands in for :class:`DemoEngine`: the first request runs out of GPU memory, the next succeeds."""
+    model, device, dtype, qat_checkpoint = "tiny", torch.device("cpu"), torch.float32, None
+
+    def __init__(self):
+        self.calls = 0
+
+    def label(self, mode):
+        return DemoEngine.label(self, mode)
+
+    def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, progress=None):
+        from attnqat.demo import ModeRun
+        from attnqat.pipelines.generate import write_mp4
+
+        self.calls += 1
+        if self.calls == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        video = np.full((frames, height, width, 3), 128, np.uint8)
+        strip = Path(out_dir) / "bf16_strip.png"
+        imageio.imwrite(strip, difference_strip(None, video))
+        return [ModeRun(mode="bf16", label="BF16 (reference)", video=write_mp4(video, Path(out_dir) / "bf16.mp4"),
+                        strip=strip, frames=video, seconds=0.1, denoise_seconds=0.1, attention_seconds=None,
+                        psnr=None, ssim=None)]
+
+
+def test_app_reports_out_of_memory_and_keeps_serving(tmp_path):
+    app = _spec("attnqat_app", ROOT / "app.py")
+    demo = app.build_demo(_FlakyEngine(), ["bf16", *OPTIONAL], str(tmp_path))
+    port = browser_check.free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, allowed_paths=[str(tmp_path)],
+                quiet=True)
+    try:
+        client = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
+        with pytest.raises(Exception, match="Out of GPU memory at 32x48, 5 frames"):
+            _predict(client, [])
+        out = _predict(client, [])
+        assert list(out[-1]["modes"]) == ["bf16"]
+    finally:
+        demo.close()
