@@ -158,7 +158,7 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < LK, other=0.0)
         if QUANT_P:
-            pq = fake_quant_tile(p, BLOCK_M, BLOCK_N, 1, EXACT_DIV, False)
+            pq = fake_quant_tile(p, BLOCK_M, BLOCK_N, 1, EXACT_DIV, False, True)
         else:
             pq = p
         acc = _dot(pq.to(dot_ty), v, acc * alpha[:, None], IEEE)
@@ -247,9 +247,9 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV,
             if not QUANT_P:
                 pft = pt
             elif P_NORMALIZED:
-                pft = fake_quant_tile(pt, BLOCK_N, BLOCK_M, 0, False, False)
+                pft = fake_quant_tile(pt, BLOCK_N, BLOCK_M, 0, False, False, True)
             else:
-                pft = fake_quant_tile(pt_tilde, BLOCK_N, BLOCK_M, 0, False, False) * inv_l[None, :]
+                pft = fake_quant_tile(pt_tilde, BLOCK_N, BLOCK_M, 0, False, False, True) * inv_l[None, :]
             dv = _dot(pft.to(dot_ty), do, dv, IEEE)
             dpt = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
             dst = pt * (dpt - delta[None, :])
@@ -266,9 +266,9 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV,
             if not QUANT_P:
                 pf = p
             elif P_NORMALIZED:
-                pf = fake_quant_tile(p, BLOCK_M, BLOCK_N, 1, False, False)
+                pf = fake_quant_tile(p, BLOCK_M, BLOCK_N, 1, False, False, True)
             else:
-                pf = fake_quant_tile(p_tilde, BLOCK_M, BLOCK_N, 1, False, False) * inv_l[:, None]
+                pf = fake_quant_tile(p_tilde, BLOCK_M, BLOCK_N, 1, False, False, True) * inv_l[:, None]
             dv = _dot(tl.trans(pf.to(dot_ty)), do, dv, IEEE)
             dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
             ds = p * (dp - delta[:, None])

@@ -50,6 +50,14 @@ def round_e4m3(x):
 
 
 @triton.jit
+def round_e2m1_nonneg(y):
+    """round_e2m1 for y >= 0 (P~): no sign handling. The clamp stays: a block whose scale lands in
+    e4m3's subnormal range is rounded by up to half its spacing, and y can then exceed 6.375."""
+    magic = tl.where(y < 2.0, 6291456.0, tl.where(y < 4.0, 12582912.0, 25165824.0))
+    return tl.minimum((y + magic) - magic, 6.0)
+
+
+@triton.jit
 def round_e2m1(y):
     """Round fp32 ``y`` to the e2m1 grid ±{0, .5, 1, 1.5, 2, 3, 4, 6}, nearest, ties to the even
     code, saturating at 6. NaN propagates.
@@ -67,13 +75,15 @@ def round_e2m1(y):
 
 @triton.jit
 def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexpr,
-                    EXACT_DIV: tl.constexpr, PROPAGATE_NAN: tl.constexpr):
+                    EXACT_DIV: tl.constexpr, PROPAGATE_NAN: tl.constexpr, NONNEG: tl.constexpr = False):
     """phi(x) for a 2-D fp32 tile, blocks of 16 along ``AXIS`` (0 or 1); returns fp32.
 
     EXACT_DIV: constexpr so the hot loop can use a reciprocal multiply (SPEC §1 allows it: results
     differ from true division only at rounding ties, by one grid step). PROPAGATE_NAN: constexpr so
     kernels whose input cannot hold NaN skip the extra reduction; with it, a NaN (or inf) anywhere in
     a block makes the whole block non-finite, like the reference (GPU max ignores NaN otherwise).
+    NONNEG: constexpr for P (>= 0): rounding without sign handling.
+    A block whose scale rounds to 0 needs no select: y is then x (exact path) or 0, and q = r * 0 = 0.
     """
     tl.static_assert(AXIS == 0 or AXIS == 1)
     if AXIS == 1:
@@ -90,8 +100,10 @@ def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexp
             s = round_e4m3(amax * (1.0 / 6.0))
             inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)  # no 1/0 even in dead lanes
             y = xb * inv[:, :, None]
-        q = round_e2m1(y) * s[:, :, None]
-        q = tl.where((s > 0.0)[:, :, None] | (s != s)[:, :, None], q, 0.0)
+        if NONNEG:
+            q = round_e2m1_nonneg(y) * s[:, :, None]
+        else:
+            q = round_e2m1(y) * s[:, :, None]
         return tl.reshape(q, (ROWS, COLS))
     else:
         tl.static_assert(ROWS % 16 == 0)
@@ -107,8 +119,10 @@ def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexp
             s = round_e4m3(amax * (1.0 / 6.0))
             inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)  # no 1/0 even in dead lanes
             y = xb * inv[:, None, :]
-        q = round_e2m1(y) * s[:, None, :]
-        q = tl.where((s > 0.0)[:, None, :] | (s != s)[:, None, :], q, 0.0)
+        if NONNEG:
+            q = round_e2m1_nonneg(y) * s[:, None, :]
+        else:
+            q = round_e2m1(y) * s[:, None, :]
         return tl.reshape(q, (ROWS, COLS))
 
 
