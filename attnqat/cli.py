@@ -16,6 +16,8 @@ import sys
 
 COMMANDS: dict[str, str] = {
     "generate": "attnqat.pipelines.generate",
+    "train": "attnqat.train.cli",
+    "precompute": "attnqat.train.precompute",
 }
 
 # ValueError covers argument validation and attnqat's own refusals; FileNotFoundError covers

@@ -1,0 +1,170 @@
+"""Encode prompts (and optionally videos) once into safetensors shards for `attnqat train`.
+
+  attnqat precompute --prompts prompts.txt --model tiny --out data/tiny
+  attnqat precompute --prompts videos.jsonl --videos --model ./Wan2.1-T2V-1.3B-Diffusers --out data/wan13b
+
+--prompts is a text file (one prompt per line; blank lines and lines starting with # skipped) or a
+JSONL file ({"prompt": "...", "video": "clip.mp4"} per line). With --videos every record needs a
+"video" (a path, relative to the JSONL file's folder or absolute); it is read with imageio, resized
+to --height x --width, cut to --frames (4k+1) and encoded by the Wan VAE into normalized latents
+((z - mean) / std, as WanPipeline decodes them). Training then needs neither the text encoder nor the
+VAE in memory. Output: DIR/index.json and DIR/shard-NNNNN.safetensors (see attnqat.train.data).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+HELP = "encode prompts (and videos) into safetensors shards for `attnqat train`"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", required=True, help="a .txt file (one prompt per line) or .jsonl ({\"prompt\", \"video\"})")
+    p.add_argument("--model", default="tiny", help="'tiny' or a diffusers-format Wan 2.1 folder / hub id (default: tiny)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--videos", action="store_true", help="also encode each JSONL record's \"video\" through the VAE")
+    p.add_argument("--max-length", type=int, default=512, help="text tokens per prompt, zero-padded (Wan: 512)")
+    p.add_argument("--height", type=int, default=480, help="video height in pixels, multiple of 16 (default 480)")
+    p.add_argument("--width", type=int, default=832, help="video width in pixels, multiple of 16 (default 832)")
+    p.add_argument("--frames", type=int, default=81, help="frames per video, 4k+1 (default 81)")
+    p.add_argument("--shard-size", type=int, default=256, help="samples per shard (default 256)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per text-encoder call (default 8)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+
+
+def read_records(path: str | Path, need_videos: bool) -> list[dict]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"--prompts {str(p)!r} does not exist")
+    records = []
+    if p.suffix == ".jsonl":
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(r, dict) or not isinstance(r.get("prompt"), str):
+                raise ValueError(f"{p}:{n}: each line must be an object with a \"prompt\" string")
+            if need_videos:
+                if not r.get("video"):
+                    raise ValueError(f"{p}:{n}: --videos needs a \"video\" path in every record")
+                v = Path(r["video"]).expanduser()
+                r["video"] = str(v if v.is_absolute() else p.parent / v)
+                if not Path(r["video"]).is_file():
+                    raise FileNotFoundError(f"{p}:{n}: video {r['video']!r} does not exist")
+            records.append(r)
+    else:
+        if need_videos:
+            raise ValueError("--videos needs a .jsonl --prompts file ({\"prompt\": ..., \"video\": ...} per line)")
+        records = [{"prompt": line.strip()} for line in p.read_text().splitlines()
+                   if line.strip() and not line.lstrip().startswith("#")]
+    if not records:
+        raise ValueError(f"--prompts {str(p)!r} holds no prompt")
+    return records
+
+
+def load_encoders(model: str, device, need_vae: bool):
+    """(tokenizer, text_encoder, vae or None) of ``model``, text encoder in bf16 on GPU / fp32 on CPU."""
+    from attnqat.pipelines import build_tiny_text_encoder, build_tiny_tokenizer, build_tiny_vae, is_tiny
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if is_tiny(model):
+        tok, enc = build_tiny_tokenizer(), build_tiny_text_encoder(dtype)
+        vae = build_tiny_vae() if need_vae else None
+    else:
+        from diffusers import AutoencoderKLWan
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        from attnqat.pipelines.loading import _from_pretrained
+
+        tok = _from_pretrained(AutoTokenizer, model, subfolder="tokenizer")
+        enc = _from_pretrained(UMT5EncoderModel, model, subfolder="text_encoder", torch_dtype=dtype)
+        vae = _from_pretrained(AutoencoderKLWan, model, subfolder="vae", torch_dtype=torch.float32) if need_vae else None
+    enc = enc.to(device).eval()
+    if vae is not None:
+        vae = vae.to(device).eval()
+    return tok, enc, vae
+
+
+@torch.no_grad()
+def encode_prompts(tok, enc, prompts: list[str], max_length: int, device) -> torch.Tensor:
+    """Wan's prompt embeddings: UMT5 hidden states, zero past each prompt's length, (N, max_length, D)."""
+    inputs = tok(prompts, padding="max_length", max_length=max_length, truncation=True, add_special_tokens=True,
+                 return_attention_mask=True, return_tensors="pt")
+    ids, mask = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+    h = enc(ids, mask).last_hidden_state
+    return (h * mask.unsqueeze(-1).to(h.dtype)).to(torch.bfloat16).cpu()
+
+
+def read_video(path: str, frames: int, height: int, width: int) -> torch.Tensor:
+    """(3, frames, height, width) in [-1, 1]: the first ``frames`` frames, resized (bilinear)."""
+    import imageio.v3 as iio
+    import numpy as np
+    import torch.nn.functional as F
+
+    arr = np.stack([f for _, f in zip(range(frames), iio.imiter(path))])
+    if len(arr) < frames:
+        raise ValueError(f"video {path!r} has {len(arr)} frames; --frames {frames} needs at least that many")
+    x = torch.from_numpy(arr[..., :3]).float().permute(0, 3, 1, 2) / 127.5 - 1  # (T, 3, H, W)
+    x = F.interpolate(x, size=(height, width), mode="bilinear", align_corners=False)
+    return x.permute(1, 0, 2, 3)
+
+
+@torch.no_grad()
+def encode_video(vae, video: torch.Tensor, device) -> torch.Tensor:
+    """Normalized latents (C, F, H, W) as the transformer sees them: (z - mean) / std."""
+    z = vae.encode(video.unsqueeze(0).to(device, torch.float32)).latent_dist.mode()
+    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+    return ((z - mean) / std)[0].float().cpu()
+
+
+def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool = False, max_length: int = 512,
+               height: int = 480, width: int = 832, frames: int = 81, shard_size: int = 256, batch_size: int = 8,
+               device: str | None = None, log=print) -> dict:
+    """Write the shards and index.json; return the index."""
+    from .data import write_index, write_shard
+
+    if videos:
+        if height % 16 or width % 16:
+            raise ValueError(f"--height {height} and --width {width} must be multiples of 16")
+        if frames % 4 != 1:
+            raise ValueError(f"--frames {frames} must be 4k+1 (e.g. {frames - frames % 4 + 1})")
+    if max_length < 1 or shard_size < 1 or batch_size < 1:
+        raise ValueError("--max-length, --shard-size and --batch-size must be >= 1")
+    records = read_records(prompts_file, videos)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tok, enc, vae = load_encoders(model, device, videos)
+    folder = Path(out).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    shards, latent_shape = [], None
+    for s in range(0, len(records), shard_size):
+        chunk = records[s:s + shard_size]
+        embeds = torch.cat([encode_prompts(tok, enc, [r["prompt"] for r in chunk[i:i + batch_size]], max_length, device)
+                            for i in range(0, len(chunk), batch_size)])
+        tensors = {"prompt_embeds": embeds}
+        if videos:
+            lat = torch.stack([encode_video(vae, read_video(r["video"], frames, height, width), device) for r in chunk])
+            tensors["latents"] = lat
+            latent_shape = list(lat.shape[1:])
+        name = f"shard-{len(shards):05d}.safetensors"
+        write_shard(folder / name, tensors, metadata={"prompts": json.dumps([r["prompt"] for r in chunk])})
+        shards.append({"file": name, "num": len(chunk)})
+        log(f"attnqat precompute: {name}: {len(chunk)} samples")
+    index = {"num_samples": len(records), "shards": shards, "text_dim": int(embeds.shape[-1]), "text_len": max_length,
+             "has_latents": bool(videos), "latent_shape": latent_shape, "model": model}
+    write_index(folder, index)
+    log(f"attnqat precompute: wrote {len(records)} samples to {folder} (set data.path: {folder})")
+    return index
+
+
+def main(args) -> int:
+    precompute(args.prompts, args.out, model=args.model, videos=args.videos, max_length=args.max_length,
+               height=args.height, width=args.width, frames=args.frames, shard_size=args.shard_size,
+               batch_size=args.batch_size, device=args.device)
+    return 0
