@@ -108,3 +108,26 @@ def test_gpu_inference_modes(mode):
         out = attention(q, k, v, mode=mode)
     ref = FP4_INFERENCE[mode](q, k, v)
     assert rel_err(out, ref) <= 5e-3
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    """The kernels are torch.library custom ops with fake implementations: fullgraph compile works,
+    forward and backward, and gives the eager result."""
+    q, k, v = qkv(lq=64, lk=64)
+
+    def fwd(q, k, v):
+        return attention(q, k, v, mode="attn_qat") * 2
+
+    compiled = torch.compile(fwd, fullgraph=True, backend="aot_eager")
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    qb, kb, vb = (t.clone().requires_grad_() for t in (q, k, v))
+    oa, ob = fwd(qa, ka, va), compiled(qb, kb, vb)
+    assert torch.equal(oa, ob)
+    oa.sum().backward()
+    ob.sum().backward()
+    assert torch.equal(qa.grad, qb.grad) and torch.equal(ka.grad, kb.grad) and torch.equal(va.grad, vb.grad)
+    with torch.no_grad():
+        for mode in ("sage3", "nvfp4"):
+            eager = attention(q, k, v, mode=mode)
+            graph = torch.compile(lambda a, b, c: attention(a, b, c, mode=mode), fullgraph=True, backend="aot_eager")
+            assert torch.equal(graph(q, k, v), eager)

@@ -416,16 +416,19 @@ class AttnQATFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, causal, p_bwd):
-        o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal, training=True)
+        from .ops import attn_qat_fwd
+
+        o, o_aux, m, l, qf, kf, vf = attn_qat_fwd(q, k, v, sm_scale, causal, True)
         ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l)
         ctx.sm_scale, ctx.causal, ctx.p_bwd = sm_scale, causal, p_bwd
-        return o.to(q.dtype)
+        return o
 
     @staticmethod
     def backward(ctx, do):
+        from .ops import attn_qat_bwd
+
         q, k, qf, kf, vf, o_aux, m, l = ctx.saved_tensors
-        dq, dk, dv = attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=ctx.sm_scale,
-                                       causal=ctx.causal, p_bwd=ctx.p_bwd)
+        dq, dk, dv = attn_qat_bwd(do, q, k, qf, kf, vf, o_aux, m, l, ctx.sm_scale, ctx.causal, ctx.p_bwd)
         return dq, dk, dv, None, None, None
 
 
@@ -460,8 +463,7 @@ def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = default_scale(q.shape[-1], sm_scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return AttnQATDropinFunction.apply(q, k, v, scale, causal)
-    o, *_ = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=False)
-    return o.to(q.dtype)
+    return _fp4_inference(q, k, v, scale, causal)
 
 
 def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -469,8 +471,10 @@ def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sca
     """Naive NVFP4 attention (inference only): phi on Q, K, V along head_dim and on P along keys.
     Arguments and return as :func:`attn_qat_attention`."""
     check_qkv(q, k, v, name="nvfp4_attention")
-    o, *_ = attn_qat_forward(q, k, v, sm_scale=default_scale(q.shape[-1], sm_scale), causal=causal, training=False)
-    return o.to(q.dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("nvfp4_attention is inference-only (no backward): call it under torch.no_grad() "
+                         "or train with attn_qat_attention")
+    return _fp4_inference(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
 
 
 P_BWD_CHOICES = ("final_max", "normalized")
@@ -500,5 +504,11 @@ def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
     scale = default_scale(q.shape[-1], sm_scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return AttnQATFunction.apply(q, k, v, scale, causal, p_bwd)
-    o, *_ = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=False)
-    return o.to(q.dtype)
+    return _fp4_inference(q, k, v, scale, causal)
+
+
+def _fp4_inference(q, k, v, sm_scale: float, causal: bool) -> torch.Tensor:
+    """The shared FP4 inference forward, through its custom op (no O')."""
+    from .ops import attn_qat_fwd
+
+    return attn_qat_fwd(q, k, v, sm_scale, causal, False)[0]

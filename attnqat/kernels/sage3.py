@@ -32,10 +32,17 @@ def sage3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sca
     check_qkv(q, k, v, name="sage3_attention")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("sage3_attention is inference-only (no backward): call it under torch.no_grad()")
+    from .ops import sage3_fwd
+
+    return sage3_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+
+
+def sage3_forward(q, k, v, *, sm_scale: float, causal: bool) -> torch.Tensor:
+    """The launch behind the ``attnqat::sage3_fwd`` custom op: smoothing pre-pass, then the FP4 forward."""
     wdt = _work_dtype(q.dtype)
     q_s, k_s, delta_s = sage3_smooth(q, k)
     operands = (quantize_heads(q_s, wdt), quantize_heads(k_s, wdt),
                 fake_quant_nvfp4(v, dim=2).to(wdt).contiguous())
-    o, *_ = attn_qat_forward(q, k, v, sm_scale=default_scale(q.shape[-1], sm_scale), causal=causal, training=False,
+    o, *_ = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal, training=False,
                              operands=operands, delta_s=delta_s.contiguous())
     return o.to(q.dtype)
