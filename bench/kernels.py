@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench._report import ROOT, env_line, environment, update_section, write_json  # noqa: E402
+from attnqat.kernels import attention, available_modes  # noqa: E402
 from attnqat.kernels._common import LaunchConfig  # noqa: E402
 from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_backward, attn_qat_forward  # noqa: E402
 
@@ -83,6 +84,16 @@ def run(lengths, heads=40, head_dim=128, batch=1, sweep=False):
         res["attn_qat_train_fwd"] = bench_ms(train_fwd)
         res["attn_qat_bwd"] = bench_ms(bwd)
         res["attn_qat_fwdbwd"] = bench_ms(fwd_bwd)
+        for mode in ("nvfp4", "sage3", "sagebwd"):  # every mode's inference forward, through the public API
+            if mode in available_modes():
+                def infer_mode(mode=mode):
+                    with torch.no_grad():
+                        return attention(q, k, v, mode=mode)
+                res[f"{mode}_infer"] = bench_ms(infer_mode)
+        if "sagebwd" in available_modes():
+            def sagebwd_fwd_bwd():
+                attention(q, k, v, mode="sagebwd").backward(do)
+            res["sagebwd_fwdbwd"] = bench_ms(sagebwd_fwd_bwd)
         res["tflops"] = {k_: (flops_f * (3.5 if "fwdbwd" in k_ else 2.5 if k_.endswith("_bwd") else 1.0)) / (ms * 1e9)
                          for k_, ms in res.items() if isinstance(ms, float)}
         rows.append(res)
@@ -132,6 +143,15 @@ def markdown(rows, env) -> str:
             f"{r['attn_qat_train_fwd']:.2f} ms ({r['attn_qat_train_fwd'] / c:.2f}x) | {cb:.2f} ms | "
             f"{r['flash_fwdbwd']:.2f} ms ({r['flash_fwdbwd'] / cb:.2f}x) | "
             f"{r['attn_qat_fwdbwd']:.2f} ms ({r['attn_qat_fwdbwd'] / cb:.2f}x) |")
+    extra = [k_ for k_ in ("nvfp4_infer", "sage3_infer", "sagebwd_infer", "sagebwd_fwdbwd") if k_ in rows[0]]
+    if extra:
+        lines += ["", "Every mode's inference forward (no grad) through `attnqat.kernels.attention`, and SageBwd "
+                  "training, same run (ratio to cuDNN fwd, or cuDNN fwd+bwd for `sagebwd_fwdbwd`):", "",
+                  "| L | " + " | ".join(extra) + " |", "|---|" + "---|" * len(extra)]
+        for r in rows:
+            cells = [f"{r[k_]:.2f} ms ({r[k_] / (r['cudnn_fwdbwd'] if k_.endswith('fwdbwd') else r['cudnn_fwd']):.2f}x)"
+                     for k_ in extra]
+            lines.append(f"| {r['L']} | " + " | ".join(cells) + " |")
     lines += ["", "TFLOP/s (4·B·H·L²·D per forward, 2.5x that per backward):", "",
               "| L | " + " | ".join(rows[0]["tflops"]) + " |", "|---|" + "---|" * len(rows[0]["tflops"])]
     for r in rows:
