@@ -20,6 +20,6 @@ for st in $stages; do
     train) timeout 300 python3 bench/train_step.py 2>&1 | tee "$OUT/train.log" | tail -20 ;;
   esac
 done
-cp docs/benchmarks.md docs/*.json "$OUT"/ 2>/dev/null
+for f in docs/benchmarks.md docs/bench_kernels.json docs/bench_fidelity.json; do [ -f $f ] && cp $f "$OUT"/; done
 ls bench/results/*.json >/dev/null 2>&1 && cp bench/results/*.json "$OUT"/
 true
