@@ -192,7 +192,7 @@ def main(argv=None) -> int:
           f"{'off' if args.no_checkpointing else 'on every block'}; only the student's attn1 changes mode. Median of "
           f"{args.steps} steps after {args.warmup} warm-up; peak = torch.cuda.max_memory_allocated.\n\n"
           f"{table}\n\n{env_line(environment())}\n")
-    update_section(SECTION, md)
+    update_section("train_step", md)
     return 0 if all(r["finite"] for r in results) else 1
 
 

@@ -123,7 +123,7 @@ def _build(cls, values: dict, where: str):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ValueError(f"unknown config key {where + '.' if where else ''}{unknown[0]!r}; "
+        raise ValueError(f"unknown config key {where + '.' if where else ''}{unknown[0]}; "
                          f"{where or 'top level'} takes: {', '.join(sorted(names))}")
     kwargs = {}
     for name, value in values.items():

@@ -113,7 +113,8 @@ class Trainer:
         self.cfg = cfg
         tr = cfg.train
         mp = tr.mixed_precision
-        self.accelerator = accelerator or Accelerator(mixed_precision=mp)
+        # cpu=True without a GPU: then torchrun / `accelerate launch --cpu` processes join one gloo group.
+        self.accelerator = accelerator or Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
         acc = self.accelerator
         self.tc = model_config(cfg.model)
         self.index = validate(cfg, transformer_config=self.tc, device_type=acc.device.type)
@@ -356,6 +357,10 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
             trainer.load(path)
             acc.print(f"attnqat train: resumed from {path} at step {trainer.state.step}")
     start = trainer.state.step
+    acc.print(f"attnqat train: {cfg.model}, {acc.num_processes} process(es) on {acc.device.type} "
+              f"({acc.distributed_type.value}), objective {cfg.objective.type}"
+              f"{'/' + cfg.objective.target if trainer.needs_teacher else ''}, student {cfg.attention.mode}, "
+              f"{trainer.tokens} tokens/sample, steps {start}..{tr.max_steps}")
     logger = _Logger(cfg, acc, start)
     gap_before = trainer.evaluate()
     if gap_before and acc.is_main_process:
