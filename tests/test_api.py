@@ -54,7 +54,7 @@ def test_dropin_backward_is_high_precision_with_fp4_output(poison):
     o = attention(q, k, v, mode="attn_qat_dropin")
     do = torch.randn_like(o)
     o.backward(do)
-    o_fp4 = R.nvfp4_attention_ref(q.detach(), k.detach(), v.detach()).float()
+    o_fp4 = R.attn_qat_forward_ref(q.detach(), k.detach(), v.detach(), training=False)[0]  # fp32
     want = R.attention_bwd_fp32(q.detach(), k.detach(), v.detach(), o_fp4, do)
     for got, w in zip((q.grad, k.grad, v.grad), want):
         assert rel_err(got, w) <= bound(w) + 2e-3
@@ -84,6 +84,12 @@ def test_plain_cpu_runs_the_references(monkeypatch):
     assert q.grad is not None and torch.isfinite(q.grad).all()
     with torch.no_grad():
         assert torch.equal(attention(q, k, v, mode="sage3"), R.sage3_attention_ref(q, k, v))
+
+
+def test_fp32_cpu_tensors_take_the_reference_even_under_the_interpreter():
+    q, k, v = qkv(dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(attention(q, k, v, mode="nvfp4"), R.nvfp4_attention_ref(q, k, v))
 
 
 def test_options_are_checked():

@@ -74,7 +74,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = "bf
         raise ValueError(f"attention mode {mode!r} is inference-only (it has no backward); "
                          f"run it under torch.no_grad() or use a trainable mode: "
                          f"{', '.join(n for n, x in _MODES.items() if x.trainable)}")
-    fn = m.kernel if (q.is_cuda or interpreting()) else m.reference
+    # CPU tensors take the Triton interpreter only when asked for (TRITON_INTERPRET=1) and in a dtype the
+    # kernels take; otherwise the PyTorch reference (fp32 welcome), so a CPU user never hits a refusal.
+    use_kernel = q.is_cuda or (interpreting() and q.dtype in (torch.bfloat16, torch.float16))
+    fn = m.kernel if use_kernel else m.reference
     return fn(q, k, v, sm_scale=sm_scale, causal=causal, **options)
 
 
