@@ -82,14 +82,17 @@ def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexp
     differ from true division only at rounding ties, by one grid step). PROPAGATE_NAN: constexpr so
     kernels whose input cannot hold NaN skip the extra reduction; with it, a NaN (or inf) anywhere in
     a block makes the whole block non-finite, like the reference (GPU max ignores NaN otherwise).
-    NONNEG: constexpr for P (>= 0): rounding without sign handling.
+    NONNEG: constexpr for P (>= 0): block max and rounding without sign handling.
     A block whose scale rounds to 0 needs no select: y is then x (exact path) or 0, and q = r * 0 = 0.
     """
     tl.static_assert(AXIS == 0 or AXIS == 1)
     if AXIS == 1:
         tl.static_assert(COLS % 16 == 0)
         xb = tl.reshape(x, (ROWS, COLS // 16, 16))
-        amax = tl.max(tl.abs(xb), axis=2)
+        if NONNEG:
+            amax = tl.max(xb, axis=2)
+        else:
+            amax = tl.max(tl.abs(xb), axis=2)
         if PROPAGATE_NAN:
             amax += tl.sum(xb * 0.0, axis=2)  # NaN if the block holds NaN or inf
         if EXACT_DIV:
@@ -108,7 +111,10 @@ def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexp
     else:
         tl.static_assert(ROWS % 16 == 0)
         xb = tl.reshape(x, (ROWS // 16, 16, COLS))
-        amax = tl.max(tl.abs(xb), axis=1)
+        if NONNEG:
+            amax = tl.max(xb, axis=1)
+        else:
+            amax = tl.max(tl.abs(xb), axis=1)
         if PROPAGATE_NAN:
             amax += tl.sum(xb * 0.0, axis=1)
         if EXACT_DIV:

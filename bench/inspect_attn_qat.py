@@ -1,0 +1,65 @@
+"""Where the FP4 forward's time goes: compile the inference forward with and without phi(P) and print
+registers, spills, TTGIR layout conversions / shared-memory traffic and a SASS opcode histogram,
+then time both. GPU only.
+
+    python bench/inspect_attn_qat.py [--L 32760] [--config 64,64,4,3]
+"""
+import argparse
+import collections
+import pathlib
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from attnqat.kernels._common import LOG2E, LaunchConfig  # noqa: E402
+from attnqat.kernels.attn_qat import _attn_fwd, attn_qat_forward, quantize_heads  # noqa: E402
+from bench.kernels import bench_ms  # noqa: E402
+
+OPS = ["HGMMA", "MUFU", "SHFL", "LDS", "STS", "BAR", "FMNMX", "FSETP", "FADD", "FMUL", "FFMA", "F2FP", "SEL",
+       "FSEL", "LOP3", "IADD3", "LDL", "STL", "LDG", "STG", "LDGSTS", "SYNCS", "UTMALDG"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--L", type=int, default=32760)
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--config", default="64,64,4,3")
+    args = ap.parse_args()
+    cfg = LaunchConfig.parse(args.config)
+    q, k, v = (torch.randn(1, args.heads, args.L, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qf, kf, vf = (quantize_heads(t, torch.bfloat16) for t in (q, k, v))
+    o = torch.empty_like(q)
+    m = torch.empty((1, args.heads, args.L), device="cuda")
+    l = torch.empty_like(m)
+    for quant in (False, True):
+        kern = _attn_fwd[(triton_cdiv(args.L, cfg.block_m), args.heads)](
+            qf, kf, vf, o, o, m, l, m, o.stride(0), o.stride(1), o.stride(2), args.heads, args.L, args.L, 0,
+            128 ** -0.5 * LOG2E, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=False,
+            TRAINING=False, QUANT_P=quant, IEEE=False, EXACT_DIV=False, SMOOTH_Q=False,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ttgir = kern.asm["ttgir"]
+        sass = kern.asm["sass"]
+        ir = {op: len(re.findall(op, ttgir)) for op in ("ttg.convert_layout", "ttg.local_alloc", "ttg.local_load",
+                                                         "ttg.local_store", "tt.reshape", "tt.reduce")}
+        hist = collections.Counter()
+        for line in sass.splitlines():
+            tok = line.split()
+            if len(tok) > 2 and re.fullmatch(r"/\*[0-9a-f]{4,5}\*/", tok[0]):
+                hist[(tok[2] if tok[1].startswith("@") else tok[1]).split(".")[0]] += 1
+        t = bench_ms(lambda: attn_qat_forward(q, k, v, sm_scale=128 ** -0.5, causal=False, training=False,
+                                              quant_p=quant, config=cfg))
+        print(f"QUANT_P={quant}: {t:.2f} ms, regs {kern.n_regs}, spills {kern.n_spills}, TTGIR {ir}")
+        print("   SASS:", {op: hist.get(op, 0) for op in OPS})
+        if quant:
+            path = pathlib.Path("/tmp/attn_fwd_quant.ttgir")
+            path.write_text(ttgir)
+
+
+def triton_cdiv(a, b):
+    return (a + b - 1) // b
+
+
+if __name__ == "__main__":
+    main()
