@@ -113,6 +113,47 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
+def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, lo, hi, LK, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MASK: tl.constexpr, CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
+                    IEEE: tl.constexpr, EXACT_DIV: tl.constexpr, SMOOTH_Q: tl.constexpr):
+    """Key tiles [lo, hi). MASK (constexpr, as in Triton's tutorial): only the ragged last tile and the
+    causal diagonal pay for masking; full tiles skip the compare and select on every element."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    dot_ty = q.dtype
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if MASK:
+            kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < LK, other=0.0)
+        else:
+            kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+            v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
+        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        if SMOOTH_Q:
+            s += tl.load(ds_base + offs_n, mask=offs_n < LK, other=0.0)[None, :]
+        if MASK:
+            valid = offs_n[None, :] < LK
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(valid, s, float("-inf"))
+        # scale > 0, so max(s) * scale = max(s * scale); the scale then rides in one FMA with -m below
+        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(s, 1) * qk_scale))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s * qk_scale - (m_new[:, None] - 11.392317422778761))  # 11.39... = log2(2688)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANT_P:
+            pq = fake_quant_tile(p, BLOCK_M, BLOCK_N, 1, EXACT_DIV, False, True)
+        else:
+            pq = p
+        acc = _dot(pq.to(dot_ty), v, acc * alpha[:, None], IEEE)
+        if TRAINING:
+            acc_aux = _dot(p.to(dot_ty), v, acc_aux * alpha[:, None], IEEE)
+        m_i = m_new
+    return acc, acc_aux, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
               stride_ob, stride_oh, stride_ol,
               H, LQ, LK, NQB, qk_scale,
@@ -128,43 +169,30 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
     bh = tl.program_id(1)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    dot_ty = QF.dtype.element_ty
     q = tl.load(QF + bh * LQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=offs_m[:, None] < LQ, other=0.0)
     k_base = KF + bh * LK * HEAD_DIM
     v_base = VF + bh * LK * HEAD_DIM
+    ds_base = DeltaS + (bh * NQB + start_m * BLOCK_M // 128) * LK
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     acc_aux = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # Causal (top-left aligned): keys beyond this block's last row are never visible.
-    hi = tl.minimum(LK, (start_m + 1) * BLOCK_M) if CAUSAL else LK
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-        if SMOOTH_Q:
-            ds = tl.load(DeltaS + (bh * NQB + start_m * BLOCK_M // 128) * LK + offs_n, mask=offs_n < LK, other=0.0)
-            s += ds[None, :]
-        s = s * qk_scale
-        valid = offs_n[None, :] < LK
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(s, 1)))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - (m_new[:, None] - 11.392317422778761))  # 11.39... = log2(2688)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < LK, other=0.0)
-        if QUANT_P:
-            pq = fake_quant_tile(p, BLOCK_M, BLOCK_N, 1, EXACT_DIV, False, True)
-        else:
-            pq = p
-        acc = _dot(pq.to(dot_ty), v, acc * alpha[:, None], IEEE)
-        if TRAINING:
-            acc_aux = _dot(p.to(dot_ty), v, acc_aux * alpha[:, None], IEEE)
-        m_i = m_new
+    # Causal (top-left aligned): keys beyond this block's last row are never visible, and keys up to
+    # its first row are visible to every row. Tiles ending before that (and before LK) need no mask.
+    if CAUSAL:
+        hi = tl.minimum(LK, (start_m + 1) * BLOCK_M)
+        full_hi = (tl.minimum(start_m * BLOCK_M + 1, LK) // BLOCK_N) * BLOCK_N
+    else:
+        hi = LK
+        full_hi = (LK // BLOCK_N) * BLOCK_N
+    acc, acc_aux, l_i, m_i = _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m,
+                                             0, full_hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
+                                             TRAINING, QUANT_P, IEEE, EXACT_DIV, SMOOTH_Q)
+    acc, acc_aux, l_i, m_i = _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m,
+                                             full_hi, hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
+                                             TRAINING, QUANT_P, IEEE, EXACT_DIV, SMOOTH_Q)
 
     inv_l = 1.0 / l_i
     o_mask = offs_m[:, None] < LQ
