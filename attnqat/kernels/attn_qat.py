@@ -46,7 +46,6 @@ FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 4, 3), 128: LaunchConfig(128, 
 # transposed (266 ms for the whole backward; the untransposed layout's best was 292 ms). dQ: 128x64.
 BWD_CONFIG_GPU = {64: LaunchConfig(32, 64, 4, 3), 128: LaunchConfig(32, 64, 4, 3)}
 DQ_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}
-S_TRANSPOSED_DEFAULT = True
 # Interpreter: small tiles keep numpy arrays small; the result does not depend on them.
 CONFIG_INTERPRET = LaunchConfig(32, 32, 4, 1)
 
@@ -226,26 +225,69 @@ def _attn_bwd_preprocess(OAux, DO, Delta, stride_dob, stride_doh, stride_dol, H,
 
 
 @triton.jit
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, M, Lsum, Delta, bh, offs_n, lo, hi, stride_dol,
+                         LQ, LK, qk_scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                         CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, QUANT_P: tl.constexpr,
+                         IEEE: tl.constexpr):
+    """Query blocks [lo, hi) for one key block. S and P are held transposed (keys x queries), so P^T
+    and dS^T feed the MMAs directly and phi runs along axis 0 (measured faster than the untransposed
+    layout: docs/kernels.md). MASK (constexpr): only ragged blocks and the causal diagonal pay for it."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    dot_ty = k.dtype
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        if MASK:
+            row_ok = offs_m < LQ
+            m = tl.load(M + bh * LQ + offs_m, mask=row_ok, other=0.0)
+            inv_l = 1.0 / tl.load(Lsum + bh * LQ + offs_m, mask=row_ok, other=1.0)
+            delta = tl.load(Delta + bh * LQ + offs_m, mask=row_ok, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dol + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            qt = tl.load(q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+        else:
+            m = tl.load(M + bh * LQ + offs_m)
+            inv_l = 1.0 / tl.load(Lsum + bh * LQ + offs_m)
+            delta = tl.load(Delta + bh * LQ + offs_m)
+            do = tl.load(do_base + offs_m[:, None] * stride_dol + offs_d[None, :])
+            qt = tl.load(q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None])
+        do = do.to(dot_ty)
+        st = _dot(k, qt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+        if MASK:
+            # Padded query rows need no mask (their dO and D are 0, so they add nothing to dK, dV), but
+            # padded keys do: they would enter the 16-key quantization blocks of real keys.
+            valid = offs_n[:, None] < LK
+            if CAUSAL:
+                valid = valid & (offs_n[:, None] <= offs_m[None, :])
+            st = tl.where(valid, st, float("-inf"))
+        pt_tilde = tl.math.exp2(st * qk_scale - (m[None, :] - 11.392317422778761))  # P~^T = 2688 * 2^(S - m)
+        pt = pt_tilde * inv_l[None, :]
+        if not QUANT_P:
+            pft = pt
+        elif P_NORMALIZED:
+            pft = fake_quant_tile(pt, BLOCK_N, BLOCK_M, 0, False, False, True)
+        else:
+            pft = fake_quant_tile(pt_tilde, BLOCK_N, BLOCK_M, 0, False, False, True) * inv_l[None, :]
+        dv = _dot(pft.to(dot_ty), do, dv, IEEE)
+        dpt = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+        dst = pt * (dpt - delta[None, :])
+        dk = _dot(dst.to(dot_ty), tl.trans(qt), dk, IEEE)
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV,
                    stride_dob, stride_doh, stride_dol,
                    stride_kb, stride_kh, stride_kl,
                    H, LQ, LK, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, IEEE: tl.constexpr,
-                   S_TRANSPOSED: tl.constexpr, QUANT_P: tl.constexpr):
-    """One key block per program, looping over query blocks.
-
-    S_TRANSPOSED (constexpr: two layouts of the same math, picked by measurement): hold S, P as
-    keys x queries, so P^T and dS^T feed the dots directly and phi runs along axis 0; or as
-    queries x keys like the forward (phi along axis 1) with the transposes moved into the dots.
-    QUANT_P=False drops phi (benchmarks use it to price the quantization).
-    """
+                   CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, IEEE: tl.constexpr, QUANT_P: tl.constexpr):
+    """One key block per program, looping over query blocks: dV = P^F^T dO, dK = dS^T Q^F * scale.
+    QUANT_P=False drops phi (benchmarks use it to price the quantization)."""
     tl.static_assert(BLOCK_N % 16 == 0)
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    dot_ty = QF.dtype.element_ty
     kv_mask = offs_n[:, None] < LK
     k = tl.load(KF + bh * LK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(VF + bh * LK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -253,58 +295,57 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV,
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     q_base = QF + bh * LQ * HEAD_DIM
     do_base = DO + (bh // H) * stride_dob + (bh % H) * stride_doh
-    # Causal: queries before this key block never see it.
-    lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    for start_m in range(lo, LQ, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < LQ
-        m = tl.load(M + bh * LQ + offs_m, mask=row_ok, other=0.0)
-        inv_l = 1.0 / tl.load(Lsum + bh * LQ + offs_m, mask=row_ok, other=1.0)
-        delta = tl.load(Delta + bh * LQ + offs_m, mask=row_ok, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dol + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = do.to(dot_ty)
-        if S_TRANSPOSED:
-            qt = tl.load(q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-            st = _dot(k, qt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE) * qk_scale
-            valid = (offs_n[:, None] < LK) & row_ok[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[:, None] <= offs_m[None, :])
-            st = tl.where(valid, st, float("-inf"))
-            pt_tilde = tl.math.exp2(st - (m[None, :] - 11.392317422778761))  # P~^T = 2688 * 2^(S - m)
-            pt = pt_tilde * inv_l[None, :]
-            if not QUANT_P:
-                pft = pt
-            elif P_NORMALIZED:
-                pft = fake_quant_tile(pt, BLOCK_N, BLOCK_M, 0, False, False, True)
-            else:
-                pft = fake_quant_tile(pt_tilde, BLOCK_N, BLOCK_M, 0, False, False, True) * inv_l[None, :]
-            dv = _dot(pft.to(dot_ty), do, dv, IEEE)
-            dpt = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
-            dst = pt * (dpt - delta[None, :])
-            dk = _dot(dst.to(dot_ty), tl.trans(qt), dk, IEEE)
-        else:
-            q = tl.load(q_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
-            valid = (offs_n[None, :] < LK) & row_ok[:, None]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(valid, s, float("-inf"))
-            p_tilde = tl.math.exp2(s - (m[:, None] - 11.392317422778761))
-            p = p_tilde * inv_l[:, None]
-            if not QUANT_P:
-                pf = p
-            elif P_NORMALIZED:
-                pf = fake_quant_tile(p, BLOCK_M, BLOCK_N, 1, False, False, True)
-            else:
-                pf = fake_quant_tile(p_tilde, BLOCK_M, BLOCK_N, 1, False, False, True) * inv_l[:, None]
-            dv = _dot(tl.trans(pf.to(dot_ty)), do, dv, IEEE)
-            dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-            ds = p * (dp - delta[:, None])
-            dk = _dot(tl.trans(ds.to(dot_ty)), q, dk, IEEE)
-
+    # Query blocks: [lo, mid) masked (causal: the diagonal; queries before this key block never see it),
+    # [mid, full_hi) unmasked, [full_hi, LQ) masked (the ragged last block). A ragged key block masks all.
+    if CAUSAL:
+        lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.cdiv((start_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M, LQ)
+    else:
+        lo = 0
+        mid = 0
+    mid = tl.where((start_n + 1) * BLOCK_N <= LK, mid, LQ)
+    full_hi = tl.maximum(mid, (LQ // BLOCK_M) * BLOCK_M)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, M, Lsum, Delta, bh, offs_n, lo, mid, stride_dol,
+                                  LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, P_NORMALIZED,
+                                  QUANT_P, IEEE)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, M, Lsum, Delta, bh, offs_n, mid, full_hi,
+                                  stride_dol, LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
+                                  P_NORMALIZED, QUANT_P, IEEE)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, M, Lsum, Delta, bh, offs_n, full_hi, LQ,
+                                  stride_dol, LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
+                                  P_NORMALIZED, QUANT_P, IEEE)
     out = (bh // H) * stride_kb + (bh % H) * stride_kh + offs_n[:, None] * stride_kl + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, offs_m, lo, hi, LK, qk_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                       CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Key tiles [lo, hi) for one query block; MASK only for the ragged last tile and the causal diagonal
+    (padded query rows need none: their dO and D are 0, so their dS is 0)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    dot_ty = q.dtype
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if MASK:
+            kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
+            vt = tl.load(v_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
+        else:
+            kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+            vt = tl.load(v_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        if MASK:
+            valid = offs_n[None, :] < LK
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(valid, s, float("-inf"))
+        p = tl.math.exp2(s * qk_scale - (m[:, None] - 11.392317422778761)) * inv_l[:, None]  # P = P~ / l
+        dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(dot_ty), tl.trans(kt), dq, IEEE)
+    return dq
 
 
 @triton.jit
@@ -330,20 +371,16 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_base = KF + bh * LK * HEAD_DIM
     v_base = VF + bh * LK * HEAD_DIM
-    hi = tl.minimum(LK, (start_m + 1) * BLOCK_M) if CAUSAL else LK
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
-        vt = tl.load(v_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * qk_scale
-        valid = offs_n[None, :] < LK
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        p = tl.math.exp2(s - (m[:, None] - 11.392317422778761)) * inv_l[:, None]  # P = P~ / l (unquantized)
-        dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-        ds = p * (dp - delta[:, None])
-        dq = _dot(ds.to(dot_ty), tl.trans(kt), dq, IEEE)
+    if CAUSAL:  # as in the forward: tiles ending at or before the block's first row need no mask
+        hi = tl.minimum(LK, (start_m + 1) * BLOCK_M)
+        full_hi = (tl.minimum(start_m * BLOCK_M + 1, LK) // BLOCK_N) * BLOCK_N
+    else:
+        hi = LK
+        full_hi = (LK // BLOCK_N) * BLOCK_N
+    dq = _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, offs_m, 0, full_hi, LK, qk_scale,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, IEEE)
+    dq = _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, offs_m, full_hi, hi, LK, qk_scale,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, IEEE)
     out = DQ + (bh // H) * stride_qb + (bh % H) * stride_qh + offs_m[:, None] * stride_ql + offs_d[None, :]
     tl.store(out, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
@@ -403,19 +440,16 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
 
 def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, causal: bool,
                       p_bwd: str = "final_max", config: LaunchConfig | None = None,
-                      config_dq: LaunchConfig | None = None, s_transposed: bool | None = None,
-                      quant_p: bool = True):
+                      config_dq: LaunchConfig | None = None, quant_p: bool = True):
     """Launch the backward. Returns (dq, dk, dv) in the layouts and dtype of q and k.
 
     ``config`` is the dK/dV kernel's (BLOCK_M: queries per step, BLOCK_N: keys per program),
-    ``config_dq`` the dQ kernel's; ``s_transposed`` and ``quant_p`` pick kernel variants (benchmarks).
+    ``config_dq`` the dQ kernel's; ``quant_p=False`` drops phi(P) (benchmarks, the drop-in ablation).
     """
     b, h, lq, d = qf.shape
     lk = kf.shape[2]
     cfg = config or bwd_config(d)
     cfg_dq = config_dq or dq_config(d)
-    if s_transposed is None:
-        s_transposed = S_TRANSPOSED_DEFAULT
     wdt = _work_dtype(q.dtype)
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -429,7 +463,7 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
         qf, kf, vf, do, m, l, delta, dk, dv, do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, IEEE=interpreting(),
-        P_NORMALIZED=(p_bwd == "normalized"), S_TRANSPOSED=s_transposed, QUANT_P=quant_p,
+        P_NORMALIZED=(p_bwd == "normalized"), QUANT_P=quant_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _attn_bwd_dq[(triton.cdiv(lq, cfg_dq.block_m), b * h)](
         qf, kf, vf, do, m, l, delta, dq, do.stride(0), do.stride(1), do.stride(2),
