@@ -50,10 +50,20 @@ def round_e4m3(x):
 
 
 @triton.jit
+def _e2m1_magic(a):
+    """1.5 * 2^(23+k) for the e2m1 spacing 2^k at a >= 0: 0.5 below 2 (k = -1), then 2^(e-1) in
+    [2^e, 2^(e+1)). Built from a's exponent field with integer ops (they issue on the INT32 pipe,
+    beside the FP32 work): exponent + 22, mantissa 0.5, floored at 1.5 * 2^22 (0x4AC00000).
+    NaN and inf wrap negative and take the floor, so NaN still propagates through the add."""
+    bits = a.to(tl.int32, bitcast=True)
+    return tl.maximum((bits & 0x7F800000) + 0x0B400000, 0x4AC00000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_e2m1_nonneg(y):
     """round_e2m1 for y >= 0 (P~): no sign handling. The clamp stays: a block whose scale lands in
     e4m3's subnormal range is rounded by up to half its spacing, and y can then exceed 6.375."""
-    magic = tl.where(y < 2.0, 6291456.0, tl.where(y < 4.0, 12582912.0, 25165824.0))
+    magic = _e2m1_magic(y)
     return tl.minimum((y + magic) - magic, 6.0)
 
 
@@ -67,7 +77,7 @@ def round_e2m1(y):
     subtraction is exact. Ties to even in that binade are ties to the even e2m1 code.
     """
     a = tl.abs(y)
-    magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
+    magic = _e2m1_magic(a)
     r = (a + magic) - magic
     r = tl.where(r > 6.0, 6.0, r)
     return tl.where(y < 0.0, -r, r)
