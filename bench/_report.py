@@ -11,6 +11,13 @@ DOC = ROOT / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEvery table is written by a script in `bench/`; ratios are to cuDNN SDPA (or bf16) measured in the same run.\n"
 
 
+def bench_ms(fn, warmup=25, rep=100) -> float:
+    """Median time of ``fn`` in ms (``triton.testing.do_bench``: CUDA events, warm-up and rep in ms)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
 def environment() -> dict:
     import torch
     import triton

@@ -3,7 +3,7 @@ Used by the device runs before benchmarking; the pytest GPU suite asserts the sa
 import sys, pathlib, time
 import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_forward
+from attnqat.kernels.attn_qat import attn_qat_attention
 from attnqat.kernels import reference as R
 
 

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from attnqat.kernels._common import LOG2E, LaunchConfig  # noqa: E402
 from attnqat.kernels.attn_qat import _attn_fwd, attn_qat_forward, quantize_heads  # noqa: E402
-from bench.kernels import bench_ms  # noqa: E402
+from bench._report import bench_ms  # noqa: E402
 
 OPS = ["HGMMA", "MUFU", "SHFL", "LDS", "STS", "BAR", "FMNMX", "FSETP", "FADD", "FMUL", "FFMA", "F2FP", "SEL",
        "FSEL", "LOP3", "IADD3", "LDL", "STL", "LDG", "STG", "LDGSTS", "SYNCS", "UTMALDG"]

@@ -19,16 +19,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from bench._report import ROOT, env_line, environment, update_section, write_json  # noqa: E402
+from bench._report import ROOT, bench_ms, env_line, environment, update_section, write_json  # noqa: E402
 from attnqat.kernels import attention, available_modes  # noqa: E402
 from attnqat.kernels._common import LaunchConfig  # noqa: E402
 from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_backward, attn_qat_forward  # noqa: E402
-
-
-def bench_ms(fn, warmup=25, rep=100) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def sdpa_fns(backend, q, k, v, do):

@@ -12,11 +12,9 @@ counted as the same operations.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import sys
 
 import torch
@@ -24,29 +22,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from attnqat.kernels import reference as R  # noqa: E402
+from bench._report import bench_ms, environment  # noqa: E402
 from attnqat.kernels.sagebwd import launch_configs, sagebwd_attention  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # (batch, heads, seqlen, head_dim, causal): Wan 2.1 14B at 480p, and an LLM-like causal shape
 DEFAULT_SHAPES = ((1, 40, 32760, 128, False), (4, 16, 8192, 128, True))
 VARIANTS = ("int8", "fp8", "bf16")  # forward PV precision; everything else is the same kernel
-
-
-def bench_ms(fn, warmup=25, rep=100) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def environment() -> dict:
-    import triton
-
-    env = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
-           "python": platform.python_version()}
-    env["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    if torch.cuda.is_available():
-        env["cuda"] = torch.version.cuda
-    return env
 
 
 def _fns(impl, q, k, v, do, causal):

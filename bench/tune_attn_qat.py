@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from attnqat.kernels._common import LaunchConfig  # noqa: E402
 from attnqat.kernels.attn_qat import attn_qat_backward, attn_qat_forward  # noqa: E402
-from bench.kernels import bench_ms  # noqa: E402
+from bench._report import bench_ms  # noqa: E402
 
 
 def safe(fn):

@@ -1,5 +1,4 @@
 """NVFP4 quantizer (SPEC §1): Triton kernel vs the torch reference vs the SPEC's own tables."""
-import math
 
 import pytest
 import torch
