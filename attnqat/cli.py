@@ -21,8 +21,9 @@ COMMANDS: dict[str, str] = {
 }
 
 # ValueError covers argument validation and attnqat's own refusals; FileNotFoundError covers
-# ModelNotFoundError and missing checkpoints. Anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
+# ModelNotFoundError and missing checkpoints; ImportError a missing optional dependency (the message says
+# what to install). Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError)
 
 
 def _selected_command(argv: list[str]) -> str | None:

@@ -166,3 +166,14 @@ def test_hub_id_not_cached_and_offline_says_how_to_download(tmp_path):
     assert ("model 'Wan-AI/Wan2.1-T2V-14B-Diffusers' is not in the local Hugging Face cache and could not be "
             "downloaded") in r.stderr
     assert "huggingface-cli download Wan-AI/Wan2.1-T2V-14B-Diffusers --local-dir" in r.stderr
+
+
+def test_missing_ffmpeg_plugin_is_one_clear_line_before_generating(tmp_path, capsys, monkeypatch):
+    """Without imageio-ffmpeg imageio would pick another writer for '.mp4' and fail late with an
+    unrelated error: the command refuses up front and says what to install."""
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # import now raises ImportError
+    out = tmp_path / "v.mp4"
+    assert main(["generate", "--prompt", "p", *TINIEST, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install imageio-ffmpeg" in err and "Traceback" not in err
+    assert not out.exists()

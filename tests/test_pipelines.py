@@ -294,3 +294,20 @@ def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
     res = json.loads((tmp_path / "e2e.json").read_text())["results"]
     assert res[0]["mode"] == "bf16" and res[0]["attention_calls_per_step"] == 4  # 2 blocks x (cond + uncond)
     assert 0 < res[0]["attention_s"] < res[0]["step_s"]
+
+
+def test_patched_transformer_compiles_and_matches_eager(transformer):
+    """`attnqat generate --compile`: torch.compile of a patched transformer traces (patched processors run
+    outside the graph) and gives the eager output."""
+    import copy
+
+    model = copy.deepcopy(transformer)
+    patch_attention(model, "attn_qat")
+    inputs = _inputs(seed=torch.seed() % 2**31)
+    eager = _run(model, inputs)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(_run(compiled, inputs), eager)
+    finally:
+        torch._dynamo.reset()

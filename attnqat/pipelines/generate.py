@@ -221,13 +221,23 @@ def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int,
         peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
 
 
+def check_mp4_writer() -> None:
+    """Raise ImportError (with what to install) when imageio's ffmpeg plugin is missing: without it
+    imageio silently picks another writer for '.mp4' and fails late with an unrelated error."""
+    try:
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        raise ImportError("writing mp4 needs imageio's ffmpeg plugin: pip install imageio-ffmpeg") from None
+
+
 def write_mp4(frames: np.ndarray, path: str | Path, fps: int = FPS) -> Path:
     """Write (frames, H, W, 3) uint8 as an H.264 mp4 (imageio + its bundled ffmpeg)."""
     import imageio.v2 as imageio
 
+    check_mp4_writer()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with imageio.get_writer(str(path), fps=fps, codec="libx264", quality=8, pixelformat="yuv420p",
+    with imageio.get_writer(str(path), format="FFMPEG", fps=fps, codec="libx264", quality=8, pixelformat="yuv420p",
                             macro_block_size=1, ffmpeg_log_level="error") as w:
         for frame in frames:
             w.append_data(frame)
@@ -276,6 +286,7 @@ def main(args: argparse.Namespace) -> int:
     from .tiny import TINY_NOTICE
 
     args = resolve_settings(args)
+    check_mp4_writer()  # before minutes of generation, not after
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - the video path goes to stdout
     tiny = is_tiny(args.model)
     if tiny:

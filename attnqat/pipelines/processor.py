@@ -118,6 +118,10 @@ class AttnQATProcessor(WanAttnProcessor):
         self._call = types.FunctionType(base.__code__, scope, base.__name__, base.__defaults__, base.__closure__)
         self._call.__kwdefaults__ = base.__kwdefaults__
 
+    # Dynamo resolves the globals of an inlined function through its module, not through the private
+    # copy above, so it would trace diffusers' own dispatch. Run the processor outside the graph: under
+    # torch.compile each patched attention is one graph break; the rest of the transformer compiles.
+    @torch.compiler.disable
     def __call__(self, attn: WanAttention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
