@@ -23,8 +23,6 @@ exact emulation of block-scaled FP4 MMAs. Under ``TRITON_INTERPRET=1`` every dot
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +30,8 @@ import triton.language as tl
 from ._common import LOG2E, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
 from .nvfp4 import fake_quant_tile
 
-LOG2_P_SCALE = math.log2(2688.0)  # P~ = 2688 * 2^x = 2^(x + log2 2688): the scale folds into exp2
+# P~ = 2688 * 2^x = 2^(x + log2 2688): the kernels fold the scale into exp2 as the literal
+# 11.392317422778761 = log2(2688) (a literal: Triton kernels read no Python globals).
 
 # Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages). Pin with ATTNQAT_FWD_CONFIG /
 # ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests and benchmarks.
@@ -112,6 +111,22 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
+def _load_keys(base, offs_n, offs_d, LK, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A (BLOCK_N, HEAD_DIM) tile of key-indexed rows (K^F or V^F), or its transpose; MASK (constexpr)
+    only for the ragged last tile, so full tiles load without a predicate."""
+    if TRANSPOSED:
+        ptrs = base + offs_n[None, :] * HEAD_DIM + offs_d[:, None]
+        in_bounds = offs_n[None, :] < LK
+    else:
+        ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        in_bounds = offs_n[:, None] < LK
+    if MASK:
+        return tl.load(ptrs, mask=in_bounds, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, lo, hi, LK, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASK: tl.constexpr, CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
@@ -122,12 +137,8 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 
     dot_ty = q.dtype
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if MASK:
-            kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < LK, other=0.0)
-        else:
-            kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
-            v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
+        kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
+        v = _load_keys(v_base, offs_n, offs_d, LK, HEAD_DIM, MASK, False)
         s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         if SMOOTH_Q:
             s += tl.load(ds_base + offs_n, mask=offs_n < LK, other=0.0)[None, :]
@@ -329,12 +340,8 @@ def _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, offs_m, lo, h
     dot_ty = q.dtype
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if MASK:
-            kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
-            vt = tl.load(v_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < LK, other=0.0)
-        else:
-            kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
-            vt = tl.load(v_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+        kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
+        vt = _load_keys(v_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
         s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         if MASK:
             valid = offs_n[None, :] < LK
