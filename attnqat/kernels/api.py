@@ -133,13 +133,14 @@ def _attn_qat_reference(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_ma
     return attn_qat_attention_ref(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
 
 
-def _plain(mode: str, kernel_name: str, reference_name: str):
-    """A mode taking no options, calling ``attn_qat.<kernel_name>`` / ``reference.<reference_name>``."""
+def _plain(mode: str, kernel_module: str, kernel_name: str, reference_name: str):
+    """A mode taking no options, calling ``<kernel_module>.<kernel_name>`` / ``reference.<reference_name>``
+    (imported on first call: the Triton modules load only when a mode runs)."""
     def kernel(q, k, v, *, sm_scale=None, causal=False, **options):
-        from . import attn_qat, sage3
+        from . import attn_qat, sage3  # a plain import: torch.compile traces it (importlib it cannot)
 
         _no_options(mode, options)
-        module = sage3 if kernel_name.startswith("sage3") else attn_qat
+        module = {"attn_qat": attn_qat, "sage3": sage3}[kernel_module]
         return getattr(module, kernel_name)(q, k, v, sm_scale=sm_scale, causal=causal)
 
     def ref(q, k, v, *, sm_scale=None, causal=False, **options):
@@ -152,14 +153,15 @@ def _plain(mode: str, kernel_name: str, reference_name: str):
 
 
 register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
-                   *_plain("nvfp4", "nvfp4_attention", "nvfp4_attention_ref")))
+                   *_plain("nvfp4", "attn_qat", "nvfp4_attention", "nvfp4_attention_ref")))
 register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
                    "grad it is the nvfp4 forward)", True, _attn_qat_kernel, _attn_qat_reference))
 register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
                    "(unstable in training)", True,
-                   *_plain("attn_qat_dropin", "attn_qat_dropin_attention", "attn_qat_dropin_attention_ref")))
+                   *_plain("attn_qat_dropin", "attn_qat", "attn_qat_dropin_attention",
+                          "attn_qat_dropin_attention_ref")))
 register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
-                   False, *_plain("sage3", "sage3_attention", "sage3_attention_ref")))
+                   False, *_plain("sage3", "sage3", "sage3_attention", "sage3_attention_ref")))
 
 # SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv.
 def _sagebwd_options(options: dict) -> None:
