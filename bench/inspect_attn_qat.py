@@ -25,7 +25,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--L", type=int, default=32760)
     ap.add_argument("--heads", type=int, default=40)
-    ap.add_argument("--config", default="64,64,4,3")
+    ap.add_argument("--config", default="128,128,8,3")
+    ap.add_argument("--dump", default=None, help="folder to write the quantized kernel's TTGIR, PTX and SASS to")
     args = ap.parse_args()
     cfg = LaunchConfig.parse(args.config)
     q, k, v = (torch.randn(1, args.heads, args.L, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -37,24 +38,28 @@ def main():
         kern = _attn_fwd[(triton_cdiv(args.L, cfg.block_m), args.heads)](
             qf, kf, vf, o, o, m, l, m, o.stride(0), o.stride(1), o.stride(2), args.heads, args.L, args.L, 0,
             128 ** -0.5 * LOG2E, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=False,
-            TRAINING=False, QUANT_P=quant, IEEE=False, EXACT_DIV=False, SMOOTH_Q=False,
+            TRAINING=False, QUANT_P=quant, IEEE=False, SMOOTH_Q=False, FP16=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         ttgir = kern.asm["ttgir"]
         sass = kern.asm["sass"]
         ir = {op: len(re.findall(op, ttgir)) for op in ("ttg.convert_layout", "ttg.local_alloc", "ttg.local_load",
                                                          "ttg.local_store", "tt.reshape", "tt.reduce")}
         hist = collections.Counter()
-        for line in sass.splitlines():
-            tok = line.split()
-            if len(tok) > 2 and re.fullmatch(r"/\*[0-9a-f]{4,5}\*/", tok[0]):
-                hist[(tok[2] if tok[1].startswith("@") else tok[1]).split(".")[0]] += 1
+        for line in sass.splitlines():  # Triton's SASS: "<control bits>\t[@pred] OPCODE.mods operands;"
+            if "\t" not in line:
+                continue
+            tok = line.split("\t", 1)[1].split()
+            if tok:
+                hist[(tok[1] if tok[0].startswith("@") and len(tok) > 1 else tok[0]).split(".")[0]] += 1
         t = bench_ms(lambda: attn_qat_forward(q, k, v, sm_scale=128 ** -0.5, causal=False, training=False,
                                               quant_p=quant, config=cfg))
         print(f"QUANT_P={quant}: {t:.2f} ms, regs {kern.n_regs}, spills {kern.n_spills}, TTGIR {ir}")
         print("   SASS:", {op: hist.get(op, 0) for op in OPS})
-        if quant:
-            path = pathlib.Path("/tmp/attn_fwd_quant.ttgir")
-            path.write_text(ttgir)
+        if quant and args.dump:
+            folder = pathlib.Path(args.dump)
+            folder.mkdir(parents=True, exist_ok=True)
+            for ext in ("ttgir", "ptx", "sass"):
+                (folder / f"attn_fwd_quant.{ext}").write_text(kern.asm.get(ext, "") or "")
 
 
 def triton_cdiv(a, b):

@@ -32,12 +32,31 @@ def main():
     ap.add_argument("--L", type=int, default=32760)
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--json", type=pathlib.Path, default=None)
+    ap.add_argument("--forward", action="store_true",
+                    help="only the forward: configs x head dims, inference and training, beside cuDNN SDPA")
     args = ap.parse_args()
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, args.heads, args.L, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
     sc = 128 ** -0.5
     res = {}
+    if args.forward:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            res["cudnn fwd"] = safe(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+            q64, k64, v64 = (t[..., :64].contiguous() for t in (q, k, v))
+            res["cudnn fwd d=64"] = safe(lambda: torch.nn.functional.scaled_dot_product_attention(q64, k64, v64))
+        print(f"cudnn fwd: {res['cudnn fwd']}, d=64: {res['cudnn fwd d=64']}", flush=True)
+        for cfg in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (256, 64, 16, 3)]:
+            c = LaunchConfig(*cfg)
+            for d, train in ((128, False), (128, True), (64, False)):
+                qd, kd, vd = (t[..., :d] for t in (q, k, v))
+                t = safe(lambda: attn_qat_forward(qd, kd, vd, sm_scale=sc, causal=False, training=train, config=c))
+                res[f"fwd {cfg} d={d} train={train}"] = t
+                print(f"fwd {cfg} d={d} train={train}: {t}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+        return
     for cfg in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 32, 8, 3),
                 (64, 32, 4, 3), (128, 128, 8, 2)]:
         c = LaunchConfig(*cfg)

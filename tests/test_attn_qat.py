@@ -1,10 +1,13 @@
 """Attn-QAT fused kernels (SPEC §2) vs the PyTorch reference, and SPEC §2's two properties."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from attnqat.kernels import reference as R
+from attnqat.kernels.nvfp4 import E2M1_GRID
 from attnqat.kernels._common import LaunchConfig
-from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_backward, attn_qat_forward
+from attnqat.kernels.attn_qat import _round_p, attn_qat_attention, attn_qat_backward, attn_qat_forward
 from conftest import cos_sim, rel_err
 
 # (B, H, Lq, Lk, D, causal): ragged lengths, Lq != Lk both ways, both head dims
@@ -60,10 +63,11 @@ def test_backward_p_variants(p_bwd, poison):
 
 
 def test_output_does_not_depend_on_tile_width(poison):
-    """SPEC §2 property 1: with the integer running max, BLOCK_N in {16, 32, 64, 128} agree to rounding."""
+    """SPEC §2 property 1: with the integer running max, the kernel's tile widths (BLOCK_N in {64, 128,
+    256}) agree to rounding."""
     q, k, v = qkv(1, 2, 64, 300, 64)
     outs = [attn_qat_forward(q, k, v, sm_scale=0.125, causal=False, training=False,
-                             config=LaunchConfig(32, bn))[0] for bn in (16, 32, 64, 128)]
+                             config=LaunchConfig(32, bn))[0] for bn in (64, 128, 256)]
     for o in outs[1:]:
         assert rel_err(o, outs[0]) < 1e-6
     # the reference agrees with itself across tile widths too
@@ -173,10 +177,67 @@ def test_gpu_matches_reference(L, d, causal, poison):
 @pytest.mark.gpu
 def test_gpu_tile_width_and_forward_consistent_p(poison):
     q, k, v = (t.requires_grad_() for t in qkv(1, 1, 8192, 8192, 128, device="cuda", scale=0.5))
-    a = attn_qat_forward(q, k, v, sm_scale=128 ** -0.5, causal=False, training=False, config=LaunchConfig(64, 32, 4, 2))[0]
+    a = attn_qat_forward(q, k, v, sm_scale=128 ** -0.5, causal=False, training=False, config=LaunchConfig(64, 64, 4, 2))[0]
     b = attn_qat_forward(q, k, v, sm_scale=128 ** -0.5, causal=False, training=False, config=LaunchConfig(64, 128, 4, 2))[0]
     assert rel_err(a.float(), b.float()) < 2e-3  # bf16 outputs: agree to output rounding
     do = torch.randn(1, 1, 8192, 128, device="cuda", dtype=torch.bfloat16)
     attn_qat_attention(q, k, v).backward(do)
     p_fwd = R.forward_quantized_p_ref(q.detach(), k.detach(), v.detach())
     assert cos_sim(v.grad, p_fwd.transpose(-1, -2) @ do.float()) >= 0.999
+
+
+@triton.jit
+def _round_p_kernel(Y, S, OUT, N, IEEE: tl.constexpr, FP16: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(Y + offs, mask=offs < N, other=0.0)
+    s = tl.load(S + offs, mask=offs < N, other=0.0)
+    tl.store(OUT + offs, _round_p(y, s, IEEE, FP16).to(tl.float32), mask=offs < N)
+
+
+def _round_p_cases(device):
+    """y in [0, 9] (y > 6.4 happens when a block's scale is subnormal), dense around every rounding tie
+    (a few ulp either side, never the tie itself), times e4m3 block scales."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0])
+    bits = ties.view(torch.int32)[:, None] + torch.tensor([-3, -2, -1, 1, 2, 3, 40000, -40000])
+    y = torch.cat([torch.rand(20000) * 9, bits.reshape(-1).view(torch.float32), torch.tensor([0.0, 6.0, 9.0])])
+    s = R.e4m3_scale_ref(torch.rand(y.shape) * 80 * 2.0 ** torch.randint(-12, 1, y.shape))
+    return y.to(device), s.to(device)
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_p_rounding_matches_e2m1_reference(fp16, poison):
+    """The forward's rounding of P (16-bit round-to-odd, then e2m1) equals e2m1 rounding of the fp32
+    value times the scale, on every input that is not exactly a tie."""
+    _check_round_p("cpu", fp16)
+
+
+def _check_round_p(device, fp16):
+    y, s = _round_p_cases(device)
+    out = torch.empty_like(y)
+    _round_p_kernel[(triton.cdiv(y.numel(), 1024),)](y, s, out, y.numel(), IEEE=device == "cpu", FP16=fp16,
+                                                      BLOCK=1024)
+    grid = torch.tensor(E2M1_GRID, device=device)
+    want = grid[R.e2m1_codes_ref(y) & 7] * s
+    assert torch.equal(out, want), (y[out != want][:5], out[out != want][:5], want[out != want][:5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp16", [False, True])
+def test_gpu_p_rounding_matches_e2m1_reference(fp16, poison):
+    _check_round_p("cuda", fp16)
+
+
+def test_row_max_that_keeps_growing(poison):
+    """Logits that climb by ~200 (log2 units) along the keys: every tile rescales the accumulator by
+    large powers of two; O, O', m, l must still match the reference."""
+    torch.manual_seed(1)
+    q, k, v = qkv(1, 1, 40, 320, 64)
+    direction = torch.randn(64)
+    q = (q.float() * 0.1 + direction).to(torch.bfloat16)
+    k = (k.float() * 0.1 + direction * torch.linspace(0, 20, 320)[:, None]).to(torch.bfloat16)
+    o, o_aux, m, l, _ = attn_qat_forward(q, k, v, sm_scale=0.125, causal=False, training=True)
+    ro, ro_aux, rm, rl = R.attn_qat_forward_ref(q, k, v, sm_scale=0.125)
+    first_tile = R._logits_log2(R.fake_quant_nvfp4_ref(q), R.fake_quant_nvfp4_ref(k), 0.125, False)[..., :64]
+    assert (rm - first_tile.amax(-1)).min() > 150
+    assert torch.equal(m, rm)
+    assert rel_err(l, rl) < 1e-5 and rel_err(o, ro) < 1e-5 and rel_err(o_aux, ro_aux) < 1e-5

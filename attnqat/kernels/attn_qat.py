@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
-from .nvfp4 import fake_quant_tile
+from .nvfp4 import fake_quant_tile, round_e2m1_nonneg, round_e4m3
 
 # P~ = 2688 * 2^x = 2^(x + log2 2688): the kernels fold the scale into exp2 as the literal
 # 11.392317422778761 = log2(2688) (a literal: Triton kernels read no Python globals).
@@ -45,13 +45,15 @@ FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 4, 3), 128: LaunchConfig(128, 
 # transposed (266 ms for the whole backward; the untransposed layout's best was 292 ms). dQ: 128x64.
 BWD_CONFIG_GPU = {64: LaunchConfig(32, 64, 4, 3), 128: LaunchConfig(32, 64, 4, 3)}
 DQ_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}
-# Interpreter: small tiles keep numpy arrays small; the result does not depend on them.
+# Interpreter: small tiles keep numpy arrays small; the result does not depend on them. The forward's
+# BLOCK_N is at least 64 (see _key_order).
 CONFIG_INTERPRET = LaunchConfig(32, 32, 4, 1)
+FWD_CONFIG_INTERPRET = LaunchConfig(32, 64, 4, 1)
 
 
 def fwd_config(head_dim: int, training: bool) -> LaunchConfig:
     if interpreting():
-        return pinned_config("ATTNQAT_FWD_CONFIG") or CONFIG_INTERPRET
+        return pinned_config("ATTNQAT_FWD_CONFIG") or FWD_CONFIG_INTERPRET
     table = FWD_TRAIN_CONFIG_GPU if training else FWD_CONFIG_GPU
     return pinned_config("ATTNQAT_FWD_CONFIG") or table[head_dim]
 
@@ -127,16 +129,107 @@ def _load_keys(base, offs_n, offs_d, LK, HEAD_DIM: tl.constexpr, MASK: tl.conste
 
 
 @triton.jit
+def _key_order(BLOCK_N: tl.constexpr):
+    """The key (offset in the tile) that each column of S holds.
+
+    Hopper's and Ampere's MMA accumulators give lane r of each quad the columns 8j + 2r + {0, 1}.
+    Loading key (BLOCK_N/4) r + 2j + e into column 8j + 2r + e hands each lane BLOCK_N/4 consecutive
+    keys, so every 16-key quantization block of P lies in one thread's registers and its max and sum
+    need no shuffles. K's and V's rows are permuted alike, so P V is unchanged; masks use these keys.
+    """
+    c = tl.arange(0, BLOCK_N)
+    return (BLOCK_N // 4) * ((c // 2) % 4) + 2 * (c // 8) + c % 2
+
+
+@triton.jit
+def _e4m3(x, IEEE: tl.constexpr):
+    """e4m3(x) for finite x >= 0: the hardware's round-to-nearest-even cast on the GPU (sm_89+),
+    integer arithmetic under the interpreter (whose fp8 cast rounds wrongly)."""
+    if IEEE:
+        return round_e4m3(x)
+    else:
+        return x.to(tl.float8e4nv).to(tl.float32)
+
+
+@triton.jit
+def _round_p(y, scale, IEEE: tl.constexpr, FP16: tl.constexpr):
+    """phi's rounding step for P: e2m1(y) * scale, y = P~ / s >= 0, returned in the dot's dtype.
+
+    The GPU runs it in packed 16-bit arithmetic, two elements per instruction: y is truncated to
+    16 bits with the lowest bit forced to 1 (round to odd, so truncation never creates a rounding
+    tie), then rounded to the e2m1 grid by the magic-number FMA at the spacing read from y's exponent,
+    clamped at 6 and multiplied by the block scale (exact: 2 x 4 significant bits). This equals
+    rounding the fp32 y directly except when y is exactly a tie (then it rounds up, not to even).
+    The interpreter (no inline asm) computes the same in fp32 arithmetic.
+    """
+    if IEEE:
+        bits = y.to(tl.int32, bitcast=True)
+        if FP16:  # fp16 keeps 10 of fp32's 23 mantissa bits
+            h = (bits & -8192) | 8192  # -8192 == ~0x1FFF
+        else:  # bf16 keeps 7
+            h = (bits & -65536) | 65536
+        return round_e2m1_nonneg(h.to(tl.float32, bitcast=True)) * scale
+    elif FP16:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 h, e, one, c, nc, six, nz;
+            mov.b32 one, 0x3C003C00;
+            mov.b32 c, 0x62006200;
+            mov.b32 nc, 0xE200E200;
+            mov.b32 six, 0x46004600;
+            mov.b32 nz, 0x80008000;
+            cvt.rz.f16x2.f32 h, $2, $1;
+            or.b32 h, h, 0x00010001;
+            and.b32 e, h, 0x7C007C00;
+            max.f16x2 e, e, one;
+            fma.rn.f16x2 h, e, c, h;
+            fma.rn.f16x2 h, e, nc, h;
+            min.f16x2 h, h, six;
+            fma.rn.f16x2 $0, h, $3, nz;
+            }""",
+            "=r,r,r,r", [y, scale.to(tl.float16)], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 h, e, one, c, nc, six, nz;
+            mov.b32 one, 0x3F803F80;
+            mov.b32 c, 0x42C042C0;
+            mov.b32 nc, 0xC2C0C2C0;
+            mov.b32 six, 0x40C040C0;
+            mov.b32 nz, 0x80008000;
+            cvt.rz.bf16x2.f32 h, $2, $1;
+            or.b32 h, h, 0x00010001;
+            and.b32 e, h, 0x7F807F80;
+            max.bf16x2 e, e, one;
+            fma.rn.bf16x2 h, e, c, h;
+            fma.rn.bf16x2 h, e, nc, h;
+            min.bf16x2 h, h, six;
+            fma.rn.bf16x2 $0, h, $3, nz;
+            }""",
+            "=r,r,r,r", [y, scale.to(tl.bfloat16)], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
 def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, lo, hi, LK, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASK: tl.constexpr, CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
-                    IEEE: tl.constexpr, EXACT_DIV: tl.constexpr, SMOOTH_Q: tl.constexpr):
+                    IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr):
     """Key tiles [lo, hi). MASK (constexpr, as in Triton's tutorial): only the ragged last tile and the
-    causal diagonal pay for masking; full tiles skip the compare and select on every element."""
+    causal diagonal pay for masking; full tiles skip the compare and select on every element.
+
+    S is viewed as (rows, BLOCK_N/64, 8, 4, 2) so that axes 1 and 3 index the 16-key blocks (see
+    _key_order). Per block: its max P~ gives the scale s (one exp2 per block, exp2 is monotone), and
+    the elements are computed directly as y = P~ / 2^ls = 2^(S scale - base - ls), ls = log2 s, so no
+    per-element division or multiply is needed before rounding; l adds s * sum(y).
+
+    Rescaling the accumulator only when a row max grows (FA4-style, with a block-uniform branch) was
+    measured slower on the H100 than rescaling every tile: the branch needs a cross-warp reduction.
+    """
     offs_d = tl.arange(0, HEAD_DIM)
     dot_ty = q.dtype
+    key_order = _key_order(BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = start_n + key_order
         kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
         v = _load_keys(v_base, offs_n, offs_d, LK, HEAD_DIM, MASK, False)
         s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
@@ -147,17 +240,33 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None])
             s = tl.where(valid, s, float("-inf"))
-        # scale > 0, so max(s) * scale = max(s * scale); the scale then rides in one FMA with -m below
-        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(s, 1) * qk_scale))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s * qk_scale - (m_new[:, None] - 11.392317422778761))  # 11.39... = log2(2688)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s5 = tl.reshape(s, (BLOCK_M, BLOCK_N // 64, 8, 4, 2))
+        smax = tl.max(tl.max(s5, axis=4), axis=2)  # (rows, BLOCK_N/64, 4): each 16-key block's max S
+        # scale > 0, so max(s) * scale = max(s * scale); the scale then rides in one FMA with -base below
+        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(tl.max(smax, axis=1), axis=1) * qk_scale))
+        seen = m_new > float("-inf")  # rows that have met a visible key
+        alpha = tl.where(seen, tl.math.exp2(m_i - m_new), 1.0)
+        # P~ = 2688 * 2^(S scale - m) = 2^(S scale - base); 11.39... = log2(2688)
+        base = tl.where(seen, m_new - 11.392317422778761, 0.0)
+        xmax = smax * qk_scale - base[:, None, None]  # log2 of each block's max P~
         if QUANT_P:
-            pq = fake_quant_tile(p, BLOCK_M, BLOCK_N, 1, EXACT_DIV, False, True)
+            sc = _e4m3(tl.math.exp2(xmax) * (1.0 / 6.0), IEEE)  # s = e4m3(amax / 6)
+            # a block whose s rounds to 0 quantizes to 0; its y stay <= 1 (and finite) for l
+            ls = tl.where(sc > 0.0, tl.math.log2(tl.where(sc > 0.0, sc, 1.0)), tl.maximum(xmax, -126.0))
+            s_l = tl.where(sc > 0.0, sc, tl.math.exp2(ls))
         else:
-            pq = p
-        acc = _dot(pq.to(dot_ty), v, acc * alpha[:, None], IEEE)
+            ls = tl.zeros_like(xmax)
+            s_l = tl.full(xmax.shape, 1.0, tl.float32)
+        y5 = tl.math.exp2(s5 * qk_scale - (base[:, None, None] + ls)[:, :, None, :, None])
+        block_sum = tl.sum(tl.sum(y5, axis=4), axis=2)
+        l_i = l_i * alpha + tl.sum(tl.sum(block_sum * s_l, axis=1), axis=1)
+        if QUANT_P:
+            pq = _round_p(y5, tl.broadcast_to(sc[:, :, None, :, None], y5.shape), IEEE, FP16)
+        else:
+            pq = y5 * s_l[:, :, None, :, None]
+        acc = _dot(tl.reshape(pq, (BLOCK_M, BLOCK_N)).to(dot_ty), v, acc * alpha[:, None], IEEE)
         if TRAINING:
+            p = tl.reshape(y5 * s_l[:, :, None, :, None], (BLOCK_M, BLOCK_N))  # P~, unquantized
             acc_aux = _dot(p.to(dot_ty), v, acc_aux * alpha[:, None], IEEE)
         m_i = m_new
     return acc, acc_aux, l_i, m_i
@@ -169,10 +278,10 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
               H, LQ, LK, NQB, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
-              IEEE: tl.constexpr, EXACT_DIV: tl.constexpr, SMOOTH_Q: tl.constexpr):
+              IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr):
     """One block of BLOCK_M query rows per program. SMOOTH_Q (constexpr: SageAttention3's
     Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T."""
-    tl.static_assert(BLOCK_N % 16 == 0)  # quantization blocks of P must not straddle tiles
+    tl.static_assert(BLOCK_N % 64 == 0)  # _key_order: each lane holds whole 16-key blocks
     if SMOOTH_Q:
         tl.static_assert(128 % BLOCK_M == 0)  # a program's rows share one 128-row smoothing block
     start_m = tl.program_id(0)
@@ -197,12 +306,12 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
     else:
         hi = LK
         full_hi = (LK // BLOCK_N) * BLOCK_N
-    acc, acc_aux, l_i, m_i = _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m,
-                                             0, full_hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
-                                             TRAINING, QUANT_P, IEEE, EXACT_DIV, SMOOTH_Q)
-    acc, acc_aux, l_i, m_i = _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m,
-                                             full_hi, hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
-                                             TRAINING, QUANT_P, IEEE, EXACT_DIV, SMOOTH_Q)
+    acc, acc_aux, l_i, m_i = _attn_fwd_inner(
+        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 0, full_hi, LK, qk_scale, HEAD_DIM,
+        BLOCK_M, BLOCK_N, False, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16)
+    acc, acc_aux, l_i, m_i = _attn_fwd_inner(
+        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, full_hi, hi, LK, qk_scale, HEAD_DIM,
+        BLOCK_M, BLOCK_N, True, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16)
 
     inv_l = 1.0 / l_i
     o_mask = offs_m[:, None] < LQ
@@ -423,6 +532,7 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     lk = k.shape[2]
     cfg = config or fwd_config(d, training)
     wdt = _work_dtype(q.dtype)
+    fp16 = q.dtype == torch.float16
     if operands is not None:
         qf, kf, vf = operands
     elif quant_qkv:
@@ -440,7 +550,7 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
                     o.stride(0), o.stride(1), o.stride(2),
                     h, lq, lk, 0 if delta_s is None else delta_s.shape[2], sm_scale * LOG2E,
                     HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TRAINING=training,
-                    QUANT_P=quant_p, IEEE=interpreting(), EXACT_DIV=interpreting(), SMOOTH_Q=delta_s is not None,
+                    QUANT_P=quant_p, IEEE=interpreting(), SMOOTH_Q=delta_s is not None, FP16=fp16,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, (o_aux if training else None), m, l, (qf, kf, vf)
 
