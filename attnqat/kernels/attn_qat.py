@@ -36,11 +36,9 @@ from .nvfp4 import fake_quant_tile, round_e2m1_nonneg, round_e4m3
 # Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages). Pin with ATTNQAT_FWD_CONFIG /
 # ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests and benchmarks.
 # Measured on an H100 at (1, 40, 32760, 128) by bench/tune_attn_qat.py (docs/kernels.md has the table).
-# Inference forward: 64x64 tiles with 4 warps (92.7 ms) beat 128x64/8 warps (95.5 ms): phi(P) is
-# ALU work, and smaller tiles keep it in registers. The training forward also carries O' (a second
-# accumulator), where 128x128/8 warps wins (108 ms vs 110-116 ms).
-FWD_CONFIG_GPU = {64: LaunchConfig(64, 64, 4, 3), 128: LaunchConfig(64, 64, 4, 3)}
-FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 4, 3), 128: LaunchConfig(128, 128, 8, 3)}
+# Forward: 128x128 tiles with 8 warps, 3 stages (inference 50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8).
+FWD_CONFIG_GPU = {64: LaunchConfig(128, 128, 8, 3), 128: LaunchConfig(128, 128, 8, 3)}
+FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 128, 8, 3), 128: LaunchConfig(128, 128, 8, 3)}
 # Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program): 32x64, S held
 # transposed (266 ms for the whole backward; the untransposed layout's best was 292 ms). dQ: 128x64.
 BWD_CONFIG_GPU = {64: LaunchConfig(32, 64, 4, 3), 128: LaunchConfig(32, 64, 4, 3)}
@@ -85,26 +83,48 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(X, XF, stride_b, stride_h, stride_l, H, L,
-                   HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr):
+def _quantize_rows(X, XF, Mean, stride_b, stride_h, stride_l, H, L,
+                   HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, CENTER: tl.constexpr, AXIS: tl.constexpr):
+    """phi over (BLOCK_L, HEAD_DIM) tiles: along head_dim (AXIS=1) or in blocks of 16 tokens (AXIS=0,
+    SageAttention3's V). CENTER (constexpr, SageAttention3's smoothing): 0 none; 1 subtract Mean[bh]
+    (K's token mean); 2 subtract the tile's own row mean (Q per 128 rows) and store it to Mean[bh, tile].
+    Padded rows are zeros, which never change a block's scale."""
     bh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     cols = tl.arange(0, HEAD_DIM)
+    row_ok = rows[:, None] < L
     x_ptrs = X + (bh // H) * stride_b + (bh % H) * stride_h + rows[:, None] * stride_l + cols[None, :]
-    x = tl.load(x_ptrs, mask=rows[:, None] < L, other=0.0).to(tl.float32)
-    xf = fake_quant_tile(x, BLOCK_L, HEAD_DIM, 1, True, True)
+    x = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+    if CENTER == 1:
+        x = tl.where(row_ok, x - tl.load(Mean + bh * HEAD_DIM + cols)[None, :], 0.0)
+    elif CENTER == 2:
+        count = tl.minimum(L - tl.program_id(0) * BLOCK_L, BLOCK_L)
+        mean = tl.sum(x, axis=0) / count
+        tl.store(Mean + (bh * tl.num_programs(0) + tl.program_id(0)) * HEAD_DIM + cols, mean)
+        x = tl.where(row_ok, x - mean[None, :], 0.0)
+    xf = fake_quant_tile(x, BLOCK_L, HEAD_DIM, AXIS, True, True)
     tl.store(XF + bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
-             xf.to(XF.dtype.element_ty), mask=rows[:, None] < L)
+             xf.to(XF.dtype.element_ty), mask=row_ok)
 
 
-def quantize_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """phi along head_dim of a (B, H, L, D) tensor -> contiguous (B, H, L, D) in ``dtype``."""
+def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False, center: torch.Tensor | None = None,
+                   block_mean: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """phi of a (B, H, L, D) tensor -> contiguous (B, H, L, D) in ``dtype``: along head_dim, or along
+    tokens (``tokens=True``). ``center`` (B, H, D) fp32 is subtracted first; ``block_mean=n`` subtracts
+    each block of n rows' own mean and also returns those means, (B, H, ceil(L/n), D) fp32."""
     b, h, n, d = x.shape
     out = torch.empty((b, h, n, d), dtype=dtype, device=x.device)
-    block_l = 32 if interpreting() else 64
-    _quantize_rows[(triton.cdiv(n, block_l), b * h)](x, out, x.stride(0), x.stride(1), x.stride(2), h, n,
-                                                     HEAD_DIM=d, BLOCK_L=block_l)
-    return out
+    block_l = block_mean or (32 if interpreting() else 64)
+    grid = (triton.cdiv(n, block_l), b * h)
+    mean = center
+    if block_mean:
+        mean = torch.empty((b, h, grid[0], d), dtype=torch.float32, device=x.device)
+    elif center is None:
+        mean = out  # unused
+    _quantize_rows[grid](x, out, mean, x.stride(0), x.stride(1), x.stride(2), h, n, HEAD_DIM=d, BLOCK_L=block_l,
+                         CENTER=2 if block_mean else (0 if center is None else 1), AXIS=0 if tokens else 1,
+                         num_warps=8 if block_l >= 128 else 4)
+    return (out, mean) if block_mean else out
 
 
 # ---------------------------------------------------------------------------------------------------
