@@ -26,6 +26,7 @@ def main():
     ap.add_argument("--L", type=int, default=32760)
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--config", default="128,128,8,3")
+    ap.add_argument("--smooth", action="store_true", help="the sage3 variant (SMOOTH_Q: adds ΔS to S)")
     ap.add_argument("--dump", default=None, help="folder to write the quantized kernel's TTGIR, PTX and SASS to")
     args = ap.parse_args()
     cfg = LaunchConfig.parse(args.config)
@@ -33,12 +34,16 @@ def main():
     qf, kf, vf = (quantize_heads(t, torch.bfloat16) for t in (q, k, v))
     o = torch.empty_like(q)
     m = torch.empty((1, args.heads, args.L), device="cuda")
+    nqb = triton_cdiv(args.L, 128)
+    ds = (torch.zeros((1, args.heads, nqb, 3, triton_cdiv(args.L, 256) * 256), device="cuda", dtype=torch.bfloat16)
+          if args.smooth else qf)
     l = torch.empty_like(m)
     for quant in (False, True):
         kern = _attn_fwd[(triton_cdiv(args.L, cfg.block_m), args.heads)](
-            qf, kf, vf, o, o, m, l, m, o.stride(0), o.stride(1), o.stride(2), args.heads, args.L, args.L, 0,
+            qf, kf, vf, o, o, m, l, ds, o.stride(0), o.stride(1), o.stride(2), args.heads, args.L, args.L,
+            nqb if args.smooth else 0, ds.stride(3) if args.smooth else 0,
             128 ** -0.5 * LOG2E, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=False,
-            TRAINING=False, QUANT_P=quant, IEEE=False, SMOOTH_Q=False, FP16=False,
+            TRAINING=False, QUANT_P=quant, IEEE=False, SMOOTH_Q=args.smooth, FP16=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         ttgir = kern.asm["ttgir"]
         sass = kern.asm["sass"]
@@ -52,7 +57,8 @@ def main():
             if tok:
                 hist[(tok[1] if tok[0].startswith("@") and len(tok) > 1 else tok[0]).split(".")[0]] += 1
         t = bench_ms(lambda: attn_qat_forward(q, k, v, sm_scale=128 ** -0.5, causal=False, training=False,
-                                              quant_p=quant, config=cfg))
+                                              quant_p=quant, config=cfg, operands=(qf, kf, vf),
+                                              delta_s=ds if args.smooth else None))
         print(f"QUANT_P={quant}: {t:.2f} ms, regs {kern.n_regs}, spills {kern.n_spills}, TTGIR {ir}")
         print("   SASS:", {op: hist.get(op, 0) for op in OPS})
         if quant and args.dump:

@@ -3,28 +3,20 @@ import pytest
 import torch
 
 from attnqat.kernels import reference as R
-from attnqat.kernels.attn_qat import quantize_heads
-from attnqat.kernels.sage3 import _delta_s
+from attnqat.kernels._common import LaunchConfig
+from attnqat.kernels.sage3 import sage3_prepass
 from conftest import rel_err
 
 
-def _prepass(q, k, v, wdt):
-    """The kernel pre-pass of sage3_forward, piece by piece."""
-    import triton
-    b, h, lk, d = k.shape
-    k_mean = k.mean(dim=2, dtype=torch.float32).contiguous()
-    qf, q_mean = quantize_heads(q, wdt, block_mean=R.SAGE3_Q_BLOCK)
-    kf = quantize_heads(k, wdt, center=k_mean)
-    vf = quantize_heads(v, wdt, tokens=True)
-    ds = torch.empty((b, h, q_mean.shape[2], lk), dtype=torch.float32, device=q.device)
-    _delta_s[(triton.cdiv(lk, 32), b * h)](k, k_mean, q_mean, ds, k.stride(0), k.stride(1), k.stride(2), h, lk,
-                                           q_mean.shape[2], HEAD_DIM=d, BLOCK_N=32, BLOCK_QB=32)
-    return qf, kf, vf, ds
+def key_order(block_n):
+    """attn_qat._key_order in torch: the key (offset in its tile) held by each column."""
+    c = torch.arange(block_n)
+    return (block_n // 4) * ((c // 2) % 4) + 2 * (c // 8) + c % 2
 
 
 @pytest.mark.parametrize("lq,lk,d", [(300, 77, 64), (128, 200, 128)])
 def test_prepass_matches_reference(lq, lk, d, poison):
-    _check_prepass(lq, lk, d, "cpu", torch.float32)
+    _check_prepass(lq, lk, d, "cpu", torch.float32)  # the interpreter's work dtype
 
 
 def _check_prepass(lq, lk, d, device, wdt):
@@ -33,8 +25,14 @@ def _check_prepass(lq, lk, d, device, wdt):
                for n in (lq, lk, lk))
     # (B, L, H, D) views, as diffusers passes them
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    qf, kf, vf, ds = _prepass(q, k, v, wdt)
+    qf, kf, vf, parts = sage3_prepass(q, k, v, LaunchConfig(64, 64))
+    assert qf.dtype == kf.dtype == vf.dtype == wdt
     q_s, k_s, ds_ref = R.sage3_smooth(q, k)
+    # the ΔS parts sum to ΔS, each tile of 64 keys in the forward's column order
+    cols = (torch.arange(parts.shape[-1]) // 64) * 64 + key_order(64).repeat(parts.shape[-1] // 64)
+    ds = torch.zeros_like(parts[:, :, :, 0], dtype=torch.float32)
+    ds[..., cols.to(parts.device)] = parts.float().sum(3)
+    ds = ds[..., :lk]
     # the smoothed values agree to fp32 rounding, so quantized elements agree except at rounding ties
     for got, want in ((qf, R.fake_quant_nvfp4_ref(q_s)), (kf, R.fake_quant_nvfp4_ref(k_s))):
         assert (got.float() != want).float().mean() < 1e-3
@@ -46,3 +44,13 @@ def _check_prepass(lq, lk, d, device, wdt):
 @pytest.mark.gpu
 def test_gpu_prepass_matches_reference(poison):
     _check_prepass(4000, 3000, 128, "cuda", torch.bfloat16)
+
+
+def test_heads_in_groups_when_delta_s_is_large(monkeypatch, poison):
+    """A ΔS budget smaller than one head's runs the heads one by one, with the same result."""
+    from attnqat.kernels import sage3
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 3, n, 64).to(torch.bfloat16) for n in (130, 90, 90))
+    whole = sage3.sage3_forward(q, k, v, sm_scale=0.125, causal=False)
+    monkeypatch.setattr(sage3, "DELTA_S_BYTES", 1)
+    assert torch.equal(sage3.sage3_forward(q, k, v, sm_scale=0.125, causal=False), whole)

@@ -36,9 +36,10 @@ from .nvfp4 import fake_quant_tile, round_e2m1_nonneg, round_e4m3
 # Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages). Pin with ATTNQAT_FWD_CONFIG /
 # ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests and benchmarks.
 # Measured on an H100 at (1, 40, 32760, 128) by bench/tune_attn_qat.py (docs/kernels.md has the table).
-# Forward: 128x128 tiles with 8 warps, 3 stages (inference 50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8).
-FWD_CONFIG_GPU = {64: LaunchConfig(128, 128, 8, 3), 128: LaunchConfig(128, 128, 8, 3)}
-FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 128, 8, 3), 128: LaunchConfig(128, 128, 8, 3)}
+# Inference forward: 128x128 tiles, 8 warps, 3 stages (50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8); at
+# head_dim 64, 128x64/8 (32.5 ms vs 38.1 for 128x128).
+FWD_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 128, 8, 3)}
+FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}  # 70.9 vs 72.5 ms
 # Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program): 32x64, S held
 # transposed (266 ms for the whole backward; the untransposed layout's best was 292 ms). dQ: 128x64.
 BWD_CONFIG_GPU = {64: LaunchConfig(32, 64, 4, 3), 128: LaunchConfig(32, 64, 4, 3)}
@@ -230,7 +231,8 @@ def _round_p(y, scale, IEEE: tl.constexpr, FP16: tl.constexpr):
 
 
 @triton.jit
-def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, lo, hi, LK, qk_scale,
+def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, DS_STRIDE, offs_m, lo, hi, LK,
+                    qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASK: tl.constexpr, CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
                     IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr):
@@ -248,13 +250,24 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 
     offs_d = tl.arange(0, HEAD_DIM)
     dot_ty = q.dtype
     key_order = _key_order(BLOCK_N)
+    # SMOOTH_Q: ΔS enters through a second MMA, ones (rows, 16) @ ΔS parts (16, keys), whose first three
+    # rows hold ΔS as hi + mid + lo 16-bit parts (together fp32's 24 bits; the other rows are masked to
+    # 0): one k=16 step and a pipelined shared-memory tile. It still costs 13 ms at L=32760, as adding an
+    # fp32 vector in registers did: ptxas serialises the QK wgmma chain whenever its accumulator does not
+    # start at zero (its C7515 warning), and no ordering tried here avoided that.
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + key_order
         kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
         v = _load_keys(v_base, offs_n, offs_d, LK, HEAD_DIM, MASK, False)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-        if SMOOTH_Q:
-            s += tl.load(ds_base + offs_n, mask=offs_n < LK, other=0.0)[None, :]
+        if SMOOTH_Q:  # ΔS is stored in this tile's column order (see sage3._delta_s)
+            ds_rows = tl.arange(0, 16)
+            ones = tl.broadcast_to(tl.where(ds_rows < 3, 1.0, 0.0).to(DeltaS.dtype.element_ty)[None, :],
+                                   (BLOCK_M, 16))
+            ds = tl.load(ds_base + ds_rows[:, None] * DS_STRIDE + start_n + tl.arange(0, BLOCK_N)[None, :],
+                         mask=ds_rows[:, None] < 3, other=0.0)
+            s = _dot(q, kt, _dot(ones, ds, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE), IEEE)
+        else:
+            s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         if MASK:
             valid = offs_n[None, :] < LK
             if CAUSAL:
@@ -295,12 +308,13 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 
 @triton.jit
 def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
               stride_ob, stride_oh, stride_ol,
-              H, LQ, LK, NQB, qk_scale,
+              H, LQ, LK, NQB, DS_STRIDE, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
               IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr):
     """One block of BLOCK_M query rows per program. SMOOTH_Q (constexpr: SageAttention3's
-    Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T."""
+    Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T.
+    DeltaS: (B*H, blocks of 128 rows, 3, DS_STRIDE) hi/mid/lo parts (sage3._delta_s)."""
     tl.static_assert(BLOCK_N % 64 == 0)  # _key_order: each lane holds whole 16-key blocks
     if SMOOTH_Q:
         tl.static_assert(128 % BLOCK_M == 0)  # a program's rows share one 128-row smoothing block
@@ -312,7 +326,10 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
                 mask=offs_m[:, None] < LQ, other=0.0)
     k_base = KF + bh * LK * HEAD_DIM
     v_base = VF + bh * LK * HEAD_DIM
-    ds_base = DeltaS + (bh * NQB + start_m * BLOCK_M // 128) * LK
+    if SMOOTH_Q:
+        ds_base = DeltaS + (bh * NQB + start_m * BLOCK_M // 128).to(tl.int64) * 3 * DS_STRIDE  # > 2^31 at 720p
+    else:
+        ds_base = DeltaS
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -327,10 +344,12 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
         hi = LK
         full_hi = (LK // BLOCK_N) * BLOCK_N
     acc, acc_aux, l_i, m_i = _attn_fwd_inner(
-        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 0, full_hi, LK, qk_scale, HEAD_DIM,
+        acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, DS_STRIDE, offs_m, 0, full_hi, LK, qk_scale,
+        HEAD_DIM,
         BLOCK_M, BLOCK_N, False, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16)
     acc, acc_aux, l_i, m_i = _attn_fwd_inner(
-        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, full_hi, hi, LK, qk_scale, HEAD_DIM,
+        acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, DS_STRIDE, offs_m, full_hi, hi, LK, qk_scale,
+        HEAD_DIM,
         BLOCK_M, BLOCK_N, True, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16)
 
     inv_l = 1.0 / l_i
@@ -545,8 +564,9 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
 
     ``quant_qkv=False`` and ``quant_p=False`` give plain high-precision attention through the same
     kernel (the drop-in ablation's backward needs its m and l). ``operands`` passes ready (B, H, L, D)
-    contiguous work-dtype Q^F, K^F, V^F and ``delta_s`` (B, H, ceil(Lq/128), Lk) fp32 the Q-smoothing
-    correction (sage3 prepares both).
+    contiguous work-dtype Q^F, K^F, V^F and ``delta_s`` (B, H, ceil(Lq/128), 3, >= Lk) the Q-smoothing
+    correction in three parts, each tile of BLOCK_N keys in the kernel's column order (sage3 prepares both
+    and passes its config).
     """
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -566,9 +586,10 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     m = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     grid = (triton.cdiv(lq, cfg.block_m), b * h)
-    _attn_fwd[grid](qf, kf, vf, o, o_aux, m, l, m if delta_s is None else delta_s,
+    _attn_fwd[grid](qf, kf, vf, o, o_aux, m, l, qf if delta_s is None else delta_s,
                     o.stride(0), o.stride(1), o.stride(2),
-                    h, lq, lk, 0 if delta_s is None else delta_s.shape[2], sm_scale * LOG2E,
+                    h, lq, lk, 0 if delta_s is None else delta_s.shape[2], 0 if delta_s is None else delta_s.stride(3),
+                    sm_scale * LOG2E,
                     HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TRAINING=training,
                     QUANT_P=quant_p, IEEE=interpreting(), SMOOTH_Q=delta_s is not None, FP16=fp16,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
