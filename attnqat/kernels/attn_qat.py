@@ -231,6 +231,16 @@ def _round_p(y, scale, IEEE: tl.constexpr, FP16: tl.constexpr):
 
 
 @triton.jit
+def _load_delta_s(ds_base, start_n, BLOCK_N: tl.constexpr):
+    """SageAttention3's ΔS for the key tile at start_n, in _key_order's column order. ΔS rows are padded
+    (with finite values) to whole tiles plus one, so no mask is needed: padded keys are masked with S, and
+    the tile past the end is loaded (one tile ahead) but never used. One contiguous load in key order,
+    then the permutation in registers: each lane's columns are consecutive keys (128-bit loads)."""
+    ds = tl.load(ds_base + start_n + tl.arange(0, BLOCK_N))
+    return tl.reshape(tl.permute(tl.reshape(ds, (4, BLOCK_N // 8, 2)), (1, 0, 2)), (BLOCK_N,))
+
+
+@triton.jit
 def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, DS_STRIDE, offs_m, lo, hi, LK,
                     qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -250,24 +260,26 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, 
     offs_d = tl.arange(0, HEAD_DIM)
     dot_ty = q.dtype
     key_order = _key_order(BLOCK_N)
-    # SMOOTH_Q: ΔS enters through a second MMA, ones (rows, 16) @ ΔS parts (16, keys), whose first three
-    # rows hold ΔS as hi + mid + lo 16-bit parts (together fp32's 24 bits; the other rows are masked to
-    # 0): one k=16 step and a pipelined shared-memory tile. It still costs 13 ms at L=32760, as adding an
-    # fp32 vector in registers did: ptxas serialises the QK wgmma chain whenever its accumulator does not
-    # start at zero (its C7515 warning), and no ordering tried here avoided that.
+    # SMOOTH_Q: ΔS (fp32, one tile ahead, in column order) is added as S * scale + ΔS * scale, so the rest
+    # of the tile works on pre-scaled logits. Written as "dot + ΔS" the compiler folds the add into the
+    # wgmma's accumulator, and ptxas then serialises every wgmma of the kernel (its warning C7515):
+    # 13 ms at L=32760, also when ΔS came through a second MMA.
+    if SMOOTH_Q:
+        ds_next = _load_delta_s(ds_base, lo, BLOCK_N) * qk_scale
+    else:
+        ds_next = tl.zeros([BLOCK_N], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + key_order
         kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
         v = _load_keys(v_base, offs_n, offs_d, LK, HEAD_DIM, MASK, False)
-        if SMOOTH_Q:  # ΔS is stored in this tile's column order (see sage3._delta_s)
-            ds_rows = tl.arange(0, 16)
-            ones = tl.broadcast_to(tl.where(ds_rows < 3, 1.0, 0.0).to(DeltaS.dtype.element_ty)[None, :],
-                                   (BLOCK_M, 16))
-            ds = tl.load(ds_base + ds_rows[:, None] * DS_STRIDE + start_n + tl.arange(0, BLOCK_N)[None, :],
-                         mask=ds_rows[:, None] < 3, other=0.0)
-            s = _dot(q, kt, _dot(ones, ds, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE), IEEE)
+        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        if SMOOTH_Q:
+            ds = ds_next
+            ds_next = _load_delta_s(ds_base, start_n + BLOCK_N, BLOCK_N) * qk_scale
+            s = s * qk_scale + ds[None, :]
+            scale = 1.0
         else:
-            s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+            scale = qk_scale
         if MASK:
             valid = offs_n[None, :] < LK
             if CAUSAL:
@@ -276,12 +288,12 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, 
         s5 = tl.reshape(s, (BLOCK_M, BLOCK_N // 64, 8, 4, 2))
         smax = tl.max(tl.max(s5, axis=4), axis=2)  # (rows, BLOCK_N/64, 4): each 16-key block's max S
         # scale > 0, so max(s) * scale = max(s * scale); the scale then rides in one FMA with -base below
-        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(tl.max(smax, axis=1), axis=1) * qk_scale))
+        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(tl.max(smax, axis=1), axis=1) * scale))
         seen = m_new > float("-inf")  # rows that have met a visible key
         alpha = tl.where(seen, tl.math.exp2(m_i - m_new), 1.0)
         # P~ = 2688 * 2^(S scale - m) = 2^(S scale - base); 11.39... = log2(2688)
         base = tl.where(seen, m_new - 11.392317422778761, 0.0)
-        xmax = smax * qk_scale - base[:, None, None]  # log2 of each block's max P~
+        xmax = smax * scale - base[:, None, None]  # log2 of each block's max P~
         if QUANT_P:
             sc = _e4m3(tl.math.exp2(xmax) * (1.0 / 6.0), IEEE)  # s = e4m3(amax / 6)
             # a block whose s rounds to 0 quantizes to 0; its y stay <= 1 (and finite) for l
@@ -290,7 +302,7 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, 
         else:
             ls = tl.zeros_like(xmax)
             s_l = tl.full(xmax.shape, 1.0, tl.float32)
-        y5 = tl.math.exp2(s5 * qk_scale - (base[:, None, None] + ls)[:, :, None, :, None])
+        y5 = tl.math.exp2(s5 * scale - (base[:, None, None] + ls)[:, :, None, :, None])
         block_sum = tl.sum(tl.sum(y5, axis=4), axis=2)
         l_i = l_i * alpha + tl.sum(tl.sum(block_sum * s_l, axis=1), axis=1)
         if QUANT_P:
@@ -314,7 +326,7 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
               IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr):
     """One block of BLOCK_M query rows per program. SMOOTH_Q (constexpr: SageAttention3's
     Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T.
-    DeltaS: (B*H, blocks of 128 rows, 3, DS_STRIDE) hi/mid/lo parts (sage3._delta_s)."""
+    DeltaS: (B*H, blocks of 128 rows, DS_STRIDE) fp32 (sage3._delta_s)."""
     tl.static_assert(BLOCK_N % 64 == 0)  # _key_order: each lane holds whole 16-key blocks
     if SMOOTH_Q:
         tl.static_assert(128 % BLOCK_M == 0)  # a program's rows share one 128-row smoothing block
@@ -327,7 +339,7 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
     k_base = KF + bh * LK * HEAD_DIM
     v_base = VF + bh * LK * HEAD_DIM
     if SMOOTH_Q:
-        ds_base = DeltaS + (bh * NQB + start_m * BLOCK_M // 128).to(tl.int64) * 3 * DS_STRIDE  # > 2^31 at 720p
+        ds_base = DeltaS + (bh * NQB + start_m * BLOCK_M // 128).to(tl.int64) * DS_STRIDE
     else:
         ds_base = DeltaS
 
@@ -564,9 +576,8 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
 
     ``quant_qkv=False`` and ``quant_p=False`` give plain high-precision attention through the same
     kernel (the drop-in ablation's backward needs its m and l). ``operands`` passes ready (B, H, L, D)
-    contiguous work-dtype Q^F, K^F, V^F and ``delta_s`` (B, H, ceil(Lq/128), 3, >= Lk) the Q-smoothing
-    correction in three parts, each tile of BLOCK_N keys in the kernel's column order (sage3 prepares both
-    and passes its config).
+    contiguous work-dtype Q^F, K^F, V^F and ``delta_s`` (B, H, ceil(Lq/128), >= Lk + BLOCK_N) fp32 the
+    Q-smoothing correction, rows padded with finite values to whole tiles plus one (sage3 prepares both).
     """
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -588,7 +599,7 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     grid = (triton.cdiv(lq, cfg.block_m), b * h)
     _attn_fwd[grid](qf, kf, vf, o, o_aux, m, l, qf if delta_s is None else delta_s,
                     o.stride(0), o.stride(1), o.stride(2),
-                    h, lq, lk, 0 if delta_s is None else delta_s.shape[2], 0 if delta_s is None else delta_s.stride(3),
+                    h, lq, lk, 0 if delta_s is None else delta_s.shape[2], 0 if delta_s is None else delta_s.stride(2),
                     sm_scale * LOG2E,
                     HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TRAINING=training,
                     QUANT_P=quant_p, IEEE=interpreting(), SMOOTH_Q=delta_s is not None, FP16=fp16,

@@ -15,32 +15,28 @@ import triton
 import triton.language as tl
 
 from ._common import LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
-from .attn_qat import _key_order, _work_dtype, attn_qat_forward, fwd_config, quantize_heads
+from .attn_qat import _work_dtype, attn_qat_forward, fwd_config, quantize_heads
 from .reference import SAGE3_Q_BLOCK
 
-DELTA_S_QB = 64  # query blocks per step of _delta_s on the GPU
-SAGE3_CONFIG_GPU = LaunchConfig(128, 64, 8, 3)  # 64.8 ms at (1, 40, 32760, 128); 128x128/8/3 exceeds smem
+DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU: 1.1 ms at L=32760
+SAGE3_CONFIG_GPU = LaunchConfig(128, 128, 8, 3)  # 60.0 ms at (1, 40, 32760, 128); 128x64/8/3: 69.5
 DELTA_S_BYTES = 2 << 30  # sage3_forward splits the heads so that ΔS stays below this
 
 
 @triton.jit
 def _delta_s(K, KMean, QMean, DS, stride_kb, stride_kh, stride_kl, H, LK, NQB, DS_STRIDE,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_QB: tl.constexpr, IEEE: tl.constexpr):
-    """ΔS[bh, i, :, keys] = q̄_i · (K - k̄)^T for every 128-row query block i and one tile of BLOCK_N keys
-    (the forward's), stored as three 16-bit parts hi + mid + lo (24 significant bits, fp32's) in the
-    forward's column order (attn_qat._key_order), so the forward adds ΔS with one MMA over contiguous
-    loads. Padding keys (LK <= key < DS_STRIDE) get q̄ · (0 - k̄): finite, never used.
+    """ΔS[bh, i, keys] = q̄_i · (K - k̄)^T for every 128-row query block i and BLOCK_N keys, fp32.
+    Padding keys (LK <= key < DS_STRIDE) get q̄ · (0 - k̄): finite, as the forward needs.
 
-    The GPU runs the dot as three tf32 tensor-core products (hi*hi + hi*lo + lo*hi, about fp32's
-    precision; an exact "ieee" dot ran 30x slower); the interpreter runs it in fp32 and stores one part."""
+    The GPU runs the dot as three tf32 tensor-core products (hi*hi + hi*lo + lo*hi: relative error
+    4e-7 against fp32 at L=32760; an exact "ieee" dot ran 30x slower); the interpreter runs it in fp32."""
     bh = tl.program_id(1)
-    start_n = tl.program_id(0) * BLOCK_N
-    offs_n = start_n + _key_order(BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k = tl.load(K + (bh // H) * stride_kb + (bh % H) * stride_kh + offs_n[None, :] * stride_kl + offs_d[:, None],
                 mask=offs_n[None, :] < LK, other=0.0).to(tl.float32)
     k_s = k - tl.load(KMean + bh * HEAD_DIM + offs_d)[:, None]  # (HEAD_DIM, BLOCK_N): K_s^T
-    cols = start_n + tl.arange(0, BLOCK_N)
     for start in range(0, NQB, BLOCK_QB):
         rows = start + tl.arange(0, BLOCK_QB)
         q_bar = tl.load(QMean + (bh * NQB + rows[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < NQB,
@@ -49,14 +45,8 @@ def _delta_s(K, KMean, QMean, DS, stride_kb, stride_kh, stride_kl, H, LK, NQB, D
             ds = tl.dot(q_bar, k_s, input_precision="ieee")
         else:
             ds = tl.dot(q_bar, k_s, input_precision="tf32x3")
-        ptrs = DS + (bh * NQB + rows[:, None]).to(tl.int64) * 3 * DS_STRIDE + cols[None, :]
-        keep = rows[:, None] < NQB
-        hi = ds.to(DS.dtype.element_ty)
-        rest = ds - hi.to(tl.float32)
-        mid = rest.to(DS.dtype.element_ty)
-        tl.store(ptrs, hi, mask=keep)
-        tl.store(ptrs + DS_STRIDE, mid, mask=keep)
-        tl.store(ptrs + 2 * DS_STRIDE, (rest - mid.to(tl.float32)).to(DS.dtype.element_ty), mask=keep)
+        tl.store(DS + (bh * NQB + rows[:, None]).to(tl.int64) * DS_STRIDE + offs_n[None, :], ds,
+                 mask=(rows[:, None] < NQB) & (offs_n[None, :] < DS_STRIDE))
 
 
 def sage3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -92,7 +82,8 @@ def sage3_config(head_dim: int) -> LaunchConfig:
 
 def sage3_prepass(q, k, v, cfg: LaunchConfig):
     """Smoothing and quantization for the forward launched with ``cfg``: returns Q^F, K^F, V^F (work dtype,
-    contiguous (B, H, L, D)) and ΔS as (B, H, ceil(Lq/128), 3, Lk rounded up to cfg.block_n) parts."""
+    contiguous (B, H, L, D)) and ΔS, (B, H, ceil(Lq/128), Lk padded to whole cfg.block_n tiles plus one)
+    fp32."""
     wdt = _work_dtype(q.dtype)
     b, h, lk, d = k.shape
     k_mean = k.mean(dim=2, dtype=torch.float32).contiguous()
@@ -100,24 +91,24 @@ def sage3_prepass(q, k, v, cfg: LaunchConfig):
     kf = quantize_heads(k, wdt, center=k_mean)
     vf = quantize_heads(v, wdt, tokens=True)
     nqb = q_mean.shape[2]
-    # ΔS parts in bf16 (fp32 under the interpreter): bf16's range holds any ΔS; rows padded to whole tiles
-    ds_dtype = torch.float32 if interpreting() else torch.bfloat16
-    delta_s = torch.empty((b, h, nqb, 3, triton.cdiv(lk, cfg.block_n) * cfg.block_n), dtype=ds_dtype,
+    # rows padded to whole tiles of the forward plus one (it loads ΔS a tile ahead, unmasked)
+    delta_s = torch.empty((b, h, nqb, (triton.cdiv(lk, cfg.block_n) + 1) * cfg.block_n), dtype=torch.float32,
                           device=q.device)
-    _delta_s[(delta_s.shape[4] // cfg.block_n, b * h)](
-        k, k_mean, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), h, lk, nqb, delta_s.stride(3),
-        HEAD_DIM=d, BLOCK_N=cfg.block_n, BLOCK_QB=32 if interpreting() else DELTA_S_QB, IEEE=interpreting(),
+    block_n = 32 if interpreting() else DELTA_S_TILE[0]
+    _delta_s[(triton.cdiv(delta_s.shape[3], block_n), b * h)](
+        k, k_mean, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), h, lk, nqb, delta_s.stride(2),
+        HEAD_DIM=d, BLOCK_N=block_n, BLOCK_QB=32 if interpreting() else DELTA_S_TILE[1], IEEE=interpreting(),
         num_stages=2)
     return qf, kf, vf, delta_s
 
 
 def sage3_forward(q, k, v, *, sm_scale: float, causal: bool) -> torch.Tensor:
     """The launch behind the ``attnqat::sage3_fwd`` custom op: smoothing pre-pass, then the FP4 forward,
-    over groups of heads whose ΔS fits in ``DELTA_S_BYTES`` (ΔS is Lq/128 x Lk per head: 10 GiB for 40
-    heads at 720p in one piece)."""
+    over groups of heads whose ΔS fits in ``DELTA_S_BYTES`` (ΔS is Lq/128 x Lk fp32 per head: 7 GiB for
+    40 heads at 720p in one piece)."""
     cfg = sage3_config(q.shape[-1])
     b, h, lq, d = q.shape
-    per_head = b * triton.cdiv(lq, SAGE3_Q_BLOCK) * 3 * triton.cdiv(k.shape[2], cfg.block_n) * cfg.block_n * 2
+    per_head = b * triton.cdiv(lq, SAGE3_Q_BLOCK) * (triton.cdiv(k.shape[2], cfg.block_n) + 1) * cfg.block_n * 4
     group = max(1, min(h, DELTA_S_BYTES // per_head))
     out = torch.empty_like(q) if group < h else None
     for h0 in range(0, h, group):
