@@ -45,6 +45,7 @@ def heavy_tailed(L, heads, d, gen, device):
 
 def measure(L=4096, heads=2, d=128, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # StudentT.sample draws from the global generator
     rows = []
     modes = [m for m in INFERENCE_MODES if m in available_modes()]
     for family, make in (("gaussian", gaussian), ("heavy-tailed", heavy_tailed)):
