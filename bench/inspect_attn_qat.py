@@ -42,7 +42,7 @@ def main():
             qf, kf, vf, o, o, m, l, ds, o.stride(0), o.stride(1), o.stride(2), args.heads, args.L, args.L,
             nqb if args.smooth else 0, ds.stride(2) if args.smooth else 0,
             128 ** -0.5 * LOG2E, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=False,
-            TRAINING=False, QUANT_P=quant, IEEE=False, SMOOTH_Q=args.smooth, FP16=False,
+            TRAINING=False, QUANT_P=quant, IEEE=False, SMOOTH_Q=args.smooth, FP16=False, FP8_CAST=True,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         ttgir = kern.asm["ttgir"]
         sass = kern.asm["sass"]

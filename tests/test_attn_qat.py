@@ -175,6 +175,16 @@ def test_gpu_matches_reference(L, d, causal, poison):
 
 
 @pytest.mark.gpu
+def test_gpu_forward_without_the_fp8_cast(monkeypatch, poison):
+    """The integer e4m3 rounding (Ampere's path, forced here) gives the hardware cast's result."""
+    q, k, v = qkv(1, 2, 4096, 4096, 128, device="cuda")
+    with torch.no_grad():
+        cast = attn_qat_attention(q, k, v)
+        monkeypatch.setenv("ATTNQAT_NO_FP8_CAST", "1")
+        assert torch.equal(attn_qat_attention(q, k, v), cast)
+
+
+@pytest.mark.gpu
 def test_gpu_tile_width_and_forward_consistent_p(poison):
     q, k, v = (t.requires_grad_() for t in qkv(1, 1, 8192, 8192, 128, device="cuda", scale=0.5))
     a = attn_qat_forward(q, k, v, sm_scale=128 ** -0.5, causal=False, training=False, config=LaunchConfig(64, 64, 4, 2))[0]

@@ -23,6 +23,8 @@ exact emulation of block-scaled FP4 MMAs. Under ``TRITON_INTERPRET=1`` every dot
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -163,13 +165,13 @@ def _key_order(BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _e4m3(x, IEEE: tl.constexpr):
-    """e4m3(x) for finite x >= 0: the hardware's round-to-nearest-even cast on the GPU (sm_89+),
-    integer arithmetic under the interpreter (whose fp8 cast rounds wrongly)."""
-    if IEEE:
-        return round_e4m3(x)
-    else:
+def _e4m3(x, FP8_CAST: tl.constexpr):
+    """e4m3(x) for finite x >= 0: the hardware's round-to-nearest-even cast where there is one (sm_89+),
+    integer arithmetic elsewhere (the interpreter, whose fp8 cast rounds wrongly, and Ampere)."""
+    if FP8_CAST:
         return x.to(tl.float8e4nv).to(tl.float32)
+    else:
+        return round_e4m3(x)
 
 
 @triton.jit
@@ -245,7 +247,7 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, 
                     qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASK: tl.constexpr, CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
-                    IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr):
+                    IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr):
     """Key tiles [lo, hi). MASK (constexpr, as in Triton's tutorial): only the ragged last tile and the
     causal diagonal pay for masking; full tiles skip the compare and select on every element.
 
@@ -295,7 +297,7 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, 
         base = tl.where(seen, m_new - 11.392317422778761, 0.0)
         xmax = smax * scale - base[:, None, None]  # log2 of each block's max P~
         if QUANT_P:
-            sc = _e4m3(tl.math.exp2(xmax) * (1.0 / 6.0), IEEE)  # s = e4m3(amax / 6)
+            sc = _e4m3(tl.math.exp2(xmax) * (1.0 / 6.0), FP8_CAST)  # s = e4m3(amax / 6)
             # a block whose s rounds to 0 quantizes to 0; its y stay <= 1 (and finite) for l
             ls = tl.where(sc > 0.0, tl.math.log2(tl.where(sc > 0.0, sc, 1.0)), tl.maximum(xmax, -126.0))
             s_l = tl.where(sc > 0.0, sc, tl.math.exp2(ls))
@@ -323,7 +325,7 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
               H, LQ, LK, NQB, DS_STRIDE, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
-              IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr):
+              IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr):
     """One block of BLOCK_M query rows per program. SMOOTH_Q (constexpr: SageAttention3's
     Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T.
     DeltaS: (B*H, blocks of 128 rows, DS_STRIDE) fp32 (sage3._delta_s)."""
@@ -358,11 +360,11 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
     acc, acc_aux, l_i, m_i = _attn_fwd_inner(
         acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, DS_STRIDE, offs_m, 0, full_hi, LK, qk_scale,
         HEAD_DIM,
-        BLOCK_M, BLOCK_N, False, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16)
+        BLOCK_M, BLOCK_N, False, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
     acc, acc_aux, l_i, m_i = _attn_fwd_inner(
         acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, DS_STRIDE, offs_m, full_hi, hi, LK, qk_scale,
         HEAD_DIM,
-        BLOCK_M, BLOCK_N, True, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16)
+        BLOCK_M, BLOCK_N, True, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
 
     inv_l = 1.0 / l_i
     o_mask = offs_m[:, None] < LQ
@@ -557,6 +559,14 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
 # ---------------------------------------------------------------------------------------------------
 
 
+def fp8_cast(device: torch.device) -> bool:
+    """Whether the kernels may round to e4m3 with the hardware cast (sm_89+; ATTNQAT_NO_FP8_CAST=1 forces
+    the integer-arithmetic rounding, as on Ampere: tests use it)."""
+    if interpreting() or device.type != "cuda" or os.environ.get("ATTNQAT_NO_FP8_CAST", "0") != "0":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of quantized operands and outputs: fp32 under the interpreter (exact there), else the input's."""
     return torch.float32 if interpreting() else dtype
@@ -603,6 +613,7 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
                     sm_scale * LOG2E,
                     HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TRAINING=training,
                     QUANT_P=quant_p, IEEE=interpreting(), SMOOTH_Q=delta_s is not None, FP16=fp16,
+                    FP8_CAST=fp8_cast(q.device),
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, (o_aux if training else None), m, l, (qf, kf, vf)
 
