@@ -243,8 +243,7 @@ def _load_delta_s(ds_base, start_n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, DS_STRIDE, offs_m, lo, hi, LK,
-                    qk_scale,
+def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, lo, hi, LK, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASK: tl.constexpr, CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
                     IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr):
@@ -268,8 +267,6 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, 
     # 13 ms at L=32760, also when ΔS came through a second MMA.
     if SMOOTH_Q:
         ds_next = _load_delta_s(ds_base, lo, BLOCK_N) * qk_scale
-    else:
-        ds_next = tl.zeros([BLOCK_N], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + key_order
         kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
@@ -358,13 +355,9 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
         hi = LK
         full_hi = (LK // BLOCK_N) * BLOCK_N
     acc, acc_aux, l_i, m_i = _attn_fwd_inner(
-        acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, DS_STRIDE, offs_m, 0, full_hi, LK, qk_scale,
-        HEAD_DIM,
-        BLOCK_M, BLOCK_N, False, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
+        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 0, full_hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
     acc, acc_aux, l_i, m_i = _attn_fwd_inner(
-        acc, acc_aux, l_i, m_i, q, k_base, v_base, DeltaS, ds_base, DS_STRIDE, offs_m, full_hi, hi, LK, qk_scale,
-        HEAD_DIM,
-        BLOCK_M, BLOCK_N, True, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
+        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, full_hi, hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
 
     inv_l = 1.0 / l_i
     o_mask = offs_m[:, None] < LQ
@@ -600,8 +593,6 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
         qf, kf, vf = (quantize_heads(t, wdt) for t in (q, k, v))
     else:
         qf, kf, vf = (t.to(wdt).contiguous() for t in (q, k, v))
-    if delta_s is not None and 128 % cfg.block_m:
-        cfg = LaunchConfig(min(cfg.block_m, 64), cfg.block_n, cfg.num_warps, cfg.num_stages)
     o = _empty_like_layout(q, wdt)
     o_aux = torch.empty((b, h, lq, d), dtype=wdt, device=q.device) if training else o
     m = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)

@@ -80,6 +80,11 @@ def sage3_config(head_dim: int) -> LaunchConfig:
     return cfg
 
 
+def _delta_s_width(lk: int, block_n: int) -> int:
+    """ΔS row length: Lk padded to whole key tiles of the forward plus one (it loads ΔS a tile ahead)."""
+    return (triton.cdiv(lk, block_n) + 1) * block_n
+
+
 def sage3_prepass(q, k, v, cfg: LaunchConfig):
     """Smoothing and quantization for the forward launched with ``cfg``: returns Q^F, K^F, V^F (work dtype,
     contiguous (B, H, L, D)) and ΔS, (B, H, ceil(Lq/128), Lk padded to whole cfg.block_n tiles plus one)
@@ -91,8 +96,7 @@ def sage3_prepass(q, k, v, cfg: LaunchConfig):
     kf = quantize_heads(k, wdt, center=k_mean)
     vf = quantize_heads(v, wdt, tokens=True)
     nqb = q_mean.shape[2]
-    # rows padded to whole tiles of the forward plus one (it loads ΔS a tile ahead, unmasked)
-    delta_s = torch.empty((b, h, nqb, (triton.cdiv(lk, cfg.block_n) + 1) * cfg.block_n), dtype=torch.float32,
+    delta_s = torch.empty((b, h, nqb, _delta_s_width(lk, cfg.block_n)), dtype=torch.float32,
                           device=q.device)
     block_n = 32 if interpreting() else DELTA_S_TILE[0]
     _delta_s[(triton.cdiv(delta_s.shape[3], block_n), b * h)](
@@ -108,7 +112,7 @@ def sage3_forward(q, k, v, *, sm_scale: float, causal: bool) -> torch.Tensor:
     40 heads at 720p in one piece)."""
     cfg = sage3_config(q.shape[-1])
     b, h, lq, d = q.shape
-    per_head = b * triton.cdiv(lq, SAGE3_Q_BLOCK) * (triton.cdiv(k.shape[2], cfg.block_n) + 1) * cfg.block_n * 4
+    per_head = b * triton.cdiv(lq, SAGE3_Q_BLOCK) * _delta_s_width(k.shape[2], cfg.block_n) * 4
     group = max(1, min(h, DELTA_S_BYTES // per_head))
     out = torch.empty_like(q) if group < h else None
     for h0 in range(0, h, group):
