@@ -21,9 +21,19 @@ def _check_prepass(lq, lk, d, device, wdt):
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     qf, kf, vf, ds = sage3_prepass(q, k, v, LaunchConfig(64, 64))
     assert qf.dtype == kf.dtype == vf.dtype == wdt
-    assert ds.shape[-1] >= lk + 64 and torch.isfinite(ds).all()  # padded with finite values
+    # ΔS as three bf16 parts, rows padded to whole 64-key tiles with finite values
+    assert ds.dtype == torch.bfloat16 and ds.shape[-2] == 3 and ds.shape[-1] == -(-lk // 64) * 64
+    assert torch.isfinite(ds).all()
     q_s, k_s, ds_ref = R.sage3_smooth(q, k)
-    ds = ds[..., :lk]
+    hi, mid, lo = ds.float().unbind(-2)
+    ds = (hi + mid) + lo  # exact in fp32: 8 + 8 + <= 8 significant bits
+    # stored in the forward's column order (attn_qat._key_order): position 8j + 2r + e of each 64-key tile
+    # holds key 16r + 2j + e
+    pos = torch.arange(ds.shape[-1], device=device)
+    c = pos % 64
+    keys = pos - c + 16 * ((c // 2) % 4) + 2 * (c // 8) + c % 2
+    ds = torch.empty_like(ds).index_copy_(-1, keys, ds)[..., :lk]
+    assert (mid.abs() <= hi.abs() * 2 ** -7).all() and (lo.abs() <= mid.abs() * 2 ** -7).all()
     # the smoothed values agree to fp32 rounding, so quantized elements agree except at rounding ties
     for got, want in ((qf, R.fake_quant_nvfp4_ref(q_s)), (kf, R.fake_quant_nvfp4_ref(k_s))):
         assert (got.float() != want).float().mean() < 1e-3

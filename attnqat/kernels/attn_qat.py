@@ -160,7 +160,12 @@ def _key_order(BLOCK_N: tl.constexpr):
     keys, so every 16-key quantization block of P lies in one thread's registers and its max and sum
     need no shuffles. K's and V's rows are permuted alike, so P V is unchanged; masks use these keys.
     """
-    c = tl.arange(0, BLOCK_N)
+    return tile_keys(tl.arange(0, BLOCK_N), BLOCK_N)
+
+
+@triton.jit
+def tile_keys(c, BLOCK_N: tl.constexpr):
+    """_key_order for column offsets c within a tile of BLOCK_N keys."""
     return (BLOCK_N // 4) * ((c // 2) % 4) + 2 * (c // 8) + c % 2
 
 
@@ -233,17 +238,27 @@ def _round_p(y, scale, IEEE: tl.constexpr, FP16: tl.constexpr):
 
 
 @triton.jit
-def _load_delta_s(ds_base, start_n, BLOCK_N: tl.constexpr):
-    """SageAttention3's ΔS for the key tile at start_n, in _key_order's column order. ΔS rows are padded
-    (with finite values) to whole tiles plus one, so no mask is needed: padded keys are masked with S, and
-    the tile past the end is loaded (one tile ahead) but never used. One contiguous load in key order,
-    then the permutation in registers: each lane's columns are consecutive keys (128-bit loads)."""
-    ds = tl.load(ds_base + start_n + tl.arange(0, BLOCK_N))
-    return tl.reshape(tl.permute(tl.reshape(ds, (4, BLOCK_N // 8, 2)), (1, 0, 2)), (BLOCK_N,))
+def _add_delta_s(s, ds_base, start_n, DS_STRIDE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """S + ΔS for the key tile offs_n (SageAttention3's Q-smoothing correction), on the tensor cores.
+
+    ΔS is stored as three bf16 rows hi, mid, lo with hi + mid + lo = ΔS exactly (sage3._delta_s), so
+    S + ΔS = S + [1 1 1 0 ...] @ [hi; mid; lo; 0 ...]: one more k=16 MMA chained on S's accumulator.
+    Adding fp32 ΔS in registers instead cost an FMA per element and the ΔS row's registers: 62.1 ms at
+    (1, 40, 32760, 128) on an H100 against 58.3 ms for this form (docs/kernels.md). The rows are stored in _key_order's
+    column order and padded (finite) to whole tiles, so the load is contiguous and unmasked along keys."""
+    rows = tl.arange(0, 16)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    parts = tl.load(ds_base + rows[:, None] * DS_STRIDE + cols[None, :], mask=rows[:, None] < 3, other=0.0)
+    if IEEE:
+        ones = tl.where(rows[None, :] < 3, 1.0, 0.0) + tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+        return _dot(ones, parts.to(tl.float32), s, IEEE)
+    else:
+        ones = (tl.where(rows[None, :] < 3, 1.0, 0.0) + tl.zeros([BLOCK_M, 16], dtype=tl.float32)).to(tl.bfloat16)
+        return _dot(ones, parts, s, IEEE)
 
 
 @triton.jit
-def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, lo, hi, LK, qk_scale,
+def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, DS_STRIDE, offs_m, lo, hi, LK, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASK: tl.constexpr, CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
                     IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr):
@@ -261,24 +276,13 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 
     offs_d = tl.arange(0, HEAD_DIM)
     dot_ty = q.dtype
     key_order = _key_order(BLOCK_N)
-    # SMOOTH_Q: ΔS (fp32, one tile ahead, in column order) is added as S * scale + ΔS * scale, so the rest
-    # of the tile works on pre-scaled logits. Written as "dot + ΔS" the compiler folds the add into the
-    # wgmma's accumulator, and ptxas then serialises every wgmma of the kernel (its warning C7515):
-    # 13 ms at L=32760, also when ΔS came through a second MMA.
-    if SMOOTH_Q:
-        ds_next = _load_delta_s(ds_base, lo, BLOCK_N) * qk_scale
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + key_order
         kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
         v = _load_keys(v_base, offs_n, offs_d, LK, HEAD_DIM, MASK, False)
         s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         if SMOOTH_Q:
-            ds = ds_next
-            ds_next = _load_delta_s(ds_base, start_n + BLOCK_N, BLOCK_N) * qk_scale
-            s = s * qk_scale + ds[None, :]
-            scale = 1.0
-        else:
-            scale = qk_scale
+            s = _add_delta_s(s, ds_base, start_n, DS_STRIDE, BLOCK_M, BLOCK_N, IEEE)
         if MASK:
             valid = offs_n[None, :] < LK
             if CAUSAL:
@@ -286,13 +290,13 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 
             s = tl.where(valid, s, float("-inf"))
         s5 = tl.reshape(s, (BLOCK_M, BLOCK_N // 64, 8, 4, 2))
         smax = tl.max(tl.max(s5, axis=4), axis=2)  # (rows, BLOCK_N/64, 4): each 16-key block's max S
-        # scale > 0, so max(s) * scale = max(s * scale); the scale then rides in one FMA with -base below
-        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(tl.max(smax, axis=1), axis=1) * scale))
+        # qk_scale > 0, so max(s) * qk_scale = max(s * qk_scale); it then rides in one FMA with -base below
+        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(tl.max(smax, axis=1), axis=1) * qk_scale))
         seen = m_new > float("-inf")  # rows that have met a visible key
         alpha = tl.where(seen, tl.math.exp2(m_i - m_new), 1.0)
         # P~ = 2688 * 2^(S scale - m) = 2^(S scale - base); 11.39... = log2(2688)
         base = tl.where(seen, m_new - 11.392317422778761, 0.0)
-        xmax = smax * scale - base[:, None, None]  # log2 of each block's max P~
+        xmax = smax * qk_scale - base[:, None, None]  # log2 of each block's max P~
         if QUANT_P:
             sc = _e4m3(tl.math.exp2(xmax) * (1.0 / 6.0), FP8_CAST)  # s = e4m3(amax / 6)
             # a block whose s rounds to 0 quantizes to 0; its y stay <= 1 (and finite) for l
@@ -301,7 +305,7 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 
         else:
             ls = tl.zeros_like(xmax)
             s_l = tl.full(xmax.shape, 1.0, tl.float32)
-        y5 = tl.math.exp2(s5 * scale - (base[:, None, None] + ls)[:, :, None, :, None])
+        y5 = tl.math.exp2(s5 * qk_scale - (base[:, None, None] + ls)[:, :, None, :, None])
         block_sum = tl.sum(tl.sum(y5, axis=4), axis=2)
         l_i = l_i * alpha + tl.sum(tl.sum(block_sum * s_l, axis=1), axis=1)
         if QUANT_P:
@@ -325,7 +329,7 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
               IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr):
     """One block of BLOCK_M query rows per program. SMOOTH_Q (constexpr: SageAttention3's
     Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T.
-    DeltaS: (B*H, blocks of 128 rows, DS_STRIDE) fp32 (sage3._delta_s)."""
+    DeltaS: (B*H, blocks of 128 rows, 3, DS_STRIDE) bf16, ΔS = hi + mid + lo (sage3._delta_s)."""
     tl.static_assert(BLOCK_N % 64 == 0)  # _key_order: each lane holds whole 16-key blocks
     if SMOOTH_Q:
         tl.static_assert(128 % BLOCK_M == 0)  # a program's rows share one 128-row smoothing block
@@ -338,7 +342,7 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
     k_base = KF + bh * LK * HEAD_DIM
     v_base = VF + bh * LK * HEAD_DIM
     if SMOOTH_Q:
-        ds_base = DeltaS + (bh * NQB + start_m * BLOCK_M // 128).to(tl.int64) * DS_STRIDE
+        ds_base = DeltaS + (bh * NQB + start_m * BLOCK_M // 128).to(tl.int64) * 3 * DS_STRIDE
     else:
         ds_base = DeltaS
 
@@ -355,9 +359,9 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
         hi = LK
         full_hi = (LK // BLOCK_N) * BLOCK_N
     acc, acc_aux, l_i, m_i = _attn_fwd_inner(
-        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, 0, full_hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
+        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, DS_STRIDE, offs_m, 0, full_hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
     acc, acc_aux, l_i, m_i = _attn_fwd_inner(
-        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, offs_m, full_hi, hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
+        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, DS_STRIDE, offs_m, full_hi, hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
 
     inv_l = 1.0 / l_i
     o_mask = offs_m[:, None] < LQ
@@ -579,8 +583,8 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
 
     ``quant_qkv=False`` and ``quant_p=False`` give plain high-precision attention through the same
     kernel (the drop-in ablation's backward needs its m and l). ``operands`` passes ready (B, H, L, D)
-    contiguous work-dtype Q^F, K^F, V^F and ``delta_s`` (B, H, ceil(Lq/128), >= Lk + BLOCK_N) fp32 the
-    Q-smoothing correction, rows padded with finite values to whole tiles plus one (sage3 prepares both).
+    contiguous work-dtype Q^F, K^F, V^F and ``delta_s`` (B, H, ceil(Lq/128), 3, Lk padded to whole tiles)
+    bf16 the Q-smoothing correction as three exact parts, in the tiles' column order (sage3 prepares both).
     """
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -600,7 +604,7 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     grid = (triton.cdiv(lq, cfg.block_m), b * h)
     _attn_fwd[grid](qf, kf, vf, o, o_aux, m, l, qf if delta_s is None else delta_s,
                     o.stride(0), o.stride(1), o.stride(2),
-                    h, lq, lk, 0 if delta_s is None else delta_s.shape[2], 0 if delta_s is None else delta_s.stride(2),
+                    h, lq, lk, 0 if delta_s is None else delta_s.shape[2], 0 if delta_s is None else delta_s.stride(3),
                     sm_scale * LOG2E,
                     HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TRAINING=training,
                     QUANT_P=quant_p, IEEE=interpreting(), SMOOTH_Q=delta_s is not None, FP16=fp16,

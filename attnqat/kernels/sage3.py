@@ -4,8 +4,9 @@
     S   = (phi(Q_s) phi(K_s)^T + ΔS) * scale;  two-level P (2688);  V quantized along tokens
 
 The pre-pass is four launches: K's token mean (torch), then ``attn_qat._quantize_rows`` smoothing and
-quantizing Q (its own 128-row means), K and V (blocks of 16 tokens), then ``_delta_s`` for ΔS in fp32.
-The attention itself is ``attn_qat._attn_fwd`` with ``SMOOTH_Q=True`` adding ΔS, so the online softmax
+quantizing Q (its own 128-row means), K and V (blocks of 16 tokens), then ``_delta_s`` for ΔS in fp32, stored as three
+exact bf16 parts. The attention itself is ``attn_qat._attn_fwd`` with ``SMOOTH_Q=True`` adding ΔS through one
+more k=16 MMA, so the online softmax
 (integer running max) and phi(P) are the very code the other FP4 modes run.
 """
 from __future__ import annotations
@@ -15,27 +16,33 @@ import triton
 import triton.language as tl
 
 from ._common import LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
-from .attn_qat import _work_dtype, attn_qat_forward, fwd_config, quantize_heads
+from .attn_qat import _work_dtype, attn_qat_forward, fwd_config, quantize_heads, tile_keys
 from .reference import SAGE3_Q_BLOCK
 
-DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU: 1.1 ms at L=32760
-SAGE3_CONFIG_GPU = LaunchConfig(128, 128, 8, 3)  # 60.0 ms at (1, 40, 32760, 128); 128x64/8/3: 69.5
+DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU; (128, 64), (128, 128) were slower
+# 58.3 ms at (1, 40, 32760, 128) on an H100 (128x64/8/4: 58.6); 128x128/8/3 does not fit shared memory with
+# the ΔS tile, 128x128/8/2 ran 66.9
+SAGE3_CONFIG_GPU = LaunchConfig(128, 64, 8, 3)
 DELTA_S_BYTES = 2 << 30  # sage3_forward splits the heads so that ΔS stays below this
 
 
 @triton.jit
 def _delta_s(K, KMean, QMean, DS, stride_kb, stride_kh, stride_kl, H, LK, NQB, DS_STRIDE,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_QB: tl.constexpr, IEEE: tl.constexpr):
-    """ΔS[bh, i, keys] = q̄_i · (K - k̄)^T for every 128-row query block i and BLOCK_N keys, fp32.
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_QB: tl.constexpr, KEY_TILE: tl.constexpr,
+             IEEE: tl.constexpr):
+    """ΔS[bh, i, :, keys] = q̄_i · (K - k̄)^T for every 128-row query block i and BLOCK_N keys, computed in
+    fp32 and stored as bf16 parts hi, mid, lo (hi + mid + lo = ΔS exactly), in the column order of the
+    forward's KEY_TILE-wide tiles (attn_qat._key_order) so that its loads are contiguous.
     Padding keys (LK <= key < DS_STRIDE) get q̄ · (0 - k̄): finite, as the forward needs.
 
     The GPU runs the dot as three tf32 tensor-core products (hi*hi + hi*lo + lo*hi: relative error
     4e-7 against fp32 at L=32760; an exact "ieee" dot ran 30x slower); the interpreter runs it in fp32."""
     bh = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # where ΔS is stored
+    keys = (offs_n // KEY_TILE) * KEY_TILE + tile_keys(offs_n % KEY_TILE, KEY_TILE)  # the key stored there
     offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(K + (bh // H) * stride_kb + (bh % H) * stride_kh + offs_n[None, :] * stride_kl + offs_d[:, None],
-                mask=offs_n[None, :] < LK, other=0.0).to(tl.float32)
+    k = tl.load(K + (bh // H) * stride_kb + (bh % H) * stride_kh + keys[None, :] * stride_kl + offs_d[:, None],
+                mask=keys[None, :] < LK, other=0.0).to(tl.float32)
     k_s = k - tl.load(KMean + bh * HEAD_DIM + offs_d)[:, None]  # (HEAD_DIM, BLOCK_N): K_s^T
     for start in range(0, NQB, BLOCK_QB):
         rows = start + tl.arange(0, BLOCK_QB)
@@ -45,8 +52,22 @@ def _delta_s(K, KMean, QMean, DS, stride_kb, stride_kh, stride_kl, H, LK, NQB, D
             ds = tl.dot(q_bar, k_s, input_precision="ieee")
         else:
             ds = tl.dot(q_bar, k_s, input_precision="tf32x3")
-        tl.store(DS + (bh * NQB + rows[:, None]).to(tl.int64) * DS_STRIDE + offs_n[None, :], ds,
-                 mask=(rows[:, None] < NQB) & (offs_n[None, :] < DS_STRIDE))
+        # hi + mid + lo = ds exactly: each keeps the top 8 significant bits of what is left (truncation
+        # by masking, so the interpreter's rounding casts never enter); the last remainder has <= 8.
+        hi = (ds.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        mid = ((ds - hi).to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        lo = ds - hi - mid
+        ptrs = DS + ((bh * NQB + rows[:, None]).to(tl.int64) * 3) * DS_STRIDE + offs_n[None, :]
+        mask = (rows[:, None] < NQB) & (offs_n[None, :] < DS_STRIDE)
+        tl.store(ptrs, _bf16_bits(hi), mask=mask)
+        tl.store(ptrs + DS_STRIDE, _bf16_bits(mid), mask=mask)
+        tl.store(ptrs + 2 * DS_STRIDE, _bf16_bits(lo), mask=mask)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """x (fp32 whose low 16 bits are 0) as bf16, by its bits: exact, with no rounding cast."""
+    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 def sage3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -81,14 +102,14 @@ def sage3_config(head_dim: int) -> LaunchConfig:
 
 
 def _delta_s_width(lk: int, block_n: int) -> int:
-    """ΔS row length: Lk padded to whole key tiles of the forward plus one (it loads ΔS a tile ahead)."""
-    return (triton.cdiv(lk, block_n) + 1) * block_n
+    """ΔS row length: Lk padded to whole key tiles of the forward (it loads whole tiles unmasked)."""
+    return triton.cdiv(lk, block_n) * block_n
 
 
 def sage3_prepass(q, k, v, cfg: LaunchConfig):
     """Smoothing and quantization for the forward launched with ``cfg``: returns Q^F, K^F, V^F (work dtype,
-    contiguous (B, H, L, D)) and ΔS, (B, H, ceil(Lq/128), Lk padded to whole cfg.block_n tiles plus one)
-    fp32."""
+    contiguous (B, H, L, D)) and ΔS, (B, H, ceil(Lq/128), 3, Lk padded to whole cfg.block_n tiles) bf16
+    (see _delta_s)."""
     wdt = _work_dtype(q.dtype)
     b, h, lk, d = k.shape
     k_mean = k.mean(dim=2, dtype=torch.float32).contiguous()
@@ -96,23 +117,23 @@ def sage3_prepass(q, k, v, cfg: LaunchConfig):
     kf = quantize_heads(k, wdt, center=k_mean)
     vf = quantize_heads(v, wdt, tokens=True)
     nqb = q_mean.shape[2]
-    delta_s = torch.empty((b, h, nqb, _delta_s_width(lk, cfg.block_n)), dtype=torch.float32,
-                          device=q.device)
+    delta_s = torch.empty((b, h, nqb, 3, _delta_s_width(lk, cfg.block_n)), dtype=torch.bfloat16, device=q.device)
     block_n = 32 if interpreting() else DELTA_S_TILE[0]
-    _delta_s[(triton.cdiv(delta_s.shape[3], block_n), b * h)](
-        k, k_mean, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), h, lk, nqb, delta_s.stride(2),
-        HEAD_DIM=d, BLOCK_N=block_n, BLOCK_QB=32 if interpreting() else DELTA_S_TILE[1], IEEE=interpreting(),
+    _delta_s[(triton.cdiv(delta_s.shape[-1], block_n), b * h)](
+        k, k_mean, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), h, lk, nqb, delta_s.stride(3),
+        HEAD_DIM=d, BLOCK_N=block_n, BLOCK_QB=32 if interpreting() else DELTA_S_TILE[1], KEY_TILE=cfg.block_n,
+        IEEE=interpreting(),
         num_stages=2)
     return qf, kf, vf, delta_s
 
 
 def sage3_forward(q, k, v, *, sm_scale: float, causal: bool) -> torch.Tensor:
     """The launch behind the ``attnqat::sage3_fwd`` custom op: smoothing pre-pass, then the FP4 forward,
-    over groups of heads whose ΔS fits in ``DELTA_S_BYTES`` (ΔS is Lq/128 x Lk fp32 per head: 7 GiB for
+    over groups of heads whose ΔS fits in ``DELTA_S_BYTES`` (ΔS is Lq/128 x Lk x 6 bytes per head: 10 GiB for
     40 heads at 720p in one piece)."""
     cfg = sage3_config(q.shape[-1])
     b, h, lq, d = q.shape
-    per_head = b * triton.cdiv(lq, SAGE3_Q_BLOCK) * _delta_s_width(k.shape[2], cfg.block_n) * 4
+    per_head = b * triton.cdiv(lq, SAGE3_Q_BLOCK) * 3 * _delta_s_width(k.shape[2], cfg.block_n) * 2
     group = max(1, min(h, DELTA_S_BYTES // per_head))
     out = torch.empty_like(q) if group < h else None
     for h0 in range(0, h, group):
