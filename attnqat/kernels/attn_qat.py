@@ -118,6 +118,11 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False,
     b, h, n, d = x.shape
     out = torch.empty((b, h, n, d), dtype=dtype, device=x.device)
     block_l = block_mean or (32 if interpreting() else 64)
+    num_warps = 8 if block_l >= 128 else 4
+    if tokens and not interpreting():
+        # blocks of 16 tokens: one warp per 16 rows keeps each block's max in one warp (0.26 ms against
+        # 0.88 for 64 rows / 4 warps at (1, 40, 32760, 128) on an H100)
+        block_l, num_warps = 16, 1
     grid = (triton.cdiv(n, block_l), b * h)
     mean = center
     if block_mean:
@@ -126,7 +131,7 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False,
         mean = out  # unused
     _quantize_rows[grid](x, out, mean, x.stride(0), x.stride(1), x.stride(2), h, n, HEAD_DIM=d, BLOCK_L=block_l,
                          CENTER=2 if block_mean else (0 if center is None else 1), AXIS=0 if tokens else 1,
-                         num_warps=8 if block_l >= 128 else 4)
+                         num_warps=num_warps)
     return (out, mean) if block_mean else out
 
 
