@@ -35,14 +35,15 @@ def main():
     o = torch.empty_like(q)
     m = torch.empty((1, args.heads, args.L), device="cuda")
     nqb = triton_cdiv(args.L, 128)
-    ds = torch.zeros((1, args.heads, nqb, triton_cdiv(args.L, 128) * 128 + 128), device="cuda") if args.smooth else m
+    ds = (torch.zeros((1, args.heads, nqb, 3, triton_cdiv(args.L, cfg.block_n) * cfg.block_n), device="cuda",
+                      dtype=torch.bfloat16) if args.smooth else m)
     l = torch.empty_like(m)
     for quant in (False, True):
         kern = _attn_fwd[(triton_cdiv(args.L, cfg.block_m), args.heads)](
-            qf, kf, vf, o, o, m, l, ds, o.stride(0), o.stride(1), o.stride(2), args.heads, args.L, args.L,
-            nqb if args.smooth else 0, ds.stride(2) if args.smooth else 0,
+            qf, kf, vf, qf, kf, o, o, m, l, ds, o.stride(0), o.stride(1), o.stride(2), args.heads, args.L, args.L,
+            nqb if args.smooth else 0, ds.stride(3) if args.smooth else 0,
             128 ** -0.5 * LOG2E, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=False,
-            TRAINING=False, QUANT_P=quant, IEEE=False, SMOOTH_Q=args.smooth, FP16=False, FP8_CAST=True,
+            TRAINING=False, QUANT_P=quant, IEEE=False, SMOOTH_Q=args.smooth, FP16=False, FP8_CAST=True, PACKED_QK=0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         ttgir = kern.asm["ttgir"]
         sass = kern.asm["sass"]

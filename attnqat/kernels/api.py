@@ -94,9 +94,16 @@ def backend_info(device: torch.device | str | None = None) -> dict:
         info["compute_capability"] = f"{cap[0]}.{cap[1]}"
         info["fp4_path"] = "bf16 tensor cores over exactly dequantized NVFP4 operands (SPEC §1)"
         info["path"] = "triton"
+        from .attn_qat import native_fp4
+
+        form = native_fp4(dev)
+        info["fp4_qk"] = ("native block-scaled FP4 MMA (tl.dot_scaled over NVFP4 storage)" if form else
+                          "bf16 emulation (exactly dequantized NVFP4 operands)")
+        info["fp4_pv"] = "bf16 tensor cores over exact phi(P) and V^F"
     else:
         info["path"] = "triton-interpreter" if interpreting() else "pytorch-reference"
         info["fp4_path"] = "fp32 arithmetic over dequantized NVFP4 operands"
+        info["fp4_qk"] = info["fp4_pv"] = "fp32 emulation (exactly dequantized NVFP4 operands)"
     info["modes"] = available_modes()
     return info
 

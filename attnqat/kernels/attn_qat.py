@@ -23,6 +23,7 @@ exact emulation of block-scaled FP4 MMAs. Under ``TRITON_INTERPRET=1`` every dot
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
-from .nvfp4 import fake_quant_tile, round_e2m1_nonneg, round_e4m3
+from .nvfp4 import fake_quant_tile, pack_tile, round_e2m1_nonneg, round_e4m3, unpack_tile
 
 # P~ = 2688 * 2^x = 2^(x + log2 2688): the kernels fold the scale into exp2 as the literal
 # 11.392317422778761 = log2(2688) (a literal: Triton kernels read no Python globals).
@@ -80,17 +81,42 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _dot_fp4(a, a_scale, b, b_scale, zero, IEEE: tl.constexpr, ZERO_ACC: tl.constexpr):
+    """a @ b over NVFP4 storage (a: (M, K/2) codes with (M, K/16) scale bits; b: (K/2, N) codes packed
+    along K with (N, K/16) scale bits), fp32. The GPU runs Triton's tl.dot_scaled, the native block-scaled
+    FP4 MMA on sm_100/sm_120. The interpreter decodes and takes an fp32 dot: its dot_scaled reads every
+    scale as e8m0, which NVFP4's e4m3 scales are not. ZERO_ACC (constexpr): start from a runtime zero
+    accumulator (``zero`` is 0.0 at run time): Triton 3.6 and 3.7 fail to compile a constant-zero-initialised
+    dot_scaled inside a loop for sm_100 (TritonGPUOptimizeAccumulatorInit); 3.9 does not need it."""
+    if IEEE:
+        af = unpack_tile(a, a_scale, a.shape[0], 2 * a.shape[1])
+        bf = tl.trans(unpack_tile(tl.trans(b), b_scale, b.shape[1], 2 * b.shape[0]))
+        return tl.dot(af, bf, input_precision="ieee")
+    else:
+        a_scale = a_scale.to(tl.float8e4nv, bitcast=True)
+        b_scale = b_scale.to(tl.float8e4nv, bitcast=True)
+        if ZERO_ACC:
+            acc = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32) + zero
+            return tl.dot_scaled(a, a_scale, "e2m1", b, b_scale, "e2m1", acc=acc)
+        else:
+            return tl.dot_scaled(a, a_scale, "e2m1", b, b_scale, "e2m1")
+
+
 # ---------------------------------------------------------------------------------------------------
 # phi pre-pass over head_dim: Q, K, V -> Q^F, K^F, V^F, contiguous (B*H, L, D)
 # ---------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _quantize_rows(X, XF, Mean, stride_b, stride_h, stride_l, H, L,
-                   HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, CENTER: tl.constexpr, AXIS: tl.constexpr):
+def _quantize_rows(X, XF, XS, Mean, stride_b, stride_h, stride_l, H, L,
+                   HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, CENTER: tl.constexpr, AXIS: tl.constexpr,
+                   PACK: tl.constexpr):
     """phi over (BLOCK_L, HEAD_DIM) tiles: along head_dim (AXIS=1) or in blocks of 16 tokens (AXIS=0,
     SageAttention3's V). CENTER (constexpr, SageAttention3's smoothing): 0 none; 1 subtract Mean[bh]
     (K's token mean); 2 subtract the tile's own row mean (Q per 128 rows) and store it to Mean[bh, tile].
+    PACK (constexpr, AXIS=1 only): store NVFP4 storage instead of q * s, codes to XF (B*H, L, HEAD_DIM/2)
+    uint8 and scale bits to XS (B*H, L, HEAD_DIM/16), for the native block-scaled MMA.
     Padded rows are zeros, which never change a block's scale."""
     bh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -105,18 +131,32 @@ def _quantize_rows(X, XF, Mean, stride_b, stride_h, stride_l, H, L,
         mean = tl.sum(x, axis=0) / count
         tl.store(Mean + (bh * tl.num_programs(0) + tl.program_id(0)) * HEAD_DIM + cols, mean)
         x = tl.where(row_ok, x - mean[None, :], 0.0)
-    xf = fake_quant_tile(x, BLOCK_L, HEAD_DIM, AXIS, True, True)
-    tl.store(XF + bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
-             xf.to(XF.dtype.element_ty), mask=row_ok)
+    if PACK:
+        tl.static_assert(AXIS == 1)
+        codes, scale_bits = pack_tile(x, BLOCK_L, HEAD_DIM)
+        half = tl.arange(0, HEAD_DIM // 2)
+        tl.store(XF + bh * L * (HEAD_DIM // 2) + rows[:, None] * (HEAD_DIM // 2) + half[None, :], codes, mask=row_ok)
+        blocks = tl.arange(0, HEAD_DIM // 16)
+        tl.store(XS + bh * L * (HEAD_DIM // 16) + rows[:, None] * (HEAD_DIM // 16) + blocks[None, :], scale_bits,
+                 mask=row_ok)
+    else:
+        xf = fake_quant_tile(x, BLOCK_L, HEAD_DIM, AXIS, True, True)
+        tl.store(XF + bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
+                 xf.to(XF.dtype.element_ty), mask=row_ok)
 
 
 def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False, center: torch.Tensor | None = None,
-                   block_mean: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   block_mean: int | None = None, packed: bool = False):
     """phi of a (B, H, L, D) tensor -> contiguous (B, H, L, D) in ``dtype``: along head_dim, or along
     tokens (``tokens=True``). ``center`` (B, H, D) fp32 is subtracted first; ``block_mean=n`` subtracts
-    each block of n rows' own mean and also returns those means, (B, H, ceil(L/n), D) fp32."""
+    each block of n rows' own mean and also returns those means, (B, H, ceil(L/n), D) fp32.
+    ``packed=True`` (along head_dim only) returns NVFP4 storage instead, a pair: codes (B, H, L, D/2) uint8
+    and scales (B, H, L, D/16) float8_e4m3fn, as :func:`attnqat.kernels.quantize_nvfp4` lays them out."""
     b, h, n, d = x.shape
-    out = torch.empty((b, h, n, d), dtype=dtype, device=x.device)
+    if packed and tokens:
+        raise ValueError("quantize_heads: packed storage is along head_dim only")
+    out = torch.empty((b, h, n, d // 2 if packed else d), dtype=torch.uint8 if packed else dtype, device=x.device)
+    scales = torch.empty((b, h, n, d // 16), dtype=torch.uint8, device=x.device) if packed else out
     block_l = block_mean or (32 if interpreting() else 64)
     num_warps = 8 if block_l >= 128 else 4
     if tokens and not interpreting():
@@ -129,9 +169,11 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False,
         mean = torch.empty((b, h, grid[0], d), dtype=torch.float32, device=x.device)
     elif center is None:
         mean = out  # unused
-    _quantize_rows[grid](x, out, mean, x.stride(0), x.stride(1), x.stride(2), h, n, HEAD_DIM=d, BLOCK_L=block_l,
-                         CENTER=2 if block_mean else (0 if center is None else 1), AXIS=0 if tokens else 1,
-                         num_warps=num_warps)
+    _quantize_rows[grid](x, out, scales, mean, x.stride(0), x.stride(1), x.stride(2), h, n, HEAD_DIM=d,
+                         BLOCK_L=block_l, CENTER=2 if block_mean else (0 if center is None else 1),
+                         AXIS=0 if tokens else 1, PACK=packed, num_warps=num_warps)
+    if packed:
+        out = (out, scales.view(torch.float8_e4m3fn))
     return (out, mean) if block_mean else out
 
 
@@ -141,14 +183,15 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False,
 
 
 @triton.jit
-def _load_keys(base, offs_n, offs_d, LK, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """A (BLOCK_N, HEAD_DIM) tile of key-indexed rows (K^F or V^F), or its transpose; MASK (constexpr)
-    only for the ragged last tile, so full tiles load without a predicate."""
+def _load_keys(base, offs_n, offs_d, LK, ROW_LEN: tl.constexpr, MASK: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Rows offs_n (columns offs_d) of a row-major (LK, ROW_LEN) array, e.g. a (BLOCK_N, HEAD_DIM) tile of
+    K^F or V^F, or its transpose; MASK (constexpr) only for the ragged last tile, so full tiles load
+    without a predicate. Rows past LK read as 0."""
     if TRANSPOSED:
-        ptrs = base + offs_n[None, :] * HEAD_DIM + offs_d[:, None]
+        ptrs = base + offs_n[None, :] * ROW_LEN + offs_d[:, None]
         in_bounds = offs_n[None, :] < LK
     else:
-        ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        ptrs = base + offs_n[:, None] * ROW_LEN + offs_d[None, :]
         in_bounds = offs_n[:, None] < LK
     if MASK:
         return tl.load(ptrs, mask=in_bounds, other=0.0)
@@ -263,10 +306,11 @@ def _add_delta_s(s, ds_base, start_n, DS_STRIDE, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, DS_STRIDE, offs_m, lo, hi, LK, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, q_scale, k_base, ks_base, v_base, ds_base, DS_STRIDE, offs_m, lo, hi,
+                    LK, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASK: tl.constexpr, CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
-                    IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr):
+                    IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr,
+                    PACKED_QK: tl.constexpr):  # 0: bf16 operands; 1, 2: NVFP4 storage (2: _dot_fp4's ZERO_ACC)
     """Key tiles [lo, hi). MASK (constexpr, as in Triton's tutorial): only the ragged last tile and the
     causal diagonal pay for masking; full tiles skip the compare and select on every element.
 
@@ -279,13 +323,18 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, DS_STRID
     measured slower on the H100 than rescaling every tile: the branch needs a cross-warp reduction.
     """
     offs_d = tl.arange(0, HEAD_DIM)
-    dot_ty = q.dtype
+    dot_ty = v_base.dtype.element_ty
     key_order = _key_order(BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + key_order
-        kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
         v = _load_keys(v_base, offs_n, offs_d, LK, HEAD_DIM, MASK, False)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        if PACKED_QK:  # K^F as codes (keys, HEAD_DIM/2) and scale bits (keys, HEAD_DIM/16)
+            kt = _load_keys(k_base, offs_n, tl.arange(0, HEAD_DIM // 2), LK, HEAD_DIM // 2, MASK, True)
+            ks = _load_keys(ks_base, offs_n, tl.arange(0, HEAD_DIM // 16), LK, HEAD_DIM // 16, MASK, False)
+            s = _dot_fp4(q, q_scale, kt, ks, qk_scale * 0.0, IEEE, PACKED_QK == 2)
+        else:
+            kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
+            s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
         if SMOOTH_Q:
             s = _add_delta_s(s, ds_base, start_n, DS_STRIDE, BLOCK_M, BLOCK_N, IEEE)
         if MASK:
@@ -326,15 +375,19 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, DS_STRID
 
 
 @triton.jit
-def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
+def _attn_fwd(QF, KF, VF, QS, KS, O, OAux, M, Lsum, DeltaS,
               stride_ob, stride_oh, stride_ol,
               H, LQ, LK, NQB, DS_STRIDE, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
-              IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr):
+              IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr,
+              PACKED_QK: tl.constexpr):
     """One block of BLOCK_M query rows per program. SMOOTH_Q (constexpr: SageAttention3's
     Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T.
-    DeltaS: (B*H, blocks of 128 rows, 3, DS_STRIDE) bf16, ΔS = hi + mid + lo (sage3._delta_s)."""
+    DeltaS: (B*H, blocks of 128 rows, 3, DS_STRIDE) bf16, ΔS = hi + mid + lo (sage3._delta_s).
+    PACKED_QK (constexpr, the native path, 1 or 2): QF, KF hold NVFP4 codes (B*H, L, HEAD_DIM/2) and QS, KS
+    their scale bits (B*H, L, HEAD_DIM/16), and S comes from the block-scaled FP4 MMA (_dot_fp4; 2 sets its
+    ZERO_ACC)."""
     tl.static_assert(BLOCK_N % 64 == 0)  # _key_order: each lane holds whole 16-key blocks
     if SMOOTH_Q:
         tl.static_assert(128 % BLOCK_M == 0)  # a program's rows share one 128-row smoothing block
@@ -342,9 +395,18 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
     bh = tl.program_id(1)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(QF + bh * LQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=offs_m[:, None] < LQ, other=0.0)
-    k_base = KF + bh * LK * HEAD_DIM
+    if PACKED_QK:
+        q = _load_keys(QF + bh * LQ * (HEAD_DIM // 2), offs_m, tl.arange(0, HEAD_DIM // 2), LQ, HEAD_DIM // 2,
+                       True, False)
+        q_scale = _load_keys(QS + bh * LQ * (HEAD_DIM // 16), offs_m, tl.arange(0, HEAD_DIM // 16), LQ,
+                             HEAD_DIM // 16, True, False)
+        k_base = KF + bh * LK * (HEAD_DIM // 2)
+        ks_base = KS + bh * LK * (HEAD_DIM // 16)
+    else:
+        q = _load_keys(QF + bh * LQ * HEAD_DIM, offs_m, offs_d, LQ, HEAD_DIM, True, False)
+        q_scale = q
+        k_base = KF + bh * LK * HEAD_DIM
+        ks_base = KS
     v_base = VF + bh * LK * HEAD_DIM
     if SMOOTH_Q:
         ds_base = DeltaS + (bh * NQB + start_m * BLOCK_M // 128).to(tl.int64) * 3 * DS_STRIDE
@@ -364,9 +426,13 @@ def _attn_fwd(QF, KF, VF, O, OAux, M, Lsum, DeltaS,
         hi = LK
         full_hi = (LK // BLOCK_N) * BLOCK_N
     acc, acc_aux, l_i, m_i = _attn_fwd_inner(
-        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, DS_STRIDE, offs_m, 0, full_hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
+        acc, acc_aux, l_i, m_i, q, q_scale, k_base, ks_base, v_base, ds_base, DS_STRIDE, offs_m, 0, full_hi, LK,
+        qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST,
+        PACKED_QK)
     acc, acc_aux, l_i, m_i = _attn_fwd_inner(
-        acc, acc_aux, l_i, m_i, q, k_base, v_base, ds_base, DS_STRIDE, offs_m, full_hi, hi, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST)
+        acc, acc_aux, l_i, m_i, q, q_scale, k_base, ks_base, v_base, ds_base, DS_STRIDE, offs_m, full_hi, hi, LK,
+        qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, TRAINING, QUANT_P, IEEE, SMOOTH_Q, FP16, FP8_CAST,
+        PACKED_QK)
 
     inv_l = 1.0 / l_i
     o_mask = offs_m[:, None] < LQ
@@ -569,6 +635,46 @@ def fp8_cast(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+NATIVE_FP4_ARCHS = (10, 12)  # compute capability majors with block-scaled FP4 MMAs: sm_100/103, sm_120/121
+
+
+def native_fp4(device: torch.device) -> int:
+    """Whether (non-zero) the inference forward runs Q K^T on the GPU's native block-scaled FP4 MMA
+    (tl.dot_scaled over NVFP4 storage): a Blackwell GPU (sm_100/sm_120) and a Triton that compiles the
+    forward's NVFP4 dot_scaled for it. The value is the kernel's PACKED_QK. ATTNQAT_NATIVE_FP4=0 keeps the
+    bf16 emulation."""
+    if interpreting() or device.type != "cuda" or os.environ.get("ATTNQAT_NATIVE_FP4", "1") == "0":
+        return 0
+    cap = torch.cuda.get_device_capability(device)
+    return native_qk_form(cap[0] * 10 + cap[1]) if cap[0] in NATIVE_FP4_ARCHS else 0
+
+
+@functools.lru_cache(maxsize=None)
+def native_qk_form(arch: int) -> int:
+    """The PACKED_QK form of the inference forward that this Triton compiles for sm_<arch> (a compile only,
+    no GPU needed): 1 (dot_scaled as is), 2 (from a runtime zero accumulator: Triton 3.6/3.7 on sm_100),
+    or 0 (no NVFP4 dot_scaled there: Triton 3.6 on sm_90, for instance)."""
+    from triton.backends.compiler import GPUTarget
+
+    names = _attn_fwd.arg_names
+    ptrs = {"QF": "*u8", "KF": "*u8", "VF": "*bf16", "QS": "*u8", "KS": "*u8", "O": "*bf16", "OAux": "*bf16",
+            "M": "*fp32", "Lsum": "*fp32", "DeltaS": "*bf16"}
+    cfg = FWD_CONFIG_GPU[128]
+    for form in (1, 2):
+        const = dict(HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=False, TRAINING=False,
+                     QUANT_P=True, IEEE=False, SMOOTH_Q=False, FP16=False, FP8_CAST=True, PACKED_QK=form)
+        sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+        try:
+            src = triton.compiler.ASTSource(fn=_attn_fwd, signature=sig,
+                                            constexprs={(names.index(k),): v for k, v in const.items()})
+            triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        except Exception:  # this form does not lower here: try the next, else keep the (exact) emulation
+            continue
+        return form
+    return 0
+
+
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of quantized operands and outputs: fp32 under the interpreter (exact there), else the input's."""
     return torch.float32 if interpreting() else dtype
@@ -581,39 +687,52 @@ def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, quant_p: bool = True,
-                     quant_qkv: bool = True, config: LaunchConfig | None = None,
-                     operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     delta_s: torch.Tensor | None = None):
+                     quant_qkv: bool = True, config: LaunchConfig | None = None, operands: tuple | None = None,
+                     delta_s: torch.Tensor | None = None, packed_qk: bool | None = None):
     """Launch the forward. Returns (o, o_aux | None, m, l, (q^F, k^F, v^F)); o in q's layout.
 
     ``quant_qkv=False`` and ``quant_p=False`` give plain high-precision attention through the same
     kernel (the drop-in ablation's backward needs its m and l). ``operands`` passes ready (B, H, L, D)
     contiguous work-dtype Q^F, K^F, V^F and ``delta_s`` (B, H, ceil(Lq/128), 3, Lk padded to whole tiles)
     bf16 the Q-smoothing correction as three exact parts, in the tiles' column order (sage3 prepares both).
+    ``packed_qk``: Q K^T on the native block-scaled FP4 MMA over NVFP4 storage (then Q^F and K^F in
+    ``operands`` are (codes, scales) pairs from ``quantize_heads(packed=True)``); an int picks the kernel
+    form (see native_qk_form), True is 1; default: :func:`native_fp4`, for inference.
     """
     b, h, lq, d = q.shape
     lk = k.shape[2]
     cfg = config or fwd_config(d, training)
     wdt = _work_dtype(q.dtype)
     fp16 = q.dtype == torch.float16
+    if packed_qk is None:
+        packed_qk = native_fp4(q.device) if not training and quant_qkv else 0
+    elif packed_qk and (training or not quant_qkv):
+        raise ValueError("attn_qat_forward: packed_qk is for the quantized inference forward")
+    packed_qk = int(packed_qk)
     if operands is not None:
         qf, kf, vf = operands
     elif quant_qkv:
-        qf, kf, vf = (quantize_heads(t, wdt) for t in (q, k, v))
+        qf, kf = (quantize_heads(t, wdt, packed=packed_qk) for t in (q, k))
+        vf = quantize_heads(v, wdt)
     else:
         qf, kf, vf = (t.to(wdt).contiguous() for t in (q, k, v))
+    if packed_qk:
+        (qf, qs), (kf, ks) = qf, kf
+        qs, ks = qs.view(torch.uint8), ks.view(torch.uint8)
+    else:
+        qs = ks = qf  # unused
     o = _empty_like_layout(q, wdt)
     o_aux = torch.empty((b, h, lq, d), dtype=wdt, device=q.device) if training else o
     m = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     grid = (triton.cdiv(lq, cfg.block_m), b * h)
-    _attn_fwd[grid](qf, kf, vf, o, o_aux, m, l, qf if delta_s is None else delta_s,
+    _attn_fwd[grid](qf, kf, vf, qs, ks, o, o_aux, m, l, vf if delta_s is None else delta_s,
                     o.stride(0), o.stride(1), o.stride(2),
                     h, lq, lk, 0 if delta_s is None else delta_s.shape[2], 0 if delta_s is None else delta_s.stride(3),
                     sm_scale * LOG2E,
                     HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TRAINING=training,
                     QUANT_P=quant_p, IEEE=interpreting(), SMOOTH_Q=delta_s is not None, FP16=fp16,
-                    FP8_CAST=fp8_cast(q.device),
+                    FP8_CAST=fp8_cast(q.device), PACKED_QK=packed_qk,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, (o_aux if training else None), m, l, (qf, kf, vf)
 

@@ -84,6 +84,68 @@ def round_e2m1(y):
 
 
 @triton.jit
+def e2m1_code(r):
+    """The 4-bit e2m1 code (sign in bit 3, taken from r's sign bit so -0 keeps it) of a value r on the
+    e2m1 grid, as int32."""
+    a = tl.abs(r)
+    idx = tl.where(a < 2.0, a * 2.0, tl.where(a < 4.0, a + 2.0, a * 0.5 + 4.0)).to(tl.int32)
+    return idx | tl.where(r.to(tl.int32, bitcast=True) < 0, 8, 0)
+
+
+@triton.jit
+def e2m1_value(code):
+    """The value of 4-bit e2m1 codes (int32): 0, .5 below code 2, then 2^(c/2 - 1) (1 + (c & 1) / 2)."""
+    idx = code & 7
+    mag = tl.where(idx < 2, idx.to(tl.float32) * 0.5,
+                   tl.math.exp2(((idx >> 1) - 1).to(tl.float32)) * (1.0 + 0.5 * (idx & 1).to(tl.float32)))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def e4m3_bits(s):
+    """The float8_e4m3fn bit pattern (int32) of an e4m3 scale s >= 0 (round_e4m3's output), built from
+    s's fp32 fields (no fp8 cast: exact under the interpreter too). NaN and inf map to NaN (0x7F):
+    NVFP4 storage has no inf, and a non-finite block must stay non-finite (SPEC §1)."""
+    b = s.to(tl.int32, bitcast=True)
+    normal = ((((b >> 23) & 0xFF) - 120) << 3) | ((b >> 20) & 7)  # exponent bias 127 -> 7
+    subnormal = (s * 512.0).to(tl.int32)  # s = m * 2^-9 below 2^-6
+    bits = tl.where(s < 0.015625, subnormal, normal)
+    return tl.where((s != s) | (s > 448.0), 0x7F, bits)
+
+
+@triton.jit
+def e4m3_value(bits):
+    """The value (fp32) of float8_e4m3fn bit patterns (int32, sign ignored: scales are >= 0)."""
+    e = (bits >> 3) & 15
+    normal = (((e + 120) << 23) | ((bits & 7) << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, (bits & 7).to(tl.float32) * 0.001953125, normal)  # 2^-9
+    return tl.where((bits & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def pack_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """phi of a (ROWS, COLS) fp32 tile along axis 1 in NVFP4 storage: (codes (ROWS, COLS/2) uint8, two per
+    byte, element 0 in the low nibble; scale bits (ROWS, COLS/16) uint8, float8_e4m3fn patterns).
+    Same numerics as fake_quant_tile(EXACT_DIV, PROPAGATE_NAN): a non-finite block gets a NaN scale."""
+    xb = tl.reshape(x, (ROWS, COLS // 16, 16))
+    amax = tl.max(tl.abs(xb), axis=2) + tl.sum(xb * 0.0, axis=2)
+    s = round_e4m3(tl.math.div_rn(amax, 6.0))
+    r = round_e2m1(tl.math.div_rn(xb, tl.where(s > 0.0, s, 1.0)[:, :, None]))
+    codes = e2m1_code(tl.where(s[:, :, None] > 0.0, r, 0.0))
+    lo, hi = tl.split(tl.reshape(codes, (ROWS, COLS // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8), e4m3_bits(s).to(tl.uint8)
+
+
+@triton.jit
+def unpack_tile(codes, scale_bits, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Inverse of pack_tile: q * s as a (ROWS, COLS) fp32 tile."""
+    c = codes.to(tl.int32)
+    vals = e2m1_value(tl.reshape(tl.join(c & 15, c >> 4), (ROWS, COLS)))
+    s = e4m3_value(scale_bits.to(tl.int32))
+    return tl.reshape(tl.reshape(vals, (ROWS, COLS // 16, 16)) * s[:, :, None], (ROWS, COLS))
+
+
+@triton.jit
 def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexpr,
                     EXACT_DIV: tl.constexpr, PROPAGATE_NAN: tl.constexpr, NONNEG: tl.constexpr = False):
     """phi(x) for a 2-D fp32 tile, blocks of 16 along ``AXIS`` (0 or 1); returns fp32.

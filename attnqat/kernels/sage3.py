@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._common import LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
-from .attn_qat import _work_dtype, attn_qat_forward, fwd_config, quantize_heads, tile_keys
+from .attn_qat import _work_dtype, attn_qat_forward, fwd_config, native_fp4, quantize_heads, tile_keys
 from .reference import SAGE3_Q_BLOCK
 
 DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU; (128, 64), (128, 128) were slower
@@ -106,15 +106,15 @@ def _delta_s_width(lk: int, block_n: int) -> int:
     return triton.cdiv(lk, block_n) * block_n
 
 
-def sage3_prepass(q, k, v, cfg: LaunchConfig):
+def sage3_prepass(q, k, v, cfg: LaunchConfig, packed: bool = False):
     """Smoothing and quantization for the forward launched with ``cfg``: returns Q^F, K^F, V^F (work dtype,
     contiguous (B, H, L, D)) and ΔS, (B, H, ceil(Lq/128), 3, Lk padded to whole cfg.block_n tiles) bf16
-    (see _delta_s)."""
+    (see _delta_s). ``packed``: Q^F and K^F as NVFP4 storage, (codes, scales) pairs (the native path)."""
     wdt = _work_dtype(q.dtype)
     b, h, lk, d = k.shape
     k_mean = k.mean(dim=2, dtype=torch.float32).contiguous()
-    qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK)
-    kf = quantize_heads(k, wdt, center=k_mean)
+    qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK, packed=packed)
+    kf = quantize_heads(k, wdt, center=k_mean, packed=packed)
     vf = quantize_heads(v, wdt, tokens=True)
     nqb = q_mean.shape[2]
     delta_s = torch.empty((b, h, nqb, 3, _delta_s_width(lk, cfg.block_n)), dtype=torch.bfloat16, device=q.device)
@@ -127,11 +127,13 @@ def sage3_prepass(q, k, v, cfg: LaunchConfig):
     return qf, kf, vf, delta_s
 
 
-def sage3_forward(q, k, v, *, sm_scale: float, causal: bool) -> torch.Tensor:
+def sage3_forward(q, k, v, *, sm_scale: float, causal: bool, packed_qk: int | None = None) -> torch.Tensor:
     """The launch behind the ``attnqat::sage3_fwd`` custom op: smoothing pre-pass, then the FP4 forward,
     over groups of heads whose ΔS fits in ``DELTA_S_BYTES`` (ΔS is Lq/128 x Lk x 6 bytes per head: 10 GiB for
-    40 heads at 720p in one piece)."""
+    40 heads at 720p in one piece). ``packed_qk``: as attn_qat_forward's (default: native_fp4)."""
     cfg = sage3_config(q.shape[-1])
+    if packed_qk is None:
+        packed_qk = native_fp4(q.device)
     b, h, lq, d = q.shape
     per_head = b * triton.cdiv(lq, SAGE3_Q_BLOCK) * 3 * _delta_s_width(k.shape[2], cfg.block_n) * 2
     group = max(1, min(h, DELTA_S_BYTES // per_head))
@@ -139,9 +141,9 @@ def sage3_forward(q, k, v, *, sm_scale: float, causal: bool) -> torch.Tensor:
     for h0 in range(0, h, group):
         hs = slice(h0, min(h, h0 + group))
         qh, kh, vh = q[:, hs], k[:, hs], v[:, hs]
-        qf, kf, vf, delta_s = sage3_prepass(qh, kh, vh, cfg)
+        qf, kf, vf, delta_s = sage3_prepass(qh, kh, vh, cfg, packed=bool(packed_qk))
         o, *_ = attn_qat_forward(qh, kh, vh, sm_scale=sm_scale, causal=causal, training=False,
-                                 operands=(qf, kf, vf), delta_s=delta_s, config=cfg)
+                                 operands=(qf, kf, vf), delta_s=delta_s, config=cfg, packed_qk=packed_qk)
         if out is None:
             return o.to(q.dtype)
         out[:, hs] = o
