@@ -89,24 +89,16 @@ def test_cpu_reports_the_emulation():
 
 
 COMPILE = """
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from attnqat.kernels.attn_qat import _attn_fwd, native_qk_form, FWD_CONFIG_GPU
+import json, re
+from attnqat.kernels._common import LaunchConfig
+from attnqat.kernels.attn_qat import compile_forward, native_qk_form
 out = {}
 for arch in (100, 120):
     form = native_qk_form(arch)
     out[arch] = {"form": form}
     if form:
-        names = _attn_fwd.arg_names
-        const = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, CAUSAL=True, TRAINING=False, QUANT_P=True, IEEE=False,
-                     SMOOTH_Q=True, FP16=False, FP8_CAST=True, PACKED_QK=form)
-        ptrs = {"QF": "*u8", "KF": "*u8", "VF": "*bf16", "QS": "*u8", "KS": "*u8", "O": "*bf16", "OAux": "*bf16",
-                "M": "*fp32", "Lsum": "*fp32", "DeltaS": "*bf16"}
-        sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
-        src = triton.compiler.ASTSource(fn=_attn_fwd, signature=sig,
-                                        constexprs={(names.index(k),): v for k, v in const.items()})
-        ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+        ptx = compile_forward(arch, LaunchConfig(128, 64, 8, 3), HEAD_DIM=128, CAUSAL=True, SMOOTH_Q=True,
+                              PACKED_QK=form).asm["ptx"]
         out[arch]["mma"] = sorted(set(re.findall(r"(?:tcgen05\\.mma|mma\\.sync)\\S*", ptx)))
 print(json.dumps(out))
 """

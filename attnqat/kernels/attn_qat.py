@@ -287,22 +287,23 @@ def _round_p(y, scale, IEEE: tl.constexpr, FP16: tl.constexpr):
 
 @triton.jit
 def _add_delta_s(s, ds_base, start_n, DS_STRIDE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """S + ΔS for the key tile offs_n (SageAttention3's Q-smoothing correction), on the tensor cores.
+    """S + ΔS for the key tile at start_n (SageAttention3's Q-smoothing correction), on the tensor cores.
 
     ΔS is stored as three bf16 rows hi, mid, lo with hi + mid + lo = ΔS exactly (sage3._delta_s), so
     S + ΔS = S + [1 1 1 0 ...] @ [hi; mid; lo; 0 ...]: one more k=16 MMA chained on S's accumulator.
     Adding fp32 ΔS in registers instead cost an FMA per element and the ΔS row's registers: 62.1 ms at
-    (1, 40, 32760, 128) on an H100 against 58.3 ms for this form (docs/kernels.md). The rows are stored in _key_order's
-    column order and padded (finite) to whole tiles, so the load is contiguous and unmasked along keys."""
+    (1, 40, 32760, 128) on an H100 against 58.3 ms for this form (docs/kernels.md). The rows are stored
+    in _key_order's column order and padded (finite) to whole tiles, so the load is contiguous and
+    unmasked along keys."""
     rows = tl.arange(0, 16)
     cols = start_n + tl.arange(0, BLOCK_N)
     parts = tl.load(ds_base + rows[:, None] * DS_STRIDE + cols[None, :], mask=rows[:, None] < 3, other=0.0)
+    ones = tl.where(rows[None, :] < 3, 1.0, 0.0) + tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     if IEEE:
-        ones = tl.where(rows[None, :] < 3, 1.0, 0.0) + tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-        return _dot(ones, parts.to(tl.float32), s, IEEE)
+        parts = parts.to(tl.float32)
     else:
-        ones = (tl.where(rows[None, :] < 3, 1.0, 0.0) + tl.zeros([BLOCK_M, 16], dtype=tl.float32)).to(tl.bfloat16)
-        return _dot(ones, parts, s, IEEE)
+        ones = ones.to(tl.bfloat16)
+    return _dot(ones, parts, s, IEEE)
 
 
 @triton.jit
@@ -654,25 +655,32 @@ def native_qk_form(arch: int) -> int:
     """The PACKED_QK form of the inference forward that this Triton compiles for sm_<arch> (a compile only,
     no GPU needed): 1 (dot_scaled as is), 2 (from a runtime zero accumulator: Triton 3.6/3.7 on sm_100),
     or 0 (no NVFP4 dot_scaled there: Triton 3.6 on sm_90, for instance)."""
-    from triton.backends.compiler import GPUTarget
-
-    names = _attn_fwd.arg_names
-    ptrs = {"QF": "*u8", "KF": "*u8", "VF": "*bf16", "QS": "*u8", "KS": "*u8", "O": "*bf16", "OAux": "*bf16",
-            "M": "*fp32", "Lsum": "*fp32", "DeltaS": "*bf16"}
     cfg = FWD_CONFIG_GPU[128]
     for form in (1, 2):
-        const = dict(HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=False, TRAINING=False,
-                     QUANT_P=True, IEEE=False, SMOOTH_Q=False, FP16=False, FP8_CAST=True, PACKED_QK=form)
-        sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
         try:
-            src = triton.compiler.ASTSource(fn=_attn_fwd, signature=sig,
-                                            constexprs={(names.index(k),): v for k, v in const.items()})
-            triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            compile_forward(arch, cfg, HEAD_DIM=128, CAUSAL=False, SMOOTH_Q=False, PACKED_QK=form)
         except Exception:  # this form does not lower here: try the next, else keep the (exact) emulation
             continue
         return form
     return 0
+
+
+def compile_forward(arch: int, cfg: LaunchConfig, **constexprs):
+    """Compile the inference forward (bf16, quantized P) for sm_<arch> without a GPU; ``constexprs`` set
+    HEAD_DIM, CAUSAL, SMOOTH_Q and PACKED_QK. Returns Triton's compiled kernel (``.asm["ptx"]`` etc.)."""
+    from triton.backends.compiler import GPUTarget
+
+    names = _attn_fwd.arg_names
+    packed = constexprs["PACKED_QK"]
+    ptrs = {"QF": "*u8" if packed else "*bf16", "KF": "*u8" if packed else "*bf16", "QS": "*u8", "KS": "*u8",
+            "VF": "*bf16", "O": "*bf16", "OAux": "*bf16", "M": "*fp32", "Lsum": "*fp32", "DeltaS": "*bf16"}
+    const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TRAINING=False, QUANT_P=True, IEEE=False, FP16=False,
+                 FP8_CAST=True, **constexprs)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+    src = triton.compiler.ASTSource(fn=_attn_fwd, signature=sig,
+                                    constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -688,7 +696,7 @@ def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, quant_p: bool = True,
                      quant_qkv: bool = True, config: LaunchConfig | None = None, operands: tuple | None = None,
-                     delta_s: torch.Tensor | None = None, packed_qk: bool | None = None):
+                     delta_s: torch.Tensor | None = None, packed_qk: int | bool | None = None):
     """Launch the forward. Returns (o, o_aux | None, m, l, (q^F, k^F, v^F)); o in q's layout.
 
     ``quant_qkv=False`` and ``quant_p=False`` give plain high-precision attention through the same

@@ -4,10 +4,10 @@
     S   = (phi(Q_s) phi(K_s)^T + ΔS) * scale;  two-level P (2688);  V quantized along tokens
 
 The pre-pass is four launches: K's token mean (torch), then ``attn_qat._quantize_rows`` smoothing and
-quantizing Q (its own 128-row means), K and V (blocks of 16 tokens), then ``_delta_s`` for ΔS in fp32, stored as three
-exact bf16 parts. The attention itself is ``attn_qat._attn_fwd`` with ``SMOOTH_Q=True`` adding ΔS through one
-more k=16 MMA, so the online softmax
-(integer running max) and phi(P) are the very code the other FP4 modes run.
+quantizing Q (its own 128-row means), K and V (blocks of 16 tokens), then ``_delta_s`` for ΔS in fp32,
+stored as three exact bf16 parts. The attention itself is ``attn_qat._attn_fwd`` with ``SMOOTH_Q=True``
+adding ΔS through one more k=16 MMA, so the online softmax (integer running max) and phi(P) are the very
+code the other FP4 modes run.
 """
 from __future__ import annotations
 
@@ -122,8 +122,7 @@ def sage3_prepass(q, k, v, cfg: LaunchConfig, packed: bool = False):
     _delta_s[(triton.cdiv(delta_s.shape[-1], block_n), b * h)](
         k, k_mean, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), h, lk, nqb, delta_s.stride(3),
         HEAD_DIM=d, BLOCK_N=block_n, BLOCK_QB=32 if interpreting() else DELTA_S_TILE[1], KEY_TILE=cfg.block_n,
-        IEEE=interpreting(),
-        num_stages=2)
+        IEEE=interpreting(), num_stages=2)
     return qf, kf, vf, delta_s
 
 
