@@ -82,25 +82,33 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _dot_fp4(a, a_scale, b, b_scale, zero, IEEE: tl.constexpr, ZERO_ACC: tl.constexpr):
-    """a @ b over NVFP4 storage (a: (M, K/2) codes with (M, K/16) scale bits; b: (K/2, N) codes packed
+def _dot_fp4(a, a_scale, b, b_scale, acc, IEEE: tl.constexpr):
+    """acc + a @ b over NVFP4 storage (a: (M, K/2) codes with (M, K/16) scale bits; b: (K/2, N) codes packed
     along K with (N, K/16) scale bits), fp32. The GPU runs Triton's tl.dot_scaled, the native block-scaled
     FP4 MMA on sm_100/sm_120. The interpreter decodes and takes an fp32 dot: its dot_scaled reads every
-    scale as e8m0, which NVFP4's e4m3 scales are not. ZERO_ACC (constexpr): start from a runtime zero
-    accumulator (``zero`` is 0.0 at run time): Triton 3.6 and 3.7 fail to compile a constant-zero-initialised
-    dot_scaled inside a loop for sm_100 (TritonGPUOptimizeAccumulatorInit); 3.9 does not need it."""
+    scale as e8m0, which NVFP4's e4m3 scales are not."""
     if IEEE:
         af = unpack_tile(a, a_scale, a.shape[0], 2 * a.shape[1])
         bf = tl.trans(unpack_tile(tl.trans(b), b_scale, b.shape[1], 2 * b.shape[0]))
-        return tl.dot(af, bf, input_precision="ieee")
+        return tl.dot(af, bf, acc, input_precision="ieee")
     else:
-        a_scale = a_scale.to(tl.float8e4nv, bitcast=True)
-        b_scale = b_scale.to(tl.float8e4nv, bitcast=True)
-        if ZERO_ACC:
-            acc = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32) + zero
-            return tl.dot_scaled(a, a_scale, "e2m1", b, b_scale, "e2m1", acc=acc)
-        else:
-            return tl.dot_scaled(a, a_scale, "e2m1", b, b_scale, "e2m1")
+        return tl.dot_scaled(a, a_scale.to(tl.float8e4nv, bitcast=True), "e2m1",
+                             b, b_scale.to(tl.float8e4nv, bitcast=True), "e2m1", acc=acc)
+
+
+@triton.jit
+def _through_mma(x, COLS: tl.constexpr):
+    """x @ I, exactly x (one product per sum, fp32 accumulation; rows stay apart, so NaN stays in its row).
+
+    Why: a loaded tile that is tl.dot's left operand stays in shared memory and is read back on every
+    iteration of the key loop; a tile that comes out of an MMA goes to the operand layout in registers, as
+    P does. For Q at 128x128 that frees 32 KB: sage3's ΔS tile then fits beside 3-stage 128x128 K and V
+    tiles, and the nvfp4 forward ran 48.9 against 51.3 ms at (1, 40, 32760, 128) on an H100 (head_dim 64,
+    128x128 tiles: 36.7 against 38.0). It costs where the registers are short: with 64-key tiles (53.7
+    against 52.7 ms; head_dim 64: 41.5 against 32.5) and in training, where O' holds 64 more (128x128:
+    87.8 against 72.5), so the forward takes it only for inference with 128-key tiles."""
+    c = tl.arange(0, COLS)
+    return tl.dot(x, tl.where(c[:, None] == c[None, :], 1.0, 0.0).to(x.dtype)).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -311,7 +319,7 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, q_scale, k_base, ks_base, v_base,
                     LK, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASK: tl.constexpr, CAUSAL: tl.constexpr, TRAINING: tl.constexpr, QUANT_P: tl.constexpr,
                     IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr,
-                    PACKED_QK: tl.constexpr):  # 0: bf16 operands; 1, 2: NVFP4 storage (2: _dot_fp4's ZERO_ACC)
+                    PACKED_QK: tl.constexpr):  # 0: bf16 operands; 1, 2: NVFP4 storage (2: S from a runtime zero)
     """Key tiles [lo, hi). MASK (constexpr, as in Triton's tutorial): only the ragged last tile and the
     causal diagonal pay for masking; full tiles skip the compare and select on every element.
 
@@ -329,15 +337,18 @@ def _attn_fwd_inner(acc, acc_aux, l_i, m_i, q, q_scale, k_base, ks_base, v_base,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + key_order
         v = _load_keys(v_base, offs_n, offs_d, LK, HEAD_DIM, MASK, False)
+        s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if PACKED_QK == 2:  # a runtime zero: Triton 3.6 and 3.7 fail to compile a constant-zero-initialised
+            s += qk_scale * 0.0  # dot_scaled inside a loop for sm_100 (TritonGPUOptimizeAccumulatorInit)
+        if SMOOTH_Q:  # ΔS first: its small MMA then overlaps the previous tile's P V (52.6 vs 55.1 ms after Q K)
+            s = _add_delta_s(s, ds_base, start_n, DS_STRIDE, BLOCK_M, BLOCK_N, IEEE)
         if PACKED_QK:  # K^F as codes (keys, HEAD_DIM/2) and scale bits (keys, HEAD_DIM/16)
             kt = _load_keys(k_base, offs_n, tl.arange(0, HEAD_DIM // 2), LK, HEAD_DIM // 2, MASK, True)
             ks = _load_keys(ks_base, offs_n, tl.arange(0, HEAD_DIM // 16), LK, HEAD_DIM // 16, MASK, False)
-            s = _dot_fp4(q, q_scale, kt, ks, qk_scale * 0.0, IEEE, PACKED_QK == 2)
+            s = _dot_fp4(q, q_scale, kt, ks, s, IEEE)
         else:
             kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
-            s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-        if SMOOTH_Q:
-            s = _add_delta_s(s, ds_base, start_n, DS_STRIDE, BLOCK_M, BLOCK_N, IEEE)
+            s = _dot(q, kt, s, IEEE)
         if MASK:
             valid = offs_n[None, :] < LK
             if CAUSAL:
@@ -387,8 +398,8 @@ def _attn_fwd(QF, KF, VF, QS, KS, O, OAux, M, Lsum, DeltaS,
     Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T.
     DeltaS: (B*H, blocks of 128 rows, 3, DS_STRIDE) bf16, ΔS = hi + mid + lo (sage3._delta_s).
     PACKED_QK (constexpr, the native path, 1 or 2): QF, KF hold NVFP4 codes (B*H, L, HEAD_DIM/2) and QS, KS
-    their scale bits (B*H, L, HEAD_DIM/16), and S comes from the block-scaled FP4 MMA (_dot_fp4; 2 sets its
-    ZERO_ACC)."""
+    their scale bits (B*H, L, HEAD_DIM/16), and S comes from the block-scaled FP4 MMA (_dot_fp4; 2 starts S
+    from a runtime zero, see _attn_fwd_inner)."""
     tl.static_assert(BLOCK_N % 64 == 0)  # _key_order: each lane holds whole 16-key blocks
     if SMOOTH_Q:
         tl.static_assert(128 % BLOCK_M == 0)  # a program's rows share one 128-row smoothing block
@@ -405,6 +416,8 @@ def _attn_fwd(QF, KF, VF, QS, KS, O, OAux, M, Lsum, DeltaS,
         ks_base = KS + bh * LK * (HEAD_DIM // 16)
     else:
         q = _load_keys(QF + bh * LQ * HEAD_DIM, offs_m, offs_d, LQ, HEAD_DIM, True, False)
+        if not IEEE and not TRAINING and BLOCK_N >= 128:  # see _through_mma for where it pays
+            q = _through_mma(q, HEAD_DIM)
         q_scale = q
         k_base = KF + bh * LK * HEAD_DIM
         ks_base = KS
@@ -677,7 +690,10 @@ def compile_forward(arch: int, cfg: LaunchConfig, **constexprs):
     const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TRAINING=False, QUANT_P=True, IEEE=False, FP16=False,
                  FP8_CAST=True, **constexprs)
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
-    src = triton.compiler.ASTSource(fn=_attn_fwd, signature=sig,
+    # pointers 16-byte aligned, as torch allocates them and a launch specialises: without it loads are not
+    # vectorised, so not pipelined, and the compile is not the one a GPU runs
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    src = triton.compiler.ASTSource(fn=_attn_fwd, signature=sig, attrs=aligned,
                                     constexprs={(names.index(k),): v for k, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})

@@ -15,14 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
+from ._common import LaunchConfig, check_qkv, default_scale, interpreting
 from .attn_qat import _work_dtype, attn_qat_forward, fwd_config, native_fp4, quantize_heads, tile_keys
 from .reference import SAGE3_Q_BLOCK
 
 DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU; (128, 64), (128, 128) were slower
-# 58.3 ms at (1, 40, 32760, 128) on an H100 (128x64/8/4: 58.6); 128x128/8/3 does not fit shared memory with
-# the ΔS tile, 128x128/8/2 ran 66.9
-SAGE3_CONFIG_GPU = LaunchConfig(128, 64, 8, 3)
 DELTA_S_BYTES = 2 << 30  # sage3_forward splits the heads so that ΔS stays below this
 
 
@@ -91,11 +88,11 @@ def sage3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sca
 
 
 def sage3_config(head_dim: int) -> LaunchConfig:
-    """The forward's launch config for sage3: the FP4 forward's, but its rows within one 128-row
-    smoothing block, and tiles that leave shared memory for the ΔS tile (pin with ATTNQAT_FWD_CONFIG)."""
-    if interpreting():
-        return fwd_config(head_dim, training=False)
-    cfg = pinned_config("ATTNQAT_FWD_CONFIG") or SAGE3_CONFIG_GPU
+    """The forward's launch config for sage3: the FP4 inference forward's (pin with ATTNQAT_FWD_CONFIG), whose
+    rows must lie in one 128-row smoothing block. At head_dim 128 its 128x128 tiles fit shared memory beside
+    the ΔS tile because Q sits in registers (attn_qat._through_mma): 52.6 ms at (1, 40, 32760, 128) on an
+    H100 against 59.7 for 128x64, which sage3 ran before."""
+    cfg = fwd_config(head_dim, training=False)
     if 128 % cfg.block_m:
         raise ValueError(f"sage3 needs BLOCK_M dividing 128 (one smoothing block per program), got {cfg}")
     return cfg
