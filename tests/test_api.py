@@ -1,4 +1,6 @@
 """The attention API: every mode vs its reference, inference-only refusals, dispatch by device."""
+import warnings
+
 import pytest
 import torch
 
@@ -114,6 +116,39 @@ def test_gpu_inference_modes(mode):
         out = attention(q, k, v, mode=mode)
     ref = FP4_INFERENCE[mode](q, k, v)
     assert rel_err(out, ref) <= 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["nvfp4", "sage3", "attn_qat"])
+def test_gpu_config_too_large_for_shared_memory_falls_back(mode, monkeypatch, poison):
+    """A launch config that needs more shared memory than the GPU has (5 stages of 128x128 K and V tiles:
+    320 KB; an H100 has 227 KB, consumer GPUs 99 KB) steps down to one that fits, says so once, and
+    gives the reference's result; training too (attn_qat with grad)."""
+    from attnqat.kernels import _common
+
+    monkeypatch.setattr(_common, "_FITTED", {})
+    monkeypatch.setenv("ATTNQAT_FWD_CONFIG", "128,128,8,5")
+    q, k, v = qkv(lq=1000, lk=1500, d=128, offset=1.0, device="cuda")
+    with torch.no_grad(), pytest.warns(UserWarning, match="does not fit this GPU"):
+        out = attention(q, k, v, mode=mode)
+    assert rel_err(out, FP4_INFERENCE.get(mode, R.nvfp4_attention_ref)(q, k, v)) <= 5e-3
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*does not fit")  # the fallback is remembered: said once
+        assert torch.equal(attention(q, k, v, mode=mode), out)
+    if mode == "attn_qat":  # training: the forward, and the backward's dQ kernel
+        monkeypatch.setenv("ATTNQAT_DQ_CONFIG", "128,128,8,5")
+        qg = q.clone().requires_grad_()
+        with pytest.warns(UserWarning, match="does not fit this GPU"):
+            out_train = attention(qg, k, v, mode=mode)
+        assert rel_err(out_train, out) <= 5e-3
+        do = torch.randn_like(out_train)
+        with pytest.warns(UserWarning, match=r"backward \(dQ\).*does not fit this GPU"):
+            out_train.backward(do)
+        monkeypatch.delenv("ATTNQAT_DQ_CONFIG")
+        monkeypatch.delenv("ATTNQAT_FWD_CONFIG")
+        qd = q.clone().requires_grad_()
+        attention(qd, k, v, mode=mode).backward(do)
+        assert rel_err(qg.grad, qd.grad) <= 1e-3
 
 
 def test_torch_compile_traces_without_graph_breaks():

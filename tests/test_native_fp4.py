@@ -90,8 +90,8 @@ def test_cpu_reports_the_emulation():
 
 COMPILE = """
 import json, re
-from attnqat.kernels._common import LaunchConfig
-from attnqat.kernels.attn_qat import compile_forward, native_qk_form
+from attnqat.kernels._common import SMALLER_CONFIGS, LaunchConfig
+from attnqat.kernels.attn_qat import FWD_CONFIG_GPU, compile_forward, native_qk_form
 out = {}
 for arch in (100, 120):
     form = native_qk_form(arch)
@@ -100,14 +100,21 @@ for arch in (100, 120):
         ptx = compile_forward(arch, LaunchConfig(128, 64, 8, 3), HEAD_DIM=128, CAUSAL=True, SMOOTH_Q=True,
                               PACKED_QK=form).asm["ptx"]
         out[arch]["mma"] = sorted(set(re.findall(r"(?:tcgen05\\.mma|mma\\.sync)\\S*", ptx)))
+# shared memory of the largest inference forward (sage3, head_dim 128) on 99 KB GPUs: the tuned tiles with
+# the native path on sm_120; the first smaller config (launch_fitting's) with the emulation on sm_86
+out["shared"] = {"120": compile_forward(120, FWD_CONFIG_GPU[128], HEAD_DIM=128, CAUSAL=False, SMOOTH_Q=True,
+                                        PACKED_QK=native_qk_form(120)).metadata.shared,
+                 "86": compile_forward(86, SMALLER_CONFIGS[0], HEAD_DIM=128, CAUSAL=False, SMOOTH_Q=True,
+                                       PACKED_QK=0).metadata.shared}
 print(json.dumps(out))
 """
 
 
 def test_forward_compiles_to_blackwell_block_scaled_mma():
     """The forward with PACKED_QK (and sage3's ΔS, causal masking) lowers to NVFP4 block-scaled MMAs for
-    sm_100 (tcgen05 kind::mxf4nvf4) and sm_120 (mma.sync kind::mxf4nvf4). A compile only, outside the
-    interpreter, in a subprocess."""
+    sm_100 (tcgen05 kind::mxf4nvf4) and sm_120 (mma.sync kind::mxf4nvf4), and the forward fits the 99 KB of
+    shared memory of consumer GPUs (sm_120 natively with the tuned tiles, sm_86 emulated after one step
+    down). A compile only, outside the interpreter, in a subprocess."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -115,6 +122,7 @@ def test_forward_compiles_to_blackwell_block_scaled_mma():
     for arch in ("100", "120"):
         assert out[arch]["form"] in (1, 2), out
         assert any("kind::mxf4nvf4" in m and "block_scale" in m for m in out[arch]["mma"]), out
+    assert max(out["shared"].values()) <= 99 * 1024, out  # sm_86/89/120: 99 KB per block
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -73,3 +74,36 @@ def pinned_config(env: str) -> LaunchConfig | None:
     """A config pinned by environment variable (tests and benchmarks), else None."""
     text = os.environ.get(env)
     return LaunchConfig.parse(text) if text else None
+
+
+# Shared memory per block: the tuned configs fill an H100's 227 KB; an A100 has 163 KB, consumer GPUs
+# (sm_86, sm_89, sm_120) 99 KB. These step down for them, in order.
+SMALLER_CONFIGS = (LaunchConfig(128, 64, 8, 3), LaunchConfig(128, 64, 8, 2), LaunchConfig(64, 64, 4, 2))
+_FITTED: dict = {}  # (key, requested config) -> the config that launched
+
+
+def launch_fitting(launch, cfg: LaunchConfig, key: tuple, smaller=SMALLER_CONFIGS):
+    """``launch(c)`` with c = cfg, or else the first of ``smaller`` that fits the GPU.
+
+    Triton raises OutOfResources when a kernel is loaded, before anything runs, if its config needs more
+    shared memory than the GPU has. The config that launched is remembered per ``key`` (the kernel and
+    whatever changes its size: device, head_dim, variant flags), so the next call goes straight to it, and
+    one warning names the fallback. ``launch`` must not have side effects before its kernel launch fails
+    other than recomputable ones (sage3 reruns its pre-pass)."""
+    from triton.runtime.errors import OutOfResources
+
+    start = _FITTED.get((key, cfg), cfg)
+    tried = []
+    for c in dict.fromkeys((start, cfg, *smaller)):
+        try:
+            out = launch(c)
+        except OutOfResources as err:
+            tried.append(f"{c}: {err}")
+            continue
+        if (key, cfg) not in _FITTED:
+            _FITTED[(key, cfg)] = c
+            if c != cfg:
+                warnings.warn(f"{key[0]}: launch config {cfg} does not fit this GPU ({tried[0]}); using {c}",
+                              stacklevel=3)
+        return out
+    raise RuntimeError(f"{key[0]}: no launch config fits this GPU:\n  " + "\n  ".join(tried))

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
+from ._common import LOG2E, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config
 from .nvfp4 import fake_quant_tile, pack_tile, round_e2m1_nonneg, round_e4m3, unpack_tile
 
 # P~ = 2688 * 2^x = 2^(x + log2 2688): the kernels fold the scale into exp2 as the literal
@@ -688,7 +688,7 @@ def compile_forward(arch: int, cfg: LaunchConfig, **constexprs):
     ptrs = {"QF": "*u8" if packed else "*bf16", "KF": "*u8" if packed else "*bf16", "QS": "*u8", "KS": "*u8",
             "VF": "*bf16", "O": "*bf16", "OAux": "*bf16", "M": "*fp32", "Lsum": "*fp32", "DeltaS": "*bf16"}
     const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TRAINING=False, QUANT_P=True, IEEE=False, FP16=False,
-                 FP8_CAST=True, **constexprs)
+                 FP8_CAST=arch >= 89, **constexprs)
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
     # pointers 16-byte aligned, as torch allocates them and a launch specialises: without it loads are not
     # vectorised, so not pipelined, and the compile is not the one a GPU runs
@@ -749,15 +749,21 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     o_aux = torch.empty((b, h, lq, d), dtype=wdt, device=q.device) if training else o
     m = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    grid = (triton.cdiv(lq, cfg.block_m), b * h)
-    _attn_fwd[grid](qf, kf, vf, qs, ks, o, o_aux, m, l, vf if delta_s is None else delta_s,
-                    o.stride(0), o.stride(1), o.stride(2),
-                    h, lq, lk, 0 if delta_s is None else delta_s.shape[2], 0 if delta_s is None else delta_s.stride(3),
-                    sm_scale * LOG2E,
-                    HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, TRAINING=training,
-                    QUANT_P=quant_p, IEEE=interpreting(), SMOOTH_Q=delta_s is not None, FP16=fp16,
-                    FP8_CAST=fp8_cast(q.device), PACKED_QK=packed_qk,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def launch(c):
+        _attn_fwd[(triton.cdiv(lq, c.block_m), b * h)](
+            qf, kf, vf, qs, ks, o, o_aux, m, l, vf if delta_s is None else delta_s,
+            o.stride(0), o.stride(1), o.stride(2),
+            h, lq, lk, 0 if delta_s is None else delta_s.shape[2], 0 if delta_s is None else delta_s.stride(3),
+            sm_scale * LOG2E,
+            HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal, TRAINING=training,
+            QUANT_P=quant_p, IEEE=interpreting(), SMOOTH_Q=delta_s is not None, FP16=fp16,
+            FP8_CAST=fp8_cast(q.device), PACKED_QK=packed_qk, num_warps=c.num_warps, num_stages=c.num_stages)
+
+    if delta_s is not None:  # laid out for cfg's tiles: sage3_forward finds the config that fits
+        launch(cfg)
+    else:
+        launch_fitting(launch, cfg, ("attn_qat forward", q.device, d, training, packed_qk))
     return o, (o_aux if training else None), m, l, (qf, kf, vf)
 
 
@@ -788,11 +794,15 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, IEEE=interpreting(),
         P_NORMALIZED=(p_bwd == "normalized"), QUANT_P=quant_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _attn_bwd_dq[(triton.cdiv(lq, cfg_dq.block_m), b * h)](
-        qf, kf, vf, do, m, l, delta, dq, do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
-        HEAD_DIM=d, BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, CAUSAL=causal, IEEE=interpreting(),
-        num_warps=cfg_dq.num_warps, num_stages=cfg_dq.num_stages)
+
+    def launch_dq(c):  # 128x64/8/3 needs 116 KB on sm_89 (99 KB there): launch_fitting steps down
+        _attn_bwd_dq[(triton.cdiv(lq, c.block_m), b * h)](
+            qf, kf, vf, do, m, l, delta, dq, do.stride(0), do.stride(1), do.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
+            HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal, IEEE=interpreting(),
+            num_warps=c.num_warps, num_stages=c.num_stages)
+
+    launch_fitting(launch_dq, cfg_dq, ("attn_qat backward (dQ)", q.device, d))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype)
 
 

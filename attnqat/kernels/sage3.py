@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LaunchConfig, check_qkv, default_scale, interpreting
+from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting
 from .attn_qat import _work_dtype, attn_qat_forward, fwd_config, native_fp4, quantize_heads, tile_keys
 from .reference import SAGE3_Q_BLOCK
 
@@ -124,12 +124,18 @@ def sage3_prepass(q, k, v, cfg: LaunchConfig, packed: bool = False):
 
 
 def sage3_forward(q, k, v, *, sm_scale: float, causal: bool, packed_qk: int | None = None) -> torch.Tensor:
-    """The launch behind the ``attnqat::sage3_fwd`` custom op: smoothing pre-pass, then the FP4 forward,
-    over groups of heads whose ΔS fits in ``DELTA_S_BYTES`` (ΔS is Lq/128 x Lk x 6 bytes per head: 10 GiB for
-    40 heads at 720p in one piece). ``packed_qk``: as attn_qat_forward's (default: native_fp4)."""
-    cfg = sage3_config(q.shape[-1])
+    """The launch behind the ``attnqat::sage3_fwd`` custom op: smoothing pre-pass, then the FP4 forward, with
+    the first launch config that fits the GPU (``launch_fitting``: ΔS is laid out for the forward's tiles, so
+    a fallback reruns the pre-pass). ``packed_qk``: as attn_qat_forward's (default: native_fp4)."""
     if packed_qk is None:
         packed_qk = native_fp4(q.device)
+    return launch_fitting(lambda cfg: _sage3_heads(q, k, v, cfg, sm_scale, causal, packed_qk),
+                          sage3_config(q.shape[-1]), ("sage3 forward", q.device, q.shape[-1], packed_qk))
+
+
+def _sage3_heads(q, k, v, cfg: LaunchConfig, sm_scale: float, causal: bool, packed_qk: int) -> torch.Tensor:
+    """sage3 over groups of heads whose ΔS fits in ``DELTA_S_BYTES`` (ΔS is Lq/128 x Lk x 6 bytes per head:
+    10 GiB for 40 heads at 720p in one piece)."""
     b, h, lq, d = q.shape
     per_head = b * triton.cdiv(lq, SAGE3_Q_BLOCK) * 3 * _delta_s_width(k.shape[2], cfg.block_n) * 2
     group = max(1, min(h, DELTA_S_BYTES // per_head))
