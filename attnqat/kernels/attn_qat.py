@@ -23,8 +23,10 @@ exact emulation of block-scaled FP4 MMAs. Under ``TRITON_INTERPRET=1`` every dot
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
 
 import torch
 import triton
@@ -671,11 +673,26 @@ def native_qk_form(arch: int) -> int:
     cfg = FWD_CONFIG_GPU[128]
     for form in (1, 2):
         try:
-            compile_forward(arch, cfg, HEAD_DIM=128, CAUSAL=False, SMOOTH_Q=False, PACKED_QK=form)
+            with _native_stderr_to_devnull():  # a form that fails prints MLIR's reproducer: not the user's concern
+                compile_forward(arch, cfg, HEAD_DIM=128, CAUSAL=False, SMOOTH_Q=False, PACKED_QK=form)
         except Exception:  # this form does not lower here: try the next, else keep the (exact) emulation
             continue
         return form
     return 0
+
+
+@contextlib.contextmanager
+def _native_stderr_to_devnull():
+    """Point file descriptor 2 (where Triton's C++ passes print) at /dev/null for the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def compile_forward(arch: int, cfg: LaunchConfig, **constexprs):
