@@ -82,8 +82,8 @@ SMALLER_CONFIGS = (LaunchConfig(128, 64, 8, 3), LaunchConfig(128, 64, 8, 2), Lau
 _FITTED: dict = {}  # (key, requested config) -> the config that launched
 
 
-def launch_fitting(launch, cfg: LaunchConfig, key: tuple, smaller=SMALLER_CONFIGS):
-    """``launch(c)`` with c = cfg, or else the first of ``smaller`` that fits the GPU.
+def launch_fitting(launch, cfg: LaunchConfig, key: tuple):
+    """``launch(c)`` with c = cfg, or else the first of SMALLER_CONFIGS that fits the GPU.
 
     Triton raises OutOfResources when a kernel is loaded, before anything runs, if its config needs more
     shared memory than the GPU has. The config that launched is remembered per ``key`` (the kernel and
@@ -94,7 +94,7 @@ def launch_fitting(launch, cfg: LaunchConfig, key: tuple, smaller=SMALLER_CONFIG
 
     start = _FITTED.get((key, cfg), cfg)
     tried = []
-    for c in dict.fromkeys((start, cfg, *smaller)):
+    for c in dict.fromkeys((start, cfg, *SMALLER_CONFIGS)):
         try:
             out = launch(c)
         except OutOfResources as err:

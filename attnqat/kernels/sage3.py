@@ -20,7 +20,7 @@ from .attn_qat import _work_dtype, attn_qat_forward, fwd_config, native_fp4, qua
 from .reference import SAGE3_Q_BLOCK
 
 DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU; (128, 64), (128, 128) were slower
-DELTA_S_BYTES = 2 << 30  # sage3_forward splits the heads so that ΔS stays below this
+DELTA_S_BYTES = 2 << 30  # _sage3_heads splits the heads so that ΔS stays below this
 
 
 @triton.jit
