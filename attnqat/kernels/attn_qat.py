@@ -237,6 +237,34 @@ def _e4m3(x, FP8_CAST: tl.constexpr):
         return round_e4m3(x)
 
 
+def _round_p_ptx(ty: str, one: int, magic: int, six: int, exponent_mask: int) -> tl.constexpr:
+    """_round_p's packed 16-bit PTX for ``ty`` (bf16 or f16), given the format's bit patterns of 1, of the
+    rounding constant (1.5 * 2^mantissa bits: 96 for bf16, 768 for f16), of 6 and of its exponent field."""
+    def x2(h):
+        return f"0x{h:04X}{h:04X}"
+
+    return tl.constexpr(f"""{{
+            .reg .b32 h, e, one, c, nc, six, nz;
+            mov.b32 one, {x2(one)};
+            mov.b32 c, {x2(magic)};
+            mov.b32 nc, {x2(magic | 0x8000)};
+            mov.b32 six, {x2(six)};
+            mov.b32 nz, 0x80008000;
+            cvt.rz.{ty}x2.f32 h, $2, $1;
+            or.b32 h, h, 0x00010001;
+            and.b32 e, h, {x2(exponent_mask)};
+            max.{ty}x2 e, e, one;
+            fma.rn.{ty}x2 h, e, c, h;
+            fma.rn.{ty}x2 h, e, nc, h;
+            min.{ty}x2 h, h, six;
+            fma.rn.{ty}x2 $0, h, $3, nz;
+            }}""")
+
+
+_ROUND_P_BF16X2 = _round_p_ptx("bf16", one=0x3F80, magic=0x42C0, six=0x40C0, exponent_mask=0x7F80)
+_ROUND_P_F16X2 = _round_p_ptx("f16", one=0x3C00, magic=0x6200, six=0x4600, exponent_mask=0x7C00)
+
+
 @triton.jit
 def _round_p(y, scale, IEEE: tl.constexpr, FP16: tl.constexpr):
     """phi's rounding step for P: e2m1(y) * scale, y = P~ / s >= 0, returned in the dot's dtype.
@@ -255,44 +283,10 @@ def _round_p(y, scale, IEEE: tl.constexpr, FP16: tl.constexpr):
         else:  # bf16 keeps 7
             h = (bits & -65536) | 65536
         return round_e2m1_nonneg(h.to(tl.float32, bitcast=True)) * scale
-    elif FP16:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 h, e, one, c, nc, six, nz;
-            mov.b32 one, 0x3C003C00;
-            mov.b32 c, 0x62006200;
-            mov.b32 nc, 0xE200E200;
-            mov.b32 six, 0x46004600;
-            mov.b32 nz, 0x80008000;
-            cvt.rz.f16x2.f32 h, $2, $1;
-            or.b32 h, h, 0x00010001;
-            and.b32 e, h, 0x7C007C00;
-            max.f16x2 e, e, one;
-            fma.rn.f16x2 h, e, c, h;
-            fma.rn.f16x2 h, e, nc, h;
-            min.f16x2 h, h, six;
-            fma.rn.f16x2 $0, h, $3, nz;
-            }""",
-            "=r,r,r,r", [y, scale.to(tl.float16)], dtype=tl.float16, is_pure=True, pack=2)
     else:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 h, e, one, c, nc, six, nz;
-            mov.b32 one, 0x3F803F80;
-            mov.b32 c, 0x42C042C0;
-            mov.b32 nc, 0xC2C0C2C0;
-            mov.b32 six, 0x40C040C0;
-            mov.b32 nz, 0x80008000;
-            cvt.rz.bf16x2.f32 h, $2, $1;
-            or.b32 h, h, 0x00010001;
-            and.b32 e, h, 0x7F807F80;
-            max.bf16x2 e, e, one;
-            fma.rn.bf16x2 h, e, c, h;
-            fma.rn.bf16x2 h, e, nc, h;
-            min.bf16x2 h, h, six;
-            fma.rn.bf16x2 $0, h, $3, nz;
-            }""",
-            "=r,r,r,r", [y, scale.to(tl.bfloat16)], dtype=tl.bfloat16, is_pure=True, pack=2)
+        scale16 = scale.to(tl.float16 if FP16 else tl.bfloat16)
+        return tl.inline_asm_elementwise(_ROUND_P_F16X2 if FP16 else _ROUND_P_BF16X2, "=r,r,r,r",
+                                         [y, scale16], dtype=scale16.dtype, is_pure=True, pack=2)
 
 
 @triton.jit
