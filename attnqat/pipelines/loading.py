@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
+from .mini import is_mini, mini_folder
 from .tiny import build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
-           "load_qat_checkpoint", "is_tiny"]
+           "load_qat_checkpoint", "is_tiny", "is_mini", "resolve_model"]
 
 #: The real model this project targets; also the example in error messages.
 DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
@@ -27,6 +28,16 @@ class CheckpointMismatchError(ValueError):
 
 def is_tiny(model: str) -> bool:
     return model.strip().lower() == "tiny"
+
+
+def resolve_model(model: str) -> str:
+    """``mini`` -> the shipped folder (a clear error when it is missing); any other name unchanged."""
+    if is_mini(model):
+        try:
+            return str(mini_folder())
+        except FileNotFoundError as e:
+            raise ModelNotFoundError(str(e)) from None
+    return model
 
 
 def _download_hint(model: str) -> str:
@@ -94,6 +105,7 @@ def load_pipeline(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16, d
         return pipe.to(device) if device is not None else pipe
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
 
+    model = resolve_model(model)
     _resolve(model)  # a folder without model_index.json fails here, before any component loads
     vae = _from_pretrained(AutoencoderKLWan, model, subfolder="vae", torch_dtype=vae_dtype)
     pipe = _from_pretrained(WanPipeline, model, vae=vae, torch_dtype=dtype)
@@ -109,6 +121,7 @@ def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16
         return build_tiny_transformer(dtype=dtype, device=device)
     from diffusers import WanTransformer3DModel
 
+    model = resolve_model(model)
     transformer = _from_pretrained(WanTransformer3DModel, model, subfolder="transformer", torch_dtype=dtype)
     return transformer.to(device) if device is not None else transformer
 

@@ -24,6 +24,7 @@ LR_SCHEDULES = ("constant", "cosine")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 SAVE_DTYPES = ("bf16", "fp32")
 TRAINABLE = ("all", "attention")
+DATA_SOURCES = ("precomputed", "corpus")
 
 
 @dataclass
@@ -52,8 +53,22 @@ class TimestepConfig:
 
 
 @dataclass
+class CorpusConfig:
+    """``data.source: corpus``: clips of :mod:`attnqat.corpus`, encoded on the fly by the model's VAE."""
+    seed: int = 0                   # corpus seed (clip attributes and captions)
+    sizes: list = field(default_factory=lambda: [[33, 256, 256]])  # video sizes (frames, height, width)
+    size_weights: list | None = None  # integer weight of each size in the cycle of step sizes (default: 1 each)
+    pool: int = 1024                # encoded clips kept per size (0: encode every sample fresh)
+    refresh: int = 8                # pool clips replaced by new ones per step of that size
+    encode_batch: int = 16          # clips rendered and encoded at once
+    caption_dropout: float = 0.1    # share of samples whose prompt is replaced by the empty one (for guidance)
+
+
+@dataclass
 class DataConfig:
+    source: str = "precomputed"     # precomputed (data.path, or data-free) | corpus (the procedural corpus)
     path: str | None = None         # folder written by `attnqat precompute` (prompt embeddings, optional latents)
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
     latent_shape: list = field(default_factory=lambda: [16, 21, 60, 104])  # (C, F, H, W) for noise latents
     text_len: int = 512             # tokens of random prompt embeddings when path is null (data-free)
     batch_size: int = 1             # per process, per micro-batch
@@ -77,6 +92,8 @@ class TrainSection:
     gradient_checkpointing: bool = True
     trainable: str = "all"          # all | attention (only the patched attention modules' weights)
     teacher_dtype: str | None = None  # bf16 | fp32; default bf16 under bf16 mixed precision, else fp32
+    from_scratch: bool = False      # start from a seeded random initialisation of the model's architecture
+    ema_decay: float = 0.0          # > 0: keep an exponential moving average of the weights and export it
 
 
 @dataclass
@@ -204,7 +221,9 @@ def _one_of(value, choices, key):
 def model_config(model: str) -> dict:
     """The ``WanTransformer3DModel`` config of ``model`` without loading any weight."""
     from attnqat.pipelines import TINY_TRANSFORMER_CONFIG, is_tiny
+    from attnqat.pipelines.loading import resolve_model
 
+    model = resolve_model(model)
     if is_tiny(model):
         return dict(TINY_TRANSFORMER_CONFIG)
     path = Path(model).expanduser()
@@ -272,34 +291,43 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
 
     # Data
     index: dict = {}
+    _one_of(d.source, DATA_SOURCES, "data.source")
     needs_latents = o.type in ("flow", "mix") or o.latents == "dataset"
-    if d.path is not None:
-        from .data import read_index
-        index = read_index(d.path)
-    if needs_latents:
-        why = f"objective.type {o.type!r}" if o.type != "distill" else "objective.latents 'dataset'"
-        if d.path is None:
-            raise ValueError(f"{why} needs a dataset of video latents: set data.path to a folder written by "
-                             f"`attnqat precompute --videos ...`")
-        if not index.get("has_latents"):
-            raise ValueError(f"{why} needs video latents, but data.path {d.path!r} holds prompt embeddings only; "
-                             f"run `attnqat precompute` with --videos")
-    shape = list(index["latent_shape"]) if needs_latents else list(d.latent_shape)
-    if len(shape) != 4 or not all(isinstance(x, int) and x > 0 for x in shape):
-        raise ValueError(f"data.latent_shape must be 4 positive integers (C, F, H, W), got {shape!r}")
+    if d.source == "corpus":
+        shapes = _corpus_shapes(d.corpus, d.path)
+        index["has_latents"] = True
+    else:
+        if d.path is not None:
+            from .data import read_index
+            index = read_index(d.path)
+        if needs_latents:
+            why = f"objective.type {o.type!r}" if o.type != "distill" else "objective.latents 'dataset'"
+            if d.path is None:
+                raise ValueError(f"{why} needs a dataset of video latents: set data.path to a folder written by "
+                                 f"`attnqat precompute --videos ...`, or data.source: corpus")
+            if not index.get("has_latents"):
+                raise ValueError(f"{why} needs video latents, but data.path {d.path!r} holds prompt embeddings "
+                                 f"only; run `attnqat precompute` with --videos")
+        shapes = [list(index["latent_shape"]) if needs_latents else list(d.latent_shape)]
+    for shape in shapes:
+        if len(shape) != 4 or not all(isinstance(x, int) and x > 0 for x in shape):
+            raise ValueError(f"data.latent_shape must be 4 positive integers (C, F, H, W), got {shape!r}")
+    if tr.ema_decay != 0 and not 0 < tr.ema_decay < 1:
+        raise ValueError(f"train.ema_decay must be 0 (off) or in (0, 1), got {tr.ema_decay}")
 
     # The batch against the transformer
     if transformer_config is None:
         transformer_config = model_config(cfg.model)
     tc = transformer_config
-    c, f, h, w = shape
     pt, ph, pw = tc.get("patch_size", (1, 2, 2))
-    if c != tc["in_channels"]:
-        raise ValueError(f"latent channels {c} (latent shape {shape}) != the transformer's in_channels "
-                         f"{tc['in_channels']}")
-    if f % pt or h % ph or w % pw:
-        raise ValueError(f"latent shape {shape} (C, F, H, W) does not fit the transformer's patch size "
-                         f"{tuple(tc.get('patch_size'))}: F, H, W must be divisible by it")
+    for c, f, h, w in shapes:
+        shape = [c, f, h, w]
+        if c != tc["in_channels"]:
+            raise ValueError(f"latent channels {c} (latent shape {shape}) != the transformer's in_channels "
+                             f"{tc['in_channels']}")
+        if f % pt or h % ph or w % pw:
+            raise ValueError(f"latent shape {shape} (C, F, H, W) does not fit the transformer's patch size "
+                             f"{tuple(tc.get('patch_size'))}: F, H, W must be divisible by it")
     text_dim = tc["text_dim"]
     if index.get("text_dim") is not None and index["text_dim"] != text_dim:
         raise ValueError(f"prompt embeddings in {d.path!r} have width {index['text_dim']}, but the transformer's "
@@ -313,5 +341,29 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
             raise ValueError(f"attention.layers {bad} out of range: the transformer has {tc['num_layers']} blocks")
     if device_type == "cpu" and tr.mixed_precision == "fp16":
         raise ValueError("train.mixed_precision 'fp16' needs a GPU; use 'no' on CPU")
-    index["latent_shape"] = shape
+    index["latent_shape"] = shapes[0]
+    index["latent_shapes"] = shapes
     return index
+
+
+def _corpus_shapes(c: CorpusConfig, path) -> list[list[int]]:
+    """Latent shapes of ``data.corpus.sizes``, after checking the section."""
+    if path is not None:
+        raise ValueError("data.path and data.source 'corpus' exclude each other; set data.path: null")
+    if not (isinstance(c.sizes, list) and c.sizes and all(isinstance(s, list) and len(s) == 3 for s in c.sizes)):
+        raise ValueError(f"data.corpus.sizes must be a list of [frames, height, width], got {c.sizes!r}")
+    for f, h, w in c.sizes:
+        if not all(isinstance(x, int) for x in (f, h, w)) or f < 1 or (f - 1) % 4 or h < 32 or w < 32 or h % 16 or w % 16:
+            raise ValueError(f"data.corpus.sizes entry {[f, h, w]} must have frames 4k+1 and height, width multiples "
+                             f"of 16 (>= 32)")
+    if c.size_weights is not None and not (isinstance(c.size_weights, list) and len(c.size_weights) == len(c.sizes)
+                                           and all(isinstance(x, int) and x >= 0 for x in c.size_weights)
+                                           and sum(c.size_weights) > 0):
+        raise ValueError(f"data.corpus.size_weights must be one non-negative integer per size, got {c.size_weights!r}")
+    if c.pool < 0 or c.refresh < 1 or c.encode_batch < 1 or (c.pool and c.refresh > c.pool):
+        raise ValueError(f"data.corpus: need pool >= 0, 1 <= refresh <= pool, encode_batch >= 1; got pool {c.pool}, "
+                         f"refresh {c.refresh}, encode_batch {c.encode_batch}")
+    if not 0 <= c.caption_dropout < 1:
+        raise ValueError(f"data.corpus.caption_dropout must be in [0, 1), got {c.caption_dropout}")
+    from .corpus_source import latent_shape
+    return [latent_shape(s) for s in c.sizes]

@@ -27,7 +27,7 @@ from .objectives import FeatureCapture, make_student_teacher, nmse, noised, samp
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "gap", "grad_norm", "lr", "tokens_per_s", "step_s",
-              "eval_gap_output", "eval_gap_features"]
+              "eval_gap_output", "eval_gap_features", "eval_flow"]
 
 
 @dataclass
@@ -124,7 +124,14 @@ class Trainer:
 
         from attnqat.pipelines import load_transformer
 
-        transformer = load_transformer(cfg.model, dtype=torch.float32)  # fp32 master weights
+        if tr.from_scratch:  # the model's architecture at a seeded random initialisation
+            from diffusers import WanTransformer3DModel
+
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.seed)
+                transformer = WanTransformer3DModel.from_config(self.tc)
+        else:
+            transformer = load_transformer(cfg.model, dtype=torch.float32)  # fp32 master weights
         tdt = tr.teacher_dtype or ("bf16" if mp == "bf16" else "fp32")
         self.teacher_dtype = DTYPES[tdt]
         student, teacher = make_student_teacher(transformer, cfg.attention.mode, cfg.attention.layers,
@@ -146,6 +153,36 @@ class Trainer:
         self.t_cap = FeatureCapture(self.teacher)
         self.batcher = Batcher(cfg, self.tc, self.shape, self.dataset)
         self.tokens = tokens_per_sample(self.shape, self.tc)
+        self.corpus = None
+        if cfg.data.source == "corpus":
+            from .corpus_source import CorpusSource
+
+            self.corpus = CorpusSource(cfg.model, cfg.data.corpus, text_len=cfg.data.text_len, device=acc.device,
+                                       rank=acc.process_index, world=acc.num_processes)
+        # EMA of the trainable weights (fp32, on the device), exported instead of the raw weights.
+        self.ema = None
+        if tr.ema_decay:
+            if acc.distributed_type.value == "FSDP":
+                raise ValueError("train.ema_decay is not supported with FSDP (the weights are sharded); set it to 0")
+            self.ema = {n: p.detach().float().clone() for n, p in self._trainable()}
+
+    def tokens_at(self, step: int) -> int:
+        """Self-attention tokens of one sample at ``step`` (corpus runs cycle through video sizes)."""
+        if self.corpus is None:
+            return self.tokens
+        return tokens_per_sample(self.index["latent_shapes"][self.corpus.size_of_step(step)], self.tc)
+
+    def _trainable(self):
+        return [(n, p) for n, p in self.accelerator.unwrap_model(self.student).named_parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def update_ema(self, step: int) -> None:
+        """ema <- d ema + (1 - d) w, with d warmed up as min(decay, (1 + step) / (10 + step))."""
+        if self.ema is None:
+            return
+        d = min(self.cfg.train.ema_decay, (1 + step) / (10 + step))
+        named = dict(self._trainable())
+        torch._foreach_lerp_(list(self.ema.values()), [named[n].detach().float() for n in self.ema], 1.0 - d)
 
     # -- one micro-batch ------------------------------------------------------------------------------------
     def _forward(self, model, batch, dtype=None):
@@ -179,7 +216,7 @@ class Trainer:
                 out["distill"] = out["gap_features"] + cfg.objective.output_weight * out["gap"]
             else:
                 out["distill"] = out["gap"]
-        if cfg.objective.type in ("flow", "mix"):
+        if cfg.objective.type in ("flow", "mix") or (not grad and self.corpus is not None):
             target = batch["noise"] - batch["x0"]
             out["flow"] = (s_out.float() - target.float()).pow(2).mean()
         if cfg.objective.type == "distill":
@@ -198,6 +235,10 @@ class Trainer:
         if self.dataset is not None:
             pos = (step * cfg.train.gradient_accumulation_steps + micro) * b * acc.num_processes + acc.process_index * b
             indices = sample_indices(len(self.dataset), cfg.seed, pos, b)
+        if self.corpus is not None:
+            pos = (step * cfg.train.gradient_accumulation_steps + micro) * b
+            data = self.corpus.batch(step, micro, b, g, pos)
+            return self._noise(data, g)
         batch = self._to_device(self.batcher.make(g, b, indices))
         if self.needs_teacher and cfg.objective.type == "distill" and cfg.objective.latents == "teacher":
             with acc.autocast():
@@ -205,11 +246,25 @@ class Trainer:
                                               batch["embeds"], cfg.objective.teacher_steps, cfg.timesteps.shift)
         return batch
 
+    def _noise(self, data: dict[str, torch.Tensor], g: torch.Generator) -> dict[str, torch.Tensor]:
+        """Add the noise and sigma draws (from ``g``, on the CPU) to a corpus micro-batch."""
+        t = self.cfg.timesteps
+        x0 = data["x0"]
+        n = x0.shape[0]
+        noise = torch.randn(x0.shape, generator=g).to(x0.device)
+        sigma = sample_sigmas(n, g, t.sampling, t.shift, t.min_sigma, t.max_sigma).to(x0.device)
+        return {"x0": x0, "noise": noise, "sigma": sigma, "embeds": data["embeds"]}
+
     # -- held-out gap ---------------------------------------------------------------------------------------
     def held_out(self) -> list[dict[str, torch.Tensor]]:
         """The fixed held-out micro-batches (own seed: never a training batch)."""
         cfg = self.cfg
         n = cfg.data.held_out
+        if not hasattr(self, "_held_out") and self.corpus is not None:
+            g = _generator(cfg.data.held_out_seed, 0)
+            b = cfg.data.batch_size
+            full = self._noise(self.corpus.held_out(n), g)
+            self._held_out = [{k: v[i:i + b] for k, v in full.items()} for i in range(0, n, b)]
         if not hasattr(self, "_held_out"):
             g = _generator(cfg.data.held_out_seed, 0)
             indices = None
@@ -226,13 +281,18 @@ class Trainer:
         """Held-out student-teacher gap: normalized MSE of the output and mean over blocks' hidden states."""
         if not self.cfg.data.held_out:
             return None
-        gaps, feats = [], []
+        gaps, feats, flows = [], [], []
         for batch in self.held_out():
             o = self.losses(batch, grad=False)
             gaps.append(o["gap"].item() * len(batch["sigma"]))
             feats.append(o["gap_features"].item() * len(batch["sigma"]))
+            if "flow" in o:
+                flows.append(o["flow"].item() * len(batch["sigma"]))
         n = self.cfg.data.held_out
-        return {"output": sum(gaps) / n, "features": sum(feats) / n}
+        out = {"output": sum(gaps) / n, "features": sum(feats) / n}
+        if flows:
+            out["flow"] = sum(flows) / n
+        return out
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
@@ -253,9 +313,13 @@ class Trainer:
             from safetensors.torch import save_file
 
             dt = DTYPES[self.cfg.checkpoint.save_dtype]
+            if self.ema is not None:  # export the EMA weights; keep the exact fp32 EMA for a resume
+                save_file({k: v.cpu().contiguous() for k, v in self.ema.items()}, str(tmp / "ema.safetensors"))
+                state_dict = {**state_dict, **self.ema}
             sd = {k: v.detach().to("cpu", dt if v.is_floating_point() else v.dtype).contiguous()
                   for k, v in state_dict.items()}
-            save_file(sd, str(tmp / "transformer.safetensors"), metadata={"format": "pt", "attnqat": "qat"})
+            save_file(sd, str(tmp / "transformer.safetensors"),
+                      metadata={"format": "pt", "attnqat": "qat", "weights": "ema" if self.ema is not None else "raw"})
             save_config(self.cfg, tmp / "config.yaml")
             import json
             (tmp / "trainer_state.json").write_text(json.dumps(self.state.state_dict()))
@@ -279,6 +343,17 @@ class Trainer:
         if not (path / "state").is_dir():
             raise FileNotFoundError(f"--resume {str(path)!r} is not a training checkpoint (no state/ folder)")
         self.accelerator.load_state(str(path / "state"))
+        if self.ema is not None:
+            from safetensors.torch import load_file
+
+            f = path / "ema.safetensors"
+            if not f.is_file():
+                raise FileNotFoundError(f"--resume {str(path)!r} has no ema.safetensors, but train.ema_decay is set")
+            saved = load_file(str(f), device=str(self.accelerator.device))
+            if set(saved) != set(self.ema):
+                raise ValueError(f"--resume {str(path)!r}: its EMA weights do not match this model's trainable weights")
+            for k, v in saved.items():
+                self.ema[k].copy_(v)
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -332,7 +407,7 @@ class _Logger:
 
 
 def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None = None,
-          accelerator=None) -> TrainResult:
+          time_limit: float | None = None, accelerator=None) -> TrainResult:
     """Run (or continue) training as ``cfg`` says.
 
     Arguments:
@@ -340,6 +415,8 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
             ``cfg.output_dir`` (starts fresh if there is none).
         stop_after: stop after this optimizer step, as if interrupted (no final checkpoint unless it is
             a checkpoint step). For tests and time-limited jobs.
+        time_limit: seconds; once a step ends past them, save a checkpoint and stop (resume later with
+            ``resume="auto"``). For jobs that must fit a time slot.
     Return:
         a :class:`TrainResult` with this call's losses and the held-out gap before and after.
     """
@@ -360,12 +437,13 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
     acc.print(f"attnqat train: {cfg.model}, {acc.num_processes} process(es) on {acc.device.type} "
               f"({acc.distributed_type.value}), objective {cfg.objective.type}"
               f"{'/' + cfg.objective.target if trainer.needs_teacher else ''}, student {cfg.attention.mode}, "
-              f"{trainer.tokens} tokens/sample, steps {start}..{tr.max_steps}")
+              f"{trainer.tokens_at(start)} tokens/sample, steps {start}..{tr.max_steps}")
     logger = _Logger(cfg, acc, start)
     gap_before = trainer.evaluate()
     if gap_before and acc.is_main_process:
         acc.print(f"held-out student-teacher gap at step {start}: output {gap_before['output']:.6f}, "
-                  f"features {gap_before['features']:.6f}")
+                  f"features {gap_before['features']:.6f}"
+                  + (f"; held-out flow loss {gap_before['flow']:.6f}" if "flow" in gap_before else ""))
     accum = tr.gradient_accumulation_steps
     losses: list[float] = []
     final = None
@@ -374,6 +452,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
     bar = tqdm(total=tr.max_steps, initial=start, disable=not (acc.is_main_process and cfg.log.progress),
                desc="attnqat train", dynamic_ncols=True)
     max_norm = tr.grad_clip if tr.grad_clip > 0 else float("inf")
+    t_start = time.perf_counter()
     for step in range(start, end):
         t0 = time.perf_counter()
         trainer.student.train()
@@ -392,6 +471,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
         trainer.optimizer.step()
         trainer.scheduler.step()
         trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.update_ema(step)
         trainer.state.step = step + 1
         trainer.state.position = (step + 1) * accum * cfg.data.batch_size * acc.num_processes
         reduced = {k: acc.reduce(v.reshape(1).to(acc.device), "mean").item() for k, v in sums.items()}
@@ -402,27 +482,34 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
         row = {"step": step + 1, "loss": reduced["loss"], "loss_distill": reduced.get("distill", ""),
                "loss_flow": reduced.get("flow", ""), "gap": reduced.get("gap", ""),
                "grad_norm": float(grad_norm) if grad_norm is not None else "", "lr": lr,
-               "tokens_per_s": trainer.tokens * cfg.data.batch_size * accum * acc.num_processes / dt, "step_s": dt}
+               "tokens_per_s": trainer.tokens_at(step) * cfg.data.batch_size * accum * acc.num_processes / dt, "step_s": dt}
         if cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0 and step + 1 < tr.max_steps:
             ev = trainer.evaluate()
             if ev:
                 row["eval_gap_output"], row["eval_gap_features"] = ev["output"], ev["features"]
+                row["eval_flow"] = ev.get("flow", "")
         last = step + 1 == tr.max_steps
         if last:
             gap_after = trainer.evaluate()
         if last and gap_after:
             row["eval_gap_output"], row["eval_gap_features"] = gap_after["output"], gap_after["features"]
+            row["eval_flow"] = gap_after.get("flow", "")
         if (step + 1) % cfg.log.every == 0 or last or "eval_gap_output" in row:
             logger.log(row)
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.4g}", lr=f"{lr:.2e}", gn=f"{row['grad_norm']:.3g}",
                         tok_s=f"{row['tokens_per_s']:.3g}")
-        if (step + 1) % cfg.checkpoint.every == 0 or last:
+        out_of_time = time_limit is not None and time.perf_counter() - t_start > time_limit
+        if (step + 1) % cfg.checkpoint.every == 0 or last or out_of_time:
             trainer.save(trainer.checkpoint_dir(step + 1))
             trainer.prune()
         if last:
             final = Path(cfg.output_dir) / "final"
             trainer.save(final, with_state=False)
+        if out_of_time and not last:
+            acc.print(f"attnqat train: time limit of {time_limit:.0f} s reached after step {step + 1}; "
+                      f"checkpoint saved (continue with --resume auto)")
+            break
     bar.close()
     logger.close()
     if gap_after is None and trainer.state.step > start:
@@ -430,7 +517,9 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
     if gap_after and gap_before and acc.is_main_process:
         acc.print(f"held-out student-teacher gap at step {trainer.state.step}: output {gap_after['output']:.6f} "
                   f"(from {gap_before['output']:.6f}), features {gap_after['features']:.6f} "
-                  f"(from {gap_before['features']:.6f})")
+                  f"(from {gap_before['features']:.6f})"
+                  + (f"; held-out flow loss {gap_after['flow']:.6f} (from {gap_before['flow']:.6f})"
+                     if "flow" in gap_after and "flow" in gap_before else ""))
     if final is not None:
         acc.print(f"final checkpoint: {final}  (attnqat generate --qat-checkpoint {final} --model {cfg.model} "
                   f"--mode {cfg.attention.mode})")

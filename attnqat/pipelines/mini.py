@@ -1,0 +1,177 @@
+"""The ``mini`` model: a small Wan 2.1-architecture text-to-video model trained by this project.
+
+It is trained from scratch on the procedural captioned-video corpus (:mod:`attnqat.corpus`: coloured
+shapes moving over simple backgrounds, with English captions) and ships inside the package as an
+ordinary diffusers-format folder, so it loads through the same ``WanPipeline.from_pretrained(folder)``
+path as real Wan weights. Every component is Wan 2.1's class, only smaller:
+
+- tokenizer: the byte-level ``PreTrainedTokenizerFast`` of the ``tiny`` model (one token per byte);
+- text encoder: ``UMT5EncoderModel`` (2 layers, d_model 128), **frozen at its seeded random
+  initialisation**: the corpus's captions use a few dozen words, a random byte-level encoder keeps
+  every caption distinct, and the transformer's cross-attention learns to read it. Training it too
+  would add a second optimiser path to the loop for no measured gain, and keeps the text side out of
+  every FP4-versus-bf16 comparison (only the transformer's attention changes between modes);
+- VAE: ``AutoencoderKLWan`` (base_dim 24, z_dim 16, Wan's 4x temporal / 8x spatial compression),
+  trained for reconstruction on the corpus (:mod:`attnqat.train.mini`);
+- transformer: ``WanTransformer3DModel``, 8 blocks of 4 heads x head_dim 64 (9.1M parameters), trained
+  with ``attnqat train`` (flow matching on the corpus, bf16 attention, EMA weights);
+- scheduler: ``UniPCMultistepScheduler`` in flow-prediction mode, as Wan 2.1 ships it.
+
+``python -m attnqat.train.mini`` reproduces the whole model from scratch (docs/mini.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+#: Where the shipped weights live (package data).
+MINI_DIR = Path(__file__).resolve().parent.parent / "models" / "mini"
+
+MINI_TEXT_DIM = 128
+MINI_TEXT_ENCODER_CONFIG = dict(d_model=MINI_TEXT_DIM, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
+                                relative_attention_num_buckets=16, relative_attention_max_distance=64,
+                                feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+                                decoder_start_token_id=0)
+MINI_VAE_CONFIG = dict(base_dim=24, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                       temperal_downsample=[False, True, True])
+MINI_TRANSFORMER_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=4,
+    attention_head_dim=64,     # the FP4 kernels' head_dim (64 or 128), as Wan 1.3B/14B have 128
+    in_channels=16,            # = the VAE's z_dim
+    out_channels=16,
+    text_dim=MINI_TEXT_DIM,    # = the text encoder's d_model
+    freq_dim=256,
+    ffn_dim=1024,
+    num_layers=8,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+MINI_FLOW_SHIFT = 3.0
+
+# Seeds of the random initialisations (the text encoder keeps its initialisation for good).
+_SEED_TEXT_ENCODER, _SEED_VAE, _SEED_TRANSFORMER = 10, 11, 12
+
+#: Size limits of the shipped folder: the repository stays light.
+MAX_FILE_BYTES = 15 * 2 ** 20
+MAX_FOLDER_BYTES = 24 * 10 ** 6
+
+
+def is_mini(model: str) -> bool:
+    return model.strip().lower() == "mini"
+
+
+def mini_folder() -> Path:
+    """The shipped ``mini`` folder; :class:`FileNotFoundError` with the way to build it when absent."""
+    if not (MINI_DIR / "model_index.json").is_file():
+        raise FileNotFoundError(f"the mini model's weights are not in this installation ({MINI_DIR} has no "
+                                f"model_index.json); rebuild them with `python -m attnqat.train.mini` "
+                                f"(docs/mini.md) or use --model tiny")
+    return MINI_DIR
+
+
+def build_mini_text_encoder():
+    """The frozen text encoder: a ``UMT5EncoderModel`` at its seeded random initialisation."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from .tiny import build_tiny_tokenizer
+
+    config = UMT5Config(vocab_size=len(build_tiny_tokenizer()), **MINI_TEXT_ENCODER_CONFIG)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED_TEXT_ENCODER)
+        return UMT5EncoderModel(config).eval()
+
+
+def build_mini_vae():
+    """An untrained ``AutoencoderKLWan`` of the mini size (seeded)."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED_VAE)
+        return AutoencoderKLWan(**MINI_VAE_CONFIG)
+
+
+def build_mini_transformer(seed: int = _SEED_TRANSFORMER):
+    """An untrained ``WanTransformer3DModel`` of the mini size (seeded)."""
+    from diffusers import WanTransformer3DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return WanTransformer3DModel(**MINI_TRANSFORMER_CONFIG)
+
+
+def build_mini_pipeline(transformer=None, vae=None):
+    """A ``WanPipeline`` of mini components (untrained ones where none are given)."""
+    from diffusers import WanPipeline
+
+    from .tiny import build_tiny_scheduler, build_tiny_tokenizer
+
+    return WanPipeline(tokenizer=build_tiny_tokenizer(), text_encoder=build_mini_text_encoder(),
+                       vae=vae if vae is not None else build_mini_vae(),
+                       scheduler=build_tiny_scheduler(MINI_FLOW_SHIFT),
+                       transformer=transformer if transformer is not None else build_mini_transformer())
+
+
+def save_pipeline_folder(pipe, folder: str | os.PathLike, *, transformer_dtype=torch.bfloat16,
+                         vae_dtype=torch.float16, text_encoder_dtype=torch.bfloat16, check_size: bool = True) -> Path:
+    """Write ``pipe`` as a diffusers-format folder, atomically (a temporary folder, then one rename).
+
+    Weights are stored small: the transformer and text encoder in bf16, the VAE in fp16 (it runs in
+    fp32; loading upcasts). Safetensors files are sharded to at most 15 MiB. An existing ``folder`` is
+    replaced only after the new one is complete, and only if it is itself a diffusers folder
+    (``model_index.json``), never an unrelated directory. ``check_size`` enforces the shipped limits.
+    """
+    folder = Path(folder)
+    if folder.exists() and not (folder / "model_index.json").is_file():
+        raise FileExistsError(f"{folder} exists and is not a diffusers model folder; refusing to replace it")
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    casts = {"transformer": transformer_dtype, "vae": vae_dtype, "text_encoder": text_encoder_dtype}
+    originals = {name: next(getattr(pipe, name).parameters()).dtype for name in casts}
+    try:
+        for name, dtype in casts.items():
+            torch.nn.Module.to(getattr(pipe, name), dtype)
+        pipe.save_pretrained(str(tmp), safe_serialization=True, max_shard_size="14MB")
+    finally:
+        for name, dtype in originals.items():
+            torch.nn.Module.to(getattr(pipe, name), dtype)
+    if check_size:
+        check_folder_size(tmp)
+    if folder.exists():
+        old = folder.with_name(folder.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, folder)
+    return folder
+
+
+def check_folder_size(folder: str | os.PathLike) -> int:
+    """Total bytes of ``folder``; ValueError when a file or the total is over the shipped limits."""
+    total = 0
+    for p in Path(folder).rglob("*"):
+        if p.is_file():
+            size = p.stat().st_size
+            if size > MAX_FILE_BYTES:
+                raise ValueError(f"{p} is {size / 2 ** 20:.1f} MiB, over the {MAX_FILE_BYTES / 2 ** 20:.0f} MiB "
+                                 f"limit of a shipped file")
+            total += size
+    if total > MAX_FOLDER_BYTES:
+        raise ValueError(f"{folder} holds {total / 1e6:.1f} MB, over the {MAX_FOLDER_BYTES / 1e6:.0f} MB limit")
+    return total
+
+
+def read_model_card(folder: str | os.PathLike) -> dict:
+    """The training facts written beside the weights (``attnqat_mini.json``), or {} if none."""
+    p = Path(folder) / "attnqat_mini.json"
+    return json.loads(p.read_text()) if p.is_file() else {}

@@ -1,0 +1,179 @@
+"""Training data drawn from the procedural corpus (:mod:`attnqat.corpus`), encoded on the fly.
+
+Clips are rendered on the training device, encoded by the model's own (frozen) VAE and text encoder
+exactly as ``WanPipeline`` encodes a prompt and decodes latents, so what the transformer learns is what
+the pipeline later asks of it:
+
+    x0     = (vae.encode(video).mode() - latents_mean) / latents_std       (WanPipeline inverts this)
+    embeds = text_encoder(tokens)[:len], zero-padded to text_len            (WanPipeline._get_t5_prompt_embeds)
+
+Encoding a 33-frame clip costs about as much as a training step of the small transformer, so clips sit
+in a **pool** per video size that is partly refreshed every step (``pool`` clips, ``refresh`` new ones
+a step): each clip is seen about ``batch_size * pool / (refresh * pool)`` times on average instead of
+once. What a pool holds is a function of (seed, step) alone, so a resumed run rebuilds the very pool
+the uninterrupted run had, and batches stay identical. ``pool: 0`` encodes every sample fresh.
+
+Video sizes: ``sizes`` lists (frames, height, width); the step's size cycles through a pattern built
+from the integer ``size_weights`` (weights [2, 1] give sizes 0, 0, 1, 0, 0, 1, ...).
+"""
+from __future__ import annotations
+
+import torch
+
+from attnqat.train.config import CorpusConfig
+
+TIME_STRIDE, SPACE_STRIDE = 4, 8  # Wan's VAE: frames = 4k + 1 -> k + 1 latent frames; 8x8 pixels a latent
+
+
+def latent_shape(size, z_dim: int = 16) -> list[int]:
+    """(C, F, H, W) of the latents of a (frames, height, width) video."""
+    f, h, w = size
+    return [z_dim, (f - 1) // TIME_STRIDE + 1, h // SPACE_STRIDE, w // SPACE_STRIDE]
+
+
+def size_pattern(cfg: CorpusConfig) -> list[int]:
+    weights = cfg.size_weights or [1] * len(cfg.sizes)
+    return [i for i, w in enumerate(weights) for _ in range(int(w))]
+
+
+def uses_before(pattern: list[int], size: int, step: int) -> int:
+    """How many steps before ``step`` used video size ``size``."""
+    full, part = divmod(step, len(pattern))
+    return full * pattern.count(size) + pattern[:part].count(size)
+
+
+def pool_clips(pool: int, refresh: int, use: int) -> list[int]:
+    """Clip numbers held by each pool slot after the ``use``-th refresh (0-based) of that pool.
+
+    The pool starts with clips 0..pool-1; refresh number t (t = 0, 1, ...) puts clip ``pool + t`` into
+    slot ``t % pool``, ``refresh`` of them per use.
+    """
+    done = (use + 1) * refresh
+    out = []
+    for j in range(pool):
+        out.append(pool + j + pool * ((done - 1 - j) // pool) if done - 1 >= j else j)
+    return out
+
+
+class CorpusSource:
+    """Micro-batches of (latents, prompt embeddings) from :class:`attnqat.corpus.Corpus`.
+
+    Arguments:
+        model: the diffusers folder (or ``mini``) whose ``vae``, ``text_encoder`` and ``tokenizer`` encode.
+        cfg: the ``data.corpus`` section.
+        text_len: prompt embeddings are zero-padded to this many tokens (WanPipeline: 512).
+        device: where clips are rendered and encoded.
+        rank, world: this process among ``world``; processes draw disjoint clips.
+    """
+
+    def __init__(self, model: str, cfg: CorpusConfig, *, text_len: int, device, rank: int = 0, world: int = 1):
+        from diffusers import AutoencoderKLWan
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        from attnqat.corpus import Corpus
+        from attnqat.pipelines.loading import resolve_model
+
+        folder = resolve_model(model)
+        self.cfg, self.text_len, self.device, self.rank, self.world = cfg, text_len, torch.device(device), rank, world
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, subfolder="tokenizer")
+        self.text_encoder = UMT5EncoderModel.from_pretrained(folder, subfolder="text_encoder",
+                                                             dtype=torch.float32).to(self.device).eval()
+        self.vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32).to(self.device).eval()
+        self.text_encoder.requires_grad_(False)
+        self.vae.requires_grad_(False)
+        z = self.vae.config.z_dim
+        self.mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, z, 1, 1, 1)
+        self.std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z, 1, 1, 1)
+        self.corpora = {split: Corpus(cfg.seed, split) for split in ("train", "held_out")}
+        self.pattern = size_pattern(cfg)
+        self._empty = None
+        self._pools: dict[int, dict] = {}  # size -> {"use": int, "clips": list, "x0": T, "embeds": T}
+
+    # -- encoding -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def embed(self, captions: list[str]) -> torch.Tensor:
+        """(n, text_len, d_model) float32 prompt embeddings, as ``WanPipeline`` computes them."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        tokens = self.tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=self.text_len,
+                                truncation=True, add_special_tokens=True, return_attention_mask=True,
+                                return_tensors="pt")
+        ids, mask = tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)
+        out = self.text_encoder(ids, mask).last_hidden_state.float()
+        return out * mask.unsqueeze(-1).to(out.dtype)  # zero past each prompt's length, as the pipeline pads
+
+    @torch.no_grad()
+    def encode_video(self, video: torch.Tensor) -> torch.Tensor:
+        """Normalised latents (n, C, F', H', W') of videos (n, 3, F, H, W) in [-1, 1]."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            z = self.vae.encode(video.float()).latent_dist.mode()
+        return (z.float() - self.mean) / self.std
+
+    def clip_number(self, size: int, clip: int) -> int:
+        """The corpus index of pool clip ``clip`` of video size ``size`` on this process (disjoint for all)."""
+        return (clip * len(self.cfg.sizes) + size) * self.world + self.rank
+
+    @torch.no_grad()
+    def encode_clips(self, split: str, indices: list[int], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        corpus = self.corpora[split]
+        frames, height, width = self.cfg.sizes[size]
+        x0, embeds = [], []
+        chunk = max(1, self.cfg.encode_batch)
+        for i in range(0, len(indices), chunk):
+            part = indices[i:i + chunk]
+            specs = [corpus.spec(j) for j in part]
+            video = corpus.render(specs, frames=frames, height=height, width=width, device=self.device)
+            x0.append(self.encode_video(video))
+            embeds.append(self.embed([corpus.caption_of(j) for j in part]))
+        return torch.cat(x0), torch.cat(embeds)
+
+    # -- batches ---------------------------------------------------------------------------------------------
+    def size_of_step(self, step: int) -> int:
+        return self.pattern[step % len(self.pattern)]
+
+    def _pool(self, size: int, step: int) -> dict:
+        cfg = self.cfg
+        use = uses_before(self.pattern, size, step)
+        want = pool_clips(cfg.pool, cfg.refresh, use)
+        pool = self._pools.get(size)
+        if pool is not None and pool["use"] == use:
+            return pool
+        if pool is not None and pool["use"] == use - 1:  # the usual case: refresh a few slots
+            changed = [j for j in range(cfg.pool) if pool["clips"][j] != want[j]]
+        else:  # first use, or a resumed run: rebuild the whole pool
+            pool = {"x0": None, "embeds": None}
+            changed = list(range(cfg.pool))
+        x0, embeds = self.encode_clips("train", [self.clip_number(size, want[j]) for j in changed], size)
+        if pool["x0"] is None:
+            pool["x0"], pool["embeds"] = x0, embeds
+        else:
+            idx = torch.tensor(changed, device=self.device)
+            pool["x0"][idx], pool["embeds"][idx] = x0, embeds
+        pool["use"], pool["clips"] = use, want
+        self._pools[size] = pool
+        return pool
+
+    def batch(self, step: int, micro: int, n: int, g: torch.Generator, position: int) -> dict[str, torch.Tensor]:
+        """``x0`` and ``embeds`` of one micro-batch of ``n`` samples (``position``: global sample number,
+        used when there is no pool); caption dropout replaces a prompt by the empty one (for guidance)."""
+        size = self.size_of_step(step)
+        if self.cfg.pool:
+            pool = self._pool(size, step)
+            pick = torch.randint(self.cfg.pool, (n,), generator=g).to(self.device)
+            x0, embeds = pool["x0"][pick], pool["embeds"][pick].clone()
+        else:
+            x0, embeds = self.encode_clips("train", [self.clip_number(size, position + k) for k in range(n)], size)
+        drop = torch.rand(n, generator=g) < self.cfg.caption_dropout
+        if drop.any():
+            embeds[drop.to(self.device)] = self.empty_embedding().to(embeds.dtype)
+        return {"x0": x0, "embeds": embeds}
+
+    def empty_embedding(self) -> torch.Tensor:
+        if self._empty is None:
+            self._empty = self.embed([""])[0]
+        return self._empty
+
+    def held_out(self, n: int) -> dict[str, torch.Tensor]:
+        """The first ``n`` clips of the held-out split at the first video size (never trained on)."""
+        x0, embeds = self.encode_clips("held_out", list(range(n)), 0)
+        return {"x0": x0, "embeds": embeds}

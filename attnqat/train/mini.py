@@ -1,0 +1,263 @@
+"""Train the ``mini`` text-to-video model from scratch (the model :mod:`attnqat.pipelines.mini` ships).
+
+    python -m attnqat.train.mini --out runs/mini                      # every stage, on the GPU
+    python -m attnqat.train.mini --out runs/mini --stage transformer  # continue one stage (resumable)
+
+Stages, each skipped when its output exists (so a killed or time-limited run just continues):
+
+1. ``init``: write ``OUT/model``, a diffusers folder of untrained mini components (the frozen, seeded
+   text encoder; an untrained VAE and transformer).
+2. ``vae``: train the ``AutoencoderKLWan`` for reconstruction on corpus clips for ``--vae-minutes``
+   (L1 + a small KL term), then measure the latents' per-channel mean and std on fresh clips and store
+   them in its config (``latents_mean`` / ``latents_std``, which ``WanPipeline`` uses to decode).
+3. ``transformer``: ``attnqat train`` with ``configs/mini.yaml`` (flow matching on the corpus,
+   encoded on the fly by the stage-2 VAE; bf16 attention; EMA weights) for ``--minutes`` of this call;
+   rerun to continue from its last checkpoint.
+4. ``export``: the EMA weights of the last checkpoint into ``OUT/mini``, the folder that ships
+   (bf16 transformer, fp16 VAE; <= 24 MB, no file over 15 MiB), with ``attnqat_mini.json`` (what was
+   trained, for how long, on what). ``--ship`` then copies it to ``attnqat/models/mini``.
+
+Wall-clock time of each stage is appended to ``OUT/timings.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+STAGES = ("init", "vae", "transformer", "export")
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "mini.yaml"
+
+
+def _record(out: Path, stage: str, seconds: float, **facts) -> None:
+    path = out / "timings.json"
+    rows = json.loads(path.read_text()) if path.is_file() else []
+    rows.append({"stage": stage, "seconds": round(seconds, 1), "device": _device_name(), **facts})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rows, indent=1))
+    os.replace(tmp, path)
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage 2: the VAE
+
+
+def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, size=(17, 128, 128), lr: float = 5e-4,
+              kl_weight: float = 1e-4, seed: int = 0, device="cuda", log=print) -> dict:
+    """Train ``vae`` for reconstruction on corpus clips until ``seconds`` pass (or ``steps`` are done).
+
+    The learning rate follows a cosine over the time budget (to 10%). Returns the last losses.
+    """
+    from attnqat.corpus import Corpus
+
+    corpus = Corpus(seed, "train")
+    vae.to(device).train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    frames, height, width = size
+    t0, step, l1 = time.perf_counter(), 0, float("nan")
+    use_amp = torch.device(device).type == "cuda"
+    while True:
+        frac = (time.perf_counter() - t0) / seconds
+        if frac >= 1 or (steps is not None and step >= steps):
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        specs = [corpus.spec(step * batch + i) for i in range(batch)]
+        video = corpus.render(specs, frames=frames, height=height, width=width, device=device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=use_amp):
+            posterior = vae.encode(video).latent_dist
+            recon = vae.decode(posterior.sample()).sample
+        rec = (recon.float() - video).abs().mean()
+        mu, logvar = posterior.mean.float(), posterior.logvar.float()
+        kl = 0.5 * (mu.pow(2) + logvar.exp() - 1 - logvar).mean()  # per latent element
+        loss = rec + kl_weight * kl
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"VAE training diverged at step {step} (loss {loss.item()})")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        step += 1
+        l1 = rec.item() if step % 50 == 0 or step < 3 else l1
+        if step % 200 == 0:
+            log(f"vae step {step}: L1 {l1:.4f} ({time.perf_counter() - t0:.0f} s)")
+    vae.eval()
+    return {"steps": step, "l1": l1}
+
+
+@torch.no_grad()
+def latent_statistics(vae, *, clips: int = 64, size=(33, 128, 128), seed: int = 0, device="cuda"):
+    """Per-channel mean and std of ``vae``'s latents (posterior means) over ``clips`` corpus clips."""
+    from attnqat.corpus import Corpus
+
+    corpus = Corpus(seed, "train")
+    frames, height, width = size
+    zs = []
+    for i in range(0, clips, 8):
+        specs = [corpus.spec(10 ** 7 + j) for j in range(i, min(clips, i + 8))]  # clips past any VAE step's
+        video = corpus.render(specs, frames=frames, height=height, width=width, device=device)
+        zs.append(vae.encode(video).latent_dist.mode().float().transpose(0, 1).flatten(1))
+    z = torch.cat(zs, 1)
+    return z.mean(1).tolist(), z.std(1).tolist()
+
+
+@torch.no_grad()
+def reconstruction_psnr(vae, *, clips: int = 16, size=(33, 256, 256), seed: int = 0, device="cuda") -> float:
+    """Mean PSNR (dB, RGB in [-1, 1] as 0..255) of VAE round trips of held-out corpus clips."""
+    from attnqat.corpus import Corpus
+
+    corpus = Corpus(seed, "held_out")
+    frames, height, width = size
+    out = []
+    for i in range(0, clips, 4):
+        specs = [corpus.spec(j) for j in range(i, min(clips, i + 4))]
+        video = corpus.render(specs, frames=frames, height=height, width=width, device=device)
+        recon = vae.decode(vae.encode(video).latent_dist.mode()).sample.float()
+        mse = ((recon - video) / 2).pow(2).flatten(1).mean(1)
+        out += (10 * torch.log10(1 / mse.clamp_min(1e-10))).tolist()
+    return sum(out) / len(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stages
+
+
+def stage_init(out: Path) -> None:
+    from attnqat.pipelines.mini import build_mini_pipeline, save_pipeline_folder
+
+    save_pipeline_folder(build_mini_pipeline(), out / "model", vae_dtype=torch.float32, check_size=False)
+
+
+def stage_vae(out: Path, args) -> None:
+    from diffusers import AutoencoderKLWan
+
+    folder = out / "model" / "vae"
+    if json.loads((folder / "config.json").read_text()).get("attnqat_trained"):
+        print("vae: already trained, skipped")
+        return
+    vae = AutoencoderKLWan.from_pretrained(folder, torch_dtype=torch.float32)
+    t0 = time.perf_counter()
+    facts = train_vae(vae, seconds=args.vae_minutes * 60, steps=args.vae_steps, batch=args.vae_batch,
+                      device=args.device)
+    mean, std = latent_statistics(vae, device=args.device)
+    psnr = reconstruction_psnr(vae, device=args.device, clips=args.eval_clips,
+                               size=(33, 256, 256) if args.device != "cpu" else (9, 64, 64))
+    vae.register_to_config(latents_mean=mean, latents_std=std, attnqat_trained=True)
+    tmp = folder.with_name("vae.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    vae.to("cpu").save_pretrained(tmp)
+    old = folder.with_name("vae.old")
+    os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old)
+    print(f"vae: {facts['steps']} steps, L1 {facts['l1']:.4f}, held-out reconstruction PSNR {psnr:.2f} dB")
+    _record(out, "vae", time.perf_counter() - t0, steps=facts["steps"], l1=facts["l1"], psnr_db=round(psnr, 2))
+
+
+def transformer_config(out: Path, overrides: list[str]):
+    from .config import load_config
+
+    return load_config(CONFIG, [f"model={out / 'model'}", f"output_dir={out / 'run'}", *overrides])
+
+
+def stage_transformer(out: Path, args) -> None:
+    from .loop import latest_checkpoint, train
+
+    cfg = transformer_config(out, args.set)
+    t0 = time.perf_counter()
+    resume = "auto" if latest_checkpoint(cfg.output_dir) is not None else None
+    result = train(cfg, resume=resume, time_limit=args.minutes * 60)
+    _record(out, "transformer", time.perf_counter() - t0, steps=result.steps,
+            last_loss=result.losses[-1] if result.losses else None,
+            held_out=result.gap_after)
+
+
+def stage_export(out: Path, args) -> Path:
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    from attnqat.pipelines.loading import load_qat_checkpoint
+    from attnqat.pipelines.mini import check_folder_size, save_pipeline_folder
+
+    from .loop import latest_checkpoint
+
+    ckpt = latest_checkpoint(out / "run")
+    if ckpt is None:
+        raise FileNotFoundError(f"no transformer checkpoint in {out / 'run'}; run the transformer stage first")
+    vae = AutoencoderKLWan.from_pretrained(out / "model", subfolder="vae", torch_dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(out / "model", vae=vae, torch_dtype=torch.float32)
+    load_qat_checkpoint(pipe.transformer, ckpt / "transformer.safetensors")
+    target = save_pipeline_folder(pipe, out / "mini")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    timings = json.loads((out / "timings.json").read_text()) if (out / "timings.json").is_file() else []
+    card = {"model": "attnqat mini (Wan 2.1 architecture)", "transformer_steps": state["step"],
+            "checkpoint": ckpt.name, "config": transformer_config(out, args.set).to_dict(),
+            "gpu_seconds": {s: sum(r["seconds"] for r in timings if r["stage"] == s) for s in ("vae", "transformer")},
+            "device": sorted({r["device"] for r in timings}), "timings": timings}
+    (target / "attnqat_mini.json").write_text(json.dumps(card, indent=1))
+    size = check_folder_size(target)
+    print(f"export: {target} ({size / 1e6:.1f} MB) from {ckpt} (step {state['step']})")
+    if args.ship:
+        from attnqat.pipelines.mini import MINI_DIR
+
+        if MINI_DIR.exists() and not (MINI_DIR / "model_index.json").is_file():
+            raise FileExistsError(f"{MINI_DIR} exists and is not a model folder; not replacing it")
+        tmp = MINI_DIR.with_name("mini.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        shutil.copytree(target, tmp)
+        if MINI_DIR.exists():
+            shutil.rmtree(MINI_DIR)
+        os.replace(tmp, MINI_DIR)
+        print(f"shipped to {MINI_DIR}")
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m attnqat.train.mini", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="working folder (model/, run/, mini/, timings.json)")
+    p.add_argument("--stage", choices=("all",) + STAGES, default="all")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--vae-minutes", type=float, default=4.0, help="VAE training time (default 4)")
+    p.add_argument("--vae-steps", type=int, help="stop VAE training after this many steps (tests)")
+    p.add_argument("--vae-batch", type=int, default=8)
+    p.add_argument("--eval-clips", type=int, default=16, help="held-out clips for the VAE's PSNR")
+    p.add_argument("--minutes", type=float, default=9.0, help="transformer training time of this call (default 9)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override configs/mini.yaml (e.g. --set train.max_steps=100)")
+    p.add_argument("--ship", action="store_true", help="export: copy the folder into attnqat/models/mini")
+    args = p.parse_args(argv)
+    for name in ("vae_minutes", "minutes"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and 0 < v <= 24 * 60):
+            p.error(f"--{name.replace('_', '-')} must be in (0, 1440], got {v}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {out} is a file")
+    out.mkdir(parents=True, exist_ok=True)
+    stages = STAGES if args.stage == "all" else (args.stage,)
+    if "init" in stages and not (out / "model" / "model_index.json").is_file():
+        stage_init(out)
+    if "vae" in stages:
+        stage_vae(out, args)
+    if "transformer" in stages:
+        stage_transformer(out, args)
+    if "export" in stages:
+        stage_export(out, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
