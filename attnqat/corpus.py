@@ -624,10 +624,12 @@ _SHAPE_SYNONYMS.update({"dot": "circle", "rectangle": "square", "rhomb": "diamon
 _SHAPE_RE = re.compile(r"\b(" + "|".join(sorted(map(re.escape, _SHAPE_SYNONYMS), key=len, reverse=True))
                        + r")(?:e?s)?\b")
 _COLOUR_RE = re.compile(r"\b(" + "|".join(list(COLOURS) + list(_COLOUR_SYNONYMS)) + r")\b")
-_UP_RE = re.compile(r"\b(up|upward|upwards|upper|top|rises|rising|rise|ascends|ascending|climbs|climbing|higher)\b")
+_UP_RE = re.compile(r"\b(up|upward|upwards|upper|top|rises|rising|rise|ascends|ascending|climbs|climbing|higher"
+                    r"|north\w*)\b")
 _DOWN_RE = re.compile(r"\b(down|downward|downwards|lower|bottom|sinks|sinking|sink|falls|falling|fall|drops|dropping"
-                      r"|descends|descending)\b")
-_LEFT_RE, _RIGHT_RE = re.compile(r"\bleft(ward|wards)?\b"), re.compile(r"\bright(ward|wards)?\b")
+                      r"|descends|descending|south\w*)\b")
+_LEFT_RE = re.compile(r"\b(left(ward|wards)?|(north|south)?west(ward|wards)?)\b")
+_RIGHT_RE = re.compile(r"\b(right(ward|wards)?|(north|south)?east(ward|wards)?)\b")
 _GROW_RE = re.compile(r"\b(grows?|growing|bigger|larger|expands?|expanding|enlarg\w*|swell\w*|scales? up)\b")
 _SHRINK_RE = re.compile(r"\b(shrinks?|shrinking|smaller|contracts?|contracting|dwindl\w*|scales? down)\b")
 _BACKGROUND_RES = (
