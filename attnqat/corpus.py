@@ -12,7 +12,7 @@ clip's attributes::
 Attributes (the four a caption names and :func:`parse_prompt` reads back):
 
 - ``colour``: one of :data:`COLOURS`, eight strongly saturated colours (HSV saturation >= 0.7,
-  value >= 0.72 after shading);
+  value >= 0.61 after shading);
 - ``shape``: one of :data:`SHAPES`;
 - ``motion``: one of :data:`MOTIONS`, eight directions plus ``grow`` / ``shrink``;
 - ``background``: one of :data:`BACKGROUNDS`, built from the low-saturation tones of
@@ -20,7 +20,9 @@ Attributes (the four a caption names and :func:`parse_prompt` reads back):
 
 The saturation gap is deliberate: backgrounds are never saturated and objects always are, so the
 detector of :mod:`attnqat.quality` finds the object from the pixels' chroma alone, whatever the
-background.
+background. Each background tone also differs from the object in luma by at least
+:data:`MIN_OBJECT_CONTRAST`: video codecs keep chroma at half resolution, and an object exactly as
+bright as its background would keep only that blurred outline.
 
 Geometry (resolution-free: a spec renders the same clip at any size):
 
@@ -48,7 +50,7 @@ import torch
 
 __all__ = ["SHAPES", "COLOURS", "MOTIONS", "BACKGROUNDS", "BACKGROUND_TONES", "HELD_OUT_COLOUR_SHAPE",
            "HELD_OUT_SHAPE_MOTION", "HELD_OUT_PAIRS", "ClipSpec", "Corpus", "caption", "parse_prompt",
-           "is_held_out", "make_spec", "render", "MOTION_DIRECTIONS"]
+           "is_held_out", "make_spec", "render", "shape_sdf", "MOTION_DIRECTIONS"]
 
 # ------------------------------------------------------------------------------------------ attributes
 #: Eight shapes: 8 x 8 colours make 64 (colour, shape) pairs, so holding out one pair per colour
@@ -56,7 +58,7 @@ __all__ = ["SHAPES", "COLOURS", "MOTIONS", "BACKGROUNDS", "BACKGROUND_TONES", "H
 SHAPES = ("circle", "square", "triangle", "diamond", "ring", "cross", "star", "heart")
 
 #: Object colours, RGB in [0, 1]. Hues (degrees): red 0, orange 30, yellow 55, green 130, cyan 185,
-#: blue 229, purple 275, pink 327; HSV saturation >= 0.7 and value >= 0.85 (a clip multiplies the
+#: blue 229, purple 275, pink 327; HSV saturation >= 0.7 and value >= 0.72 (a clip multiplies the
 #: colour by a shade in [0.85, 1], which keeps hue and saturation).
 COLOURS = {
     "red": (0.90, 0.10, 0.10),
@@ -115,7 +117,7 @@ HELD_OUT_COLOUR_SHAPE = (
 )
 #: (shape, motion) pairs never in the train split: 4 of the 80; each of these shapes still makes the
 #: other 9 motions and each motion is still made by the other 7 shapes. (square, up) stays in train so
-#: that the README's held-out example differs from training only in its colour.
+#: that the README's held-out example is new only in the pairing of its colour and shape.
 HELD_OUT_SHAPE_MOTION = (("circle", "up-right"), ("triangle", "shrink"), ("diamond", "left"), ("cross", "grow"))
 #: All held-out pairs; names of colours, shapes and motions never collide, so a pair says its own kind.
 HELD_OUT_PAIRS = HELD_OUT_COLOUR_SHAPE + HELD_OUT_SHAPE_MOTION
@@ -212,16 +214,22 @@ def _draw_spec(d: _Draws, colour: str, shape: str, motion: str, background: str)
     # Background tones whose brightness differs from the object's: an object as bright as its
     # background is told apart by chroma alone, which video codecs keep at half resolution.
     object_luma = _luma(COLOURS[colour]) * shade
-    tones = [t for t in BACKGROUND_TONES if abs(_luma(BACKGROUND_TONES[t]) - object_luma) >= MIN_OBJECT_CONTRAST]
-    tone1 = d.choice(tones)
-    contrasting = [t for t in tones if abs(_luma(BACKGROUND_TONES[t]) - _luma(BACKGROUND_TONES[tone1])) >= MIN_TONE_CONTRAST]
-    tone2 = d.choice(contrasting)
+    jitter = (d.uniform(*TONE_JITTER), d.uniform(*TONE_JITTER))
+
+    def tone(name: str, k: int) -> tuple[float, float, float]:
+        return tuple(min(1.0, c * jitter[k]) for c in BACKGROUND_TONES[name])
+
+    def usable(name: str, k: int) -> bool:
+        return abs(_luma(tone(name, k)) - object_luma) >= MIN_OBJECT_CONTRAST
+
+    tone1 = d.choice([t for t in BACKGROUND_TONES if usable(t, 0)])
+    seconds = [t for t in BACKGROUND_TONES if usable(t, 1)]
+    contrast = {t: abs(_luma(tone(t, 1)) - _luma(tone(tone1, 0))) for t in seconds}
+    # rarely (a bright object, a dark first tone) no second tone is that far: take the farthest
+    tone2 = d.choice([t for t in seconds if contrast[t] >= MIN_TONE_CONTRAST] or [max(seconds, key=contrast.get)])
     if background == "plain":
         tone2 = tone1
-    bg_colours = tuple(tuple(min(1.0, c * j) for c in BACKGROUND_TONES[t])
-                       for t, j in ((tone1, d.uniform(*TONE_JITTER)), (tone2, d.uniform(*TONE_JITTER))))
-    if background == "plain":
-        bg_colours = (bg_colours[0], bg_colours[0])
+    bg_colours = (tone(tone1, 0), tone(tone1, 0) if background == "plain" else tone(tone2, 1))
     return ClipSpec(
         colour=colour, shape=shape, motion=motion, background=background,
         centre=(centre[0], centre[1]), size=size, travel=travel, end_scale=end_scale, shade=shade,

@@ -22,6 +22,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def _luma(rgb) -> float:
+    return 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]
+
+
 def _object_mask(video: torch.Tensor) -> torch.Tensor:
     """(..., F, H, W) bool: pixels of a clean clip (..., 3, F, H, W) that are mostly object (chroma)."""
     rgb = (video + 1) / 2
@@ -44,6 +48,10 @@ def test_objects_are_saturated_and_backgrounds_are_not():
         assert s >= 0.6 and v * 0.85 >= 0.55, name  # 0.85: the darkest shade a clip uses
     for name, rgb in BACKGROUND_TONES.items():
         assert colorsys.rgb_to_hsv(*rgb)[1] <= 0.25, name
+    # every background tone differs from the object in luma (codecs blur chroma, not luma)
+    for spec in (Corpus(3).spec(i) for i in range(2000)):
+        obj = _luma([c * spec.shade for c in COLOURS[spec.colour]])
+        assert min(abs(_luma(t) - obj) for t in spec.bg_colours) >= 0.12, spec
     # and in rendered pixels: every background pixel is below every object colour in chroma
     video, _, specs = Corpus(3).batch(0, 24, frames=3, height=64, width=64)
     rgb = (video + 1) / 2
