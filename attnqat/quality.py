@@ -115,15 +115,15 @@ def _unit_area_scale(shape: str) -> float:
 
 
 # The blurs (Gaussian sigma, pixels) the shape match tries: a clean clip matches best at 0-0.6 (its
-# one-pixel edge), the tests' degraded clips (blur 1 + 4:2:0 chroma) at 1-1.5. Wider blurs make a
-# small cross and a diamond indistinguishable, so they are left out.
+# one-pixel edge), the tests' degraded clips (blur 1 + 4:2:0 chroma) at 1-2. Wider blurs are left
+# out: they leave too little of a 12-pixel shape (64x64) to tell one from another.
 _TEMPLATE_BLURS = (0.0, 0.6, 1.0, 1.5, 2.0)
 _MASK_GAIN = 4.0            # the mask rises over a quarter of the object's contrast: 0 below 3/8, 1 above 5/8
 _LEVEL_QUANTILE = 0.9       # the object's contrast: this quantile over frames of each frame's peak
 _MATCH_SIZE = 14            # objects larger than this (sqrt(area), pixels) are matched at a reduced resolution
 _FILL_SIGMA = 3.0           # pixels: reach of the interpolation of unknown background
-_SHAPE_MIN_AREA = 0.5       # ... among the frames whose object area is at least this fraction of the largest
-_SHAPE_FRAMES = 6           # frames the shape match uses at most (evenly spread over the usable ones)
+_SHAPE_FRAMES = 6           # frames the shape match uses at most (evenly spread over the usable ones) ...
+_SHAPE_MIN_AREA = 0.5       # ... among those whose object area is at least this fraction of the largest
 
 
 def _band(n: int, taps: torch.Tensor) -> torch.Tensor:
