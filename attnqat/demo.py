@@ -78,55 +78,7 @@ def mode_label(mode: str, qat_checkpoint: str | None = None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- metrics
-def _check_videos(ref: np.ndarray, x: np.ndarray) -> None:
-    if ref.shape != x.shape or ref.ndim != 4 or ref.shape[-1] != 3:
-        raise ValueError(f"videos must both be (frames, height, width, 3), got {ref.shape} and {x.shape}")
-
-
-def psnr(ref: np.ndarray, x: np.ndarray) -> tuple[float, list[float]]:
-    """PSNR in dB of uint8 videos (frames, H, W, 3): (mean over frames, per frame); ``inf`` where equal."""
-    _check_videos(ref, x)
-    mse = ((ref.astype(np.float64) - x.astype(np.float64)) ** 2).mean(axis=(1, 2, 3))
-    with np.errstate(divide="ignore"):
-        per_frame = np.where(mse == 0, np.inf, 10.0 * np.log10(255.0 ** 2 / np.maximum(mse, 1e-300)))
-    return float(per_frame.mean()), [float(v) for v in per_frame]
-
-
-def _gaussian_window(size: int, sigma: float) -> torch.Tensor:
-    x = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
-    g = torch.exp(-x ** 2 / (2 * sigma ** 2))
-    g = g / g.sum()
-    return (g[:, None] * g[None, :])[None, None]  # (1, 1, size, size)
-
-
-def _luma(video: np.ndarray) -> torch.Tensor:
-    v = torch.from_numpy(np.ascontiguousarray(video)).to(torch.float64)
-    return (0.299 * v[..., 0] + 0.587 * v[..., 1] + 0.114 * v[..., 2])[:, None]  # (frames, 1, H, W), BT.601
-
-
-def ssim(ref: np.ndarray, x: np.ndarray, *, window: int = 11, sigma: float = 1.5) -> tuple[float, list[float]]:
-    """Gaussian-window SSIM (Wang et al. 2004) of uint8 videos (frames, H, W, 3) on luma.
-
-    Return: (mean over frames, per frame). The window shrinks (to the largest odd size that fits)
-    for frames smaller than ``window`` pixels; statistics use only full windows ("valid").
-    """
-    _check_videos(ref, x)
-    size = min(window, ref.shape[1], ref.shape[2])
-    size -= 1 - size % 2
-    w = _gaussian_window(size, sigma)
-    a, b = _luma(ref), _luma(x)
-    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2  # K1, K2 of the paper, dynamic range L = 255
-
-    def blur(t):
-        return F.conv2d(t, w)
-
-    mu_a, mu_b = blur(a), blur(b)
-    var_a = blur(a * a) - mu_a ** 2
-    var_b = blur(b * b) - mu_b ** 2
-    cov = blur(a * b) - mu_a * mu_b
-    s = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
-    per_frame = s.mean(dim=(1, 2, 3))
-    return float(per_frame.mean()), [float(v) for v in per_frame]
+from attnqat.quality import _check_videos, psnr, ssim  # noqa: E402  (defined once, with the detector)
 
 
 # A perceptual dark-to-bright colour scale (anchors of matplotlib's "inferno"), interpolated in numpy
