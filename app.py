@@ -64,7 +64,7 @@ def check_listen(host: str, port: int) -> None:
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        if not _HOSTNAME.match(host):
+        if not _HOSTNAME.match(host) or re.fullmatch(r"[0-9.]+", host):  # 256.1.1.1 is no name either
             raise ValueError(f"--host {show(host)} is not an IP address or host name") from None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]

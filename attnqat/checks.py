@@ -115,16 +115,14 @@ def check_video_size(height, width, frames, steps=None, *, prefix: str = "--") -
     :data:`LIMITS`; other values are refused with the nearest valid ones (nothing is rounded
     silently). ``prefix`` is put before the names in messages (``--height`` on the command line)."""
     for name, v in (("height", height), ("width", width)):
-        check_int(f"{prefix}{name}", v, -2 ** 62)
+        check_int(f"{prefix}{name}", v, -2 ** 62, *LIMITS["side"])  # a type check and the upper limit first
         if v <= 0 or v % SIZE_MULTIPLE:
             raise ValueError(f"{prefix}{name} {v} is not a positive multiple of {SIZE_MULTIPLE} (Wan's VAE downsamples "
                              f"by 8 and its transformer patches by 2); nearest valid: {_nearest_multiple(v, SIZE_MULTIPLE)}")
-        check_limited(f"{prefix}{name}", v, "side")
-    check_int(f"{prefix}frames", frames, -2 ** 62)
+    check_int(f"{prefix}frames", frames, -2 ** 62, *LIMITS["frames"])
     if frames < 1 or (frames - 1) % TIME_STRIDE:
         raise ValueError(f"{prefix}frames {frames} is not of the form 4k+1 (Wan's VAE keeps the first frame and "
                          f"compresses the rest by 4); nearest valid: {_nearest_frames(frames)}")
-    check_limited(f"{prefix}frames", frames, "frames")
     if steps is not None:
         check_limited(f"{prefix}steps", steps, "steps")
 

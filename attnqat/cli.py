@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _report(command or "", "error", e)
         return 2
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command's own parser, so the message names the command
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         _check(COMMANDS[args.command][2], args)
         from .threads import limit_torch_threads

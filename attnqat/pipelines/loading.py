@@ -164,7 +164,10 @@ def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint"
     p = check_path_text(flag, path)
     if not p.exists():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
-    files = _checkpoint_files(p)
+    try:
+        files = _checkpoint_files(p)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{flag}: {e}") from None
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
