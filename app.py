@@ -153,7 +153,11 @@ def make_handler(engine, modes: list[str], out_root: str | Path):
                              steps=steps, seed=seed, modes=["bf16", *selected])
         except ValueError as e:
             raise gr.Error(str(e), title="Invalid input") from None
-        out_dir = new_request_dir(out_root)
+        try:
+            out_dir = new_request_dir(out_root)
+        except OSError as e:
+            raise gr.Error(f"could not create a folder for this request in {str(out_root)!r}: "
+                           f"{e.strerror or e}", title="Generation failed") from None
         run_modes = ["bf16", *[m for m in modes if m in selected]]
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -351,10 +355,10 @@ def main(argv=None) -> int:
         limit_torch_threads()
         engine = DemoEngine.load(args.model, qat_checkpoint=args.qat_checkpoint, device=args.device,
                                  dtype=args.dtype)
+        out_root = out_dir if out_dir is not None else Path(tempfile.mkdtemp(prefix="attnqat-demo-"))
+        (out_root / REQUESTS_FOLDER).mkdir(parents=True, exist_ok=True)
     except USER_ERRORS as e:
         return error(e)
-    out_root = out_dir if out_dir is not None else Path(tempfile.mkdtemp(prefix="attnqat-demo-"))
-    (out_root / REQUESTS_FOLDER).mkdir(parents=True, exist_ok=True)
     demo = build_demo(engine, modes, out_root)
     try:
         demo.launch(**launch_options(args, out_root))

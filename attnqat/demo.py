@@ -536,14 +536,17 @@ def prune_requests(container: str | Path, keep: int = KEEP_REQUESTS) -> list[Pat
     ours.sort()
     removed = []
     for _, _, p, data in ours[:max(0, len(ours) - keep)]:
-        for name in data["files"]:
-            f = p / name
-            if not f.is_symlink() and f.is_file():
-                f.unlink()
-        if [q.name for q in p.iterdir()] == [REQUEST_MARKER]:
-            (p / REQUEST_MARKER).unlink()
-            p.rmdir()
-            removed.append(p)
+        try:
+            for name in data["files"]:
+                f = p / name
+                if not f.is_symlink() and f.is_file():
+                    f.unlink()
+            if [q.name for q in p.iterdir()] == [REQUEST_MARKER]:
+                (p / REQUEST_MARKER).unlink()
+                p.rmdir()
+                removed.append(p)
+        except OSError:  # changed meanwhile or not ours to touch: left as it is, tried again next time
+            continue
     return removed
 
 
