@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from attnqat.checks import (LIMITS, SIZE_MULTIPLE, TIME_STRIDE, check_device, check_float, check_int, check_limited,
-                            check_output_dir, check_output_file, check_text, check_video_size, show)
+from attnqat.checks import (SIZE_MULTIPLE, TIME_STRIDE,  # noqa: F401 - defined here before, still importable
+                            LIMITS, check_device, check_float, check_int, check_limited, check_output_dir,
+                            check_output_file, check_text, check_video_size, show)
 from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
