@@ -7,40 +7,111 @@ Attn-QAT and (optionally) naive NVFP4 attention; each video with its time and fi
 
 The pipeline is loaded once; each mode only swaps attention processors (and, with a QAT
 checkpoint, the transformer's weights for Attn-QAT: see :mod:`attnqat.demo`). Requests are queued
-one at a time, so one GPU is never oversubscribed. The logic lives in :mod:`attnqat.demo`.
+one at a time, so one GPU is never oversubscribed; each column appears as soon as its mode is done,
+with denoising progress per mode, and Cancel stops a request at its next denoising step. Every
+argument is checked (port free, paths writable, ...) before the model loads: a mistake is one line
+on stderr and exit status 2. The logic lives in :mod:`attnqat.demo`.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import errno
+import ipaddress
 import math
-import os
+import re
+import socket
 import sys
 import tempfile
-
-import torch
-
-from attnqat.demo import DemoEngine, demo_modes, new_request_dir, validate_request
+import threading
+from pathlib import Path
 
 TITLE = "attnqat: BF16 vs SageAttention3 vs Attn-QAT (Wan 2.1)"
 DEFAULT_PROMPT = "a corgi surfing a wave at sunset, cinematic"
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="tiny", help="'tiny' (default: offline, RANDOM weights, runs on CPU) or a "
-                   "local diffusers-format Wan 2.1 T2V folder / hub id")
+    from attnqat.cli import OneLineParser
+    from attnqat.pipelines.generate import DEFAULT_MODEL
+
+    p = OneLineParser(prog="app.py", description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"'tiny' (default: {DEFAULT_MODEL}; tiny is offline, "
+                   "RANDOM weights, runs on CPU) or a local diffusers-format Wan 2.1 T2V folder / hub id")
     p.add_argument("--qat-checkpoint", metavar="PATH", help="transformer weights from Attn-QAT fine-tuning, used by "
                    "the Attn-QAT column (without it, that column is plain FP4 attention, labelled so)")
     p.add_argument("--modes", help="comma-separated attention modes to offer (default: bf16,sage3,attn_qat,nvfp4, "
                    "those registered)")
-    p.add_argument("--port", type=int, default=7860, help="port (default: 7860)")
+    p.add_argument("--port", type=int, default=7860, help="port, 1 to 65535, free (default: 7860)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     p.add_argument("--device", help="cuda, cuda:1, cpu ... (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="transformer dtype (default: bf16 on GPU, "
                    "fp32 on CPU)")
-    p.add_argument("--out-dir", help="where videos are written (default: a temporary folder)")
+    p.add_argument("--out-dir", help="where videos are written, in OUT_DIR/attnqat-demo-requests/ (default: a "
+                   "temporary folder); only the app's own request folders there are ever pruned")
     return p.parse_args(argv)
+
+
+def check_listen(host: str, port: int) -> None:
+    """``host`` is an IP address or host name that resolves, and ``port`` is free there."""
+    from attnqat.checks import check_int, check_text, show
+
+    check_text("--host", host)
+    check_int("--port", port, 1, 65535, "TCP ports end at 65535")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.match(host) or re.fullmatch(r"[0-9.]+", host):  # 256.1.1.1 is no name either
+            raise ValueError(f"--host {show(host)} is not an IP address or host name") from None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {show(host)} does not resolve ({getattr(e, 'strerror', None) or e})") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server itself binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port {port} is in use on {host}; stop what listens there or pick another "
+                                 f"port (e.g. --port {port + 1 if port < 65535 else 7860})") from None
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[str], Path | None]:
+    """Every argument, before the model loads. Return: (the modes to offer, --out-dir as a path)."""
+    from attnqat.checks import check_device, check_output_dir, check_text, show
+    from attnqat.demo import demo_modes
+    from attnqat.pipelines.loading import check_model, check_qat_checkpoint
+
+    check_model(args.model)
+    if args.qat_checkpoint is not None:
+        check_qat_checkpoint(args.qat_checkpoint)
+    names = None
+    if args.modes is not None:
+        names = [m.strip() for m in check_text("--modes", args.modes).split(",")]
+        if not all(names):
+            raise ValueError(f"--modes {show(args.modes)}: an empty name between commas")
+    modes = demo_modes(names)
+    check_device("--device", args.device)
+    out_dir = None if args.out_dir is None else check_output_dir("--out-dir", args.out_dir, must_be_empty=False)
+    check_listen(args.host, args.port)
+    return modes, out_dir
+
+
+def page_theme():
+    """Gradio's default theme with whole fonts. The default declares Source Sans Pro (and IBM Plex
+    Mono) at weights 400 and 600, and the 600 files Gradio ships are subsets of a few glyphs
+    (SourceSansPro-SemiBold: A, B and some Cyrillic), so bold text mixed two fonts ("ʙF16").
+    Declaring 400 and 700, whose files are complete, makes bold text one font."""
+    import gradio as gr
+
+    return gr.themes.Default(
+        font=[gr.themes.LocalFont("Source Sans Pro", weights=(400, 700)), "ui-sans-serif", "system-ui", "sans-serif"],
+        font_mono=[gr.themes.LocalFont("IBM Plex Mono", weights=(400, 700)), "ui-monospace", "Consolas", "monospace"])
 
 
 def _fmt_metrics(run) -> str:
@@ -49,67 +120,144 @@ def _fmt_metrics(run) -> str:
         lines.append("reference for the metrics (strip: its frames)")
     else:
         p = "∞ (identical)" if math.isinf(run.psnr) else f"{run.psnr:.2f} dB"
-        lines.append(f"PSNR vs BF16 **{p}** · SSIM **{run.ssim:.4f}**")
+        lines.append(f"PSNR (RGB) vs BF16 **{p}** · SSIM (luma) **{run.ssim:.4f}**")
         lines.append(f"heat map: |difference| 0 to {run.heat_max:.0f} (of 255)")
     return "  \n".join(lines)
 
 
-def build_demo(engine: DemoEngine, modes: list[str], out_root: str):
+METRICS_NOTE = ("The numbers measure the generated frames before video compression: PSNR over the R, G, B "
+                "values (0-255) of every pixel, SSIM (Gaussian 11x11 window, sigma 1.5) on the luma "
+                "Y = 0.299 R + 0.587 G + 0.114 B, both per frame and averaged over frames. The videos you see "
+                "are H.264 mp4s (lossy); download *lossless frames* under a column for the exact PNG frames "
+                "the numbers were computed on.")
+
+
+def make_handler(engine, modes: list[str], out_root: str | Path):
+    """The page's generate function: an async generator that yields the outputs (per mode: video,
+    metrics, strip, lossless frames; then the JSON summary) each time a mode is done.
+
+    The generation runs in a worker thread; its denoising progress is reported per mode through
+    ``gr.Progress``. If the request is cancelled (the Cancel button, or the page closed), Gradio
+    cancels this coroutine at its ``await``; the ``finally`` sets the engine's cancel event, and the
+    worker stops at its next denoising step."""
     import gradio as gr
+    import torch
 
-    from attnqat.pipelines import TINY_NOTICE, is_tiny
-    from attnqat.pipelines.generate import REAL_DEFAULTS, TINY_DEFAULTS
+    from attnqat.demo import new_request_dir, validate_request
+    from attnqat.errors import GenerationCancelled
 
-    tiny = is_tiny(engine.model)
-    d = dict(TINY_DEFAULTS, height=64, width=64, frames=5, steps=4) if tiny else REAL_DEFAULTS
-    on_cpu = engine.device.type == "cpu"
-    optional = [m for m in modes if m != "bf16"]
-    default_on = [m for m in optional if m != "nvfp4"] or optional
-
-    def generate(prompt, seed, steps, height, width, frames, selected, progress=gr.Progress()):
+    async def generate(prompt, seed, steps, height, width, frames, selected, progress=gr.Progress()):
         selected = [m for m in (selected or []) if m in modes]
         try:
             validate_request(model=engine.model, prompt=prompt, height=height, width=width, frames=frames,
                              steps=steps, seed=seed, modes=["bf16", *selected])
         except ValueError as e:
             raise gr.Error(str(e), title="Invalid input") from None
-        out_dir = new_request_dir(out_root)
-
-        def report(i, n, mode):
-            progress((i, n), desc=f"generating {engine.label(mode)} ({i + 1}/{n})")
-
         try:
-            runs = engine.run(prompt, modes=selected, height=int(height), width=int(width), frames=int(frames),
-                              steps=int(steps), seed=int(seed), out_dir=out_dir, progress=report)
+            out_dir = new_request_dir(out_root)
+        except OSError as e:
+            raise gr.Error(f"could not create a folder for this request in {str(out_root)!r}: "
+                           f"{e.strerror or e}", title="Generation failed") from None
+        run_modes = ["bf16", *[m for m in modes if m in selected]]
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(kind, payload=None):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+            except RuntimeError:  # the event loop is gone (server shutting down): nobody to tell
+                pass
+
+        def work():
+            try:
+                emit("done", engine.run(prompt, modes=selected, height=int(height), width=int(width),
+                                        frames=int(frames), steps=int(steps), seed=int(seed), out_dir=out_dir,
+                                        progress=lambda *a: emit("step", a), on_run=lambda r: emit("run", r),
+                                        cancel=cancel))
+            except BaseException as e:  # handed to the coroutine, which shows it in the page
+                emit("error", e)
+
+        summary = {"prompt": prompt, "seed": int(seed), "steps": int(steps), "height": int(height),
+                   "width": int(width), "frames": int(frames), "model": engine.model,
+                   "qat_checkpoint": engine.qat_checkpoint, "modes": {}}
+        shown: dict[str, object] = {}
+
+        def outputs():
+            out = []
+            for m in modes:
+                r = shown.get(m)
+                if r is not None:
+                    out += [str(r.video), _fmt_metrics(r), str(r.strip),
+                            None if r.frames_zip is None else str(r.frames_zip)]
+                elif m in run_modes:
+                    out += [None, f"**{engine.label(m)}**  \nwaiting", None, None]
+                else:
+                    out += [None, f"**{engine.label(m)}**  \nnot selected", None, None]
+            return [*out, summary]
+
+        worker = threading.Thread(target=work, name="attnqat-demo-request", daemon=True)
+        worker.start()
+        try:
+            while True:
+                kind, payload = await events.get()
+                if kind == "step":
+                    i, n, mode, step, total = payload
+                    progress((step, total), desc=f"{engine.label(mode)} (mode {i + 1} of {n}): denoising steps",
+                             unit="steps")
+                elif kind == "run":
+                    shown[payload.mode] = payload
+                    summary["modes"][payload.mode] = payload.summary()
+                    yield outputs()
+                elif kind == "done":
+                    for r in payload:  # strips redrawn on the request's common colour scale
+                        shown[r.mode] = r
+                        summary["modes"][r.mode] = r.summary()
+                    yield outputs()
+                    return
+                else:
+                    raise payload
+        except GenerationCancelled:
+            return
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             raise gr.Error(f"Out of GPU memory at {int(height)}x{int(width)}, {int(frames)} frames: try a smaller "
                            f"size or fewer frames.", title="Out of memory") from None
         except ValueError as e:
             raise gr.Error(str(e), title="Invalid input") from None
+        except gr.Error:
+            raise
         except Exception as e:  # shown in the page; the server keeps serving the next request
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             raise gr.Error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                            title="Generation failed") from None
-        by_mode = {r.mode: r for r in runs}
-        outputs, summary = [], {"prompt": prompt, "seed": int(seed), "steps": int(steps), "height": int(height),
-                                "width": int(width), "frames": int(frames), "model": engine.model,
-                                "qat_checkpoint": engine.qat_checkpoint, "modes": {}}
-        for m in modes:
-            r = by_mode.get(m)
-            if r is None:
-                outputs += [None, f"**{engine.label(m)}**  \nnot selected", None]
-                continue
-            outputs += [str(r.video), _fmt_metrics(r), str(r.strip)]
-            summary["modes"][m] = r.summary()
-        return [*outputs, summary]
+        finally:
+            cancel.set()  # a cancelled or abandoned request stops at its next denoising step
 
-    with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as demo:
+    return generate
+
+
+def build_demo(engine, modes: list[str], out_root: str | Path):
+    import gradio as gr
+
+    from attnqat.demo import MAX_PROMPT_CHARS, MAX_UPLOAD, WORK_LIMITS, page_defaults, request_work
+    from attnqat.pipelines import TINY_NOTICE, is_tiny
+
+    tiny = is_tiny(engine.model)
+    d = page_defaults(engine.model)
+    on_cpu = engine.device.type == "cpu"
+    optional = [m for m in modes if m != "bf16"]
+    default_on = [m for m in optional if m != "nvfp4"] or optional
+    ref, why = WORK_LIMITS["tiny" if tiny else "real"]
+
+    # Gradio 6 takes the theme in launch() (launch_options); Gradio 5 in Blocks().
+    theme = {} if _theme_in_launch() else {"theme": page_theme()}
+    with gr.Blocks(title=TITLE, delete_cache=(3600, 3600), **theme) as demo:
         gr.Markdown(f"# {TITLE}\nThe same prompt and seed, with the transformer's self-attention in each mode. "
-                    "Each video shows its generation time and its fidelity to the BF16 video: PSNR and SSIM "
-                    f"averaged over frames, and a strip of its frames over a heat map of |difference| (one colour "
-                    "scale for all modes of a request, dark = equal).")
+                    "Each video shows its generation time and its fidelity to the BF16 video: PSNR and SSIM, and "
+                    "a strip of its frames over a heat map of |difference| (one colour scale for all modes of a "
+                    f"request, dark = equal). Columns appear as their mode finishes.\n\n{METRICS_NOTE}")
         notes = [f"model `{engine.model}` on `{engine.device}` ({str(engine.dtype).replace('torch.', '')})"]
         if tiny:
             notes.append(f"**Note:** {TINY_NOTICE}. It shows the mechanics (the same seed, modes swapped, metrics), "
@@ -121,10 +269,15 @@ def build_demo(engine: DemoEngine, modes: list[str], out_root: str):
             notes.append("SageAttention3 (mode `sage3`) is not registered in this attnqat build.")
         if on_cpu:
             notes.append("Running on CPU: keep sizes small.")
+        notes.append(f"Limits of one request: height × width × frames × steps × modes at most "
+                     f"{request_work(**ref):,} pixel-frame-steps (as much as {ref['height']}×{ref['width']}, "
+                     f"{ref['frames']} frames, {ref['steps']} steps in {ref['modes']} modes: {why}); prompts of "
+                     f"up to {MAX_PROMPT_CHARS} characters; uploads up to {MAX_UPLOAD.upper()} (the page takes "
+                     "none). Cancel stops a request at its next denoising step.")
         gr.Markdown("  \n".join(notes))
         with gr.Row():
             with gr.Column(scale=3):
-                prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=2)
+                prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=2, max_length=MAX_PROMPT_CHARS)
                 selected = gr.CheckboxGroup(choices=[(engine.label(m), m) for m in optional], value=default_on,
                                             label="Modes (BF16 always runs: it is the reference)")
             with gr.Column(scale=2):
@@ -135,42 +288,93 @@ def build_demo(engine: DemoEngine, modes: list[str], out_root: str):
                     height = gr.Slider(16, 256 if tiny else 1280, value=d["height"], step=16, label="Height")
                     width = gr.Slider(16, 256 if tiny else 1280, value=d["width"], step=16, label="Width")
                     frames = gr.Slider(1, 33 if tiny else 81, value=d["frames"], step=4, label="Frames (4k+1)")
-        button = gr.Button("Generate", variant="primary", elem_id="generate")
+        with gr.Row():
+            button = gr.Button("Generate", variant="primary", elem_id="generate", scale=4)
+            stop = gr.Button("Cancel", variant="stop", elem_id="cancel", scale=1)
         outputs = []
         with gr.Row(equal_height=False):
             for m in modes:
+                label = engine.label(m)
                 with gr.Column(min_width=160):
-                    outputs.append(gr.Video(label=engine.label(m), format="mp4", autoplay=True, loop=True,
-                                            elem_id=f"video-{m}", height=256))
-                    outputs.append(gr.Markdown(f"**{engine.label(m)}**", elem_id=f"metrics-{m}"))
-                    outputs.append(gr.Image(label="frames / |difference| vs BF16", type="filepath",
+                    outputs.append(gr.Video(label=f"{label}: video (mp4, lossy)", format="mp4", autoplay=True,
+                                            loop=True, elem_id=f"video-{m}", height=256))
+                    outputs.append(gr.Markdown(f"**{label}**", label=f"{label}: metrics", elem_id=f"metrics-{m}"))
+                    outputs.append(gr.Image(label=f"{label}: frames / |difference| vs BF16", type="filepath",
                                             elem_id=f"strip-{m}", show_label=True, height=120))
+                    outputs.append(gr.File(label=f"{label}: lossless frames (PNG, zip)", elem_id=f"frames-{m}"))
         with gr.Accordion("All metrics (JSON)", open=False):
-            summary = gr.JSON(label="metrics")
-        button.click(generate, [prompt, seed, steps, height, width, frames, selected], [*outputs, summary],
-                     api_name="generate")
+            summary = gr.JSON(label="metrics (JSON)")
+        event = button.click(make_handler(engine, modes, out_root), [prompt, seed, steps, height, width, frames,
+                                                                     selected], [*outputs, summary],
+                             api_name="generate")
+        stop.click(None, None, None, cancels=[event], api_name=False, queue=False)
     demo.queue(default_concurrency_limit=1)  # one generation at a time: one GPU is never oversubscribed
     return demo
 
 
+def _theme_in_launch() -> bool:
+    import inspect
+
+    import gradio as gr
+
+    return "theme" in inspect.signature(gr.Blocks.launch).parameters
+
+
+def launch_options(args: argparse.Namespace, out_root: Path) -> dict:
+    """``demo.launch`` keywords: only the app's request folder is served; uploads capped; Gradio's
+    start-up lines (and its share hint) only with --share (the app prints its own URL line)."""
+    from attnqat.demo import MAX_UPLOAD, REQUESTS_FOLDER
+
+    options = dict(server_name=args.host, server_port=args.port, share=args.share, show_error=True,
+                   allowed_paths=[str(Path(out_root) / REQUESTS_FOLDER)], max_file_size=MAX_UPLOAD,
+                   quiet=not args.share, prevent_thread_lock=True)
+    if _theme_in_launch():
+        options["theme"] = page_theme()
+    return options
+
+
 def main(argv=None) -> int:
+    from attnqat.cli import USER_ERRORS, one_line
+
     args = parse_args(argv)
+
+    def error(e) -> int:
+        print(f"app.py: error: {one_line(str(e).splitlines()[0]) if str(e).strip() else type(e).__name__}",
+              file=sys.stderr)
+        return 2
+
     try:
-        modes = demo_modes(args.modes.split(",") if args.modes else None)
+        modes, out_dir = check_args(args)
+        try:
+            import gradio  # noqa: F401
+        except ImportError:
+            raise ImportError("the demo needs gradio: pip install -e '.[app]'") from None
+        from attnqat.demo import REQUESTS_FOLDER, DemoEngine
+        from attnqat.threads import limit_torch_threads
+
+        limit_torch_threads()
         engine = DemoEngine.load(args.model, qat_checkpoint=args.qat_checkpoint, device=args.device,
                                  dtype=args.dtype)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"app.py: error: {e}", file=sys.stderr)
-        return 2
-    out_root = args.out_dir or tempfile.mkdtemp(prefix="attnqat-demo-")
+        out_root = out_dir if out_dir is not None else Path(tempfile.mkdtemp(prefix="attnqat-demo-"))
+        (out_root / REQUESTS_FOLDER).mkdir(parents=True, exist_ok=True)
+    except USER_ERRORS as e:
+        return error(e)
     demo = build_demo(engine, modes, out_root)
-    print(f"serving modes {', '.join(modes)} of model {args.model!r} on {engine.device}", file=sys.stderr,
-          flush=True)
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, allowed_paths=[out_root],
-                show_error=True)
+    try:
+        demo.launch(**launch_options(args, out_root))
+    except OSError as e:  # the port was taken after it was checked
+        return error(f"cannot serve on {args.host}:{args.port}: {e}")
+    print(f"app.py: serving modes {', '.join(modes)} of model {args.model!r} on {engine.device} at "
+          f"http://{args.host}:{args.port}/ (files in {out_root / REQUESTS_FOLDER})", file=sys.stderr, flush=True)
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
 if __name__ == "__main__":
+    import os
+
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     sys.exit(main())

@@ -1,11 +1,22 @@
 """The ``attnqat`` console script: ``attnqat <command> [options]``.
 
 Each command is a module exposing ``HELP`` (one line), ``add_arguments(parser)`` and
-``main(args) -> int``. Adding a command is one line in :data:`COMMANDS`.
+``main(args) -> int``. Adding a command is one entry in :data:`COMMANDS`. ``attnqat --help`` imports
+no command module (their one-line help is repeated in :data:`COMMANDS`, and a test keeps the two
+equal); ``attnqat CMD ...`` imports only CMD's module. So help is fast, and one command's missing
+optional dependency never breaks another.
 
-Errors a user can fix (bad arguments, missing model folder, mismatched checkpoint) are the
-exceptions in :data:`USER_ERRORS`: they print as one line on stderr and exit with status 2, without
-a traceback (set ``ATTNQAT_TRACEBACK=1`` to see it anyway).
+Exit status and stderr:
+- 2, one line ``attnqat CMD: error: ...``: a mistake the user can fix in the arguments (argparse's
+  own errors, and the exceptions in :data:`USER_ERRORS`: bad values, missing model folder,
+  unwritable output path, mismatched checkpoint, missing optional dependency).
+- 1, one line ``attnqat CMD: failed: ...``: the run failed for a reason to read, not a bug
+  (:data:`RUN_ERRORS`: an output that could not be written, e.g. a full disk; NaN/inf output).
+- 130 on Ctrl-C. Anything else is a bug and keeps its traceback.
+Set ``ATTNQAT_TRACEBACK=1`` to see the traceback of the one-line errors too.
+
+Before a command runs, torch's CPU thread count is capped to the CPUs the process may use unless
+``OMP_NUM_THREADS`` is set (:mod:`attnqat.threads`).
 """
 from __future__ import annotations
 
@@ -14,16 +25,38 @@ import importlib
 import os
 import sys
 
-COMMANDS: dict[str, str] = {
-    "generate": "attnqat.pipelines.generate",
-    "train": "attnqat.train.cli",
-    "precompute": "attnqat.train.precompute",
+from .errors import NonFiniteOutputError, OutputWriteError
+
+# name -> (module, one-line help, argument check run before the module's main or None). The check of
+# precompute lives in attnqat.checks while attnqat/train is being changed in another branch.
+COMMANDS: dict[str, tuple[str, str, str | None]] = {
+    "generate": ("attnqat.pipelines.generate",
+                 "generate a video with Wan 2.1 text-to-video (attention in an attnqat mode)", None),
+    "train": ("attnqat.train.cli",
+              "QAT fine-tuning of a Wan 2.1 transformer for FP4 attention (distillation / flow matching)", None),
+    "precompute": ("attnqat.train.precompute",
+                   "encode prompts (and videos) into safetensors shards for `attnqat train`",
+                   "attnqat.checks:check_precompute"),
 }
 
 # ValueError covers argument validation and attnqat's own refusals; FileNotFoundError covers
 # ModelNotFoundError and missing checkpoints; ImportError a missing optional dependency (the message says
-# what to install). Anything else is a bug and keeps its traceback.
+# what to install).
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError)
+RUN_ERRORS = (OutputWriteError, NonFiniteOutputError)
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line (a value with a newline in it must not split an error message)."""
+    return " ".join(text.split("\n")).strip()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr (exit status 2), naming
+    ``--help`` instead of printing the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def _selected_command(argv: list[str]) -> str | None:
@@ -35,24 +68,18 @@ def _selected_command(argv: list[str]) -> str | None:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The parser; with ``only``, just that command's module is imported (so one command's missing
-    optional dependency never breaks another); without, every importable command is listed."""
+    """The parser. Only ``only``'s module is imported (and its arguments added); the other commands
+    are listed with their one-line help."""
     from attnqat import __version__
 
-    parser = argparse.ArgumentParser(prog="attnqat", description="4-bit (NVFP4) attention for Wan 2.1 video diffusion.")
+    parser = OneLineParser(prog="attnqat", description="4-bit (NVFP4) attention for Wan 2.1 video diffusion.")
     parser.add_argument("--version", action="version", version=f"attnqat {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module_name in COMMANDS.items():
-        if only is not None and name != only:
-            sub.add_parser(name)
+    for name, (module_name, help_line, _) in COMMANDS.items():
+        if name != only:
+            sub.add_parser(name, help=help_line)
             continue
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            if only == name:
-                raise
-            sub.add_parser(name, help=f"(unavailable: {e})")
-            continue
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=(module.__doc__ or module.HELP).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
@@ -60,16 +87,45 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _report(command: str, kind: str, e: BaseException) -> None:
+    msg = one_line(str(e).splitlines()[0]) if str(e).strip() else type(e).__name__
+    print(f"attnqat {command}: {kind}: {msg}", file=sys.stderr)
+
+
+def _check(spec: str | None, args: argparse.Namespace) -> None:
+    if spec is not None:
+        module_name, func = spec.split(":")
+        getattr(importlib.import_module(module_name), func)(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(_selected_command(argv)).parse_args(argv)
+    command = _selected_command(argv)
     try:
+        parser = build_parser(command)
+    except ImportError as e:  # the selected command's optional dependency is missing
+        if os.environ.get("ATTNQAT_TRACEBACK"):
+            raise
+        _report(command or "", "error", e)
+        return 2
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command's own parser, so the message names the command
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        _check(COMMANDS[args.command][2], args)
+        from .threads import limit_torch_threads
+
+        limit_torch_threads()
         return int(args._module.main(args) or 0)
+    except RUN_ERRORS as e:
+        if os.environ.get("ATTNQAT_TRACEBACK"):
+            raise
+        _report(args.command, "failed", e)
+        return 1
     except USER_ERRORS as e:
         if os.environ.get("ATTNQAT_TRACEBACK"):
             raise
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"attnqat {args.command}: error: {msg}", file=sys.stderr)
+        _report(args.command, "error", e)
         return 2
     except KeyboardInterrupt:
         print(f"attnqat {args.command}: interrupted", file=sys.stderr)

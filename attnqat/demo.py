@@ -6,15 +6,31 @@ seed, several attention modes, and each video's fidelity to the BF16 one.
                       frames=5, steps=4, seed=0, out_dir="out/")
     runs[1].psnr, runs[1].ssim, runs[1].video, runs[1].strip
 
-Metrics, over the frames of a mode's video against the BF16 video of the same seed (uint8 RGB):
+Metrics, over the frames of a mode's video against the BF16 video of the same seed. They measure
+the generated uint8 RGB frames *before* mp4 encoding: exactly the lossless PNG frames the demo
+offers for download (``{mode}_frames.zip``), not the lossy H.264 videos it plays.
 
-- PSNR: ``10 log10(255^2 / MSE)`` of each frame, averaged over frames (``inf`` for identical frames);
-- SSIM: Wang et al. 2004's SSIM with an 11x11 Gaussian window (sigma 1.5), K1 = 0.01, K2 = 0.03,
-  on the luma (BT.601) of each frame, averaged over frames;
+- PSNR on RGB: ``10 log10(255^2 / MSE)`` of each frame, the MSE taken over every pixel and all three
+  channels R, G, B (0-255), averaged over frames (``inf`` for identical frames);
+- SSIM on luma: Wang et al. 2004's SSIM with an 11x11 Gaussian window (sigma 1.5), K1 = 0.01,
+  K2 = 0.03, L = 255, on each frame's BT.601 luma Y = 0.299 R + 0.587 G + 0.114 B, averaged over
+  frames;
 - a difference strip: the mode's frames on top, ``|frame - bf16 frame|`` (mean over RGB) as a heat
   map below, every frame side by side. All strips of one request share one colour scale, 0 to the
   smallest power of two (at least 1, at most 256) above every mode's 99.9th-percentile difference,
-  so strips of different modes compare and small differences stay visible.
+  so strips of different modes compare and small differences stay visible. (While a request runs,
+  each finished mode's strip uses the scale of the modes finished so far; the last step redraws the
+  strips whose scale changed.)
+
+Limits of one request (:func:`validate_request`): each size within the page's sliders, and the
+work ``height x width x frames x steps x modes`` within :data:`WORK_LIMITS`, named by a request of
+that much work. Cancelling a request stops it at its next denoising step (``run(cancel=...)``).
+
+Files: each request gets its own folder, made by :func:`new_request_dir` in
+``OUT_DIR/attnqat-demo-requests/`` and marked as the app's (a marker file that lists every file the
+app writes there, recorded before it is written). Only the newest :data:`KEEP_REQUESTS` are kept,
+and pruning deletes only what a marker lists, in folders the app named and marked: a folder of the
+user's, or a file someone added, is never deleted.
 
 Weights: the pipeline is loaded once; switching modes only swaps attention processors
 (:func:`~attnqat.pipelines.patch_attention`). With a QAT checkpoint, Attn-QAT runs on the QAT weights
@@ -25,10 +41,15 @@ and one host-to-device copy per swap, instead of a second transformer in GPU mem
 """
 from __future__ import annotations
 
+import io
+import json
 import math
-import shutil
+import os
+import re
+import secrets
 import threading
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +57,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attnqat.checks import check_text, check_video_size
+from attnqat.errors import GenerationCancelled
+from attnqat.outputs import write_file_atomically
+
 __all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "difference_strip",
-           "heat_colors", "heat_scale", "demo_modes", "mode_label", "validate_request"]
+           "heat_colors", "heat_scale", "demo_modes", "mode_label", "validate_request", "request_work",
+           "page_defaults", "new_request_dir", "prune_requests", "register_output", "WORK_LIMITS",
+           "REQUESTS_FOLDER", "KEEP_REQUESTS", "MAX_PROMPT_CHARS"]
 
 #: The modes the demo compares, in page order; only those registered in attnqat.kernels appear.
 DEMO_MODES = ("bf16", "sage3", "attn_qat", "nvfp4")
@@ -52,10 +79,25 @@ MODE_LABELS = {
 NO_CHECKPOINT_LABEL = "Attn-QAT: plain FP4 attention (no QAT checkpoint)"
 HEAT_MAX = 64.0  # default top of the heat map's colour scale (|difference| on the 0-255 scale)
 
-# Per-request limits, so one visitor cannot ask the CPU-only tiny demo for minutes of work.
+# Per-request limits, so one visitor cannot ask the CPU-only tiny demo for minutes of work: each
+# size (the page's sliders), and the work of the whole request (below).
 TINY_LIMITS = dict(height=256, width=256, frames=33, steps=50)
 REAL_LIMITS = dict(height=1280, width=1280, frames=81, steps=100)
+# The work of a request: height x width x frames x steps x modes ("pixel-frame-steps"); a step's cost
+# grows at least linearly in each factor. Each limit is the work of the request named beside it.
+WORK_LIMITS = {
+    "tiny": (dict(height=128, width=128, frames=17, steps=20, modes=4),
+             "about a minute for the tiny model on a 2-core CPU"),
+    "real": (dict(height=720, width=1280, frames=81, steps=50, modes=4),
+             "Wan 2.1's largest trained size, 81 frames, 50 steps, in all four modes"),
+}
+MAX_PROMPT_CHARS = 2000  # the text encoder reads 512 tokens (about 2000 characters); the rest is cut anyway
+MAX_UPLOAD = "1mb"  # the page takes no files; Gradio's upload route refuses anything larger
 KEEP_REQUESTS = 8  # output folders of the last 8 requests are kept on disk (the page may still show them)
+REQUESTS_FOLDER = "attnqat-demo-requests"  # made by the app inside --out-dir; all it writes goes there
+REQUEST_MARKER = ".attnqat-demo-request.json"  # in each request folder: proof the app made it, its files
+_MARKER_KIND = "attnqat demo request folder"
+_REQUEST_NAME = re.compile(r"^request-\d{8}-\d{6}-[0-9a-f]{8}$")  # new_request_dir's names only
 
 
 def demo_modes(modes=None) -> list[str]:
@@ -132,42 +174,67 @@ def difference_strip(ref: np.ndarray | None, x: np.ndarray, *, vmax: float = HEA
 
 
 # ---------------------------------------------------------------------------------------------- engine
+def page_defaults(model: str) -> dict:
+    """The page's initial settings: the model's generation defaults
+    (:func:`attnqat.pipelines.generate.model_defaults`), with fewer frames and steps for the tiny
+    model so that a click answers in about a second."""
+    from attnqat.pipelines import is_tiny
+    from attnqat.pipelines.generate import model_defaults
+
+    d = model_defaults(model)
+    if is_tiny(model):
+        d.update(frames=5, steps=4)
+    return d
+
+
+def request_work(height: int, width: int, frames: int, steps: int, modes: int) -> int:
+    """The work of a request in pixel-frame-steps: ``height x width x frames x steps x modes``."""
+    return int(height) * int(width) * int(frames) * int(steps) * int(modes)
+
+
+def _whole(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or float(v) != int(v):
+        raise ValueError(f"{name} must be a whole number, got {v!r}")
+    return int(v)
+
+
 def validate_request(*, model: str, prompt: str, height: int, width: int, frames: int, steps: int, seed: int,
                      modes: list[str]) -> None:
     """Raise ``ValueError`` with a message for the page if the request is not valid.
 
     Size and frame rules (and their messages with the nearest valid values) are the ``generate``
-    command's own (:func:`attnqat.pipelines.generate.resolve_settings`); the demo adds upper limits.
+    command's own (:func:`attnqat.checks.check_video_size`); the demo adds its upper limits per size
+    (the sliders) and on the work of the whole request (:data:`WORK_LIMITS`).
     """
-    import argparse
-
+    from attnqat.kernels import available_modes
     from attnqat.pipelines import is_tiny
-    from attnqat.pipelines.generate import resolve_settings
 
-    values = dict(height=height, width=width, frames=frames, steps=steps, seed=seed)
-    for k, v in values.items():
-        if v is None or float(v) != int(v):
-            raise ValueError(f"{k} must be a whole number, got {v!r}")
-    if not (prompt or "").strip():
-        raise ValueError("the prompt is empty")
+    values = {k: _whole(k, v) for k, v in dict(height=height, width=width, frames=frames, steps=steps,
+                                                 seed=seed).items()}
+    check_text("the prompt", prompt if prompt is not None else "", max_chars=MAX_PROMPT_CHARS)
     if not modes:
         raise ValueError("no attention mode selected")
     for mode in modes:
-        ns = argparse.Namespace(prompt=prompt, height=int(height), width=int(width), frames=int(frames),
-                                steps=int(steps), guidance=None, flow_shift=None, fps=16, mode=mode,
-                                layers="self", model=model, device="cpu", dtype="fp32", offload=False,
-                                qat_checkpoint=None)
-        try:
-            resolve_settings(ns)
-        except ValueError as e:  # its messages name CLI flags (--height 70 ...); the page has fields
-            raise ValueError(str(e).replace("--", "")) from None
-    limits = TINY_LIMITS if is_tiny(model) else REAL_LIMITS
-    for k, top in limits.items():
-        if int(values[k]) > top:
-            raise ValueError(f"{k} {int(values[k])} is above this demo's limit of {top}"
-                             + (" for the tiny CPU model" if is_tiny(model) else ""))
-    if not 0 <= int(seed) < 2 ** 63:
-        raise ValueError(f"seed {int(seed)} must be in [0, 2^63)")
+        if mode not in available_modes():
+            raise ValueError(f"unknown mode {mode!r}; available: {', '.join(available_modes())}")
+    check_video_size(values["height"], values["width"], values["frames"], values["steps"], prefix="")
+    tiny = is_tiny(model)
+    for k, top in (TINY_LIMITS if tiny else REAL_LIMITS).items():
+        if values[k] > top:
+            raise ValueError(f"{k} {values[k]} is above this demo's limit of {top}"
+                             + (" for the tiny CPU model" if tiny else ""))
+    if not 0 <= values["seed"] < 2 ** 63:
+        raise ValueError(f"seed {values['seed']} must be in [0, 2^63)")
+    work = request_work(values["height"], values["width"], values["frames"], values["steps"], len(modes))
+    ref, why = WORK_LIMITS["tiny" if tiny else "real"]
+    limit = request_work(**ref)
+    if work > limit:
+        raise ValueError(
+            f"this request is {work / limit:.1f}x the work one request may ask for: height x width x frames x "
+            f"steps x modes = {values['height']}x{values['width']}x{values['frames']}x{values['steps']}x{len(modes)}"
+            f" = {work:,} pixel-frame-steps; the limit, {limit:,}, is the work of {ref['height']}x{ref['width']}, "
+            f"{ref['frames']} frames, {ref['steps']} steps in {ref['modes']} modes ({why}). Use fewer steps, "
+            f"frames or modes, or a smaller size")
 
 
 @dataclass
@@ -186,6 +253,7 @@ class ModeRun:
     psnr_frames: list[float] = field(default_factory=list)
     ssim_frames: list[float] = field(default_factory=list)
     heat_max: float | None = None        # top of the strip's colour scale (None for bf16)
+    frames_zip: Path | None = None       # the lossless frames the metrics measure, PNG in a zip
 
     def summary(self) -> dict:
         """JSON-friendly metrics (``inf`` PSNR as the string "inf")."""
@@ -230,21 +298,20 @@ class DemoEngine:
         """Load the pipeline once. ``device`` defaults to cuda if available; ``dtype`` ("bf16", "fp16",
         "fp32") to bf16 on GPU and under the Triton interpreter (the FP4 kernels take 16-bit inputs),
         else fp32 (CPU runs each mode's PyTorch reference)."""
+        from attnqat.checks import check_device
         from attnqat.kernels import backend_info
-        from attnqat.pipelines import is_tiny, load_pipeline
-        from attnqat.pipelines.generate import DTYPES, REAL_DEFAULTS, TINY_DEFAULTS
+        from attnqat.pipelines import load_pipeline
+        from attnqat.pipelines.generate import DTYPE_NAMES, model_defaults, torch_dtype
 
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda requested but no CUDA GPU is available; use --device cpu")
+        dev = check_device("--device", device)
         if dtype is None:
             dtype = "bf16" if dev.type == "cuda" or backend_info(dev)["interpreter"] else "fp32"
-        if dtype not in DTYPES:
-            raise ValueError(f"--dtype {dtype!r} not in {sorted(DTYPES)}")
-        defaults = TINY_DEFAULTS if is_tiny(model) else REAL_DEFAULTS
-        pipe = load_pipeline(model, dtype=DTYPES[dtype], device=dev, flow_shift=defaults["flow_shift"])
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"--dtype {dtype!r} not in {sorted(DTYPE_NAMES)}")
+        defaults = model_defaults(model)
+        pipe = load_pipeline(model, dtype=torch_dtype(dtype), device=dev, flow_shift=defaults["flow_shift"])
         pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, model=model, device=dev, dtype=DTYPES[dtype], qat_checkpoint=qat_checkpoint,
+        return cls(pipe, model=model, device=dev, dtype=torch_dtype(dtype), qat_checkpoint=qat_checkpoint,
                    guidance=defaults["guidance"])
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
@@ -259,9 +326,22 @@ class DemoEngine:
         return mode_label(mode, self.qat_checkpoint)
 
     def run(self, prompt: str, *, modes: list[str], height: int, width: int, frames: int, steps: int,
-            seed: int, out_dir: str | Path, progress=None) -> list[ModeRun]:
+            seed: int, out_dir: str | Path, progress=None, on_run=None, cancel: threading.Event | None = None
+            ) -> list[ModeRun]:
         """Generate ``prompt`` with ``seed`` in bf16 and every other mode of ``modes``; bf16 comes first
-        (the reference of the metrics). ``progress(i, n, mode)`` is called before each mode."""
+        (the reference of the metrics).
+
+        Per mode it writes ``{mode}.mp4`` (H.264, lossy: for playing), ``{mode}_frames.zip`` (the
+        lossless PNG frames the metrics are computed on) and ``{mode}_strip.png`` into ``out_dir``.
+
+        Arguments:
+            progress: ``progress(i, n, mode, step, steps)``: step 0 before mode ``i`` of ``n``
+                starts, then after each of its denoising steps.
+            on_run: ``on_run(run)`` as soon as a mode's files are written (the page shows its column).
+            cancel: when this event is set, the run stops at the next denoising step (or before the
+                next mode) with :class:`~attnqat.errors.GenerationCancelled`.
+        Return: the :class:`ModeRun` of every mode, bf16 first.
+        """
         from attnqat.pipelines import patch_attention
         from attnqat.pipelines.generate import FPS, generate_video, write_mp4
 
@@ -271,46 +351,170 @@ class DemoEngine:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         runs: list[ModeRun] = []
+
+        def check_cancel():
+            if cancel is not None and cancel.is_set():
+                raise GenerationCancelled("the request was cancelled")
+
         with self._lock:
             for i, mode in enumerate(modes):
+                check_cancel()
                 if progress is not None:
-                    progress(i, len(modes), mode)
+                    progress(i, len(modes), mode, 0, int(steps))
+
+                def on_step(done, total, i=i, mode=mode):
+                    check_cancel()
+                    if progress is not None:
+                        progress(i, len(modes), mode, done, total)
+
                 self._use_weights("qat" if mode == "attn_qat" and "qat" in self._weights else "base")
                 patch_attention(self.pipe.transformer, mode, timer=self.timer)
                 result = generate_video(self.pipe, prompt, height=int(height), width=int(width), frames=int(frames),
                                         steps=int(steps), guidance=self.guidance, seed=int(seed), timer=self.timer,
-                                        device=self.device)
+                                        device=self.device, on_step=on_step)
+                register_output(out_dir, f"{mode}.mp4")
                 video = write_mp4(result.frames, out_dir / f"{mode}.mp4", fps=FPS)
                 run = ModeRun(mode=mode, label=self.label(mode), video=video, strip=out_dir / f"{mode}_strip.png",
                               frames=result.frames, seconds=result.seconds, denoise_seconds=sum(result.step_seconds),
-                              attention_seconds=result.attention_seconds, psnr=None, ssim=None)
+                              attention_seconds=result.attention_seconds, psnr=None, ssim=None,
+                              frames_zip=write_frames_zip(result.frames, out_dir / f"{mode}_frames.zip"))
                 if runs:
                     run.psnr, run.psnr_frames = psnr(runs[0].frames, result.frames)
                     run.ssim, run.ssim_frames = ssim(runs[0].frames, result.frames)
                 runs.append(run)
+                self._write_strips(runs, only=run)
+                if on_run is not None:
+                    on_run(run)
         self._write_strips(runs)
         return runs
 
     @staticmethod
-    def _write_strips(runs: list[ModeRun]) -> None:
-        import imageio.v2 as imageio
-
+    def _write_strips(runs: list[ModeRun], only: ModeRun | None = None) -> None:
+        """Draw the strips of ``runs`` on their common colour scale: only ``only``'s, or every strip
+        whose scale is not the common one yet."""
         ref = runs[0].frames
         vmax = heat_scale([(ref, r.frames) for r in runs[1:]])
-        imageio.imwrite(runs[0].strip, difference_strip(None, ref))
-        for r in runs[1:]:
-            r.heat_max = vmax
-            imageio.imwrite(r.strip, difference_strip(ref, r.frames, vmax=vmax))
+        for r in [only] if only is not None else runs:
+            scale = None if r is runs[0] else vmax  # bf16's strip shows frames only
+            if only is None and r.heat_max == scale and r.strip.exists():
+                continue  # already drawn on the common scale
+            r.heat_max = scale
+            image = difference_strip(None if r is runs[0] else ref, r.frames, vmax=vmax)
+            register_output(r.strip.parent, r.strip.name)
+            write_file_atomically(r.strip, lambda tmp, image=image: _write_png(tmp, image))
+
+
+def _png_bytes(image: np.ndarray) -> bytes:
+    import imageio.v3 as iio
+
+    return iio.imwrite("<bytes>", image, extension=".png")
+
+
+def _write_png(path: Path, image: np.ndarray) -> None:
+    path.write_bytes(_png_bytes(image))
+
+
+def write_frames_zip(frames: np.ndarray, path: str | Path) -> Path:
+    """The frames, lossless, as ``frame_0000.png`` ... in a zip (written atomically). Return: ``path``."""
+    path = Path(path)
+
+    def write(tmp: Path) -> None:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:  # PNG is compressed already
+            for i, frame in enumerate(frames):
+                z.writestr(f"frame_{i:04d}.png", _png_bytes(frame))
+
+    register_output(path.parent, path.name)
+    return write_file_atomically(path, write)
+
+
+def read_frames_zip(path: str | Path) -> np.ndarray:
+    """The frames of :func:`write_frames_zip`'s zip, (frames, H, W, 3) uint8."""
+    import imageio.v3 as iio
+
+    with zipfile.ZipFile(path) as z:
+        names = sorted(n for n in z.namelist() if n.endswith(".png"))
+        return np.stack([iio.imread(io.BytesIO(z.read(n)), extension=".png") for n in names])
+
+
+# --------------------------------------------------------------------------------------- request folders
+def _write_marker(folder: Path, data: dict) -> None:
+    payload = json.dumps(data, indent=1).encode()
+    write_file_atomically(folder / REQUEST_MARKER, lambda tmp: tmp.write_bytes(payload))
+
+
+def _read_marker(folder: Path) -> dict | None:
+    """The marker of a request folder the app made, or None (no marker, not a regular file, not ours)."""
+    m = folder / REQUEST_MARKER
+    try:
+        if m.is_symlink() or not m.is_file():
+            return None
+        data = json.loads(m.read_text())
+    except (OSError, ValueError):
+        return None
+    files = data.get("files") if isinstance(data, dict) else None
+    if (data.get("kind") != _MARKER_KIND or not isinstance(data.get("created"), (int, float))
+            or not isinstance(files, list)
+            or not all(isinstance(f, str) and f not in ("", ".", "..", REQUEST_MARKER) and "/" not in f
+                       and os.sep not in f for f in files)):
+        return None
+    return data
+
+
+def register_output(folder: str | Path, name: str) -> None:
+    """Record in ``folder``'s marker that the app writes ``name`` there (before writing it), so that
+    pruning may delete it later. A folder without the app's marker is left alone (nothing recorded)."""
+    folder = Path(folder)
+    data = _read_marker(folder)
+    if data is not None and name not in data["files"]:
+        data["files"].append(name)
+        _write_marker(folder, data)
+
+
+def prune_requests(container: str | Path, keep: int = KEEP_REQUESTS) -> list[Path]:
+    """Delete the app's request folders in ``container`` beyond the newest ``keep``.
+
+    Only folders named as :func:`new_request_dir` names them and holding its marker count; in them
+    only the files the marker lists are deleted, then the marker and the folder if nothing else is
+    left. Anything else (other folders, files someone added, symbolic links) stays.
+    Return: the folders removed."""
+    container = Path(container)
+    ours = []
+    for p in container.iterdir():
+        if p.is_symlink() or not p.is_dir() or not _REQUEST_NAME.match(p.name):
+            continue
+        data = _read_marker(p)
+        if data is not None:
+            ours.append((data["created"], p.name, p, data))
+    ours.sort()
+    removed = []
+    for _, _, p, data in ours[:max(0, len(ours) - keep)]:
+        try:
+            for name in data["files"]:
+                f = p / name
+                if not f.is_symlink() and f.is_file():
+                    f.unlink()
+            if [q.name for q in p.iterdir()] == [REQUEST_MARKER]:
+                (p / REQUEST_MARKER).unlink()
+                p.rmdir()
+                removed.append(p)
+        except OSError:  # changed meanwhile or not ours to touch: left as it is, tried again next time
+            continue
+    return removed
 
 
 def new_request_dir(root: str | Path) -> Path:
-    """A fresh folder under ``root`` for one request's files; removes all but the newest
-    :data:`KEEP_REQUESTS` earlier ones."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    old = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
-    for p in old[:max(0, len(old) - KEEP_REQUESTS + 1)]:
-        shutil.rmtree(p, ignore_errors=True)
-    d = root / f"request-{time.strftime('%Y%m%d-%H%M%S')}-{time.perf_counter_ns() % 10**6:06d}"
-    d.mkdir()
+    """A fresh folder for one request's files, ``root/attnqat-demo-requests/request-<time>-<random>/``,
+    marked as the app's; older request folders beyond the newest :data:`KEEP_REQUESTS` are pruned
+    (:func:`prune_requests`: only the app's own folders and files)."""
+    container = Path(root) / REQUESTS_FOLDER
+    container.mkdir(parents=True, exist_ok=True)
+    prune_requests(container, keep=KEEP_REQUESTS - 1)
+    while True:
+        d = container / f"request-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
+        try:
+            d.mkdir()
+            break
+        except FileExistsError:
+            continue
+    _write_marker(d, {"kind": _MARKER_KIND, "created": time.time(), "files": []})
     return d

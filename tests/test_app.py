@@ -4,6 +4,7 @@ real headless-Chromium check (skipped when Chromium or playwright is missing).""
 import importlib.util
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import imageio.v2 as imageio
 import numpy as np
@@ -152,21 +153,28 @@ def test_engine_swaps_qat_weights_only_for_attn_qat(tmp_path):
 
 # ------------------------------------------------------------------------------------ the served app
 @pytest.fixture(scope="module")
-def served_app(tmp_path_factory):
-    """``python app.py`` (tiny model, CPU) on 127.0.0.1 and a free port, for the whole module."""
+def served(tmp_path_factory):
+    """``python app.py`` (tiny model, CPU) on 127.0.0.1 and a free port, for the whole module:
+    its URL, log file and --out-dir."""
     log_path = tmp_path_factory.mktemp("app") / "app.log"
+    out_dir = tmp_path_factory.mktemp("videos")
     port = browser_check.free_port()
     url = f"http://127.0.0.1:{port}/"
     with open(log_path, "w") as log:
-        proc = browser_check.start_app(port, "--out-dir", str(tmp_path_factory.mktemp("videos")), log=log)
+        proc = browser_check.start_app(port, "--out-dir", str(out_dir), log=log)
         try:
             browser_check.wait_for_server(url, proc, timeout=180)
         except (RuntimeError, TimeoutError) as e:
             proc.kill()
             pytest.fail(f"{e}; app log:\n{log_path.read_text()[-3000:]}")
-        yield url
+        yield SimpleNamespace(url=url, log=log_path, out_dir=out_dir)
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served_app(served):
+    return served.url
 
 
 def _predict(client, modes, **overrides):
@@ -180,11 +188,11 @@ def test_app_generates_every_mode_with_metrics(served_app):
     client = gradio_client.Client(served_app, verbose=False)
     out = _predict(client, OPTIONAL)
     modes = demo_modes()
-    assert len(out) == 3 * len(modes) + 1
+    assert len(out) == 4 * len(modes) + 1  # per mode: video, metrics, strip, lossless frames; then the JSON
     summary = out[-1]
     assert set(summary["modes"]) == set(modes)
     for i, mode in enumerate(modes):
-        video, text, strip = out[3 * i: 3 * i + 3]
+        video, text, strip = out[4 * i: 4 * i + 3]
         video = video["video"] if isinstance(video, dict) else video
         frames = _read_mp4(video)
         assert frames.shape == (FRAMES, H, W, 3), mode
@@ -198,7 +206,7 @@ def test_app_generates_every_mode_with_metrics(served_app):
         else:
             assert isinstance(m["psnr_db"], float) and 10 < m["psnr_db"] < 200, (mode, m)
             assert 0 < m["ssim"] <= 1 and len(m["ssim_per_frame"]) == FRAMES
-            assert "PSNR vs BF16" in text and "SSIM" in text
+            assert "PSNR (RGB) vs BF16" in text and "SSIM (luma)" in text
     assert "plain FP4 attention (no QAT checkpoint)" in summary["modes"].get("attn_qat", {"label": "plain FP4 attention (no QAT checkpoint)"})["label"]
 
 
@@ -240,7 +248,8 @@ class _FlakyEngine:
     def label(self, mode):
         return DemoEngine.label(self, mode)
 
-    def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, progress=None):
+    def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, progress=None, on_run=None,
+            cancel=None):
         from attnqat.demo import ModeRun
         from attnqat.pipelines.generate import write_mp4
 
@@ -269,3 +278,211 @@ def test_app_reports_out_of_memory_and_keeps_serving(tmp_path):
         assert list(out[-1]["modes"]) == ["bf16"]
     finally:
         demo.close()
+
+
+# ---------------------------------------------------------------------------- nothing lost, nothing silent
+def _tree(root):
+    return sorted(str(p.relative_to(root)) + ("/" if p.is_dir() else f" {p.read_bytes()!r}")
+                  for p in Path(root).rglob("*"))
+
+
+def test_request_folders_prune_only_what_the_app_made(tmp_path):
+    """`--out-dir .` in a clone once deleted tracked files: pruning now touches only request folders
+    the app named and marked, and in them only the files it recorded."""
+    from attnqat.demo import KEEP_REQUESTS, REQUEST_MARKER, REQUESTS_FOLDER, new_request_dir, register_output
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.py").write_text("mine")
+    (tmp_path / "README.md").write_text("mine")
+    box = tmp_path / REQUESTS_FOLDER
+    (box / "my-notes").mkdir(parents=True)
+    (box / "my-notes" / "n.txt").write_text("mine")
+    lookalike = box / "request-20200101-000000-deadbeef"  # the app's name pattern, but no marker
+    lookalike.mkdir()
+    (lookalike / "bf16.mp4").write_text("mine")
+    forged = box / "request-20200101-000001-deadbeef"
+    forged.mkdir()
+    (forged / REQUEST_MARKER).write_text('{"kind": "something else", "created": 0, "files": ["x.txt"]}')
+    (forged / "x.txt").write_text("mine")
+    user_owned = before = None
+    made = []
+    for i in range(KEEP_REQUESTS + 3):
+        d = new_request_dir(tmp_path)
+        register_output(d, "bf16.mp4")
+        (d / "bf16.mp4").write_bytes(b"video")
+        (d / "unrecorded.txt").write_text("mine") if i == 0 else None  # a user's file in the app's folder
+        made.append(d)
+        if i == 0:
+            user_owned = d
+            before = _tree(tmp_path)
+    apps = [d for d in made if d.exists()]
+    assert apps[-KEEP_REQUESTS:] == made[-KEEP_REQUESTS:] and len(apps) == KEEP_REQUESTS + 1
+    assert sorted(p.name for p in user_owned.iterdir()) == [REQUEST_MARKER, "unrecorded.txt"]  # bf16.mp4 went
+    after = _tree(tmp_path)
+    for entry in before:  # everything the user made is still there, byte for byte
+        if not entry.startswith(f"{REQUESTS_FOLDER}/{user_owned.name}"):
+            assert entry in after, entry
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(height=256, width=256, frames=33, steps=50, modes=["bf16", "sage3"]),
+     "the work one request may ask for: height x width x frames x steps x modes = 256x256x33x50x2"),
+    (dict(height=128, width=128, frames=17, steps=21, modes=["bf16", "sage3", "attn_qat", "nvfp4"]),
+     "1.1x the work .* the work of 128x128, 17 frames, 20 steps in 4 modes"),
+    (dict(height=float("inf")), "height must be a whole number, got inf"),
+    (dict(steps=float("nan")), "steps must be a whole number, got nan"),
+    (dict(prompt="x" * 2001), "prompt is 2001 characters long; the limit is 2000"),
+    (dict(prompt="\udcff"), "prompt is not valid text"),
+])
+def test_validate_request_caps_the_work_of_a_request(change, message):
+    req = dict(model="tiny", prompt="p", height=32, width=48, frames=5, steps=2, seed=0, modes=["bf16"])
+    req.update(change)
+    with pytest.raises(ValueError, match=message):
+        validate_request(**req)
+    validate_request(model="tiny", prompt="p", height=128, width=128, frames=17, steps=20, seed=0,
+                     modes=["bf16", "sage3", "attn_qat", "nvfp4"])  # exactly the limit passes
+
+
+@pytest.fixture(scope="module")
+def app_module():
+    return _spec("attnqat_app_module", ROOT / "app.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    return DemoEngine.load("tiny", device="cpu")
+
+
+class _Progress:
+    """Records what the page's handler reports through gr.Progress."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, progress=None, desc=None, total=None, unit="steps"):
+        self.calls.append((progress, desc, unit))
+
+
+def test_handler_shows_each_column_when_done_with_step_progress_per_mode(tmp_path, app_module, tiny_engine):
+    import asyncio
+
+    modes = demo_modes()
+    handler = app_module.make_handler(tiny_engine, modes, tmp_path)
+    progress = _Progress()
+    selected = [m for m in modes if m != "bf16"][:2]
+
+    async def drive():
+        return [o async for o in handler("p", 1, 3, H, W, FRAMES, selected, progress=progress)]
+
+    yields = asyncio.run(drive())
+    assert len(yields) == len(selected) + 2  # one per finished mode, then the final (common heat scale)
+    first = yields[0]
+    assert first[0] and first[1].count("time") == 1  # bf16's column is shown ...
+    assert all("waiting" in first[4 * i + 1] for i, m in enumerate(modes) if m in selected)  # ... the others wait
+    for i, mode in enumerate(["bf16", *selected]):
+        label = tiny_engine.label(mode)
+        steps_seen = [p for p, desc, unit in progress.calls if desc and desc.startswith(label + " (mode")]
+        assert steps_seen == [(0, 3), (1, 3), (2, 3), (3, 3)], (mode, progress.calls)
+        assert all("denoising steps" in desc and unit == "steps" for _, desc, unit in progress.calls)
+    final = yields[-1]
+    assert set(final[-1]["modes"]) == {"bf16", *selected}
+
+
+def test_cancelled_request_stops_at_its_next_denoising_step(tmp_path, app_module, tiny_engine):
+    """Gradio cancels the handler's coroutine (the Cancel button, a closed page); the worker thread
+    must then stop between two denoising steps instead of finishing every mode."""
+    import asyncio
+
+    modes = demo_modes()
+    handler = app_module.make_handler(tiny_engine, modes, tmp_path)
+    calls = []
+    hook = tiny_engine.pipe.transformer.register_forward_pre_hook(lambda m, a: calls.append(1))
+    steps = 40
+    try:
+        async def cancel_after_first_column():
+            agen = handler("p", 1, steps, H, W, FRAMES, [m for m in modes if m != "bf16"], progress=_Progress())
+            await agen.__anext__()  # bf16 done
+            nxt = asyncio.ensure_future(agen.__anext__())
+            while len(calls) < 2 * steps + 4:  # two steps into the second mode
+                await asyncio.sleep(0.01)
+            nxt.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await nxt
+
+        asyncio.run(cancel_after_first_column())
+        assert tiny_engine._lock.acquire(timeout=120)  # the worker let go of the engine ...
+        tiny_engine._lock.release()
+        stopped_at = len(calls)
+        assert stopped_at <= 2 * steps + 8, stopped_at  # ... within a step of the cancel, not after 4 modes
+    finally:
+        hook.remove()
+    request = next((tmp_path / "attnqat-demo-requests").iterdir())
+    assert sorted(p.name for p in request.iterdir() if not p.name.startswith(".")) == [
+        "bf16.mp4", "bf16_frames.zip", "bf16_strip.png"]
+
+
+def test_page_names_every_input_and_output_and_shows_no_share_hint(served):
+    client = gradio_client.Client(served.url, verbose=False)
+    api = client.view_api(print_info=False, return_format="dict")
+    assert list(api["named_endpoints"]) == ["/generate"] and not api["unnamed_endpoints"]
+    ep = api["named_endpoints"]["/generate"]
+    labels = [p["label"] for p in ep["parameters"] + ep["returns"]]
+    assert all(label and not label.startswith("value_") for label in labels), labels
+    log = served.log.read_text()
+    assert "share=True" not in log and "app.py: serving modes" in log
+
+
+def test_page_fonts_have_every_letter(served):
+    """Gradio's default theme declared a 600-weight font file of 55 glyphs, so bold headings mixed
+    fonts ("ʙF16"). Every font file the page declares must hold every ASCII letter and digit."""
+    import re
+    import urllib.request
+
+    ttlib = pytest.importorskip("fontTools.ttLib")
+    import gradio
+
+    css = urllib.request.urlopen(served.url + "theme.css", timeout=30).read().decode()
+    files = re.findall(r"url\('(static/fonts/[^']+\.woff2)'\)", css)
+    assert files
+    static = Path(gradio.__file__).parent / "templates" / "frontend"
+    for f in files:
+        cmap = ttlib.TTFont(static / f).getBestCmap()
+        missing = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789" if ord(c) not in cmap]
+        assert not missing, (f, "".join(missing))
+
+
+def test_uploads_are_capped(served):
+    import urllib.error
+    import urllib.request
+
+    body = b"--x\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.bin\"\r\n\r\n" + b"0" * (2 << 20) \
+        + b"\r\n--x--\r\n"
+    req = urllib.request.Request(served.url + "gradio_api/upload", data=body, method="POST",
+                                 headers={"Content-Type": "multipart/form-data; boundary=x"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 413
+
+
+def test_metrics_are_those_of_the_lossless_frames_offered(served):
+    """The page plays lossy mp4s but its PSNR/SSIM are computed before encoding: it says so, and the
+    lossless frames it offers give back exactly its numbers."""
+    import json
+    import urllib.request
+
+    from attnqat.demo import read_frames_zip
+
+    client = gradio_client.Client(served.url, verbose=False)
+    out = _predict(client, ["nvfp4"])
+    modes = demo_modes()
+    zips = {m: out[4 * i + 3] for i, m in enumerate(modes) if out[4 * i + 3]}
+    assert set(zips) == {"bf16", "nvfp4"}
+    ref, x = (read_frames_zip(zips[m]) for m in ("bf16", "nvfp4"))
+    assert ref.shape == (FRAMES, H, W, 3)
+    m = out[-1]["modes"]["nvfp4"]
+    assert m["psnr_db"] == round(psnr(ref, x)[0], 4) and m["ssim"] == round(ssim(ref, x)[0], 4)
+    lossy = _read_mp4(out[4 * modes.index("nvfp4")]["video"] if isinstance(out[4 * modes.index("nvfp4")], dict)
+                      else out[4 * modes.index("nvfp4")])
+    assert not np.array_equal(lossy, x)  # the played video is not what was measured
+    page = json.dumps(json.loads(urllib.request.urlopen(served.url + "config", timeout=30).read()))
+    assert "before video compression" in page and "PSNR over the R, G, B" in page and "on the luma" in page

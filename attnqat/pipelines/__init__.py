@@ -4,13 +4,21 @@ model/checkpoint loading, and the ``attnqat generate`` command (:mod:`attnqat.pi
     from attnqat.pipelines import load_pipeline, patch_attention
     pipe = load_pipeline("tiny")                       # or a local Wan2.1-T2V-*-Diffusers folder
     patch_attention(pipe.transformer, "attn_qat")      # self-attention (attn1) in FP4
+
+The names below load their submodule (torch, diffusers) on first use, so that importing
+:mod:`attnqat.pipelines.generate` for ``attnqat generate --help`` stays fast.
 """
-from .loading import (CheckpointMismatchError, ModelNotFoundError, is_tiny, load_pipeline, load_qat_checkpoint,
-                      load_transformer)
-from .processor import (AttentionTimer, AttnQATProcessor, attention_modes, patch_attention, patched_attention,
-                        unpatch_attention)
-from .tiny import (TINY_NOTICE, TINY_TRANSFORMER_CONFIG, build_tiny_pipeline, build_tiny_text_encoder,
-                   build_tiny_tokenizer, build_tiny_transformer, build_tiny_vae)
+import importlib
+
+_EXPORTS = {
+    "loading": ("CheckpointMismatchError", "ModelNotFoundError", "is_tiny", "load_pipeline", "load_qat_checkpoint",
+                "load_transformer"),
+    "processor": ("AttentionTimer", "AttnQATProcessor", "attention_modes", "patch_attention", "patched_attention",
+                  "unpatch_attention"),
+    "tiny": ("TINY_NOTICE", "TINY_TRANSFORMER_CONFIG", "build_tiny_pipeline", "build_tiny_text_encoder",
+             "build_tiny_tokenizer", "build_tiny_transformer", "build_tiny_vae"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "patch_attention", "unpatch_attention", "patched_attention", "attention_modes", "AttnQATProcessor",
@@ -20,3 +28,15 @@ __all__ = [
     "build_tiny_pipeline", "build_tiny_transformer", "build_tiny_text_encoder", "build_tiny_tokenizer",
     "build_tiny_vae", "TINY_NOTICE", "TINY_TRANSFORMER_CONFIG",
 ]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'attnqat.pipelines' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -8,7 +8,13 @@ Wan 2.1 T2V folder, e.g. one made by
   huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir ./Wan2.1-T2V-1.3B-Diffusers
 
 Sizes: height and width must be multiples of 16 and --frames of the form 4k+1 (1, 5, ..., 81);
-other values are refused with the nearest valid ones (nothing is rounded silently).
+other values are refused with the nearest valid ones (nothing is rounded silently). Upper limits
+(typo guards, each with its reason in the message): height and width 4096, frames 1025, steps 1000,
+fps 240. Every argument and both output paths are checked before any model loads.
+
+Outputs are never left half-written: the video goes to a temporary file beside --out and replaces
+it only once it reads back with every frame; --frames-dir is filled under a temporary name and
+renamed into place. NaN or inf in the latents stops the run at that step, and nothing is written.
 """
 from __future__ import annotations
 
@@ -19,40 +25,67 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
+
+from attnqat.checks import (SIZE_MULTIPLE, TIME_STRIDE,  # noqa: F401 - defined here before, still importable
+                            LIMITS, check_device, check_float, check_int, check_limited, check_output_dir,
+                            check_output_file, check_text, check_video_size, show)
+from attnqat.errors import NonFiniteOutputError, OutputWriteError
+from attnqat.outputs import write_dir_atomically, write_file_atomically
+
+# torch and diffusers are imported where they are used, so `attnqat generate --help` stays fast.
 
 HELP = "generate a video with Wan 2.1 text-to-video (attention in an attnqat mode)"
 
+#: The model used when --model is not given (here and by app.py).
+DEFAULT_MODEL = "tiny"
 # Per-model defaults for options left unset: the tiny model's are small so the CPU run takes seconds;
 # the real model's are Wan 2.1's 480p settings (flow shift 3.0 at 480p, 5.0 at 720p).
 TINY_DEFAULTS = dict(height=64, width=64, frames=9, steps=8, guidance=5.0, flow_shift=3.0)
 REAL_DEFAULTS = dict(height=480, width=832, frames=81, steps=50, guidance=5.0, flow_shift=3.0)
 FPS = 16  # Wan 2.1 generates 16 frames per second
-SIZE_MULTIPLE = 16  # the VAE downsamples by 8, then the transformer patches 2x2
-TIME_STRIDE = 4  # the VAE keeps the first frame, then compresses time by 4: frames = 4k + 1
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch attribute
+MP4_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers ffmpeg writes H.264 into
+
+
+def model_defaults(model: str) -> dict:
+    """The defaults of ``model`` for the generation settings left unset (height, width, frames,
+    steps, guidance, flow_shift): the one place that maps a model to them (generate and the demo)."""
+    from .loading import is_tiny
+
+    return dict(TINY_DEFAULTS if is_tiny(model) else REAL_DEFAULTS)
+
+
+def torch_dtype(name: str):
+    """``"bf16"`` / ``"fp16"`` / ``"fp32"`` -> the torch dtype."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {show(name)} not in {sorted(DTYPE_NAMES)}")
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    side, frames, steps, fps = (LIMITS[k][0] for k in ("side", "frames", "steps", "fps"))
     g = p.add_argument_group("what to generate")
     g.add_argument("--prompt", required=True, help="text prompt")
     g.add_argument("--negative-prompt", default="", help="negative prompt for classifier-free guidance (default: empty)")
-    g.add_argument("--height", type=int, help="video height in pixels, a multiple of 16 "
+    g.add_argument("--height", type=int, help=f"video height in pixels, a multiple of 16 up to {side} "
                    "(default: 64 for tiny, 480 otherwise)")
-    g.add_argument("--width", type=int, help="video width in pixels, a multiple of 16 (default: 64 for tiny, 832 otherwise)")
-    g.add_argument("--frames", type=int, help="number of frames, 4k+1 (default: 9 for tiny, 81 otherwise); "
-                   "other values are refused with the nearest valid ones")
-    g.add_argument("--steps", type=int, help="denoising steps (default: 8 for tiny, 50 otherwise)")
-    g.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: 5.0; <= 1 disables "
-                   "the unconditional pass)")
-    g.add_argument("--flow-shift", type=float, help="UniPC flow-matching shift (default: 3.0, Wan 2.1's 480p "
+    g.add_argument("--width", type=int, help=f"video width in pixels, a multiple of 16 up to {side} "
+                   "(default: 64 for tiny, 832 otherwise)")
+    g.add_argument("--frames", type=int, help=f"number of frames, 4k+1 up to {frames} (default: 9 for tiny, 81 "
+                   "otherwise); other values are refused with the nearest valid ones")
+    g.add_argument("--steps", type=int, help=f"denoising steps, 1 to {steps} (default: 8 for tiny, 50 otherwise)")
+    g.add_argument("--guidance", type=float, help="classifier-free guidance scale, >= 0 (default: 5.0; <= 1 "
+                   "disables the unconditional pass)")
+    g.add_argument("--flow-shift", type=float, help="UniPC flow-matching shift, > 0 (default: 3.0, Wan 2.1's 480p "
                    "value; 5.0 for 720p)")
-    g.add_argument("--seed", type=int, default=0, help="random seed of the initial noise (default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="random seed of the initial noise, 0 to 2^63-1 (default: 0)")
 
     g = p.add_argument_group("model and attention")
-    g.add_argument("--model", default="tiny", help="'tiny' (default: offline, RANDOM weights), a local "
-                   "diffusers-format Wan 2.1 T2V folder, or a hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers "
-                   "(used from the cache, downloaded only if the network allows)")
+    g.add_argument("--model", default=DEFAULT_MODEL, help=f"'tiny' (default: {DEFAULT_MODEL}; tiny is offline, "
+                   "RANDOM weights), a local diffusers-format Wan 2.1 T2V folder, or a hub id such as "
+                   "Wan-AI/Wan2.1-T2V-1.3B-Diffusers (used from the cache, downloaded only if the network allows)")
     g.add_argument("--mode", default="bf16", help="attention mode for the patched layers (default: bf16); "
                    "one of attnqat.available_modes(), e.g. attn_qat, nvfp4, sage3")
     g.add_argument("--layers", default="self", help="which attention layers use --mode: 'self' (default: attn1 "
@@ -61,91 +94,84 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qat-checkpoint", metavar="PATH", help="transformer weights to load (a .safetensors file or "
                    "a folder of them, e.g. from attnqat's QAT fine-tuning); must match --model's architecture")
 
-    g = p.add_argument_group("output")
-    g.add_argument("--out", default="video.mp4", help="output mp4 path (default: video.mp4)")
-    g.add_argument("--frames-dir", metavar="DIR", help="also write every frame as DIR/frame_0000.png ...")
-    g.add_argument("--fps", type=int, default=FPS, help=f"frames per second of the mp4 (default: {FPS})")
+    g = p.add_argument_group("output (checked before anything loads; written to a temporary name, then renamed)")
+    g.add_argument("--out", default="video.mp4", help="output video path ending in .mp4 (or .m4v, .mov, .mkv); an "
+                   "existing file is replaced only once the new video is written and reads back (default: video.mp4)")
+    g.add_argument("--frames-dir", metavar="DIR", help="also write every frame as DIR/frame_0000.png ...; DIR must "
+                   "be new or empty (nothing in it is overwritten)")
+    g.add_argument("--fps", type=int, default=FPS, help=f"frames per second of the video, 1 to {fps} (default: {FPS})")
 
     g = p.add_argument_group("runtime")
     g.add_argument("--device", help="cuda, cuda:1, cpu ... (default: cuda if available, else cpu)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), help="transformer and text-encoder dtype (default: bf16 on "
-                   "GPU, fp32 on CPU; the VAE always runs in fp32)")
+    g.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="transformer and text-encoder dtype (default: bf16 "
+                   "on GPU, fp32 on CPU; the VAE always runs in fp32)")
     g.add_argument("--offload", action="store_true", help="model CPU offload (diffusers' enable_model_cpu_offload): "
                    "each model moves to the GPU only while it runs, for GPUs with little memory")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer (the first step is "
                    "slower; attention time is then not measured)")
 
 
-def _nearest_frames(n: int) -> str:
-    lo = max(1, (n - 1) // TIME_STRIDE * TIME_STRIDE + 1)
-    hi = lo + TIME_STRIDE
-    if n < 1:
-        return "1"
-    if n - lo == hi - n:
-        return f"{lo} or {hi}"
-    return str(lo if n - lo < hi - n else hi)
-
-
-def _nearest_multiple(n: int, m: int) -> str:
-    lo, hi = n // m * m, (n // m + 1) * m
-    if lo < m:
-        return str(m)
-    return f"{lo} or {hi}"
-
-
-def parse_layers(text: str):
-    """``"self"``, ``"all"`` or ``"0,3,5"`` → what :func:`patch_attention` takes."""
-    text = text.strip()
+def parse_layers(text: str, n_blocks: int | None = None):
+    """``"self"``, ``"all"`` or ``"0,3,5"`` → what :func:`patch_attention` takes; indices are checked
+    against ``n_blocks`` when it is known."""
+    text = check_text("--layers", text).strip()
     if text in ("self", "all"):
         return text
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        indices = [int(x) for x in text.split(",")]
     except ValueError:
-        raise ValueError(f"--layers {text!r}: expected 'self', 'all' or comma-separated block indices") from None
+        raise ValueError(f"--layers {show(text)}: expected 'self', 'all' or comma-separated block indices") from None
+    bad = sorted({i for i in indices if i < 0 or (n_blocks is not None and i >= n_blocks)})
+    if bad:
+        where = f"the transformer has {n_blocks} blocks (0..{n_blocks - 1})" if n_blocks else "indices start at 0"
+        raise ValueError(f"--layers: block indices {show(bad)} out of range: {where}")
+    return indices
 
 
 def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill model-dependent defaults and validate every setting, before anything heavy loads."""
+    """Fill model-dependent defaults and validate every generation setting, before anything heavy
+    loads. The limits and their reasons are :data:`attnqat.checks.LIMITS`."""
     from attnqat.kernels import available_modes
 
-    from .loading import is_tiny
+    from .loading import check_model, check_qat_checkpoint, model_num_blocks
 
-    defaults = TINY_DEFAULTS if is_tiny(args.model) else REAL_DEFAULTS
-    for k, v in defaults.items():
+    check_model(args.model)
+    for k, v in model_defaults(args.model).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if not args.prompt.strip():
-        raise ValueError("--prompt is empty")
-    for name in ("height", "width"):
-        v = getattr(args, name)
-        if v <= 0 or v % SIZE_MULTIPLE:
-            raise ValueError(f"--{name} {v} is not a positive multiple of {SIZE_MULTIPLE} (Wan's VAE downsamples "
-                             f"by 8 and its transformer patches by 2); nearest valid: {_nearest_multiple(v, SIZE_MULTIPLE)}")
-    if args.frames < 1 or (args.frames - 1) % TIME_STRIDE:
-        raise ValueError(f"--frames {args.frames} is not of the form 4k+1 (Wan's VAE keeps the first frame and "
-                         f"compresses the rest by 4); nearest valid: {_nearest_frames(args.frames)}")
-    if args.steps < 1:
-        raise ValueError(f"--steps {args.steps} must be at least 1")
-    if args.fps < 1:
-        raise ValueError(f"--fps {args.fps} must be at least 1")
+    check_text("--prompt", args.prompt)
+    check_text("--negative-prompt", args.negative_prompt, empty_ok=True)
+    check_video_size(args.height, args.width, args.frames, args.steps)
+    check_float("--guidance", args.guidance, lo=0.0)
+    check_float("--flow-shift", args.flow_shift, lo=0.0, lo_open=True)
+    check_limited("--fps", args.fps, "fps")
+    check_int("--seed", args.seed, 0, *LIMITS["seed"])
+    check_text("--mode", args.mode)
     if args.mode not in available_modes():
-        raise ValueError(f"unknown --mode {args.mode!r}; available: {', '.join(available_modes())}")
-    args.layers = parse_layers(args.layers) if isinstance(args.layers, str) else args.layers
+        raise ValueError(f"unknown --mode {show(args.mode)}; available: {', '.join(available_modes())}")
+    if isinstance(args.layers, str):
+        args.layers = parse_layers(args.layers, model_num_blocks(args.model))
 
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ValueError(f"--device {args.device!r} is not a torch device (e.g. cuda, cuda:0, cpu)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but no CUDA GPU is available; use --device cpu")
+    device = check_device("--device", args.device)
+    args.device = str(device)
     if args.offload and device.type != "cuda":
         raise ValueError("--offload needs a CUDA device (it moves models between CPU and GPU)")
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
-    if args.qat_checkpoint and not Path(args.qat_checkpoint).expanduser().exists():
-        raise FileNotFoundError(f"--qat-checkpoint {args.qat_checkpoint!r} does not exist")
+    if args.qat_checkpoint is not None:
+        check_qat_checkpoint(args.qat_checkpoint)
+    return args
+
+
+def check_outputs(args: argparse.Namespace) -> argparse.Namespace:
+    """Check --out and --frames-dir before anything loads (a read-only folder, a folder given as
+    --out, a non-empty --frames-dir are refused here, not after minutes of generation). Nothing is
+    created yet."""
+    args.out = check_output_file("--out", args.out, MP4_SUFFIXES)
+    if args.frames_dir is not None:
+        args.frames_dir = check_output_dir("--frames-dir", args.frames_dir, must_be_empty=True)
+        if args.frames_dir.absolute() == args.out.absolute():
+            raise ValueError("--frames-dir and --out are the same path")
     return args
 
 
@@ -164,13 +190,15 @@ class _StepClock:
     """Times denoising steps: a step starts at its first transformer call (a forward pre-hook) and
     ends at the pipeline's step-end callback. Synchronises CUDA at both points."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device):
         self.device = device
         self.starts: list[float] = []
         self.ends: list[float] = []
 
     def _now(self) -> float:
         if self.device.type == "cuda":
+            import torch
+
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
@@ -187,15 +215,33 @@ class _StepClock:
 
 
 def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int, width: int, frames: int,
-                   steps: int, guidance: float, seed: int = 0, timer=None, device: torch.device | str | None = None,
-                   max_sequence_length: int = 512) -> GenerationResult:
+                   steps: int, guidance: float, seed: int = 0, timer=None, device=None,
+                   max_sequence_length: int = 512, on_step=None) -> GenerationResult:
     """Run a ``WanPipeline`` once and measure it (step times, attention time via ``timer``, peak memory).
 
     ``timer`` is the :class:`~attnqat.pipelines.AttentionTimer` given to :func:`patch_attention`
-    (reset here). The progress bar is diffusers' (tqdm).
+    (reset here). The progress bar is diffusers' (tqdm). ``on_step(done, steps)`` is called after
+    each denoising step; an exception it raises stops the generation there (the demo's cancel).
+
+    After every step the latents are checked: NaN or inf stops the run with
+    :class:`~attnqat.errors.NonFiniteOutputError` (no later step, no decoding); so do non-finite
+    decoded frames. A video is never made from them.
     """
+    import torch
+
     device = torch.device(device) if device is not None else pipe._execution_device
     clock = _StepClock(device)
+
+    def step_end(pipe_, step, timestep, callback_kwargs):
+        clock.on_step_end(pipe_, step, timestep, callback_kwargs)
+        latents = callback_kwargs.get("latents")
+        if latents is not None and not bool(torch.isfinite(latents).all()):
+            raise NonFiniteOutputError(f"denoising step {step + 1} of {steps} produced NaN or infinite latents; "
+                                       f"no video is made from them")
+        if on_step is not None:
+            on_step(step + 1, steps)
+        return {}
+
     hook = pipe.transformer.register_forward_pre_hook(clock.pre_hook)
     if timer is not None:
         timer.reset()
@@ -205,14 +251,16 @@ def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int,
     try:
         out = pipe(prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, num_frames=frames,
                    num_inference_steps=steps, guidance_scale=guidance, output_type="np",
-                   generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=clock.on_step_end,
-                   max_sequence_length=max_sequence_length)
+                   generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=step_end,
+                   callback_on_step_end_tensor_inputs=["latents"], max_sequence_length=max_sequence_length)
     finally:
         hook.remove()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     video = np.asarray(out.frames[0])
+    if not np.isfinite(video).all():
+        raise NonFiniteOutputError("the decoded frames hold NaN or infinite values; no video is made from them")
     video = (np.clip(video, 0.0, 1.0) * 255.0).round().astype(np.uint8)
     timed = timer is not None and timer.enabled
     return GenerationResult(
@@ -230,35 +278,91 @@ def check_mp4_writer() -> None:
         raise ImportError("writing mp4 needs imageio's ffmpeg plugin: pip install imageio-ffmpeg") from None
 
 
+def _check_frames(frames) -> np.ndarray:
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
+        raise ValueError(f"frames must be a non-empty (frames, height, width, 3) uint8 array, got "
+                         f"{frames.dtype} {frames.shape}")
+    return frames
+
+
+def read_video(path: str | Path) -> np.ndarray:
+    """All frames of a video file as (frames, H, W, 3) uint8 (imageio + ffmpeg)."""
+    import imageio.v2 as imageio
+
+    reader = imageio.get_reader(str(path), format="FFMPEG")
+    try:
+        return np.stack([f for f in reader])
+    finally:
+        reader.close()
+
+
 def write_mp4(frames: np.ndarray, path: str | Path, fps: int = FPS) -> Path:
-    """Write (frames, H, W, 3) uint8 as an H.264 mp4 (imageio + its bundled ffmpeg)."""
+    """Write (frames, H, W, 3) uint8 as an H.264 video (imageio + its bundled ffmpeg), safely.
+
+    The video goes to a temporary file beside ``path``; it replaces ``path`` only after the writer
+    finished and the file reads back with the same number and size of frames. Any failure (disk full,
+    ffmpeg error) leaves an existing ``path`` untouched, removes the temporary file and raises
+    :class:`~attnqat.errors.OutputWriteError`. Return: ``path``.
+    """
     import imageio.v2 as imageio
 
     check_mp4_writer()
+    frames = _check_frames(frames)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with imageio.get_writer(str(path), format="FFMPEG", fps=fps, codec="libx264", quality=8, pixelformat="yuv420p",
-                            macro_block_size=1, ffmpeg_log_level="error") as w:
-        for frame in frames:
-            w.append_data(frame)
-    return path
+
+    def write(tmp: Path) -> None:
+        with imageio.get_writer(str(tmp), format="FFMPEG", fps=fps, codec="libx264", quality=8,
+                                pixelformat="yuv420p", macro_block_size=1, ffmpeg_log_level="error") as w:
+            for frame in frames:
+                w.append_data(frame)
+
+    def verify(tmp: Path) -> None:
+        if tmp.stat().st_size == 0:
+            raise OutputWriteError(f"the video written for {str(path)!r} is empty")
+        try:
+            back = read_video(tmp)
+        except Exception as e:  # imageio / ffmpeg raise several types for an unreadable file
+            raise OutputWriteError(f"the video written for {str(path)!r} does not read back "
+                                   f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from e
+        if back.shape != frames.shape:
+            raise OutputWriteError(f"the video written for {str(path)!r} reads back as {back.shape[0]} frames of "
+                                   f"{back.shape[1]}x{back.shape[2]}, not {frames.shape[0]} of "
+                                   f"{frames.shape[1]}x{frames.shape[2]}")
+
+    return write_file_atomically(path, write, verify)
 
 
 def write_pngs(frames: np.ndarray, folder: str | Path) -> list[Path]:
-    """Write each frame as ``folder/frame_0000.png`` ..."""
+    """Write each frame as ``folder/frame_0000.png`` ... (lossless).
+
+    The frames go to a temporary folder beside ``folder``, which is then renamed to ``folder``;
+    ``folder`` must not exist or be empty: a folder with anything in it is never written into
+    (:class:`~attnqat.errors.OutputWriteError`; the temporary folder is removed)."""
     import imageio.v2 as imageio
 
+    frames = _check_frames(frames)
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / f"frame_{i:04d}.png" for i in range(len(frames))]
-    for p, frame in zip(paths, frames):
-        imageio.imwrite(p, frame)
-    return paths
+    names = [f"frame_{i:04d}.png" for i in range(len(frames))]
+
+    def write(tmp: Path) -> None:
+        for name, frame in zip(names, frames):
+            imageio.imwrite(tmp / name, frame)
+
+    def verify(tmp: Path) -> None:
+        short = [n for n in names if (tmp / n).stat().st_size == 0]
+        if short:
+            raise OutputWriteError(f"{len(short)} PNG files written for {str(folder)!r} are empty")
+
+    write_dir_atomically(folder, write, verify)
+    return [folder / n for n in names]
 
 
-def check_mode_runs(mode: str, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+def check_mode_runs(mode: str, head_dim: int, device, dtype) -> None:
     """Run ``mode`` once on small inputs of the model's head_dim, device and dtype, so that an
     unsupported combination (e.g. an FP4 kernel given fp32, or head_dim 96) fails before the model runs."""
+    import torch
+
     from attnqat.kernels import attention
 
     q = torch.randn(1, 1, 32, head_dim, device=device).to(dtype)
@@ -281,17 +385,20 @@ def _describe_layers(layers, n_blocks: int) -> str:
 
 def main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
+    args = resolve_settings(args)
+    check_outputs(args)
+    check_mp4_writer()  # before minutes of generation, not after
+    import torch
+
     from .loading import is_tiny, load_pipeline, load_qat_checkpoint
     from .processor import AttentionTimer, patch_attention
     from .tiny import TINY_NOTICE
 
-    args = resolve_settings(args)
-    check_mp4_writer()  # before minutes of generation, not after
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - the video path goes to stdout
     tiny = is_tiny(args.model)
     if tiny:
         log(f"NOTE: {TINY_NOTICE}.")
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = torch.device(args.device), torch_dtype(args.dtype)
 
     pipe = load_pipeline(args.model, dtype=dtype, device=None if args.offload else device,
                          flow_shift=args.flow_shift)
@@ -307,11 +414,20 @@ def main(args: argparse.Namespace) -> int:
     pipe.set_progress_bar_config(desc=f"denoising ({args.mode})", file=sys.stderr)
     t_loaded = time.perf_counter()
 
-    result = generate_video(pipe, args.prompt, negative_prompt=args.negative_prompt, height=args.height,
-                            width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
-                            seed=args.seed, timer=timer, device=device)
+    try:
+        result = generate_video(pipe, args.prompt, negative_prompt=args.negative_prompt, height=args.height,
+                                width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
+                                seed=args.seed, timer=timer, device=device)
+    except NonFiniteOutputError as e:
+        raise NonFiniteOutputError(f"{e} (--mode {args.mode}, --dtype {args.dtype}, seed {args.seed}); nothing "
+                                   f"was written") from e
     out = write_mp4(result.frames, args.out, fps=args.fps)
-    pngs = write_pngs(result.frames, args.frames_dir) if args.frames_dir else []
+    pngs = []
+    if args.frames_dir is not None:
+        try:
+            pngs = write_pngs(result.frames, args.frames_dir)
+        except OutputWriteError as e:
+            raise OutputWriteError(f"{e} (the video {str(out)!r} was written)") from e
     total = time.perf_counter() - t_start
 
     steps = result.step_seconds

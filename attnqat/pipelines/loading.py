@@ -12,7 +12,8 @@ from .mini import is_mini, mini_folder
 from .tiny import build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
-           "load_qat_checkpoint", "is_tiny", "is_mini", "resolve_model"]
+           "load_qat_checkpoint", "is_tiny", "is_mini", "resolve_model", "check_model", "model_num_blocks",
+           "check_qat_checkpoint"]
 
 #: The real model this project targets; also the example in error messages.
 DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
@@ -68,6 +69,36 @@ def _resolve(model: str, subfolder: str | None = None) -> str:
     if _looks_like_hub_id(model):
         return model
     raise ModelNotFoundError(f"model folder {model!r} does not exist; {_download_hint(DEFAULT_REAL_MODEL)}")
+
+
+def check_model(model: str, flag: str = "--model") -> None:
+    """Refuse a ``model`` value that cannot load, without loading anything: blank text, a missing
+    folder, a folder without model_index.json, a file. A hub id is checked when it loads."""
+    from attnqat.checks import check_path_text, check_text
+
+    check_text(flag, model)
+    model = resolve_model(model)
+    if not is_tiny(model):
+        check_path_text(flag, model)
+        _resolve(model)
+
+
+def model_num_blocks(model: str) -> int | None:
+    """The transformer's number of blocks, read from its config without loading weights (None for a
+    hub id or an unreadable config: then it is known once the model loads)."""
+    model = resolve_model(model)
+    if is_tiny(model):
+        from .tiny import TINY_TRANSFORMER_CONFIG
+
+        return TINY_TRANSFORMER_CONFIG["num_layers"]
+    config = Path(model).expanduser() / "transformer" / "config.json"
+    try:
+        import json
+
+        n = json.loads(config.read_text()).get("num_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if isinstance(n, int) else None
 
 
 def _from_pretrained(cls, model: str, **kwargs):
@@ -126,9 +157,7 @@ def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16
     return transformer.to(device) if device is not None else transformer
 
 
-def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"QAT checkpoint {str(p)!r} does not exist")
@@ -136,8 +165,37 @@ def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         files = sorted(p.glob("*.safetensors")) or sorted(p.glob("transformer/*.safetensors"))
         if not files:
             raise FileNotFoundError(f"QAT checkpoint folder {str(p)!r} holds no .safetensors file")
-    else:
-        files = [p]
+        return files
+    return [p]
+
+
+def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint") -> None:
+    """Refuse a checkpoint path that cannot load, reading only the files' headers: missing, a folder
+    without .safetensors files, a file that is not safetensors. Whether its keys and shapes fit the
+    model is checked by :func:`load_qat_checkpoint`."""
+    from safetensors import safe_open
+
+    from attnqat.checks import check_path_text
+
+    p = check_path_text(flag, path)
+    if not p.exists():
+        raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
+    try:
+        files = _checkpoint_files(p)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{flag}: {e}") from None
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                h.keys()
+        except Exception as e:  # safetensors raises its own error types for corrupt/non-safetensors files
+            raise CheckpointMismatchError(f"{str(f)!r} is not a readable safetensors file: {e}") from e
+
+
+def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = _checkpoint_files(path)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:

@@ -1,0 +1,21 @@
+"""Errors that end a run for a reason the user should read, not a bug.
+
+The ``attnqat`` console script prints each of these as one line on stderr, without a traceback,
+and exits with status 1 (status 2 is for mistakes in the arguments, see :mod:`attnqat.cli`).
+"""
+from __future__ import annotations
+
+__all__ = ["OutputWriteError", "NonFiniteOutputError", "GenerationCancelled"]
+
+
+class OutputWriteError(OSError):
+    """An output file or folder could not be written (disk full, folder removed meanwhile, ...), or it
+    was written but does not read back. The message says whether an earlier file was kept."""
+
+
+class NonFiniteOutputError(RuntimeError):
+    """Generation produced NaN or infinite latents or frames; no video is written from them."""
+
+
+class GenerationCancelled(RuntimeError):
+    """A generation was stopped between two denoising steps because its request was cancelled."""
