@@ -437,23 +437,28 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def select_checkpoint(output_dir: str | Path, log=print) -> tuple[Path, dict] | None:
-    """The newest checkpoint that passes full verification (sha256 of every file) and its manifest. Corrupt ones
-    on the way are moved aside to step-N.corrupt, saying so; older-format (pickle) ones are skipped, saying so.
-    None if there is no checkpoint at all; CheckpointError if there are some and none is usable."""
+    """The newest checkpoint that passes full verification (sha256 of every file) and its manifest. The corrupt
+    ones newer than it are then moved aside to step-N.corrupt (kept for inspection, out of the way of pruning and
+    of the next resume), saying so; older-format (pickle) ones are skipped, saying so. None if there is no
+    checkpoint at all; CheckpointError (and nothing moved) if there are some and none is usable."""
     steps = ck.step_dirs(output_dir)
     problems = []
     for _, p in reversed(steps):
         try:
-            return p, ck.verify(p)
+            manifest = ck.verify(p)
         except CheckpointError as e:
-            problems.append(str(e))
-            if ck.is_legacy(p) and not (p / ck.MANIFEST).exists():
-                log(f"attnqat train: skipping {p.name}: {e}")
+            problems.append((p, e))
+            continue
+        for bad, e in problems:
+            if ck.is_legacy(bad) and not (bad / ck.MANIFEST).exists():
+                log(f"attnqat train: skipping {bad.name}: {e}")
             else:
-                dest = ck.move_aside(p, log=lambda *_: None)
-                log(f"attnqat train: {e}; moved it aside to {dest.name}, falling back to an older checkpoint")
+                dest = ck.move_aside(bad, log=lambda *_: None)
+                log(f"attnqat train: {e}; moved it aside to {dest.name}, falling back to {p.name}")
+        return p, manifest
     if problems:
-        raise CheckpointError(f"no intact checkpoint in {Path(output_dir) / 'checkpoints'}: " + " | ".join(problems))
+        raise CheckpointError(f"no intact checkpoint in {Path(output_dir) / 'checkpoints'}: "
+                              + " | ".join(str(e) for _, e in problems))
     return None
 
 
@@ -571,10 +576,10 @@ def check_output_dir(out_dir: Path) -> None:
             raise ValueError(f"{str(out_dir / 'final')!r} was not written by attnqat; move it out of output_dir")
         if (out_dir / ck.LOG).exists() and not ck.our_log(out_dir / ck.LOG):
             raise ValueError(f"{str(out_dir / ck.LOG)!r} is not an attnqat log; move it out of output_dir")
-    except OSError as e:
-        if isinstance(e, PermissionError):
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte
+        if isinstance(e, PermissionError) or (isinstance(e, ValueError) and "output_dir" in str(e)):
             raise
-        raise ValueError(f"output_dir {str(out_dir)[:200]!r} is not usable: {e.strerror or e}") from None
+        raise ValueError(f"output_dir {str(out_dir)[:200]!r} is not usable: {getattr(e, 'strerror', None) or e}") from None
 
 
 def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None = None,
@@ -611,18 +616,22 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite) ->
 
     acc, tr = trainer.accelerator, cfg.train
     out_dir = Path(cfg.output_dir)
+    resumed = None
+    if resume and resume != "auto":  # a named checkpoint: verified and loaded before output_dir is touched
+        resumed = trainer.resume_from(resume)
     if acc.is_main_process:
         if overwrite:
             ck.remove_run(out_dir, log=acc.print)
-        out_dir.mkdir(parents=True, exist_ok=True)
         ck.recover_run(out_dir, log=acc.print)  # finish or undo the writes a kill interrupted
     acc.wait_for_everyone()
-    resumed = trainer.resume_from(resume) if resume else None
+    if resume == "auto":
+        resumed = trainer.resume_from(resume)
     start = trainer.state.step
     if start > tr.max_steps:
         raise ValueError(f"the checkpoint is at step {start}, past train.max_steps {tr.max_steps}; raise "
                          f"train.max_steps or resume an earlier checkpoint")
     if acc.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
         ck.atomic_write_text(out_dir / ck.RUN_CONFIG, yaml_config(cfg))
     if resumed is not None and start == tr.max_steps:
         return _finish(trainer, out_dir / "final")
