@@ -386,3 +386,22 @@ def test_resume_never_unpickles(tmp_path, reference):
     assert main(["train", "--config", str(TINY), "--output-dir", str(tmp_path / "legacy"),
                  "--set", "log.progress=false", "--resume", "auto"]) == 2
     assert not marker.exists()
+
+
+def test_a_crafted_checkpoint_with_a_valid_manifest_is_still_only_data(tmp_path, stopped):
+    """The manifest proves integrity, not origin: anyone can write one. A crafted checkpoint is safe because it
+    is read as tensors and JSON only, and the JSON is checked: a scheduler state that would set other attributes
+    (LambdaLR.load_state_dict sets every key it is given) and a trainer state of the wrong type are refused."""
+    import json
+    out = stopped(tmp_path / "run")
+    ckpt = out / "checkpoints" / "step-0000004"
+    sched = json.loads((ckpt / "state" / "scheduler.json").read_text())
+    (ckpt / "state" / "scheduler.json").write_text(json.dumps({**sched, "optimizer": "x"}))
+    ck.write_manifest(ckpt, kind="checkpoint", step=4)
+    with pytest.raises(CheckpointError, match="scheduler.json"):
+        train(cfg(out, "train.max_steps=5", "checkpoint.every=2"), resume=str(ckpt))
+    (ckpt / "state" / "scheduler.json").write_text(json.dumps(sched))
+    (ckpt / "trainer_state.json").write_text('{"step": "4; import os", "position": 8}')
+    ck.write_manifest(ckpt, kind="checkpoint", step=4)
+    with pytest.raises(CheckpointError, match="trainer_state.json"):
+        train(cfg(out, "train.max_steps=5", "checkpoint.every=2"), resume=str(ckpt))

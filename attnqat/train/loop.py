@@ -374,8 +374,8 @@ class Trainer:
             osd = ck.unflatten_optimizer(load_file(str(ck.listed(path, manifest, "state/optimizer.safetensors"))),
                                          structure)
         set_optimizer_state_dict(self.student, self._raw_optimizer(), osd, options=options)
-        sched = ck.decode(json_file("state/scheduler.json"))
-        if not isinstance(sched, dict) or set(sched) != set(self.scheduler.state_dict()):
+        sched = ck.decode(json_file("state/scheduler.json"))  # load_state_dict sets every key as an attribute:
+        if not isinstance(sched, dict) or "last_epoch" not in sched or set(sched) - set(self.scheduler.state_dict()):
             raise CheckpointError(f"{path}: state/scheduler.json does not hold this run's LR scheduler state")
         self.scheduler.load_state_dict(sched)
         if acc.scaler is not None and "state/scaler.json" in manifest["files"]:
