@@ -405,3 +405,34 @@ def test_a_crafted_checkpoint_with_a_valid_manifest_is_still_only_data(tmp_path,
     ck.write_manifest(ckpt, kind="checkpoint", step=4)
     with pytest.raises(CheckpointError, match="trainer_state.json"):
         train(cfg(out, "train.max_steps=5", "checkpoint.every=2"), resume=str(ckpt))
+
+
+def test_a_real_sigkill_during_the_final_export(tmp_path, reference):
+    """The in-process kills above raise; this one is a real SIGKILL (no finally, no flush), in a separate
+    process, between the two renames of the final export (final -> final.old done, final.tmp -> final not)."""
+    import signal
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    args = ["train", "--config", str(TINY), "--output-dir", str(out), "--max-steps", "5",
+            *[a for o in SMALL + ["checkpoint.every=2"] for a in ("--set", o)]]
+    train(cfg(out, "train.max_steps=5", "checkpoint.every=2"))  # a complete run: final/ exists, the export repeats
+    shutil.rmtree(out / "checkpoints" / "step-0000005")  # so the resume trains step 5 and exports again
+    script = ("import os, signal, sys\n"
+              "real = os.replace\n"
+              "def replace(a, b):\n"
+              "    if str(a).endswith('final.tmp'):\n"
+              "        os.kill(os.getpid(), signal.SIGKILL)\n"
+              "    return real(a, b)\n"
+              "os.replace = replace\n"
+              "from attnqat.cli import main\n"
+              f"sys.exit(main({args + ['--resume', 'auto']!r}))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert not (out / "final").exists() and (out / "final.old").is_dir() and (out / "final.tmp").is_dir()
+    p = subprocess.run([sys.executable, "-m", "attnqat.cli", *args, "--resume", "auto"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "finished the interrupted write" in p.stdout and leftovers(out) == []
+    assert same_weights(final_weights(out), reference["final"])
