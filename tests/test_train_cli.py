@@ -178,3 +178,15 @@ def test_limits_are_documented():
     for key, (hi, why) in LIMITS.items():
         assert f"`{key}`" in text and why in text, key
     assert ABSURD_KEYS <= set(KEYS)
+
+
+def test_overwrite_from_the_cli(existing_run, tmp_path, capsys):
+    import shutil
+    run = shutil.copytree(existing_run / "run", tmp_path / "run")
+    argv = ["train", "--config", str(TINY), "--output-dir", str(run), "--set", "log.progress=false",
+            "--set", "data.held_out=0", "--set", "data.batch_size=1", "--max-steps", "1"]
+    assert main(argv) == 2 and "already holds a training run" in capsys.readouterr().err
+    assert main(argv + ["--overwrite"]) == 0
+    assert "--overwrite removed the earlier run" in capsys.readouterr().out
+    assert (run / "notes.txt").read_text() == "the user's"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000001"]
