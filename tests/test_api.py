@@ -1,4 +1,5 @@
 """The attention API: every mode vs its reference, inference-only refusals, dispatch by device."""
+import os
 import warnings
 
 import pytest
@@ -172,3 +173,165 @@ def test_torch_compile_traces_without_graph_breaks():
             eager = attention(q, k, v, mode=mode)
             graph = torch.compile(lambda a, b, c: attention(a, b, c, mode=mode), fullgraph=True, backend="aot_eager")
             assert torch.equal(graph(q, k, v), eager)
+
+
+# --- Input contract: one check, the same on the Triton path and the reference path -----------------------------
+
+MODES = ["bf16", "nvfp4", "sage3", "attn_qat", "attn_qat_dropin", "sagebwd"]
+PATHS = {"reference": "0", "interpreter": "1"}  # TRITON_INTERPRET: bf16 CPU tensors take the kernels under "1"
+
+
+def _t(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape).to(dtype)
+
+
+def _good():
+    return _t(1, 2, 24, 64), _t(1, 2, 40, 64), _t(1, 2, 40, 64)
+
+
+# (name, build () -> (q, k, v, kwargs), message, modes the value is legal for)
+BAD_INPUTS = [
+    ("int32", lambda: (*(torch.randint(-3, 3, (1, 2, 24, 64), dtype=torch.int32) for _ in range(3)), {}), "dtype", ()),
+    ("bool", lambda: (*(torch.ones(1, 2, 24, 64, dtype=torch.bool) for _ in range(3)), {}), "dtype", ()),
+    ("float64", lambda: (*(_t(1, 2, 24, 64, dtype=torch.float64) for _ in range(3)), {}), "dtype", ()),
+    ("mixed dtypes", lambda: (_t(1, 2, 24, 64), _t(1, 2, 40, 64, dtype=torch.float16), _t(1, 2, 40, 64), {}),
+     "share a dtype", ()),
+    ("3-D q", lambda: (_t(2, 24, 64), _t(1, 2, 40, 64), _t(1, 2, 40, 64), {}), "batch, heads, seqlen, head_dim", ()),
+    ("5-D k", lambda: (_t(1, 2, 24, 64), _t(1, 1, 2, 40, 64), _t(1, 2, 40, 64), {}), "batch, heads, seqlen", ()),
+    ("broadcast batch", lambda: (_t(1, 2, 24, 64), _t(2, 2, 40, 64), _t(2, 2, 40, 64), {}), "must agree", ()),
+    ("broadcast heads", lambda: (_t(1, 2, 24, 64), _t(1, 1, 40, 64), _t(1, 1, 40, 64), {}), "must agree", ()),
+    ("k, v lengths differ", lambda: (_t(1, 2, 24, 64), _t(1, 2, 40, 64), _t(1, 2, 41, 64), {}), "shapes differ", ()),
+    ("v head_dim differs", lambda: (_t(1, 2, 24, 64), _t(1, 2, 40, 64), _t(1, 2, 40, 128), {}), "shapes differ", ()),
+    ("q head_dim differs", lambda: (_t(1, 2, 24, 128), _t(1, 2, 40, 64), _t(1, 2, 40, 64), {}), "must agree", ()),
+    ("head_dim 96", lambda: (*(_t(1, 2, 24, 96) for _ in range(3)), {}), "head_dim 96", ("bf16",)),
+    ("head_dim 32", lambda: (*(_t(1, 2, 24, 32) for _ in range(3)), {}), "head_dim 32", ("bf16",)),
+    ("strided last dim", lambda: (*(_t(1, 2, 64, 24).transpose(-1, -2) for _ in range(3)), {}), "contiguous", ()),
+    ("empty Lq", lambda: (_t(1, 2, 0, 64), _t(1, 2, 40, 64), _t(1, 2, 40, 64), {}), "empty", ()),
+    ("empty Lk", lambda: (_t(1, 2, 24, 64), _t(1, 2, 0, 64), _t(1, 2, 0, 64), {}), "empty", ()),
+    ("empty batch", lambda: (*(_t(0, 2, 24, 64) for _ in range(3)), {}), "empty", ()),
+    ("sm_scale 0", lambda: (*_good(), {"sm_scale": 0.0}), "sm_scale", ()),
+    ("sm_scale < 0", lambda: (*_good(), {"sm_scale": -0.125}), "sm_scale", ()),
+    ("sm_scale nan", lambda: (*_good(), {"sm_scale": float("nan")}), "sm_scale", ()),
+    ("sm_scale inf", lambda: (*_good(), {"sm_scale": float("inf")}), "sm_scale", ()),
+    ("sm_scale str", lambda: (*_good(), {"sm_scale": "0.1"}), "sm_scale", ()),
+    ("sm_scale bool", lambda: (*_good(), {"sm_scale": True}), "sm_scale", ()),
+    ("sm_scale tensor", lambda: (*_good(), {"sm_scale": torch.tensor(0.1)}), "sm_scale", ()),
+    ("causal str", lambda: (*_good(), {"causal": "yes"}), "causal", ()),
+    ("causal int", lambda: (*_good(), {"causal": 1}), "causal", ()),
+    ("q a list", lambda: ([[[[0.0] * 64]]], *_good()[1:], {}), "torch.Tensor", ()),
+    ("sparse k", lambda: (_t(1, 2, 24, 64), torch.randn(1, 2, 40, 64).to_sparse(), _t(1, 2, 40, 64), {}),
+     "dense tensor", ()),
+    ("devices differ", lambda: (_t(1, 2, 24, 64), _t(1, 2, 40, 64).to("meta"), _t(1, 2, 40, 64), {}),
+     "different devices", ()),
+    ("meta device", lambda: (*(_t(1, 2, 24, 64).to("meta") for _ in range(3)), {}), "not supported", ()),
+    ("unknown option", lambda: (*_good(), {"bogus": 1}), "takes", ()),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_inputs_are_refused_the_same_on_every_path(case, mode, path, monkeypatch):
+    """README's contract ((B, H, L, D), bf16/fp16 (+ fp32 on CPU or for bf16), D in {64, 128} (any for bf16),
+    contiguous last dim, same batch/heads/dtype/device, sm_scale finite > 0, causal a bool) is enforced by
+    one check before dispatch: the same ValueError whether the Triton kernels or the references would run."""
+    name, build, message, legal_for = case
+    monkeypatch.setenv("TRITON_INTERPRET", PATHS[path])
+    q, k, v, kwargs = build()
+    if mode in legal_for:
+        with torch.no_grad():
+            assert attention(q, k, v, mode=mode, **kwargs).shape == q.shape
+        return
+    with pytest.raises(ValueError, match=message) as err:
+        with torch.no_grad():
+            attention(q, k, v, mode=mode, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_kernel_entry_points_refuse_the_same_inputs(case):
+    """The lower-level Triton entry points run the same check (here under the interpreter)."""
+    from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_dropin_attention, nvfp4_attention
+    from attnqat.kernels.sage3 import sage3_attention
+    from attnqat.kernels.sagebwd import sagebwd_attention
+
+    name, build, message, _ = case
+    q, k, v, kwargs = build()
+    if name == "unknown option":
+        return  # keyword arguments of a Python function: a TypeError there, as for any function
+    for fn in (attn_qat_attention, attn_qat_dropin_attention, nvfp4_attention, sage3_attention, sagebwd_attention):
+        with pytest.raises(ValueError, match=message):
+            with torch.no_grad():
+                fn(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", MODES)
+def test_valid_inputs_run_on_every_path(mode, path, monkeypatch, poison):
+    """The control for the table: what the contract allows runs on both paths (Lq != Lk, causal, an explicit
+    sm_scale, a (B, L, H, D) transpose view, fp16) and gives a finite output of q's shape and dtype."""
+    monkeypatch.setenv("TRITON_INTERPRET", PATHS[path])
+    q = torch.randn(1, 24, 2, 64).bfloat16().transpose(1, 2)
+    k, v = (torch.randn(1, 40, 2, 64).bfloat16().transpose(1, 2) for _ in range(2))
+    for dtype, causal, scale in ((torch.bfloat16, True, 0.2), (torch.float16, False, None)):
+        with torch.no_grad():
+            out = attention(q.to(dtype), k.to(dtype), v.to(dtype), mode=mode, causal=causal, sm_scale=scale)
+        assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
+
+
+# --- NaN and inf stay visible (SPEC §1) ---------------------------------------------------------------------------
+
+TRAINABLE = {"bf16", "attn_qat", "attn_qat_dropin", "sagebwd"}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_nonfinite_inputs_stay_visible(mode, path, causal, monkeypatch, poison):
+    """The propagation rule (README, "Attention kernels"): a NaN or +-inf in q's row i makes output row i
+    non-finite; one in k's or v's row j makes every row that attends key j non-finite (all rows; rows i >= j
+    when causal). Other rows may follow (shared block scales and means). For trainable modes the backward
+    keeps it too: dq and dk hold a non-finite value, and dv as well when the bad value was in q or k
+    (dV = P^T dO does not read V). Each case: fresh inputs, a random bad position, on both paths."""
+    monkeypatch.setenv("TRITON_INTERPRET", PATHS[path])
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    lq, lk = 40, 72
+    for which in "qkv":
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            q, k, v = (torch.randn(1, 2, n, 64, generator=g).bfloat16() for n in (lq, lk, lk))
+            t = {"q": q, "k": k, "v": v}[which]
+            row = int(torch.randint(min(t.shape[2], lq) if causal else t.shape[2], (1,), generator=g))  # seen
+            head, col = int(torch.randint(2, (1,), generator=g)), int(torch.randint(64, (1,), generator=g))
+            t[0, head, row, col] = bad
+            grad = mode in TRAINABLE
+            leaves = [x.clone().requires_grad_(grad) for x in (q, k, v)]
+            with torch.set_grad_enabled(grad):
+                out = attention(*leaves, mode=mode, causal=causal)
+            where = f"{mode}/{path}: {bad} in {which}[0, {head}, {row}, {col}], causal={causal}, seed {seed}"
+            rows_bad = ~torch.isfinite(out[0, head].float()).all(-1)
+            expect = torch.zeros(lq, dtype=torch.bool)
+            if which == "q":
+                expect[row] = True
+            else:
+                expect[row if causal else 0:] = True
+            assert rows_bad[expect].all(), f"{where}: finite rows {(expect & ~rows_bad).nonzero().flatten().tolist()}"
+            if grad:
+                out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
+                dq, dk, dv = (x.grad for x in leaves)
+                assert not torch.isfinite(dq).all() and not torch.isfinite(dk).all(), f"{where}: finite dq/dk"
+                if which != "v":
+                    assert not torch.isfinite(dv).all(), f"{where}: finite dv"
+
+
+def test_bf16_mode_marks_only_the_rows_that_saw_the_bad_value():
+    """SDPA alone returns finite rows for a -inf key (a -inf logit is a zero weight); the bf16 mode marks exactly
+    the rows that attend it and leaves every other row equal to SDPA's."""
+    q, k, v = (torch.randn(1, 2, 40, 64) for _ in range(3))
+    k[0, 1, 30, 3] = float("-inf")
+    q[0, 1, :, 3] = q[0, 1, :, 3].abs() + 0.1  # so every logit of key 30 is -inf, none +inf (which gives NaN)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = attention(q, k, v, mode="bf16", causal=True)
+    assert torch.isfinite(want[0, 1, 30:]).all()  # what the mode fixes
+    assert torch.equal(got[0, 0], want[0, 0]) and torch.equal(got[0, 1, :30], want[0, 1, :30])
+    assert torch.isnan(got[0, 1, 30:]).all()

@@ -7,6 +7,7 @@ on for the kernel tests), since the interpreter takes only bf16 and would make e
 from __future__ import annotations
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -180,11 +181,19 @@ def test_two_processes_gloo(tmp_path):
     p = subprocess.run(base + ["--stop-after", "2"], env=ENV, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-2000:]
     state = tmp_path / "checkpoints" / "step-0000002" / "state"
-    assert (state / "random_states_0.pkl").exists() and (state / "random_states_1.pkl").exists()
+    assert (state / "rng-0.safetensors").exists() and (state / "rng-1.safetensors").exists()  # one per process
+    assert not [f for f in state.parent.rglob("*") if f.suffix in (".pkl", ".bin", ".pt")]  # no pickle anywhere
     p = subprocess.run(base + ["--resume", "auto"], env=ENV, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "resumed from" in p.stdout + p.stderr and "2 process(es) on cpu (MULTI_CPU)" in p.stdout + p.stderr
     assert (tmp_path / "final" / "transformer.safetensors").exists()
+    # the resumed run (model and optimizer broadcast from process 0) repeats the uninterrupted one exactly
+    whole = [a.replace(str(tmp_path), str(tmp_path / "whole")) for a in base]
+    p = subprocess.run(whole, env=ENV, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    from attnqat.train.loop import read_log
+    cut, ref = read_log(tmp_path / "log.csv"), read_log(tmp_path / "whole" / "log.csv")
+    assert [r["step"] for r in cut] == ["1", "2", "3", "4"] and [r["loss"] for r in cut] == [r["loss"] for r in ref]
 
 
 def test_generate_loads_final_checkpoint(tmp_path):
@@ -203,3 +212,93 @@ def test_bench_train_step_tiny():
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "| `attn_qat` |" in p.stdout and "| `bf16` |" in p.stdout
+
+
+# --- Non-finite training stops, and writes nothing non-finite ------------------------------------------------------
+
+NF = ["train.max_steps=4", "checkpoint.every=2", "data.batch_size=2", "data.held_out=0", "objective.target=output",
+      "train.trainable=all"]
+
+
+def _break_at(monkeypatch, step: int, how: str):
+    """Make optimizer step ``step`` (1-based) non-finite: its loss, one gradient, the learning rate, or (after a
+    finite step) the weights themselves."""
+    from accelerate import Accelerator
+
+    from attnqat.train import loop
+    calls = {"n": 0}
+    if how == "loss":
+        real = loop.Trainer.losses
+
+        def losses(self, batch, *, grad=True):
+            out = real(self, batch, grad=grad)
+            if grad:
+                calls["n"] += 1
+                if calls["n"] == step:
+                    out["loss"] = out["loss"] * float("nan")
+            return out
+        monkeypatch.setattr(loop.Trainer, "losses", losses)
+    elif how == "grad":
+        real = Accelerator.backward
+
+        def backward(self, loss, **kw):
+            real(self, loss, **kw)
+            calls["n"] += 1
+            if calls["n"] == step:
+                p = next(p for p in self._models[0].parameters() if p.grad is not None)
+                p.grad.view(-1)[0] = float("inf")
+        monkeypatch.setattr(Accelerator, "backward", backward)
+    elif how == "lr":
+        real = loop.lr_lambda
+        monkeypatch.setattr(loop, "lr_lambda", lambda cfg: (lambda s: float("inf") if s == step - 1 else real(cfg)(s)))
+    elif how == "weights":
+        real = torch.optim.AdamW.step
+
+        def opt_step(self, *a, **kw):
+            out = real(self, *a, **kw)
+            calls["n"] += 1
+            if calls["n"] == step:
+                self.param_groups[0]["params"][0].data.view(-1)[0] = float("nan")
+            return out
+        monkeypatch.setattr(torch.optim.AdamW, "step", opt_step)
+
+
+@pytest.mark.parametrize("how", ["loss", "grad", "lr", "weights"])
+def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, how):
+    """Before: a NaN loss or gradient trained on and exported NaN weights as final/. Now the step stops before the
+    optimizer updates anything (or, for weights that turned NaN, the checkpoint refuses to write them); no final/,
+    the last good checkpoint is intact, and --resume auto continues from it as if nothing had happened."""
+    from attnqat.train import checkpoint as ck
+    from attnqat.train.checkpoint import NonFiniteTrainingError
+    from attnqat.train.loop import read_log
+    from safetensors.torch import load_file
+    full = train(tiny(tmp_path / "full", *NF))
+    with monkeypatch.context() as m:
+        _break_at(m, 3 if how != "weights" else 4, how)
+        what = {"loss": "non-finite loss nan", "grad": "grad_norm inf", "lr": "lr inf", "weights": "weight"}[how]
+        with pytest.raises(NonFiniteTrainingError, match=what):
+            train(tiny(tmp_path, *NF))
+    assert not (tmp_path / "final").exists() and not list(tmp_path.rglob("*.tmp"))
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-0000002"]
+    ck.verify(tmp_path / "checkpoints" / "step-0000002")
+    assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "checkpoints" / "step-0000002" / "state" /
+                                                           "model.safetensors").values())
+    rows = read_log(tmp_path / "log.csv")
+    if how != "weights":
+        assert rows[-1]["step"] == "3" and not math.isfinite(float(rows[-1][{"loss": "loss", "grad": "grad_norm",
+                                                                            "lr": "lr"}[how]]))
+    if how == "lr":  # the checkpoint holds the scheduler's next lr faithfully: resuming stops at the same step
+        with pytest.raises(NonFiniteTrainingError, match="step 3: non-finite lr inf"):
+            train(tiny(tmp_path, *NF), resume="auto")
+        return
+    rest = train(tiny(tmp_path, *NF), resume="auto")  # the bad step is redone, now finite
+    assert rest.losses == full.losses[2:]
+
+
+def test_cli_reports_non_finite_training_in_one_line(tmp_path, monkeypatch, capsys):
+    from attnqat.cli import main
+    _break_at(monkeypatch, 2, "loss")
+    assert main(["train", "--config", str(TINY), "--output-dir", str(tmp_path), "--set", "log.progress=false",
+                 *[a for o in NF for a in ("--set", o)]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step 2: non-finite loss nan" in err[0] and "last good checkpoint is none" in err[0]

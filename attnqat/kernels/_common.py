@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
 from dataclasses import dataclass
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+P_BWD_CHOICES = ("final_max", "normalized")  # attn_qat's p_bwd option (SPEC §2)
+PV_MODES = ("int8", "fp8", "bf16")  # sagebwd's pv option: precision of the forward P V
 LOG2E = 1.4426950408889634  # exponents are kept in log2 units: exp(x) = exp2(x * log2(e))
 
 
@@ -17,36 +20,59 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, name: str,
-              dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> None:
-    """Validate (B, H, L, D) attention inputs for a Triton kernel; raises ValueError with the values."""
-    for t, n in ((q, "q"), (k, "k"), (v, "v")):
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, name: str, sm_scale=None, causal=False,
+              dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES, cpu_dtypes: tuple[torch.dtype, ...] = (),
+              head_dims: tuple[int, ...] | None = SUPPORTED_HEAD_DIMS, kernel: bool = True) -> None:
+    """Validate (B, H, L, D) attention inputs; raises ValueError naming the offending value.
+
+    The one input check of the package: :func:`attnqat.kernels.attention` runs it for every mode and path
+    (Triton kernels and PyTorch references alike, with the mode's ``dtypes`` and ``head_dims``), and every
+    kernel entry point runs it again with ``kernel=True`` (CPU tensors then need the interpreter).
+    ``cpu_dtypes`` are accepted on CPU only (fp32 for the references); ``head_dims=None`` takes any.
+    """
+    named = ((q, "q"), (k, "k"), (v, "v"))
+    for t, n in named:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: {n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise ValueError(f"{name}: {n} must be a dense tensor, got layout {t.layout}")
         if t.dim() != 4:
             raise ValueError(f"{name}: {n} must be (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"{name}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in dtypes:
-        raise ValueError(f"{name}: dtype {q.dtype} not supported; use one of {tuple(str(d) for d in dtypes)}")
+    devices = {q.device, k.device, v.device}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: q, k, v on different devices: {sorted(map(str, devices))}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: device {q.device} not supported (CUDA, or CPU)")
+    allowed = dtypes + (cpu_dtypes if q.device.type == "cpu" else ())
+    if q.dtype not in allowed:
+        raise ValueError(f"{name}: dtype {q.dtype} not supported; use one of {tuple(str(d) for d in allowed)}")
     b, h, lq, d = q.shape
     if k.shape != v.shape:
         raise ValueError(f"{name}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if k.shape[0] != b or k.shape[1] != h or k.shape[3] != d:
-        raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, heads and head_dim")
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{name}: head_dim {d} not in {SUPPORTED_HEAD_DIMS}")
-    if lq == 0 or k.shape[2] == 0:
-        raise ValueError(f"{name}: empty sequence (Lq={lq}, Lk={k.shape[2]})")
-    for t, n in ((q, "q"), (k, "k"), (v, "v")):
-        if t.stride(-1) != 1:
+        raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, heads and head_dim"
+                         " (no broadcasting)")
+    if 0 in q.shape or 0 in k.shape:
+        raise ValueError(f"{name}: empty input (q {tuple(q.shape)}, k {tuple(k.shape)})")
+    if head_dims is not None and d not in head_dims:
+        raise ValueError(f"{name}: head_dim {d} not in {head_dims}")
+    for t, n in named:
+        if t.stride(-1) != 1 and t.shape[-1] != 1:
             raise ValueError(f"{name}: {n}'s last dim must be contiguous (stride {t.stride(-1)})")
-    devices = {q.device, k.device, v.device}
-    if len(devices) != 1:
-        raise ValueError(f"{name}: q, k, v on different devices: {sorted(map(str, devices))}")
-    if q.device.type == "cpu" and not interpreting():
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)
+                                 or not math.isfinite(sm_scale) or sm_scale <= 0):
+        raise ValueError(f"{name}: sm_scale must be a finite number > 0 (or None for 1/sqrt(head_dim)), "
+                         f"got {sm_scale!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"{name}: causal must be True or False, got {causal!r}")
+    if kernel and q.device.type == "cpu" and not interpreting():
         raise ValueError(f"{name}: CPU tensors need TRITON_INTERPRET=1 (slow) or use "
                          "attnqat.kernels.attention(), which runs the PyTorch reference on CPU")
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name}: device {q.device} not supported (CUDA, or CPU under the interpreter)")
 
 
 def default_scale(head_dim: int, sm_scale: float | None) -> float:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import interpreting
+from ._common import KERNEL_DTYPES, P_BWD_CHOICES, PV_MODES, SUPPORTED_HEAD_DIMS, check_qkv, interpreting
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,18 @@ class Mode:
 
     Both are called as ``fn(q, k, v, sm_scale=..., causal=..., **options)`` on (B, H, L, D) tensors.
     ``trainable`` modes have a backward; the others refuse to run with grad enabled.
+    ``dtypes`` and ``head_dims`` (None: any) are what :func:`attention` accepts on every path (fp32 is
+    also accepted on CPU, where the reference runs); ``options`` lists each option's name and its
+    allowed values.
     """
     name: str
     description: str
     trainable: bool
     kernel: Callable[..., torch.Tensor]
     reference: Callable[..., torch.Tensor]
+    dtypes: tuple = KERNEL_DTYPES
+    head_dims: tuple | None = SUPPORTED_HEAD_DIMS
+    options: tuple = ()  # ((name, (allowed values...)), ...)
 
 
 _MODES: dict[str, Mode] = {}
@@ -45,10 +51,25 @@ def available_modes() -> list[str]:
 
 
 def get_mode(name: str) -> Mode:
-    try:
-        return _MODES[name]
-    except KeyError:
-        raise ValueError(f"unknown attention mode {name!r}; available: {', '.join(_MODES)}") from None
+    if not isinstance(name, str) or name not in _MODES:
+        raise ValueError(f"unknown attention mode {name!r}; available: {', '.join(_MODES)}")
+    return _MODES[name]
+
+
+def check_options(mode: str, options: dict) -> None:
+    """Refuse options ``mode`` does not take, and values outside their allowed set, by name (``ValueError``).
+    :func:`attention` runs it on every call; the training config runs it before building a model."""
+    m = get_mode(mode)
+    allowed = dict(m.options)
+    unknown = sorted(map(str, set(options) - set(allowed)))
+    if unknown:
+        if not allowed:
+            raise ValueError(f"attention mode {mode!r} takes no options, got {unknown}")
+        raise ValueError(f"attention mode {mode!r} takes options {', '.join(allowed)}; got {unknown}")
+    for key, value in options.items():
+        choices = allowed[key]
+        if not any(type(value) is type(c) and value == c for c in choices):
+            raise ValueError(f"attention mode {mode!r}: {key} {value!r} not in {choices}")
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
@@ -60,16 +81,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = "bf
     """Scaled dot-product attention in the given mode.
 
     Arguments:
-        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim). Any strides
-            whose last dim is contiguous, so diffusers' (B, L, H, D) tensors pass as ``.transpose(1, 2)``.
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim), same batch and
+            heads (no broadcasting), same dtype and device. Any strides whose last dim is contiguous, so
+            diffusers' (B, L, H, D) tensors pass as ``.transpose(1, 2)``. bf16 or fp16 (the ``bf16`` mode
+            also fp32; CPU tensors also fp32, which runs the reference); head_dim 64 or 128 (any for ``bf16``).
         mode: one of :func:`available_modes`.
-        sm_scale: softmax scale; default 1/sqrt(head_dim).
-        causal: top-left aligned causal mask (as SDPA's ``is_causal``).
+        sm_scale: softmax scale, a finite number > 0; default 1/sqrt(head_dim).
+        causal: top-left aligned causal mask (as SDPA's ``is_causal``), True or False.
         options: mode-specific keywords (e.g. ``p_bwd`` for ``attn_qat``); unknown ones are refused.
     Return:
-        (batch, heads, seqlen_q, head_dim) in q's dtype.
+        (batch, heads, seqlen_q, head_dim) in q's dtype. A NaN or inf in q's row i, or in a k or v row that
+        query i attends to, leaves a non-finite value in output row i, in every mode (README, "Attention
+        kernels"); anything else the contract above excludes is a ``ValueError`` naming the value, the same on
+        the Triton and the reference path.
     """
     m = get_mode(mode)
+    check_qkv(q, k, v, name=f"attention(mode={mode!r})", sm_scale=sm_scale, causal=causal, dtypes=m.dtypes,
+              cpu_dtypes=(torch.float32,), head_dims=m.head_dims, kernel=False)
+    check_options(mode, options)
     if not m.trainable and _needs_grad(q, k, v):
         raise ValueError(f"attention mode {mode!r} is inference-only (it has no backward); "
                          f"run it under torch.no_grad() or use a trainable mode: "
@@ -113,12 +142,30 @@ def _no_options(mode: str, options: dict) -> None:
         raise ValueError(f"attention mode {mode!r} takes no options, got {sorted(options)}")
 
 
+def nonfinite_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(B, H, Lq, 1) float32: NaN for each query row whose q row, or a k or v row it attends to (every key, or
+    keys 0..i when ``causal``), holds a NaN or inf; 0 elsewhere. Adding it to an output changes no finite row."""
+    bad = ~torch.isfinite(q).all(-1)  # (B, H, Lq)
+    bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, H, Lk)
+    if causal:  # top-left aligned: row i sees keys 0..min(i, Lk - 1)
+        seen = bad_kv.cumsum(-1) > 0
+        bad = bad | seen[..., torch.arange(q.shape[-2], device=q.device).clamp(max=k.shape[-2] - 1)]
+    else:
+        bad = bad | bad_kv.any(-1, keepdim=True)
+    return torch.where(bad, float("nan"), 0.0)[..., None]
+
+
 def _sdpa(q, k, v, *, sm_scale=None, causal=False, **options):
     _no_options("bf16", options)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+    # SDPA turns some infs into finite rows (a -inf logit is just a zero weight; PyTorch's CPU kernel also
+    # zeroes +inf rows): add NaN to the rows that saw one (SPEC §1: an inf input never gives a silent finite
+    # value). An addition, so the backward is SDPA's own.
+    return out + nonfinite_rows(q, k, v, causal).to(out.dtype)
 
 
-register_mode(Mode("bf16", "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True, _sdpa, _sdpa))
+register_mode(Mode("bf16", "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True, _sdpa, _sdpa,
+                   dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=None))
 
 
 
@@ -131,7 +178,6 @@ def _attn_qat_kernel(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max",
 
 
 def _attn_qat_reference(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max", **options):
-    from .attn_qat import P_BWD_CHOICES
     from .reference import attn_qat_attention_ref
 
     _no_options("attn_qat (besides p_bwd)", options)
@@ -162,7 +208,8 @@ def _plain(mode: str, kernel_module: str, kernel_name: str, reference_name: str)
 register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
                    *_plain("nvfp4", "attn_qat", "nvfp4_attention", "nvfp4_attention_ref")))
 register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
-                   "grad it is the nvfp4 forward)", True, _attn_qat_kernel, _attn_qat_reference))
+                   "grad it is the nvfp4 forward)", True, _attn_qat_kernel, _attn_qat_reference,
+                   options=(("p_bwd", P_BWD_CHOICES),)))
 register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
                    "(unstable in training)", True,
                    *_plain("attn_qat_dropin", "attn_qat", "attn_qat_dropin_attention",
@@ -193,4 +240,5 @@ def _sagebwd_reference(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, s
 
 
 register_mode(Mode("sagebwd", "trainable INT8 attention: six of seven matmuls in INT8, dP in 16-bit (SageBwd)",
-                   True, _sagebwd_kernel, _sagebwd_reference))
+                   True, _sagebwd_kernel, _sagebwd_reference,
+                   options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", PV_MODES))))

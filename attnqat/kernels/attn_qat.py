@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config
+from ._common import (LOG2E, P_BWD_CHOICES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting,
+                      pinned_config)
 from .nvfp4 import fake_quant_tile, pack_tile, round_e2m1_nonneg, round_e4m3, unpack_tile
 
 # P~ = 2688 * 2^x = 2^(x + log2 2688): the kernels fold the scale into exp2 as the literal
@@ -865,7 +866,7 @@ def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               causal: bool = False) -> torch.Tensor:
     """The ``attn_qat_dropin`` ablation: NVFP4 forward, high-precision backward (unstable in training).
     Arguments and return as :func:`attn_qat_attention`."""
-    check_qkv(q, k, v, name="attn_qat_dropin_attention")
+    check_qkv(q, k, v, name="attn_qat_dropin_attention", sm_scale=sm_scale, causal=causal)
     scale = default_scale(q.shape[-1], sm_scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return AttnQATDropinFunction.apply(q, k, v, scale, causal)
@@ -876,14 +877,11 @@ def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sca
                     causal: bool = False) -> torch.Tensor:
     """Naive NVFP4 attention (inference only): phi on Q, K, V along head_dim and on P along keys.
     Arguments and return as :func:`attn_qat_attention`."""
-    check_qkv(q, k, v, name="nvfp4_attention")
+    check_qkv(q, k, v, name="nvfp4_attention", sm_scale=sm_scale, causal=causal)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("nvfp4_attention is inference-only (no backward): call it under torch.no_grad() "
                          "or train with attn_qat_attention")
     return _fp4_inference(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
-
-
-P_BWD_CHOICES = ("final_max", "normalized")
 
 
 def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -904,7 +902,7 @@ def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
 
     Without grad (inference) it runs the forward alone and skips the auxiliary output O'.
     """
-    check_qkv(q, k, v, name="attn_qat_attention")
+    check_qkv(q, k, v, name="attn_qat_attention", sm_scale=sm_scale, causal=causal)
     if p_bwd not in P_BWD_CHOICES:
         raise ValueError(f"p_bwd {p_bwd!r} not in {P_BWD_CHOICES}")
     scale = default_scale(q.shape[-1], sm_scale)

@@ -79,7 +79,7 @@ def sage3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sca
     Return:
         (batch, heads, seqlen_q, head_dim) in q's dtype and stride order.
     """
-    check_qkv(q, k, v, name="sage3_attention")
+    check_qkv(q, k, v, name="sage3_attention", sm_scale=sm_scale, causal=causal)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("sage3_attention is inference-only (no backward): call it under torch.no_grad()")
     from .ops import sage3_fwd

@@ -51,14 +51,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
+from ._common import LOG2E, PV_MODES, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
 
 Q_BLOCK = 128  # SPEC §4: psi(Q) and psi(dO) share one scale per 128 rows
 K_BLOCK = 64   # SPEC §4: psi(K) and psi(V) share one scale per 64 rows
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_FLOOR = 1e-30  # s = max(amax, 1e-30) / 127: an all-zero block quantizes to zeros, not NaN
-PV_MODES = ("int8", "fp8", "bf16")
 _empty = torch.empty  # every kernel output is allocated here: tests swap in a poisoning allocator
 
 
@@ -74,9 +73,10 @@ def _round_half_away(y):
 
 @triton.jit
 def _quant_tile(x):
-    """psi(x) of a whole 2-D fp32 tile: (int8 tile, fp32 scale)."""
+    """psi(x) of a whole 2-D fp32 tile: (int8 tile, fp32 scale). A NaN or inf in the tile makes the scale NaN:
+    int8 codes cannot hold it, and max and the floor's maximum ignore NaN (SPEC §1: it must propagate)."""
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    s = tl.maximum(amax, 1e-30) / 127.0  # 1e-30: SCALE_FLOOR
+    s = (tl.maximum(amax, 1e-30) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)) / 127.0  # 1e-30: SCALE_FLOOR
     return _round_half_away(x / s).to(tl.int8), s
 
 
@@ -84,8 +84,9 @@ def _quant_tile(x):
 def _quant_tile_rows(x):
     """psi(x) with one scale per row of a 2-D fp32 tile: (int8 tile, fp32 scales (rows,)). A per-row
     scale of the left operand factors out of the matmul, and a row max stays inside a warp's quad
-    (shuffles), where a whole-tile max needs a shared-memory round trip and a barrier per tile."""
-    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) / 127.0  # 1e-30: SCALE_FLOOR
+    (shuffles), where a whole-tile max needs a shared-memory round trip and a barrier per tile. A row holding
+    NaN or inf gets a NaN scale (+ sum(x * 0): 0, or NaN), as in _quant_tile."""
+    s = (tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) + tl.sum(x * 0.0, axis=1)) / 127.0  # 1e-30: SCALE_FLOOR
     return _round_half_away(x / s[:, None]).to(tl.int8), s
 
 
@@ -540,7 +541,7 @@ def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_s
     Return:
         (batch, nheads, seqlen_q, head_dim) in q's dtype. The backward returns dq, dk, dv in q's dtype.
     """
-    check_qkv(q, k, v, name="sagebwd_attention")
+    check_qkv(q, k, v, name="sagebwd_attention", sm_scale=sm_scale, causal=causal)
     if pv not in PV_MODES:
         raise ValueError(f"sagebwd_attention: pv {pv!r} not in {PV_MODES}")
     if pv != "int8" and interpreting():

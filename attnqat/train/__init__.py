@@ -10,7 +10,9 @@ prompts; target ``output`` or ``features``), ``flow`` (flow matching on precompu
 """
 from .config import (DISTILL_TARGETS, OBJECTIVES, TrainConfig, config_from_dict, load_config, model_config,
                      save_config, validate)
+from .checkpoint import CheckpointError, NonFiniteTrainingError
 from .loop import TrainResult, Trainer, latest_checkpoint, train
 
 __all__ = ["TrainConfig", "load_config", "config_from_dict", "save_config", "validate", "model_config", "train",
-           "Trainer", "TrainResult", "latest_checkpoint", "OBJECTIVES", "DISTILL_TARGETS"]
+           "Trainer", "TrainResult", "latest_checkpoint", "OBJECTIVES", "DISTILL_TARGETS", "CheckpointError",
+           "NonFiniteTrainingError"]

@@ -2,17 +2,20 @@
 
   attnqat train --config configs/tiny.yaml
   attnqat train --config configs/tiny.yaml --set train.lr=1e-4 --set train.max_steps=50
-  attnqat train --config configs/tiny.yaml --resume auto         # continue from the latest checkpoint
+  attnqat train --config configs/tiny.yaml --resume auto         # continue from the latest intact checkpoint
+  attnqat train --config configs/tiny.yaml --overwrite           # delete the run in output_dir, start over
   accelerate launch --config_file configs/fsdp_wan14b.yaml -m attnqat.train --config configs/wan2.1-14b.yaml
 
 The student trains `attention.mode` (attn_qat) attention; a frozen copy with bf16 attention is the
-teacher. Checkpoints go to OUTPUT_DIR/checkpoints/step-N/ (atomic), the last weights to
-OUTPUT_DIR/final/transformer.safetensors (load it with `attnqat generate --qat-checkpoint`), the log
-to OUTPUT_DIR/log.csv. Config keys: docs/training.md.
+teacher. Checkpoints go to OUTPUT_DIR/checkpoints/step-N/ (atomic, sha256 manifest, no pickles), the last
+weights to OUTPUT_DIR/final/transformer.safetensors (load it with `attnqat generate --qat-checkpoint`), the
+log to OUTPUT_DIR/log.csv. A folder that already holds a run needs --resume or --overwrite. Config keys:
+docs/training.md.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 HELP = "QAT fine-tuning of a Wan 2.1 transformer for FP4 attention (distillation / flow matching)"
 
@@ -22,30 +25,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.lr=1e-5 (repeatable; values parsed as YAML)")
     p.add_argument("--output-dir", help="override output_dir")
-    p.add_argument("--max-steps", type=int, help="override train.max_steps")
+    p.add_argument("--max-steps", metavar="N", help="override train.max_steps")
     p.add_argument("--resume", metavar="auto|PATH", help="continue from a checkpoint folder, or 'auto' for the "
-                   "latest one in output_dir")
-    p.add_argument("--stop-after", type=int, metavar="STEP", help="stop after this step as if interrupted "
+                   "newest intact one in output_dir")
+    p.add_argument("--overwrite", action="store_true", help="output_dir holds an earlier run: delete it (its "
+                   "checkpoints, final/, log.csv, run_config.yaml; nothing else) and start over")
+    p.add_argument("--stop-after", metavar="STEP", help="stop after this step as if interrupted "
                    "(resume later with --resume auto)")
     p.add_argument("--check", action="store_true", help="validate the config and data, print the plan, exit")
+
+    def error(message: str):  # argparse's own errors as one line too (its default adds the usage)
+        print(f"attnqat train: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    p.error = error
+
+
+def _step_number(flag: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be a whole number, got {text[:80]!r}") from None
 
 
 def main(args) -> int:
     from .config import load_config, validate
 
-    overrides = list(args.overrides)
-    if args.output_dir:
-        overrides.append(f"output_dir={args.output_dir}")
-    if args.max_steps is not None:
-        overrides.append(f"train.max_steps={args.max_steps}")
-    cfg = load_config(args.config, overrides)
+    if args.output_dir is not None and not args.output_dir.strip():
+        raise ValueError("--output-dir is empty")
+    max_steps = _step_number("--max-steps", args.max_steps)
+    stop_after = _step_number("--stop-after", args.stop_after)
+    cfg = load_config(args.config, args.overrides)
+    if args.output_dir is not None:  # set as given (a --set value would be parsed as YAML)
+        cfg.output_dir = args.output_dir
+    if max_steps is not None:
+        cfg.train.max_steps = max_steps
+    from .loop import check_request, train
+
     if args.check:
         index = validate(cfg)
+        check_request(cfg, args.resume, stop_after, args.overwrite, refuse_existing=False)
         print(f"config OK: model {cfg.model}, objective {cfg.objective.type}"
               f"{'/' + cfg.objective.target if cfg.objective.type != 'flow' else ''}, mode {cfg.attention.mode}, "
               f"latents {index['latent_shape']}, {cfg.train.max_steps} steps at lr {cfg.train.lr:g}")
         return 0
-    from .loop import train
-
-    train(cfg, resume=args.resume, stop_after=args.stop_after)
+    validate(cfg)  # before check_request looks at output_dir: a bad config is reported first
+    train(cfg, resume=args.resume, stop_after=stop_after, overwrite=args.overwrite)
     return 0

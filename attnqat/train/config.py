@@ -2,14 +2,22 @@
 
     cfg = load_config("configs/tiny.yaml", overrides=["train.lr=1e-4", "train.max_steps=20"])
 
-Every key is checked: an unknown key, an unknown objective / attention mode / schedule, a missing
-data folder, or latents that do not fit the transformer (channels, patch divisibility, text width)
-raise ``ValueError`` naming the offending value, before any model is loaded or step is taken.
+Every key is checked: an unknown key, a value of the wrong type (a null where a value is needed, a
+non-finite number), a value outside its range (see :data:`LIMITS` for the upper bounds and their reasons),
+an unknown objective / attention mode / option / schedule, a missing data folder, or latents that do not
+fit the transformer (channels, patch divisibility, text width) raise ``ValueError`` naming the offending
+value, before any model is loaded or step is taken.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
+import re
+import reprlib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -25,6 +33,22 @@ MIXED_PRECISION = ("no", "bf16", "fp16")
 SAVE_DTYPES = ("bf16", "fp32")
 TRAINABLE = ("all", "attention")
 DATA_SOURCES = ("precomputed", "corpus")
+
+# Upper bounds, each with its reason (the lower bounds are in validate()).
+LIMITS = {
+    "train.max_steps": (9_999_999, "checkpoint folders are named step-NNNNNNN (7 digits) and sorted by name"),
+    "seed": (2 ** 32 - 1, "accelerate seeds NumPy, whose seeds are 32-bit"),
+    "data.held_out_seed": (2 ** 63 - 1, "a 64-bit seed"),
+    "objective.teacher_steps": (1000, "Euler steps of the teacher's sampler (Wan samples in 50)"),
+    "train.lr": (1.0, "AdamW moves every weight by about lr per step; the recipe uses 1e-6 to 1e-5"),
+    "train.eps": (1.0, "AdamW's denominator guard; larger values stop learning"),
+    "timesteps.shift": (1000.0, "Wan uses 3 (480p) to 5 (720p); at 1000 half the sampled sigmas are above 0.999"),
+    "train.gradient_accumulation_steps": (4096, "forward/backward passes per optimizer step and process; raise "
+                                                "data.batch_size or the process count instead"),
+    "objective.output_weight": (1000.0, "a loss term's weight against the other; beyond 1000 the other is noise"),
+    "objective.flow_weight": (1000.0, "a loss term's weight against the other; beyond 1000 the other is noise"),
+}
+MAX_ELEMENTS = 2 ** 31  # one tensor of a micro-batch or of the held-out set: int32 indexing, 8 GiB in fp32
 
 
 @dataclass
@@ -138,9 +162,9 @@ def _build(cls, values: dict, where: str):
         raise ValueError(f"config section {where or 'top level'!r} must be a mapping, got {values!r}")
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
+    unknown = sorted(map(str, set(values) - names))
     if unknown:
-        raise ValueError(f"unknown config key {where + '.' if where else ''}{unknown[0]}; "
+        raise ValueError(f"unknown config key {where + '.' if where else ''}{_show(unknown[0]).strip(chr(39))}; "
                          f"{where or 'top level'} takes: {', '.join(sorted(names))}")
     kwargs = {}
     for name, value in values.items():
@@ -152,25 +176,49 @@ def _build(cls, values: dict, where: str):
     return cls(**kwargs)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = 4
+_REPR.maxlevel = 2
+
+
+def _show(value) -> str:
+    """A short repr of a value a user gave (bounded however large or nested: an error message stays one short
+    line, and YAML aliases cannot make it explode)."""
+    return _REPR.repr(value).replace("\n", "\\n")
+
+
 def _coerce(value, hint, key):
-    """YAML gives ``1e-6`` as a string and ints where floats are meant; fix those, refuse the rest."""
-    if value is None:
-        return None
+    """YAML gives ``1e-6`` as a string and ints where floats are meant; fix those, refuse the rest (a null
+    only where the key allows one; numbers must be finite)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(hint)):
+            return None
+        hint = args[0] if len(args) == 1 else Any
+    if value is None and hint is not Any:
+        raise ValueError(f"config key {key} must not be null")
     if hint is float or hint == "float":
-        if isinstance(value, bool):
-            raise ValueError(f"config key {key} must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+            raise ValueError(f"config key {key} must be a number, got {_show(value)}")
         try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"config key {key} must be a number, got {value!r}") from None
+            x = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"config key {key} must be a number, got {_show(value)}") from None
+        if not math.isfinite(x):
+            raise ValueError(f"config key {key} must be a finite number, got {_show(value)}")
+        return x
     if hint is int:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            raise ValueError(f"config key {key} must be an integer, got {value!r}")
+            raise ValueError(f"config key {key} must be an integer, got {_show(value)}")
         return int(value)
     if hint is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"config key {key} must be true or false, got {value!r}")
+            raise ValueError(f"config key {key} must be true or false, got {_show(value)}")
         return value
+    for kind, name in ((str, "a string"), (list, "a list"), (dict, "a mapping")):
+        if hint is kind and not isinstance(value, kind):
+            raise ValueError(f"config key {key} must be {name}, got {_show(value)}")
     return value
 
 
@@ -184,22 +232,45 @@ def _set_dotted(d: dict, key: str, value) -> None:
 
 
 def config_from_dict(values: dict, overrides: list[str] | None = None) -> TrainConfig:
-    values = json.loads(json.dumps(values or {}))  # deep copy
+    try:
+        values = json.loads(json.dumps(values or {}))  # deep copy
+    except (TypeError, ValueError, RecursionError):
+        raise ValueError("the config holds values YAML allows but a config cannot (non-string keys, dates, "
+                         "recursive aliases)") from None
     for item in overrides or []:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-5)")
+            raise ValueError(f"override {_show(item)} must look like section.key=value (e.g. train.lr=1e-5)")
         key, raw = item.split("=", 1)
-        _set_dotted(values, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {_show(item)}: the value is not valid YAML "
+                             f"({str(e).splitlines()[0]})") from None
+        if not key.strip() or any(not p for p in key.strip().split(".")):
+            raise ValueError(f"override {_show(item)}: empty key (use section.key=value)")
+        _set_dotted(values, key.strip(), value)
     return _build(TrainConfig, values, "")
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML config, apply ``section.key=value`` overrides, and check every value's form."""
     p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {str(p)!r} does not exist")
     try:
-        values = yaml.safe_load(p.read_text()) or {}
+        if p.is_dir():
+            raise ValueError(f"config file {_show(str(p))} is a folder; give a YAML file")
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {_show(str(p))} does not exist")
+        if p.stat().st_size > 1 << 20:
+            raise ValueError(f"config file {_show(str(p))} is larger than 1 MB: not a training config")
+        text = p.read_text()
+    except OSError as e:
+        if isinstance(e, (FileNotFoundError, PermissionError)):
+            raise
+        raise ValueError(f"config file {_show(str(p))} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {_show(str(p))} is not UTF-8 text") from None
+    try:
+        values = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"config file {str(p)!r} is not valid YAML: {e}".replace("\n", " ")) from e
     return config_from_dict(values, overrides)
@@ -214,8 +285,8 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
 
 
 def _one_of(value, choices, key):
-    if value not in choices:
-        raise ValueError(f"{key} {value!r} is not one of {', '.join(map(str, choices))}")
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{key} {_show(value)} is not one of {', '.join(map(str, choices))}")
 
 
 def model_config(model: str) -> dict:
@@ -223,24 +294,38 @@ def model_config(model: str) -> dict:
     from attnqat.pipelines import TINY_TRANSFORMER_CONFIG, is_tiny
     from attnqat.pipelines.loading import resolve_model
 
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"model must be 'tiny', 'mini', a Wan 2.1 folder or a hub id, got {_show(model)}")
     model = resolve_model(model)
     if is_tiny(model):
         return dict(TINY_TRANSFORMER_CONFIG)
     path = Path(model).expanduser()
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except (OSError, ValueError) as e:  # a name too long for the file system, a NUL byte
+        raise ValueError(f"model {_show(model)} is not a usable path ({getattr(e, 'strerror', None) or e})") from None
+    if is_dir:
         cfg = path / "transformer" / "config.json"
         if not cfg.is_file():
             cfg = path / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"model {model!r}: no transformer/config.json in that folder; expected a "
                                     f"diffusers-format Wan 2.1 folder")
-        return json.loads(cfg.read_text())
+        try:
+            tc = json.loads(cfg.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"model {model!r}: {cfg.name} is not valid JSON ({e})") from None
+        if not isinstance(tc, dict):
+            raise ValueError(f"model {model!r}: {cfg.name} is not a transformer config")
+        return tc
     from attnqat.pipelines import ModelNotFoundError
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # not even the shape of a hub id: no network lookup
+        raise ModelNotFoundError(f"model {_show(model)} is neither 'tiny', a local folder, nor a hub id (org/name)")
     try:
         from diffusers import WanTransformer3DModel
         return dict(WanTransformer3DModel.load_config(model, subfolder="transformer"))
     except Exception as e:  # not cached / offline / unknown id
-        raise ModelNotFoundError(f"model {model!r} is neither 'tiny', a local folder, nor a cached hub id "
+        raise ModelNotFoundError(f"model {_show(model)} is neither 'tiny', a local folder, nor a cached hub id "
                                  f"({type(e).__name__})") from e
 
 
@@ -248,7 +333,7 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     """Check ``cfg`` against itself, its data folder and the transformer's config; return the data index
     (``{}`` when data-free). Raises ValueError / FileNotFoundError naming the offending value."""
     from attnqat.kernels import available_modes
-    from attnqat.kernels.api import get_mode
+    from attnqat.kernels.api import check_options, get_mode
 
     a, o, t, d, tr, ck = cfg.attention, cfg.objective, cfg.timesteps, cfg.data, cfg.train, cfg.checkpoint
     _one_of(o.type, OBJECTIVES, "objective.type")
@@ -261,29 +346,55 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     _one_of(ck.save_dtype, SAVE_DTYPES, "checkpoint.save_dtype")
     if tr.teacher_dtype is not None:
         _one_of(tr.teacher_dtype, SAVE_DTYPES, "train.teacher_dtype")
-    if a.mode not in available_modes():
-        raise ValueError(f"attention.mode {a.mode!r} is not one of {', '.join(available_modes())}")
+    if not isinstance(a.mode, str) or a.mode not in available_modes():
+        raise ValueError(f"attention.mode {_show(a.mode)} is not one of {', '.join(available_modes())}")
     if not get_mode(a.mode).trainable:
         raise ValueError(f"attention.mode {a.mode!r} is inference-only; train with a trainable mode "
                          f"(attn_qat, attn_qat_dropin, sagebwd, bf16)")
-    if not (a.layers in ("self", "all") or (isinstance(a.layers, list) and all(isinstance(i, int) for i in a.layers))):
-        raise ValueError(f"attention.layers {a.layers!r} must be 'self', 'all' or a list of block indices")
+    if not (a.layers in ("self", "all") or (isinstance(a.layers, list) and a.layers
+                                            and all(type(i) is int for i in a.layers))):
+        raise ValueError(f"attention.layers {_show(a.layers)} must be 'self', 'all' or a list of block indices")
     if not isinstance(a.options, dict):
-        raise ValueError(f"attention.options must be a mapping, got {a.options!r}")
+        raise ValueError(f"attention.options must be a mapping, got {_show(a.options)}")
+    check_options(a.mode, a.options)  # unknown options and values, before a model is built
+    if not isinstance(cfg.output_dir, str) or not cfg.output_dir.strip():
+        raise ValueError(f"output_dir must be a folder name, got {_show(cfg.output_dir)}")
+    if d.path is not None and not d.path.strip():
+        raise ValueError("data.path is empty (null for data-free training)")
     for key, value, lo in (("train.max_steps", tr.max_steps, 1), ("data.batch_size", d.batch_size, 1),
                            ("train.gradient_accumulation_steps", tr.gradient_accumulation_steps, 1),
                            ("train.warmup_steps", tr.warmup_steps, 0), ("checkpoint.every", ck.every, 1),
                            ("checkpoint.keep", ck.keep, 1), ("log.every", cfg.log.every, 1),
                            ("log.eval_every", cfg.log.eval_every, 0), ("data.held_out", d.held_out, 0),
-                           ("data.text_len", d.text_len, 1), ("objective.teacher_steps", o.teacher_steps, 1)):
+                           ("data.text_len", d.text_len, 1), ("objective.teacher_steps", o.teacher_steps, 1),
+                           ("seed", cfg.seed, 0), ("data.held_out_seed", d.held_out_seed, 0)):
         if value < lo:
             raise ValueError(f"{key} must be >= {lo}, got {value}")
-    if not tr.lr > 0:
-        raise ValueError(f"train.lr must be > 0, got {tr.lr}")
+    for key, value in (("train.max_steps", tr.max_steps), ("seed", cfg.seed), ("train.lr", tr.lr),
+                       ("data.held_out_seed", d.held_out_seed), ("objective.teacher_steps", o.teacher_steps),
+                       ("train.eps", tr.eps), ("timesteps.shift", t.shift),
+                       ("train.gradient_accumulation_steps", tr.gradient_accumulation_steps),
+                       ("objective.output_weight", o.output_weight), ("objective.flow_weight", o.flow_weight)):
+        hi, why = LIMITS[key]
+        if value > hi:
+            raise ValueError(f"{key} must be <= {hi:g}, got {_show(value)}: {why}")
+    if tr.warmup_steps > tr.max_steps:
+        raise ValueError(f"train.warmup_steps {tr.warmup_steps} > train.max_steps {tr.max_steps}: the warmup would "
+                         f"never end")
+    if not tr.lr > 0 or not tr.eps > 0:
+        raise ValueError(f"train.lr and train.eps must be > 0, got {tr.lr}, {tr.eps}")
     if tr.weight_decay < 0 or tr.grad_clip < 0:
         raise ValueError(f"train.weight_decay and train.grad_clip must be >= 0, got {tr.weight_decay}, {tr.grad_clip}")
-    if not (isinstance(tr.betas, list) and len(tr.betas) == 2 and all(0 <= float(b) < 1 for b in tr.betas)):
-        raise ValueError(f"train.betas must be two numbers in [0, 1), got {tr.betas!r}")
+    if tr.lr * tr.weight_decay >= 1:
+        raise ValueError(f"train.lr * train.weight_decay = {tr.lr * tr.weight_decay:g} must be < 1: AdamW multiplies "
+                         f"the weights by 1 - lr * weight_decay every step")
+    if not 0 <= tr.min_lr_ratio <= 1:
+        raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {tr.min_lr_ratio}")
+    if o.output_weight < 0 or o.flow_weight < 0:
+        raise ValueError(f"objective.output_weight and flow_weight must be >= 0, got {o.output_weight}, {o.flow_weight}")
+    if not (isinstance(tr.betas, list) and len(tr.betas) == 2
+            and all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in tr.betas)):
+        raise ValueError(f"train.betas must be two numbers in [0, 1), got {_show(tr.betas)}")
     if not 0 <= t.min_sigma < t.max_sigma <= 1:
         raise ValueError(f"timesteps: need 0 <= min_sigma < max_sigma <= 1, got {t.min_sigma}, {t.max_sigma}")
     if t.shift <= 0:
@@ -310,10 +421,10 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
                                  f"only; run `attnqat precompute` with --videos")
         shapes = [list(index["latent_shape"]) if needs_latents else list(d.latent_shape)]
     for shape in shapes:
-        if len(shape) != 4 or not all(isinstance(x, int) and x > 0 for x in shape):
-            raise ValueError(f"data.latent_shape must be 4 positive integers (C, F, H, W), got {shape!r}")
-    if tr.ema_decay != 0 and not 0 < tr.ema_decay < 1:
-        raise ValueError(f"train.ema_decay must be 0 (off) or in (0, 1), got {tr.ema_decay}")
+        if len(shape) != 4 or not all(type(x) is int and x > 0 for x in shape):
+            raise ValueError(f"data.latent_shape must be 4 positive integers (C, F, H, W), got {_show(shape)}")
+    if not (isinstance(tr.ema_decay, float) and (tr.ema_decay == 0 or 0 < tr.ema_decay < 1)):
+        raise ValueError(f"train.ema_decay must be 0 (off) or in (0, 1), got {_show(tr.ema_decay)}")
 
     # The batch against the transformer
     if transformer_config is None:
@@ -329,6 +440,14 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
             raise ValueError(f"latent shape {shape} (C, F, H, W) does not fit the transformer's patch size "
                              f"{tuple(tc.get('patch_size'))}: F, H, W must be divisible by it")
     text_dim = tc["text_dim"]
+    per_sample = math.prod(shape)
+    for what, n in (("data.batch_size x latent elements", d.batch_size * per_sample),
+                    ("data.held_out x latent elements", d.held_out * per_sample),
+                    ("data.batch_size x data.text_len x text_dim", d.batch_size * d.text_len * text_dim),
+                    ("data.held_out x data.text_len x text_dim", d.held_out * d.text_len * text_dim)):
+        if n > MAX_ELEMENTS:
+            raise ValueError(f"{what} = {n} > 2^31: one tensor that large overflows int32 indexing (8 GiB in fp32); "
+                             f"use gradient_accumulation_steps for larger batches")
     if index.get("text_dim") is not None and index["text_dim"] != text_dim:
         raise ValueError(f"prompt embeddings in {d.path!r} have width {index['text_dim']}, but the transformer's "
                          f"text_dim is {text_dim}: were they encoded with another model's text encoder?")

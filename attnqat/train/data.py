@@ -24,11 +24,21 @@ INDEX = "index.json"
 
 def read_index(path: str | Path) -> dict:
     p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"data.path {str(p)!r} does not exist; write it with `attnqat precompute`")
-    if not (p / INDEX).is_file():
-        raise FileNotFoundError(f"data.path {str(p)!r} has no {INDEX}; is it a folder written by `attnqat precompute`?")
-    index = json.loads((p / INDEX).read_text())
+    try:
+        if not p.exists():
+            raise FileNotFoundError(f"data.path {str(p)[:200]!r} does not exist; write it with `attnqat precompute`")
+        if not (p / INDEX).is_file():
+            raise FileNotFoundError(f"data.path {str(p)!r} has no {INDEX}; is it a folder written by `attnqat precompute`?")
+        index = json.loads((p / INDEX).read_text())
+    except OSError as e:
+        if isinstance(e, (FileNotFoundError, PermissionError)):
+            raise
+        raise ValueError(f"data.path {str(p)[:200]!r} cannot be read ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"data.path {str(p)!r}: {INDEX} is not valid JSON ({e})") from None
+    if not isinstance(index, dict) or not isinstance(index.get("shards", []), list) or \
+            not all(isinstance(s, dict) and isinstance(s.get("file"), str) for s in index.get("shards", [])):
+        raise ValueError(f"data.path {str(p)!r}: {INDEX} is not an attnqat data index")
     missing = [s["file"] for s in index.get("shards", []) if not (p / s["file"]).is_file()]
     if missing:
         raise FileNotFoundError(f"data.path {str(p)!r}: shard {missing[0]!r} listed in {INDEX} is missing")

@@ -8,10 +8,17 @@ One optimizer step = ``gradient_accumulation_steps`` micro-batches of ``data.bat
 process. Every random draw of a micro-batch (noise, sigma, data-free latents and embeddings) comes from
 a generator seeded by (seed, step, micro-batch, rank), and dataset rows from the global sample position,
 so a run resumed from a checkpoint repeats the uninterrupted run's batches exactly.
+
+Checkpoints hold safetensors and JSON only, with a sha256 manifest written last (:mod:`.checkpoint`); a run
+refuses to start in a folder that holds another run (``resume`` or ``overwrite`` says what to do with it),
+stops on a non-finite loss, gradient norm or learning rate before it updates the weights, and never writes
+non-finite weights.
 """
 from __future__ import annotations
 
 import csv
+import io
+import json
 import math
 import os
 import shutil
@@ -21,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint as ck
+from .checkpoint import CheckpointError, NonFiniteTrainingError
 from .config import TrainConfig, model_config, save_config, validate
 from .data import ShardDataset, sample_indices
 from .objectives import FeatureCapture, make_student_teacher, nmse, noised, sample_sigmas, teacher_samples
@@ -42,7 +51,7 @@ class TrainResult:
 
 
 class TrainerState:
-    """Step and data position, saved with accelerate's state (``register_for_checkpointing``)."""
+    """Step and data position, saved as trainer_state.json in every checkpoint."""
 
     def __init__(self):
         self.step = 0
@@ -52,6 +61,8 @@ class TrainerState:
         return {"step": self.step, "position": self.position}
 
     def load_state_dict(self, d):
+        if not (isinstance(d, dict) and all(isinstance(d.get(k), int) and d[k] >= 0 for k in ("step", "position"))):
+            raise CheckpointError(f"trainer_state.json must hold non-negative integers step and position, got {d!r:.200}")
         self.step, self.position = int(d["step"]), int(d["position"])
 
 
@@ -143,12 +154,13 @@ class Trainer:
         self.features = cfg.objective.target == "features" and self.needs_teacher
         optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=tr.lr, betas=tuple(float(b) for b in tr.betas),
                                       eps=tr.eps, weight_decay=tr.weight_decay)
+        self.model_shapes = {k: tuple(v.shape) for k, v in student.state_dict().items()}  # checks a resume
+        self.trainable_names = sorted(n for n, p in student.named_parameters() if p.requires_grad)
         self.student, self.optimizer = acc.prepare(student, optimizer)
         self.teacher = teacher.to(acc.device)
-        # Not prepared: accelerate would step it once per process per step; it is registered instead.
+        # Not prepared: accelerate would step it once per process per step; the checkpoint saves it.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainerState()
-        acc.register_for_checkpointing(self.scheduler, self.state)
         self.s_cap = FeatureCapture(self.student)
         self.t_cap = FeatureCapture(self.teacher)
         self.batcher = Batcher(cfg, self.tc, self.shape, self.dataset)
@@ -298,88 +310,253 @@ class Trainer:
     def checkpoint_dir(self, step: int) -> Path:
         return Path(self.cfg.output_dir) / "checkpoints" / f"step-{step:07d}"
 
-    def save(self, target: Path, *, with_state: bool = True) -> None:
-        """Write ``target`` atomically: everything goes to ``target.tmp``, then one rename."""
-        acc = self.accelerator
-        tmp = target.with_name(target.name + ".tmp")
-        if acc.is_main_process and tmp.exists():
-            shutil.rmtree(tmp)
-        acc.wait_for_everyone()
-        tmp.mkdir(parents=True, exist_ok=True)
-        if with_state:
-            acc.save_state(str(tmp / "state"))
-        state_dict = acc.get_state_dict(self.student)  # FSDP: gathered to the main process
-        if acc.is_main_process:
-            from safetensors.torch import save_file
+    def _raw_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer wraps it
 
+    def _on_main(self, value: int) -> int:
+        """``value`` as the main process has it, on every process (a broadcast; no pickling)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return int(value)
+        from accelerate.utils import broadcast
+
+        return int(broadcast(torch.tensor([int(value)], dtype=torch.int64, device=acc.device), from_process=0).item())
+
+    def save(self, target: Path, *, with_state: bool = True) -> None:
+        """Write ``target`` atomically and verifiably: everything goes to ``target.tmp`` (fsynced, manifest.json
+        with every file's sha256 last), then two renames (:func:`.checkpoint.commit`). Refuses, writing nothing,
+        if a weight or optimizer value is not finite (NonFiniteTrainingError)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        acc = self.accelerator
+        target = Path(target)
+        state_dict = acc.get_state_dict(self.student)  # FSDP: gathered to the main process
+        osd = None
+        if with_state:  # FQN-keyed full state dict (FSDP: gathered to the main process, offloaded to CPU)
+            osd = get_optimizer_state_dict(self.student, self._raw_optimizer(),
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        bad = None
+        if acc.is_main_process:
+            bad = _first_nonfinite(state_dict.items(), "weight")
+            if bad is None and osd is not None:
+                bad = _first_nonfinite(((f"{fqn}/{k}", v) for fqn, d in osd["state"].items() for k, v in d.items()),
+                                       "optimizer state")
+        if self._on_main(bad is not None):
+            raise NonFiniteTrainingError(f"step {self.state.step}: {bad or 'a value on the main process'} is not finite; "
+                                         f"{target} was not written (the last good checkpoint stays)")
+        tmp = target.with_name(target.name + ".tmp")
+        if acc.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / "state" if with_state else tmp).mkdir(parents=True)
+        acc.wait_for_everyone()
+        if with_state:
+            tensors, meta = ck.rng_state()
+            ck.write_tensors(tmp / "state" / f"rng-{acc.process_index}.safetensors", tensors, meta)
+        if acc.is_main_process:
             dt = DTYPES[self.cfg.checkpoint.save_dtype]
+            exported = state_dict
             if self.ema is not None:  # export the EMA weights; keep the exact fp32 EMA for a resume
-                save_file({k: v.cpu().contiguous() for k, v in self.ema.items()}, str(tmp / "ema.safetensors"))
-                state_dict = {**state_dict, **self.ema}
-            sd = {k: v.detach().to("cpu", dt if v.is_floating_point() else v.dtype).contiguous()
-                  for k, v in state_dict.items()}
-            save_file(sd, str(tmp / "transformer.safetensors"),
-                      metadata={"format": "pt", "attnqat": "qat", "weights": "ema" if self.ema is not None else "raw"})
+                ck.write_tensors(tmp / "ema.safetensors", {k: v.to("cpu") for k, v in self.ema.items()})
+                exported = {**state_dict, **self.ema}
+            ck.write_tensors(tmp / "transformer.safetensors",
+                             {k: v.to("cpu", dt if v.is_floating_point() else v.dtype) for k, v in exported.items()},
+                             metadata={"format": "pt", "attnqat": "qat",
+                                       "weights": "ema" if self.ema is not None else "raw"})
             save_config(self.cfg, tmp / "config.yaml")
-            import json
-            (tmp / "trainer_state.json").write_text(json.dumps(self.state.state_dict()))
-            if target.exists():
-                old = target.with_name(target.name + ".old")
-                os.replace(target, old)
-                os.replace(tmp, target)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, target)
+            ck.fsync_file(tmp / "config.yaml")
+            ck.write_json(tmp / "trainer_state.json", self.state.state_dict())
+            if with_state:
+                ck.write_tensors(tmp / "state" / "model.safetensors", {k: v.to("cpu") for k, v in state_dict.items()},
+                                 metadata={"format": "pt"})
+                tensors, structure = ck.flatten_optimizer(osd)
+                ck.write_tensors(tmp / "state" / "optimizer.safetensors", tensors)
+                ck.write_json(tmp / "state" / "optimizer.json", structure)
+                ck.write_json(tmp / "state" / "scheduler.json", ck.encode(self.scheduler.state_dict()))
+                if acc.scaler is not None:
+                    ck.write_json(tmp / "state" / "scaler.json", ck.encode(acc.scaler.state_dict()))
+        acc.wait_for_everyone()  # every process's RNG file is written
+        if acc.is_main_process:
+            ck.write_manifest(tmp, kind="checkpoint" if with_state else "final", step=self.state.step)
+            ck.commit(tmp, target)
         acc.wait_for_everyone()
 
     def prune(self) -> None:
+        """Keep the newest ``checkpoint.keep`` complete checkpoints; delete the older ones."""
         if not self.accelerator.is_main_process:
             return
-        ckpts = sorted(p for p in (Path(self.cfg.output_dir) / "checkpoints").glob("step-*") if not p.name.endswith((".tmp", ".old")))
-        for p in ckpts[:-self.cfg.checkpoint.keep]:
-            shutil.rmtree(p, ignore_errors=True)
+        steps = ck.step_dirs(self.cfg.output_dir)
+        complete = [s for s, p in steps if ck.is_complete(p)]
+        if len(complete) <= self.cfg.checkpoint.keep:
+            return
+        oldest_kept = complete[-self.cfg.checkpoint.keep]
+        for s, p in steps:
+            if s < oldest_kept:
+                shutil.rmtree(p, ignore_errors=True)
 
-    def load(self, path: Path) -> None:
-        if not (path / "state").is_dir():
-            raise FileNotFoundError(f"--resume {str(path)!r} is not a training checkpoint (no state/ folder)")
-        self.accelerator.load_state(str(path / "state"))
+    def load(self, path: Path, manifest: dict | None = None) -> None:
+        """Restore a checkpoint written by :meth:`save` (safetensors and JSON only: nothing is unpickled).
+        ``manifest``: the one the main process verified (sha256); else it is read here."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        acc = self.accelerator
+        path = Path(path)
+        manifest = manifest or ck.read_manifest(path)
+        if manifest["kind"] != "checkpoint":
+            raise CheckpointError(f"--resume {str(path)!r} is an exported {manifest['kind']}/ folder (weights only), "
+                                  f"not a training checkpoint; resume from OUTPUT/checkpoints/step-N")
+        model_file = ck.listed(path, manifest, "state/model.safetensors")
+        with safe_open(str(model_file), framework="pt") as f:  # header only: the same answer on every process
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        if shapes != self.model_shapes:
+            diff = sorted(set(shapes) ^ set(self.model_shapes)) or \
+                sorted(k for k in shapes if shapes[k] != self.model_shapes[k])
+            raise CheckpointError(f"checkpoint {str(path)!r} does not fit model {self.cfg.model!r} "
+                                  f"({len(diff)} keys differ, e.g. {diff[0]}): was it trained on another model?")
+
+        def json_file(rel):
+            try:
+                return json.loads(ck.listed(path, manifest, rel).read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{path}: {rel} is not valid JSON ({e})") from None
+
+        structure = json_file("state/optimizer.json")
+        saved = sorted(n for g in (structure.get("param_groups") or [{}]) for n in g.get("params", [])) \
+            if isinstance(structure, dict) else None
+        if saved != self.trainable_names:
+            raise CheckpointError(f"checkpoint {str(path)!r} trained another set of weights (its optimizer state covers "
+                                  f"{len(saved or [])} tensors, this run's train.trainable {self.cfg.train.trainable!r} "
+                                  f"{len(self.trainable_names)})")
+        multi = acc.num_processes > 1
+        reads = acc.is_main_process or not multi  # several processes: the main one reads, then broadcasts
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=multi)
+        set_model_state_dict(self.student, load_file(str(model_file)) if reads else {}, options=options)
+        osd = {}
+        if reads:
+            osd = ck.unflatten_optimizer(load_file(str(ck.listed(path, manifest, "state/optimizer.safetensors"))),
+                                         structure)
+        set_optimizer_state_dict(self.student, self._raw_optimizer(), osd, options=options)
+        sched = ck.decode(json_file("state/scheduler.json"))  # load_state_dict sets every key as an attribute:
+        if not isinstance(sched, dict) or "last_epoch" not in sched or set(sched) - set(self.scheduler.state_dict()):
+            raise CheckpointError(f"{path}: state/scheduler.json does not hold this run's LR scheduler state")
+        self.scheduler.load_state_dict(sched)
+        if acc.scaler is not None and "state/scaler.json" in manifest["files"]:
+            acc.scaler.load_state_dict(ck.decode(json_file("state/scaler.json")))
+        self.state.load_state_dict(json_file("trainer_state.json"))
+        rel = f"state/rng-{acc.process_index}.safetensors"
+        if rel in manifest["files"]:
+            with safe_open(str(ck.listed(path, manifest, rel)), framework="pt") as f:
+                ck.set_rng_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {})
+        else:
+            print(f"attnqat train: {path} holds no RNG state for process {acc.process_index} (saved with fewer "
+                  f"processes); its random draws start from the seed")
         if self.ema is not None:
-            from safetensors.torch import load_file
-
-            f = path / "ema.safetensors"
-            if not f.is_file():
-                raise FileNotFoundError(f"--resume {str(path)!r} has no ema.safetensors, but train.ema_decay is set")
-            saved = load_file(str(f), device=str(self.accelerator.device))
+            if "ema.safetensors" not in manifest["files"]:
+                raise CheckpointError(f"--resume {str(path)!r} has no ema.safetensors, but train.ema_decay is set")
+            saved = load_file(str(ck.listed(path, manifest, "ema.safetensors")), device=str(acc.device))
             if set(saved) != set(self.ema):
-                raise ValueError(f"--resume {str(path)!r}: its EMA weights do not match this model's trainable weights")
+                raise CheckpointError(f"--resume {str(path)!r}: its EMA weights do not match this model's trainable "
+                                      f"weights")
             for k, v in saved.items():
                 self.ema[k].copy_(v)
 
+    def resume_from(self, resume: str) -> Path | None:
+        """Verify (sha256, on the main process) and load the checkpoint ``resume`` names: a folder, or ``"auto"``:
+        the newest intact one in output_dir; a corrupt one is moved aside as step-N.corrupt, saying so, and the
+        next older one is tried. Returns the folder, or None (auto, no checkpoint yet)."""
+        acc = self.accelerator
+        out_dir = Path(self.cfg.output_dir)
+        chosen, error = None, None
+        if acc.is_main_process:
+            try:
+                if resume == "auto":
+                    chosen = select_checkpoint(out_dir, log=acc.print)
+                else:
+                    chosen = (Path(resume).expanduser(), ck.verify(Path(resume).expanduser()))
+            except CheckpointError as e:
+                error = e
+        code = self._on_main(-2 if error else (-1 if chosen is None else chosen[1]["step"]))
+        if error is not None:
+            raise error
+        if code == -2:
+            raise CheckpointError("the checkpoint to resume from failed verification on the main process")
+        if code == -1:
+            acc.print(f"attnqat train: no checkpoint in {out_dir}/checkpoints; starting from step 0")
+            return None
+        if chosen is None:  # other processes: the folder the main process verified
+            path = Path(resume).expanduser() if resume != "auto" else self.checkpoint_dir(code)
+            chosen = (path, ck.read_manifest(path))
+        self.load(*chosen)
+        acc.print(f"attnqat train: resumed from {chosen[0]} at step {self.state.step} (sha256 verified)")
+        return chosen[0]
+
+
+def _first_nonfinite(items, what: str) -> str | None:
+    """"<what> <name>" of the first floating tensor in ``items`` holding NaN or inf, else None."""
+    for name, v in items:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all():
+            return f"{what} {name}"
+    return None
+
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    ckpts = sorted(p for p in (Path(output_dir) / "checkpoints").glob("step-*")
-                   if p.is_dir() and not p.name.endswith((".tmp", ".old")) and (p / "state").is_dir())
-    return ckpts[-1] if ckpts else None
+    """The newest complete checkpoint folder (manifest present, sizes match; not hashed), or None."""
+    for _, p in reversed(ck.step_dirs(output_dir)):
+        if ck.is_complete(p):
+            return p
+    return None
+
+
+def select_checkpoint(output_dir: str | Path, log=print) -> tuple[Path, dict] | None:
+    """The newest checkpoint that passes full verification (sha256 of every file) and its manifest. The corrupt
+    ones newer than it are then moved aside to step-N.corrupt (kept for inspection, out of the way of pruning and
+    of the next resume), saying so; older-format (pickle) ones are skipped, saying so. None if there is no
+    checkpoint at all; CheckpointError (and nothing moved) if there are some and none is usable."""
+    steps = ck.step_dirs(output_dir)
+    problems = []
+    for _, p in reversed(steps):
+        try:
+            manifest = ck.verify(p)
+        except CheckpointError as e:
+            problems.append((p, e))
+            continue
+        for bad, e in problems:
+            if ck.is_legacy(bad) and not (bad / ck.MANIFEST).exists():
+                log(f"attnqat train: skipping {bad.name}: {e}")
+            else:
+                dest = ck.move_aside(bad, log=lambda *_: None)
+                log(f"attnqat train: {e}; moved it aside to {dest.name}, falling back to {p.name}")
+        return p, manifest
+    if problems:
+        raise CheckpointError(f"no intact checkpoint in {Path(output_dir) / 'checkpoints'}: "
+                              + " | ".join(str(e) for _, e in problems))
+    return None
 
 
 class _Logger:
-    def __init__(self, cfg: TrainConfig, acc, start_step: int):
+    """log.csv, appended one complete line per row. On resume, the rows after the checkpoint's step (the part of
+    the history the resumed run redoes) are dropped by writing a new file and renaming it over the old one, so a
+    kill at any moment leaves the old log or the new one, never an empty or half-written one."""
+
+    def __init__(self, cfg: TrainConfig, acc, start_step: int, resuming: bool):
         self.rows: list[dict] = []
         self.main = acc.is_main_process
-        self.csv_path = Path(cfg.output_dir) / "log.csv"
+        self.csv_path = Path(cfg.output_dir) / ck.LOG
         self.tb = None
+        self.cfg = cfg
         if not self.main:
             return
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         if cfg.log.csv:
-            kept = []
-            if self.csv_path.exists() and start_step > 0:  # resume: keep rows up to the checkpoint
-                with self.csv_path.open() as f:
-                    kept = [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= start_step]
-            with self.csv_path.open("w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-                w.writeheader()
-                w.writerows(kept)
+            kept = read_log(self.csv_path, upto=start_step) if resuming and self.csv_path.exists() else []
+            out = io.StringIO(newline="")
+            w = csv.DictWriter(out, fieldnames=CSV_FIELDS, restval="", extrasaction="ignore", lineterminator="\n")
+            w.writeheader()
+            w.writerows(kept)
+            ck.atomic_write_text(self.csv_path, out.getvalue())
         if cfg.log.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -387,15 +564,17 @@ class _Logger:
                 raise ValueError("log.tensorboard is true but TensorBoard is not installed: pip install tensorboard "
                                  "(or set log.tensorboard: false; the CSV log is always written)") from e
             self.tb = SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"))
-        self.cfg = cfg
 
     def log(self, row: dict):
         self.rows.append(row)
         if not self.main:
             return
         if self.cfg.log.csv:
+            out = io.StringIO(newline="")
+            csv.DictWriter(out, fieldnames=CSV_FIELDS, lineterminator="\n").writerow(
+                {k: row.get(k, "") for k in CSV_FIELDS})
             with self.csv_path.open("a", newline="") as f:
-                csv.DictWriter(f, fieldnames=CSV_FIELDS).writerow({k: row.get(k, "") for k in CSV_FIELDS})
+                f.write(out.getvalue())  # one write of one complete line
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -406,39 +585,137 @@ class _Logger:
             self.tb.close()
 
 
+def read_log(path: str | Path, upto: int | None = None) -> list[dict]:
+    """The rows of a log.csv: complete lines only (a line cut by a kill has no newline yet), one row per step
+    (the last written, should a step appear twice), in step order, steps <= ``upto`` if given."""
+    with open(path, newline="") as f:
+        text = f.read()
+    if not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+    rows: dict[int, dict] = {}
+    for r in csv.DictReader(io.StringIO(text, newline="")):
+        try:
+            step = int(r.get("step") or "")
+        except ValueError:
+            continue
+        if upto is None or step <= upto:
+            rows[step] = {k: v for k, v in r.items() if k is not None}
+    return [rows[k] for k in sorted(rows)]
+
+
+def check_request(cfg: TrainConfig, resume: str | None = None, stop_after: int | None = None,
+                  overwrite: bool = False, *, refuse_existing: bool = True) -> None:
+    """What :func:`train` checks before building anything (read-only, the same answer on every process): the
+    arguments, the output folder (a folder, or creatable), and that it holds no other run unless ``resume`` or
+    ``overwrite`` says what to do with it (``refuse_existing=False``: ``--check`` only looks)."""
+    if resume is not None and (not isinstance(resume, str) or not resume.strip()):
+        raise ValueError(f"--resume must be 'auto' or a checkpoint folder, got {resume!r}")
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other: continue the run, or delete it and start over")
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+        raise ValueError(f"--stop-after must be a step >= 1, got {stop_after!r}")
+    out_dir = Path(cfg.output_dir)
+    check_output_dir(out_dir)
+    found = ck.run_artifacts(out_dir)
+    if found and not resume and not overwrite and refuse_existing:
+        names = ", ".join(sorted({p.relative_to(out_dir).parts[0] + ("/" if p.is_dir() else "") for p in found}))
+        raise ValueError(f"output_dir {str(out_dir)!r} already holds a training run ({names}); continue it with "
+                         f"--resume auto, or delete that run and start over with --overwrite")
+    if resume and resume != "auto":
+        path = Path(resume).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"--resume {resume!r} does not exist")
+        if not path.is_dir():
+            raise ValueError(f"--resume {resume!r} is not a folder; give OUTPUT/checkpoints/step-N or 'auto'")
+        ck.read_manifest(path)  # refuses incomplete and older pickle checkpoints by name (verified later)
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """output_dir is a folder (or can become one), and any log.csv / final/ in it are attnqat's own."""
+    out_dir = Path(out_dir)
+    try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ValueError(f"output_dir {str(out_dir)!r} exists and is not a folder")
+        parent = out_dir
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ValueError(f"output_dir {str(out_dir)!r} cannot be created: {str(parent)!r} is a file")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(f"output_dir {str(out_dir)!r}: {str(parent)!r} is not writable")
+        for name in ("checkpoints", "final"):
+            if (out_dir / name).exists() and not (out_dir / name).is_dir():
+                raise ValueError(f"output_dir {str(out_dir)!r}: {name} exists and is not a folder")
+        if (out_dir / "final").is_dir() and not ck.is_ours(out_dir / "final") and any((out_dir / "final").iterdir()):
+            raise ValueError(f"{str(out_dir / 'final')!r} was not written by attnqat; move it out of output_dir")
+        if (out_dir / ck.LOG).exists() and not ck.our_log(out_dir / ck.LOG):
+            raise ValueError(f"{str(out_dir / ck.LOG)!r} is not an attnqat log; move it out of output_dir")
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte
+        if isinstance(e, PermissionError) or (isinstance(e, ValueError) and "output_dir" in str(e)):
+            raise
+        raise ValueError(f"output_dir {str(out_dir)[:200]!r} is not usable: {getattr(e, 'strerror', None) or e}") from None
+
+
 def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None = None,
-          time_limit: float | None = None, accelerator=None) -> TrainResult:
+          time_limit: float | None = None, accelerator=None, overwrite: bool = False) -> TrainResult:
     """Run (or continue) training as ``cfg`` says.
 
     Arguments:
-        resume: a checkpoint folder (``OUTPUT/checkpoints/step-N``), or ``"auto"`` for the latest one in
-            ``cfg.output_dir`` (starts fresh if there is none).
+        resume: a checkpoint folder (``OUTPUT/checkpoints/step-N``), or ``"auto"`` for the newest intact one in
+            ``cfg.output_dir`` (starts fresh if there is none). Resuming a finished run (checkpoint at
+            ``train.max_steps``) only (re)writes a missing or stale ``final/``.
         stop_after: stop after this optimizer step, as if interrupted (no final checkpoint unless it is
             a checkpoint step). For tests and time-limited jobs.
         time_limit: seconds; once a step ends past them, save a checkpoint and stop (resume later with
             ``resume="auto"``). For jobs that must fit a time slot.
+        overwrite: delete the run already in ``cfg.output_dir`` (its checkpoints, final/, log and config; nothing
+            else) and start over. Without it (or ``resume``), a folder holding a run is refused.
     Return:
         a :class:`TrainResult` with this call's losses and the held-out gap before and after.
+    Raises:
+        ValueError for what a user can fix: a refused folder or checkpoint (``CheckpointError``), and
+        ``NonFiniteTrainingError`` (a NaN/inf loss, gradient norm, learning rate or weight: training stops
+        before the optimizer step, and nothing non-finite is written).
     """
+    check_request(cfg, resume, stop_after, overwrite)  # before any model is built
+    trainer = Trainer(cfg, accelerator)
+    try:
+        return _train(trainer, cfg, resume, stop_after, overwrite, time_limit)
+    finally:
+        trainer.s_cap.remove()
+        trainer.t_cap.remove()
+        trainer.accelerator.end_training()
+
+
+def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, time_limit=None) -> TrainResult:
     from tqdm.auto import tqdm
 
-    trainer = Trainer(cfg, accelerator)
     acc, tr = trainer.accelerator, cfg.train
-    if resume:
-        path = latest_checkpoint(cfg.output_dir) if resume == "auto" else Path(resume).expanduser()
-        if path is None:
-            acc.print(f"attnqat train: no checkpoint in {cfg.output_dir}/checkpoints; starting from step 0")
-        else:
-            if not path.exists():
-                raise FileNotFoundError(f"--resume {str(path)!r} does not exist")
-            trainer.load(path)
-            acc.print(f"attnqat train: resumed from {path} at step {trainer.state.step}")
+    out_dir = Path(cfg.output_dir)
+    resumed = None
+    if resume and resume != "auto":  # a named checkpoint: verified and loaded before output_dir is touched
+        resumed = trainer.resume_from(resume)
+    if acc.is_main_process:
+        if overwrite:
+            ck.remove_run(out_dir, log=acc.print)
+        ck.recover_run(out_dir, log=acc.print)  # finish or undo the writes a kill interrupted
+    acc.wait_for_everyone()
+    if resume == "auto":
+        resumed = trainer.resume_from(resume)
     start = trainer.state.step
+    if start > tr.max_steps:
+        raise ValueError(f"the checkpoint is at step {start}, past train.max_steps {tr.max_steps}; raise "
+                         f"train.max_steps or resume an earlier checkpoint")
+    if acc.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ck.atomic_write_text(out_dir / ck.RUN_CONFIG, yaml_config(cfg))
+    if resumed is not None and start == tr.max_steps:
+        return _finish(trainer, out_dir / "final")
     acc.print(f"attnqat train: {cfg.model}, {acc.num_processes} process(es) on {acc.device.type} "
               f"({acc.distributed_type.value}), objective {cfg.objective.type}"
               f"{'/' + cfg.objective.target if trainer.needs_teacher else ''}, student {cfg.attention.mode}, "
               f"{trainer.tokens_at(start)} tokens/sample, steps {start}..{tr.max_steps}")
-    logger = _Logger(cfg, acc, start)
+    logger = _Logger(cfg, acc, start, resuming=bool(resume))
     gap_before = trainer.evaluate()
     if gap_before and acc.is_main_process:
         acc.print(f"held-out student-teacher gap at step {start}: output {gap_before['output']:.6f}, "
@@ -468,13 +745,15 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
                     sums[k] = sums.get(k, 0.0) + out[k].detach().float() / accum
         grad_norm = acc.clip_grad_norm_([p for p in trainer.student.parameters() if p.requires_grad], max_norm)
         lr = trainer.scheduler.get_last_lr()[0]
+        # averaged over processes before the optimizer step, so that every process stops at the same step
+        reduced = {k: acc.reduce(v.reshape(1).to(acc.device), "mean").item() for k, v in sums.items()}
+        _check_finite(trainer, logger, bar, step + 1, reduced, grad_norm, lr)
         trainer.optimizer.step()
         trainer.scheduler.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.update_ema(step)
         trainer.state.step = step + 1
         trainer.state.position = (step + 1) * accum * cfg.data.batch_size * acc.num_processes
-        reduced = {k: acc.reduce(v.reshape(1).to(acc.device), "mean").item() for k, v in sums.items()}
         if acc.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -523,11 +802,52 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
     if final is not None:
         acc.print(f"final checkpoint: {final}  (attnqat generate --qat-checkpoint {final} --model {cfg.model} "
                   f"--mode {cfg.attention.mode})")
-    trainer.s_cap.remove()
-    trainer.t_cap.remove()
-    acc.end_training()
     return TrainResult(steps=trainer.state.step, losses=losses, gap_before=gap_before, gap_after=gap_after,
                        output_dir=cfg.output_dir, final_checkpoint=str(final) if final else None, log_rows=logger.rows)
+
+
+def _check_finite(trainer: Trainer, logger: _Logger, bar, step: int, reduced: dict, grad_norm, lr: float) -> None:
+    """Stop (NonFiniteTrainingError) before the optimizer step of ``step`` if the loss terms, the gradient norm or
+    the learning rate are NaN or inf; the row is logged first, so the log shows where it happened."""
+    gn = float(grad_norm) if grad_norm is not None else None
+    bad = [f"{k} {v}" for k, v in (*reduced.items(), ("grad_norm", gn), ("lr", lr))
+           if v is not None and not math.isfinite(v)]
+    if not bad:
+        return
+    logger.log({"step": step, "loss": reduced.get("loss", ""), "loss_distill": reduced.get("distill", ""),
+                "loss_flow": reduced.get("flow", ""), "gap": reduced.get("gap", ""),
+                "grad_norm": gn if gn is not None else "", "lr": lr})
+    bar.close()
+    logger.close()
+    last_good = latest_checkpoint(trainer.cfg.output_dir)
+    raise NonFiniteTrainingError(f"step {step}: non-finite {', '.join(bad)}; stopped before the optimizer step, "
+                                 f"nothing written; the last good checkpoint is {last_good or 'none'} (lower "
+                                 f"train.lr or check the data, then --resume auto)")
+
+
+def _finish(trainer: Trainer, final: Path) -> TrainResult:
+    """A resumed run already at train.max_steps: (re)write final/ unless an intact one of this step is there."""
+    acc, step = trainer.accelerator, trainer.state.step
+    done = False
+    if acc.is_main_process:
+        try:
+            done = ck.verify(final)["step"] == step
+        except (CheckpointError, OSError):
+            done = False
+    trainer.prune()  # a kill may have come between the last checkpoint and its pruning
+    if trainer._on_main(done):
+        acc.print(f"attnqat train: the run is complete (step {step}); {final} is intact")
+    else:
+        trainer.save(final, with_state=False)
+        acc.print(f"attnqat train: the run is complete (step {step}); wrote {final}")
+    return TrainResult(steps=step, losses=[], gap_before=None, gap_after=None,
+                       output_dir=trainer.cfg.output_dir, final_checkpoint=str(final))
+
+
+def yaml_config(cfg: TrainConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 class _null:

@@ -1,0 +1,462 @@
+"""Training checkpoints that load without unpickling, prove their integrity, and survive a kill.
+
+A checkpoint folder (``OUTPUT/checkpoints/step-NNNNNNN/``, and ``OUTPUT/final/`` without ``state/``)::
+
+    transformer.safetensors     the exported weights (checkpoint.save_dtype), what `generate` loads
+    config.yaml                 the run's config
+    trainer_state.json          {"step", "position"}
+    state/model.safetensors     fp32 master weights (full state dict)
+    state/optimizer.safetensors the optimizer's state tensors (t0, t1, ...), a full state dict flattened
+    state/optimizer.json        everything else of it: param groups, which tensor is which
+    state/scheduler.json        the LR scheduler's state_dict
+    state/scaler.json           fp16 loss scaler (only under fp16 mixed precision)
+    state/rng-R.safetensors     process R's torch (CPU, CUDA) RNG states; Python's and NumPy's in its metadata
+    manifest.json               written last: the size and sha256 of every other file
+
+Only safetensors and JSON are ever read back (``safetensors.torch.load_file``, ``json.loads``): a checkpoint
+from someone else cannot run code. Folders written by accelerate's ``save_state`` (older attnqat: pickles
+in ``state/``) are refused by name. Files the manifest does not list are never opened.
+
+Every folder is written as ``NAME.tmp/`` (files fsynced, manifest last), then committed by renames:
+``NAME -> NAME.old``, ``NAME.tmp -> NAME``, delete ``NAME.old``. :func:`recover` finishes or undoes an
+interrupted commit from whatever a kill left, and never deletes the only complete copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+FORMAT = "attnqat-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"step-(\d{7})")  # checkpoints/step-NNNNNNN: 7 digits, so names sort by step
+MAX_MANIFEST_BYTES = 16 << 20
+KNOWN_SIDE = (".tmp", ".old")  # an interrupted write (.tmp) or commit (.old)
+CORRUPT = ".corrupt"  # a checkpoint that failed verification, moved aside by --resume auto
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: incomplete, corrupt, a legacy pickle checkpoint, or another model's."""
+
+
+class NonFiniteTrainingError(ValueError):
+    """Training produced NaN or inf (loss, gradient norm, learning rate or weights); nothing non-finite is
+    written. A ValueError: the CLI prints it as one line (exit 2); the usual fix is a lower train.lr."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Durable, atomic files
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``path`` as a whole or not at all: a temporary name, fsync, one rename."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json(path: Path, data) -> None:
+    """JSON, durably. NaN/Infinity are allowed (Python reads them back): a faithful snapshot even if the
+    scheduler's next lr is not finite (the loop refuses to step with it; tensors are checked before saving)."""
+    with open(path, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    fsync_file(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Manifest
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_all(paths: list[Path]) -> list[str]:
+    # hashlib releases the GIL: files hash in parallel (a 14B checkpoint holds ~150 GB)
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def write_manifest(folder: Path, *, kind: str, step: int) -> None:
+    """List every file of ``folder`` with its size and sha256 in ``folder/manifest.json``; written last and
+    atomically, so a folder with a manifest is complete."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    digests = _hash_all(files)
+    manifest = {"format": FORMAT, "version": VERSION, "kind": kind, "step": int(step),
+                "files": {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": d}
+                          for p, d in zip(files, digests)}}
+    atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def is_legacy(folder: Path) -> bool:
+    """A checkpoint written by accelerate's save_state (pickles in state/): never loaded."""
+    state = Path(folder) / "state"
+    return state.is_dir() and any(p.suffix in (".pkl", ".bin", ".pt", ".pth") for p in state.iterdir())
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of ``folder``, checked for form (not against the files); raises CheckpointError."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        if is_legacy(folder):
+            raise CheckpointError(f"{folder} was written by an older attnqat (accelerate pickles in state/), which "
+                                  f"--resume does not load: unpickling a file can run code. Start a new run")
+        raise CheckpointError(f"{folder} has no {MANIFEST}: an incomplete write, or not an attnqat checkpoint")
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MB: not an attnqat manifest")
+    try:
+        m = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    ok = (isinstance(m, dict) and m.get("format") == FORMAT and m.get("version") == VERSION
+          and isinstance(m.get("step"), int) and m.get("kind") in ("checkpoint", "final")
+          and isinstance(m.get("files"), dict))
+    if not ok:
+        raise CheckpointError(f"{path} is not an attnqat {FORMAT} v{VERSION} manifest")
+    for rel, info in m["files"].items():
+        parts = Path(rel).parts
+        if (not isinstance(info, dict) or not isinstance(info.get("size"), int)
+                or not re.fullmatch(r"[0-9a-f]{64}", str(info.get("sha256")))
+                or Path(rel).is_absolute() or not parts or ".." in parts or "\\" in rel):
+            raise CheckpointError(f"{path}: bad entry {rel[:80]!r}")
+    return m
+
+
+def verify(folder: Path, *, full: bool = True) -> dict:
+    """Check ``folder`` against its manifest: every listed file is a regular file inside the folder of the
+    listed size and (``full``) sha256. Returns the manifest; raises CheckpointError naming what is wrong."""
+    folder = Path(folder)
+    m = read_manifest(folder)
+    root = folder.resolve()
+    paths = []
+    for rel, info in m["files"].items():
+        p = folder / rel
+        if p.is_symlink() or not p.is_file() or not p.resolve().is_relative_to(root):
+            raise CheckpointError(f"{folder}: {rel} is missing (listed in {MANIFEST})")
+        if p.stat().st_size != info["size"]:
+            raise CheckpointError(f"{folder}: {rel} has {p.stat().st_size} bytes, the manifest says {info['size']}")
+        paths.append((p, rel, info["sha256"]))
+    if full:
+        for (p, rel, want), got in zip(paths, _hash_all([p for p, _, _ in paths])):
+            if got != want:
+                raise CheckpointError(f"{folder}: {rel} is corrupt (sha256 differs from {MANIFEST})")
+    return m
+
+
+def is_complete(folder: Path) -> bool:
+    """Cheap check (manifest and file sizes, no hashing): a write that finished."""
+    try:
+        verify(folder, full=False)
+        return True
+    except (CheckpointError, OSError):
+        return False
+
+
+def listed(folder: Path, manifest: dict, rel: str) -> Path:
+    """``folder/rel``, refusing a file the manifest does not list (it is never opened)."""
+    if rel not in manifest["files"]:
+        raise CheckpointError(f"{folder}: {rel} is not listed in its {MANIFEST}")
+    return Path(folder) / rel
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Committing a folder, and recovering from a kill
+
+
+def commit(tmp: Path, target: Path) -> None:
+    """Replace ``target`` by the complete folder ``tmp`` (two renames; :func:`recover` handles a kill between)."""
+    old = target.with_name(target.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def recover(target: Path, log=print) -> None:
+    """Finish or undo an interrupted write of ``target`` from ``target.tmp`` / ``target.old``.
+
+    A complete ``.tmp`` is the newest copy (it is written after ``target`` was last committed): commit it. Else
+    a complete ``target`` stays, and the partial ``.tmp`` and stale ``.old`` go. Else a complete ``.old`` (a kill
+    between the two renames of a commit) is put back. A copy is deleted only when a complete one remains."""
+    target = Path(target)
+    tmp, old = target.with_name(target.name + ".tmp"), target.with_name(target.name + ".old")
+    if not (tmp.exists() or old.exists()):
+        return
+    if tmp.is_dir() and is_complete(tmp):
+        if target.exists() and not is_complete(target):
+            _move_aside(target, log)
+        commit(tmp, target)
+        log(f"attnqat train: finished the interrupted write of {target}")
+    elif target.is_dir() and is_complete(target):
+        for p in (tmp, old):
+            if p.exists():
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    elif old.is_dir() and is_complete(old):
+        if target.exists():
+            _move_aside(target, log)
+        os.replace(old, target)
+        fsync_dir(target.parent)
+        if tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        log(f"attnqat train: restored {target} from {old.name} (a write was interrupted)")
+    elif tmp.exists():  # nothing complete anywhere: the partial .tmp is no copy of anything
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+
+
+def _move_aside(folder: Path, log) -> Path:
+    dest = folder.with_name(folder.name + CORRUPT)
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = folder.with_name(f"{folder.name}{CORRUPT}{n}")
+    os.replace(folder, dest)
+    fsync_dir(folder.parent)
+    log(f"attnqat train: moved the incomplete or corrupt {folder.name} aside to {dest.name}")
+    return dest
+
+
+def move_aside(folder: Path, log=print) -> Path:
+    """Rename a checkpoint that failed verification to ``NAME.corrupt`` (kept for inspection, never loaded)."""
+    return _move_aside(Path(folder), log)
+
+
+def recover_run(output_dir: Path, log=print) -> None:
+    """:func:`recover` ``final/`` and every checkpoint of a run folder."""
+    output_dir = Path(output_dir)
+    recover(output_dir / "final", log)
+    ckpts = output_dir / "checkpoints"
+    if ckpts.is_dir():
+        names = {p.name.removesuffix(s) for p in ckpts.iterdir() for s in KNOWN_SIDE if p.name.endswith(s)}
+        for name in sorted(n for n in names if STEP_DIR.fullmatch(n)):
+            recover(ckpts / name, log)
+
+
+def step_dirs(output_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of ``OUTPUT/checkpoints/step-NNNNNNN``, oldest first (committed names only)."""
+    ckpts = Path(output_dir) / "checkpoints"
+    if not ckpts.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in ckpts.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    return sorted(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a run folder holds (the refusal to mix runs, and --overwrite)
+
+RUN_CONFIG = "run_config.yaml"
+LOG = "log.csv"
+
+
+LEGACY_ENTRIES = {"state", "transformer.safetensors", "config.yaml", "trainer_state.json"}
+
+
+def is_ours(folder: Path) -> bool:
+    """A checkpoint-shaped folder attnqat wrote: a manifest of ours, or the older layout (transformer.safetensors
+    beside at most state/, config.yaml, trainer_state.json)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return False
+    if (folder / MANIFEST).is_file():
+        try:
+            read_manifest(folder)
+            return True
+        except (CheckpointError, OSError):
+            return False
+    names = {p.name for p in folder.iterdir()}
+    return "transformer.safetensors" in names and names <= LEGACY_ENTRIES
+
+
+def our_log(path: Path) -> bool:
+    """A log.csv attnqat wrote (its header starts with step,loss,)."""
+    try:
+        with open(path, newline="") as f:
+            return f.readline().startswith("step,loss,")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def run_artifacts(output_dir: Path) -> list[Path]:
+    """What an earlier attnqat run left in ``output_dir``: its log, config, final/ and checkpoints (and their
+    interrupted .tmp / .old / .corrupt copies). Anything else in the folder is the user's and never touched."""
+    out_dir = Path(output_dir)
+    if not out_dir.is_dir():
+        return []
+    found = []
+    for name in (LOG, LOG + ".tmp"):
+        if (out_dir / name).is_file() and (our_log(out_dir / name) or name.endswith(".tmp")):
+            found.append(out_dir / name)
+    for name in (RUN_CONFIG, RUN_CONFIG + ".tmp"):
+        if (out_dir / name).is_file():
+            found.append(out_dir / name)
+    for p in sorted(out_dir.glob("final*")):
+        if p.is_dir() and (p.name == "final" and is_ours(p) or re.fullmatch(r"final(\.tmp|\.old|\.corrupt\d*)", p.name)):
+            found.append(p)
+    tb = out_dir / "tensorboard"
+    if tb.is_dir() and all(f.is_file() and f.name.startswith("events.out.tfevents.") for f in tb.iterdir()):
+        found.append(tb)
+    ckpts = out_dir / "checkpoints"
+    if ckpts.is_dir():
+        for p in sorted(ckpts.iterdir()):
+            if not p.is_dir():
+                continue
+            if STEP_DIR.fullmatch(p.name) and is_ours(p):
+                found.append(p)
+            elif re.fullmatch(r"step-\d{7}(\.tmp|\.old|\.corrupt\d*)", p.name):
+                found.append(p)
+    return found
+
+
+def remove_run(output_dir: Path, log=print) -> list[Path]:
+    """``--overwrite``: delete what :func:`run_artifacts` lists (and checkpoints/ if that empties it)."""
+    removed = run_artifacts(output_dir)
+    for p in removed:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    ckpts = Path(output_dir) / "checkpoints"
+    if ckpts.is_dir() and not any(ckpts.iterdir()):
+        ckpts.rmdir()
+    if removed:
+        fsync_dir(Path(output_dir))
+        log(f"attnqat train: --overwrite removed the earlier run in {output_dir} ({len(removed)} entries)")
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optimizer and RNG state as tensors + JSON
+
+
+def encode(value):
+    """JSON form of an optimizer's non-tensor values (tuples tagged, so they come back as tuples)."""
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v) for v in value]}
+    if isinstance(value, list):
+        return [encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): encode(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"optimizer state value of type {type(value).__name__} cannot be stored as JSON")
+
+
+def decode(value):
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(decode(v) for v in value["__tuple__"])
+        return {k: decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    return value
+
+
+def flatten_optimizer(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """A full (FQN-keyed) optimizer state dict -> (tensors named t0, t1, ..., JSON-able structure)."""
+    tensors: dict[str, torch.Tensor] = {}
+    state = {}
+    for fqn, entries in osd.get("state", {}).items():
+        state[str(fqn)] = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                name = f"t{len(tensors)}"
+                tensors[name] = value.detach().cpu()
+                state[str(fqn)][key] = {"tensor": name}
+            else:
+                state[str(fqn)][key] = {"value": encode(value)}
+    return tensors, {"state": state, "param_groups": encode(osd.get("param_groups", []))}
+
+
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], structure: dict) -> dict:
+    if not isinstance(structure, dict) or not isinstance(structure.get("state"), dict):
+        raise CheckpointError("optimizer.json is not an attnqat optimizer structure")
+    state = {}
+    for fqn, entries in structure["state"].items():
+        state[fqn] = {}
+        for key, ref in entries.items():
+            if isinstance(ref, dict) and "tensor" in ref:
+                if ref["tensor"] not in tensors:
+                    raise CheckpointError(f"optimizer.json names tensor {ref['tensor']!r}, absent from the safetensors")
+                state[fqn][key] = tensors[ref["tensor"]]
+            elif isinstance(ref, dict) and "value" in ref:
+                state[fqn][key] = decode(ref["value"])
+            else:
+                raise CheckpointError(f"optimizer.json: bad entry for {fqn}/{key}")
+    return {"state": state, "param_groups": decode(structure.get("param_groups", []))}
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """This process's RNG states: torch CPU/CUDA as uint8 tensors, Python's and NumPy's as JSON metadata."""
+    import numpy as np
+
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    meta = {"python": json.dumps([version, list(internal), gauss]),
+            "numpy": json.dumps([name, [int(x) for x in keys], int(pos), int(has_gauss), float(cached)])}
+    return tensors, meta
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    import numpy as np
+
+    try:
+        torch.set_rng_state(tensors["torch_cpu"])
+        cuda = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in tensors.items() if k.startswith("torch_cuda_"))
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([v for _, v in cuda][:torch.cuda.device_count()])
+        version, internal, gauss = json.loads(meta["python"])
+        random.setstate((int(version), tuple(int(x) for x in internal), None if gauss is None else float(gauss)))
+        name, keys, pos, has_gauss, cached = json.loads(meta["numpy"])
+        np.random.set_state((str(name), np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"RNG state does not load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
