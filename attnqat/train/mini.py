@@ -143,7 +143,8 @@ def stage_vae(out: Path, args) -> None:
     from diffusers import AutoencoderKLWan
 
     folder = out / "model" / "vae"
-    if json.loads((folder / "config.json").read_text()).get("attnqat_trained"):
+    timings = out / "timings.json"
+    if timings.is_file() and any(r["stage"] == "vae" for r in json.loads(timings.read_text())):
         print("vae: already trained, skipped")
         return
     vae = AutoencoderKLWan.from_pretrained(folder, torch_dtype=torch.float32)
@@ -153,7 +154,7 @@ def stage_vae(out: Path, args) -> None:
     mean, std = latent_statistics(vae, device=args.device)
     psnr = reconstruction_psnr(vae, device=args.device, clips=args.eval_clips,
                                size=(33, 256, 256) if args.device != "cpu" else (9, 64, 64))
-    vae.register_to_config(latents_mean=mean, latents_std=std, attnqat_trained=True)
+    vae.register_to_config(latents_mean=mean, latents_std=std)
     tmp = folder.with_name("vae.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -173,12 +174,11 @@ def transformer_config(out: Path, overrides: list[str]):
 
 
 def stage_transformer(out: Path, args) -> None:
-    from .loop import latest_checkpoint, train
+    from .loop import train
 
     cfg = transformer_config(out, args.set)
     t0 = time.perf_counter()
-    resume = "auto" if latest_checkpoint(cfg.output_dir) is not None else None
-    result = train(cfg, resume=resume, time_limit=args.minutes * 60)
+    result = train(cfg, resume="auto", time_limit=args.minutes * 60)
     _record(out, "transformer", time.perf_counter() - t0, steps=result.steps,
             last_loss=result.losses[-1] if result.losses else None,
             held_out=result.gap_after)

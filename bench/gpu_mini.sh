@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Device runs that build the mini model (docs/mini.md). Usage on the GPU machine, from the repo root:
+#   bash bench/gpu_mini.sh start MINUTES   # init + VAE + start the transformer training in the background
+#   bash bench/gpu_mini.sh wait SECONDS    # let it train; copy logs to $OUT
+#   bash bench/gpu_mini.sh export          # export runs/mini/mini and pack it into $OUT (2 parts)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+W=runs/mini
+case "$1" in
+  start)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__)"
+    python3 -m attnqat.train.mini --out $W --stage init 2>&1 | grep -v Writing
+    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "${3:-3.5}" 2>&1 | tee "$OUT/vae.log" | grep -v Warn
+    setsid nohup python3 -m attnqat.train.mini --out $W --stage transformer --minutes "$2" > $W/train.log 2>&1 < /dev/null &
+    sleep "${4:-120}"
+    ;;
+  wait)
+    sleep "$2"
+    ;;
+  export)
+    while pgrep -f "attnqat.train.mini" > /dev/null; do sleep 5; done
+    python3 -m attnqat.train.mini --out $W --stage export 2>&1 | tail -3
+    tar -C $W -cf /tmp/mini.tar mini && split -b 15M /tmp/mini.tar "$OUT/mini.tar.part-"
+    ;;
+esac
+tr '\r' '\n' < $W/train.log 2>/dev/null | grep -v "it/s\]$" | tail -n 12
+cp $W/train.log $W/run/log.csv $W/timings.json "$OUT/" 2>/dev/null
+tail -n 3 $W/run/log.csv 2>/dev/null
+exit 0
