@@ -53,6 +53,18 @@ def _device_name() -> str:
 # Stage 2: the VAE
 
 
+FOREGROUND_WEIGHT = 20.0
+
+
+def foreground_weights(video: torch.Tensor) -> torch.Tensor:
+    """Per-pixel loss weights (n, 1, F, H, W): FOREGROUND_WEIGHT where the pixel is saturated (HSV
+    saturation > 0.4: the corpus's objects), 1 elsewhere."""
+    rgb = (video + 1) / 2
+    hi, lo = rgb.amax(1, keepdim=True), rgb.amin(1, keepdim=True)
+    saturation = (hi - lo) / hi.clamp_min(1e-3)
+    return 1 + (FOREGROUND_WEIGHT - 1) * (saturation > 0.4).to(video.dtype)
+
+
 def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, size=(17, 128, 128), lr: float = 5e-4,
               kl_weight: float = 1e-4, seed: int = 0, device="cuda", log=print) -> dict:
     """Train ``vae`` for reconstruction on corpus clips until ``seconds`` pass (or ``steps`` are done).
@@ -78,7 +90,10 @@ def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, 
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=use_amp):
             posterior = vae.encode(video).latent_dist
             recon = vae.decode(posterior.sample()).sample
-        rec = (recon.float() - video).abs().mean()
+        # Objects cover ~5% of the pixels: an unweighted L1 lets the VAE drop them (measured: a 3-minute run
+        # reconstructed backgrounds at 16.6 dB and no object at all). Saturated pixels (the objects; the
+        # corpus's backgrounds are unsaturated) weigh FOREGROUND_WEIGHT times more.
+        rec = ((recon.float() - video).abs() * foreground_weights(video)).mean()
         mu, logvar = posterior.mean.float(), posterior.logvar.float()
         kl = 0.5 * (mu.pow(2) + logvar.exp() - 1 - logvar).mean()  # per latent element
         loss = rec + kl_weight * kl

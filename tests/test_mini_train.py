@@ -1,0 +1,174 @@
+"""Training from the procedural corpus (data.source: corpus), from scratch, with EMA weights; the mini
+model's folder writer; the held-out evaluation helpers. CPU, small sizes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnqat.train.corpus_source import pool_clips, uses_before
+
+SMALL = ["data.corpus.sizes=[[5,32,32],[9,32,64]]", "data.corpus.size_weights=[2,1]", "data.batch_size=2",
+         "data.corpus.pool=4", "data.corpus.refresh=2", "data.corpus.encode_batch=3", "data.held_out=2",
+         "train.max_steps=6", "train.warmup_steps=2", "checkpoint.every=3", "log.every=1", 'train.mixed_precision="no"',
+         "log.progress=false"]
+
+
+def test_pool_formula_matches_replaying_the_refreshes():
+    for pool, refresh in ((4, 1), (5, 2), (6, 6), (7, 3)):
+        slots = list(range(pool))  # clips held by each slot; refresh t puts clip pool + t into slot t % pool
+        t = 0
+        for use in range(12):
+            for _ in range(refresh):
+                slots[t % pool] = pool + t
+                t += 1
+            assert pool_clips(pool, refresh, use) == slots, (pool, refresh, use)
+
+
+def test_size_cycle_counts():
+    pattern = [0, 0, 1]
+    for step in range(20):
+        assert uses_before(pattern, 0, step) == sum(1 for s in range(step) if pattern[s % 3] == 0)
+        assert uses_before(pattern, 1, step) == sum(1 for s in range(step) if pattern[s % 3] == 1)
+
+
+@pytest.fixture(scope="module")
+def mini_folder(tmp_path_factory):
+    from attnqat.pipelines.mini import build_mini_pipeline, save_pipeline_folder
+
+    return save_pipeline_folder(build_mini_pipeline(), tmp_path_factory.mktemp("m") / "model",
+                                vae_dtype=torch.float32, check_size=False)
+
+
+def _cfg(folder, out, *extra):
+    from attnqat.train.mini import transformer_config
+
+    cfg = transformer_config(out, [*SMALL, *extra])
+    cfg.model = str(folder)
+    return cfg
+
+
+def test_prompt_embeddings_equal_the_pipelines(mini_folder):
+    from diffusers import WanPipeline
+
+    from attnqat.train.config import CorpusConfig
+    from attnqat.train.corpus_source import CorpusSource
+
+    src = CorpusSource(str(mini_folder), CorpusConfig(sizes=[[5, 32, 32]], pool=0), text_len=512, device="cpu")
+    pipe = WanPipeline.from_pretrained(str(mini_folder), torch_dtype=torch.float32)
+    captions = ["a red ball slides left over a striped background", ""]
+    want, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=512, device="cpu")
+    got = src.embed(captions)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # summation order only
+    assert torch.equal(got == 0, want == 0)  # the same zero padding past each prompt
+
+
+def test_corpus_training_resumes_exactly_with_pool_and_ema(mini_folder, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from attnqat.train import train
+
+    full = train(_cfg(mini_folder, tmp_path / "a", "train.from_scratch=true", "train.ema_decay=0.9"))
+    cfg_b = _cfg(mini_folder, tmp_path / "b", "train.from_scratch=true", "train.ema_decay=0.9")
+    first = train(cfg_b, stop_after=3)
+    second = train(cfg_b, resume="auto")
+    assert first.losses + second.losses == full.losses  # the pool is rebuilt as it was: identical batches
+    assert all(torch.isfinite(torch.tensor(full.losses)))
+    a = load_file(str(tmp_path / "a" / "run" / "final" / "transformer.safetensors"))
+    b = load_file(str(tmp_path / "b" / "run" / "final" / "transformer.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ck = tmp_path / "a" / "run" / "checkpoints" / "step-0000006"
+    ema = load_file(str(ck / "ema.safetensors"))
+    raw = load_file(str(ck / "state" / "model.safetensors"))
+    exported = load_file(str(ck / "transformer.safetensors"))
+    with safe_open(str(ck / "transformer.safetensors"), framework="pt") as f:
+        assert f.metadata()["weights"] == "ema"
+    moved = [k for k in ema if not torch.equal(ema[k], raw[k])]
+    assert moved, "EMA weights equal the raw weights: the average is not being kept"
+    assert all(torch.equal(exported[k], ema[k]) for k in ema)  # save_dtype fp32: exported = EMA exactly
+    assert full.gap_after is not None and "flow" in full.gap_after
+
+
+def test_from_scratch_is_seeded_and_ignores_the_folders_weights(mini_folder, tmp_path):
+    from attnqat.train.loop import Trainer
+
+    t1 = Trainer(_cfg(mini_folder, tmp_path / "x", "train.from_scratch=true", "seed=3"))
+    t2 = Trainer(_cfg(mini_folder, tmp_path / "y", "train.from_scratch=true", "seed=3"))
+    t3 = Trainer(_cfg(mini_folder, tmp_path / "z", "train.from_scratch=true", "seed=4"))
+    p1, p2, p3 = (dict(t.student.named_parameters())["proj_out.weight"] for t in (t1, t2, t3))
+    assert torch.equal(p1, p2) and not torch.equal(p1, p3)
+
+
+def test_time_limit_saves_a_checkpoint_and_stops(mini_folder, tmp_path):
+    from attnqat.train import train
+    from attnqat.train.loop import latest_checkpoint
+
+    cfg = _cfg(mini_folder, tmp_path / "t", "checkpoint.every=100", "train.max_steps=50")
+    result = train(cfg, time_limit=0.0)
+    assert result.steps == 1 and result.final_checkpoint is None
+    assert latest_checkpoint(cfg.output_dir).name == "step-0000001"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.corpus.sizes=[[6,32,32]]", r"4k\+1"),
+    ("data.corpus.sizes=[[5,24,32]]", "multiples of 16"),
+    ("data.corpus.size_weights=[1]", "size_weights"),
+    ("data.corpus.refresh=9", "refresh"),
+    ("data.corpus.caption_dropout=1.5", "caption_dropout"),
+    ("train.ema_decay=1.0", "ema_decay"),
+    ("data.source=videos", "data.source"),
+])
+def test_corpus_settings_are_checked(mini_folder, tmp_path, override, message):
+    from attnqat.train.config import validate
+
+    with pytest.raises(ValueError, match=message):
+        validate(_cfg(mini_folder, tmp_path, override))
+
+
+def test_shipped_folder_writer_limits_and_refusals(tmp_path):
+    from attnqat.pipelines.mini import check_folder_size, save_pipeline_folder
+
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "w.bin").write_bytes(b"\0" * (16 * 2 ** 20))
+    with pytest.raises(ValueError, match="MiB"):
+        check_folder_size(tmp_path / "big")
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError):
+        save_pipeline_folder(object(), user)
+    assert (user / "notes.txt").read_text() == "keep"
+
+
+def test_mini_missing_is_a_clear_error(monkeypatch, tmp_path):
+    from attnqat.pipelines import loading, mini
+    from attnqat.pipelines.loading import ModelNotFoundError, resolve_model
+
+    monkeypatch.setattr(mini, "MINI_DIR", tmp_path / "absent")
+    with pytest.raises(ModelNotFoundError, match="attnqat.train.mini"):
+        resolve_model("mini")
+    assert loading.resolve_model("tiny") == "tiny"
+
+
+def test_foreground_weights_mark_saturated_pixels():
+    from attnqat.corpus import Corpus
+    from attnqat.train.mini import FOREGROUND_WEIGHT, foreground_weights
+
+    c = Corpus(0, "train")
+    specs = [c.spec(i) for i in range(6)]
+    video = c.render(specs, frames=5, height=64, width=64)
+    w = foreground_weights(video)
+    share = (w == FOREGROUND_WEIGHT).float().mean().item()
+    assert 0.01 < share < 0.2  # the objects, not the backgrounds
+    grey = torch.zeros(1, 3, 5, 32, 32)
+    assert torch.equal(foreground_weights(grey), torch.ones(1, 1, 5, 32, 32))
+
+
+def test_gap_closed():
+    from attnqat.evaluation import gap_closed
+
+    assert gap_closed(fp4=2.0, qat=1.5, bf16=1.0) == 0.5
+    assert gap_closed(fp4=2.0, qat=1.0, bf16=1.0) == 1.0
+    assert json.dumps(gap_closed(1.0, 1.0, 1.0)) == "NaN"
