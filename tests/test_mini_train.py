@@ -114,6 +114,8 @@ def test_time_limit_saves_a_checkpoint_and_stops(mini_folder, tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("data.corpus.sizes=[[6,32,32]]", r"4k\+1"),
     ("data.corpus.sizes=[[5,24,32]]", "multiples of 16"),
+    ("data.corpus.pool=-1", "pool"),
+    ("data.corpus.seed=-1", "seed"),
     ("data.corpus.size_weights=[1]", "size_weights"),
     ("data.corpus.refresh=9", "refresh"),
     ("data.corpus.caption_dropout=1.5", "caption_dropout"),

@@ -39,7 +39,7 @@ def leaf_keys(cls=TrainConfig, prefix="") -> dict[str, type]:
 
 
 KEYS = leaf_keys()
-OPTIONAL = {"data.path", "train.teacher_dtype"}  # null is legal there
+OPTIONAL = {"data.path", "train.teacher_dtype", "data.corpus.size_weights"}  # null is legal there
 BOOLS = {k for k, h in KEYS.items() if h is bool}
 # Values no key accepts (with the exceptions named below), as YAML text.
 GENERIC = ["null", ".nan", ".inf", "-.inf", "1e999", "-1", "[]", "{a: 1}", "true", "''", "'" + "x" * 5000 + "'",

@@ -160,8 +160,14 @@ def _sdpa(q, k, v, *, sm_scale=None, causal=False, **options):
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
     # SDPA turns some infs into finite rows (a -inf logit is just a zero weight; PyTorch's CPU kernel also
     # zeroes +inf rows): add NaN to the rows that saw one (SPEC §1: an inf input never gives a silent finite
-    # value). An addition, so the backward is SDPA's own.
-    return out + nonfinite_rows(q, k, v, causal).to(out.dtype)
+    # value). An addition, so SDPA's backward is unchanged for finite rows; the marker is multiplied into a zero
+    # that depends on q, k and v, so the rows it marks send NaN into dq, dk and dv as well (0 * NaN is NaN).
+    marker = nonfinite_rows(q, k, v, causal).to(out.dtype)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        zero = sum(torch.nan_to_num(x, 0.0, 0.0, 0.0).sum(dims, keepdim=True)
+                   for x, dims in ((q, (-1,)), (k, (-2, -1)), (v, (-2, -1)))) * 0
+        marker = marker * zero.to(out.dtype) + marker
+    return out + marker
 
 
 register_mode(Mode("bf16", "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True, _sdpa, _sdpa,

@@ -404,8 +404,11 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     index: dict = {}
     _one_of(d.source, DATA_SOURCES, "data.source")
     needs_latents = o.type in ("flow", "mix") or o.latents == "dataset"
+    corpus_shapes = _corpus_shapes(d.corpus)  # checked whatever the source: no setting is silently ignored
     if d.source == "corpus":
-        shapes = _corpus_shapes(d.corpus, d.path)
+        if d.path is not None:
+            raise ValueError("data.path and data.source 'corpus' exclude each other; set data.path: null")
+        shapes = corpus_shapes
         index["has_latents"] = True
     else:
         if d.path is not None:
@@ -465,24 +468,34 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     return index
 
 
-def _corpus_shapes(c: CorpusConfig, path) -> list[list[int]]:
-    """Latent shapes of ``data.corpus.sizes``, after checking the section."""
-    if path is not None:
-        raise ValueError("data.path and data.source 'corpus' exclude each other; set data.path: null")
-    if not (isinstance(c.sizes, list) and c.sizes and all(isinstance(s, list) and len(s) == 3 for s in c.sizes)):
-        raise ValueError(f"data.corpus.sizes must be a list of [frames, height, width], got {c.sizes!r}")
-    for f, h, w in c.sizes:
-        if not all(isinstance(x, int) for x in (f, h, w)) or f < 1 or (f - 1) % 4 or h < 32 or w < 32 or h % 16 or w % 16:
-            raise ValueError(f"data.corpus.sizes entry {[f, h, w]} must have frames 4k+1 and height, width multiples "
-                             f"of 16 (>= 32)")
+def _corpus_shapes(c: CorpusConfig) -> list[list[int]]:
+    """Latent shapes of ``data.corpus.sizes``, after checking the section (types, ranges, limits)."""
+    def whole(x, lo, hi):
+        return type(x) is int and lo <= x <= hi
+
+    if not whole(c.seed, 0, 2 ** 32 - 1):
+        raise ValueError(f"data.corpus.seed must be an integer in [0, 2^32 - 1], got {_show(c.seed)}")
+    if not (isinstance(c.sizes, list) and 0 < len(c.sizes) <= 16
+            and all(isinstance(s, list) and len(s) == 3 for s in c.sizes)):
+        raise ValueError(f"data.corpus.sizes must be a list of [frames, height, width] (at most 16), got {_show(c.sizes)}")
+    for size in c.sizes:
+        f, h, w = size
+        # limits: 257 frames (16 s at 16 fps) and 2048 pixels keep one clip's render and latents a few GB at most
+        if not (whole(f, 1, 257) and (f - 1) % 4 == 0 and whole(h, 32, 2048) and whole(w, 32, 2048)
+                and h % 16 == 0 and w % 16 == 0):
+            raise ValueError(f"data.corpus.sizes entry {_show(size)} must have frames 4k+1 (at most 257) and height, "
+                             f"width multiples of 16 in [32, 2048]")
     if c.size_weights is not None and not (isinstance(c.size_weights, list) and len(c.size_weights) == len(c.sizes)
-                                           and all(isinstance(x, int) and x >= 0 for x in c.size_weights)
+                                           and all(whole(x, 0, 1000) for x in c.size_weights)
                                            and sum(c.size_weights) > 0):
-        raise ValueError(f"data.corpus.size_weights must be one non-negative integer per size, got {c.size_weights!r}")
-    if c.pool < 0 or c.refresh < 1 or c.encode_batch < 1 or (c.pool and c.refresh > c.pool):
-        raise ValueError(f"data.corpus: need pool >= 0, 1 <= refresh <= pool, encode_batch >= 1; got pool {c.pool}, "
-                         f"refresh {c.refresh}, encode_batch {c.encode_batch}")
-    if not 0 <= c.caption_dropout < 1:
-        raise ValueError(f"data.corpus.caption_dropout must be in [0, 1), got {c.caption_dropout}")
+        raise ValueError(f"data.corpus.size_weights must be one integer in [0, 1000] per size (not all 0), "
+                         f"got {_show(c.size_weights)}")
+    # pool: at most 65536 clips (a 33x256x256 clip's latents and prompt take ~0.9 MB on the device)
+    if not (whole(c.pool, 0, 65536) and whole(c.refresh, 1, 65536) and whole(c.encode_batch, 1, 1024)
+            and (c.pool == 0 or c.refresh <= c.pool)):
+        raise ValueError(f"data.corpus: need pool in [0, 65536], 1 <= refresh <= pool, encode_batch in [1, 1024]; got "
+                         f"pool {_show(c.pool)}, refresh {_show(c.refresh)}, encode_batch {_show(c.encode_batch)}")
+    if not (isinstance(c.caption_dropout, float) and 0 <= c.caption_dropout < 1):
+        raise ValueError(f"data.corpus.caption_dropout must be in [0, 1), got {_show(c.caption_dropout)}")
     from .corpus_source import latent_shape
     return [latent_shape(s) for s in c.sizes]
