@@ -128,7 +128,6 @@ class _PrecisionSchedule:
 def generate_videos(pipe, variant: Variant, prompts: list[str], *, height: int, width: int, frames: int, steps: int,
                     guidance: float, seed: int = 0, batch: int = 8) -> np.ndarray:
     """(n, frames, height, width, 3) uint8 videos of ``prompts`` (prompt i with seed ``seed + i``)."""
-    device = pipe._execution_device
     videos = []
     for i in range(0, len(prompts), batch):
         part = prompts[i:i + batch]
@@ -139,7 +138,6 @@ def generate_videos(pipe, variant: Variant, prompts: list[str], *, height: int, 
                    callback_on_step_end=schedule, max_sequence_length=512)
         videos.append((np.clip(np.asarray(out.frames), 0, 1) * 255).round().astype(np.uint8))
     _use_mode(pipe.transformer, Variant("bf16"))
-    del device
     return np.concatenate(videos)
 
 
@@ -177,7 +175,7 @@ def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 3
             ref_videos = vids
         else:
             row["psnr"] = float(np.mean([_finite(psnr(a, b)) for a, b in zip(ref_videos, vids)]))
-            row["ssim"] = float(np.mean([ssim(a, b) for a, b in zip(ref_videos, vids)]))
+            row["ssim"] = float(np.mean([_finite(ssim(a, b)) for a, b in zip(ref_videos, vids)]))
         results[variant.label] = row
         if keep_videos:
             videos[variant.label] = vids
@@ -188,6 +186,7 @@ def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 3
 
 
 def _finite(x) -> float:
+    """The mean of a (mean, per-frame) metric pair, capped at 100 (PSNR of identical videos is infinite)."""
     x = float(x[0] if isinstance(x, tuple) else x)
     return min(x, 100.0)  # identical videos: PSNR is infinite; cap so that means stay finite
 

@@ -174,3 +174,19 @@ def test_gap_closed():
     assert gap_closed(fp4=2.0, qat=1.5, bf16=1.0) == 0.5
     assert gap_closed(fp4=2.0, qat=1.0, bf16=1.0) == 1.0
     assert json.dumps(gap_closed(1.0, 1.0, 1.0)) == "NaN"
+
+
+def test_flow_metrics_reference_and_a_changed_variant(mini_folder):
+    from diffusers import WanTransformer3DModel
+
+    from attnqat.evaluation import Variant, flow_metrics
+
+    tr = WanTransformer3DModel.from_pretrained(str(mini_folder), subfolder="transformer", torch_dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    x0, embeds = torch.randn(3, 16, 2, 4, 4, generator=g), torch.randn(3, 512, 128, generator=g)
+    other = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in tr.state_dict().items()}
+    before = {k: v.clone() for k, v in tr.state_dict().items()}
+    rows = flow_metrics(tr, [Variant("ref"), Variant("moved", weights=other), Variant("again")], x0, embeds, batch=2)
+    assert rows["ref"]["velocity_distance"] == 0 and rows["again"]["velocity_distance"] == 0
+    assert rows["moved"]["velocity_distance"] > 1e-6 and rows["moved"]["flow_loss"] != rows["ref"]["flow_loss"]
+    assert all(torch.equal(v, before[k]) for k, v in tr.state_dict().items())  # base weights restored
