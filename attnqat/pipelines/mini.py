@@ -21,7 +21,6 @@ path as real Wan weights. Every component is Wan 2.1's class, only smaller:
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -170,8 +169,3 @@ def check_folder_size(folder: str | os.PathLike) -> int:
         raise ValueError(f"{folder} holds {total / 1e6:.1f} MB, over the {MAX_FOLDER_BYTES / 1e6:.0f} MB limit")
     return total
 
-
-def read_model_card(folder: str | os.PathLike) -> dict:
-    """The training facts written beside the weights (``attnqat_mini.json``), or {} if none."""
-    p = Path(folder) / "attnqat_mini.json"
-    return json.loads(p.read_text()) if p.is_file() else {}
