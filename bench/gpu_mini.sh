@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Device runs that build the mini model (docs/mini.md). Usage on the GPU machine, from the repo root:
-#   bash bench/gpu_mini.sh start MINUTES   # init + VAE + start the transformer training in the background
-#   bash bench/gpu_mini.sh wait SECONDS    # let it train; copy logs to $OUT
-#   bash bench/gpu_mini.sh export          # export runs/mini/mini and pack it into $OUT (2 parts)
+#   bash bench/gpu_mini.sh vae MINUTES [again]     # init + train the VAE (again: train it further)
+#   bash bench/gpu_mini.sh train MINUTES SLEEP     # start the transformer in the background if the VAE
+#                                                  # passes its detector check, then sleep SLEEP seconds
+#   bash bench/gpu_mini.sh wait SECONDS            # let it train; copy logs to $OUT
+#   bash bench/gpu_mini.sh export                  # export runs/mini/mini and pack it into $OUT (2 parts)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -12,13 +14,25 @@ fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 W=runs/mini
 case "$1" in
-  start)
+  vae)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__)"
     python3 -m attnqat.train.mini --out $W --stage init 2>&1 | grep -v Writing
-    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "${3:-3.5}" 2>&1 | tee "$OUT/vae.log" | grep -v Warn
+    again=""; [ "${3:-}" = again ] && again=--vae-again
+    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" $again 2>&1 | tee -a "$OUT/vae.log" | grep -v Warn
+    ;;
+  train)
+    # The gate: the detector must read the colour of most held-out round trips at the CPU size.
+    if ! python3 - <<'PY'
+import json, sys
+rows = [r for r in json.load(open("runs/mini/timings.json")) if r["stage"] == "vae"]
+acc = rows[-1].get("detector", {}).get("33x128x128", {})
+print("vae gate:", acc)
+sys.exit(0 if (acc.get("colour") or 0) >= 0.8 else 1)
+PY
+    then echo "VAE below the gate: not training the transformer"; exit 0; fi
     setsid nohup python3 -m attnqat.train.mini --out $W --stage transformer --minutes "$2" > $W/train.log 2>&1 < /dev/null &
-    sleep "${4:-120}"
+    sleep "${3:-120}"
     ;;
   wait)
     sleep "$2"
