@@ -276,3 +276,90 @@ def test_evaluation_variants_use_the_schedule(clean):
     assert Variant("x").schedule is None and Variant("x", high_precision_steps=(1,)).schedule.steps == (1,)
     assert set(attention_modes(pipe.transformer).values()) == {"diffusers"}  # left unpatched
 
+
+# -------------------------------------------------------------------------------- attnqat generate
+GEN = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "3", "--device", "cpu"]
+
+
+def _generate(tmp_path, name, *extra):
+    from attnqat.cli import main
+
+    folder = tmp_path / name
+    assert main(["generate", "--prompt", "p", *GEN, "--out", str(tmp_path / f"{name}.mp4"),
+                 "--frames-dir", str(folder), *extra]) == 0
+    import imageio.v2 as imageio
+
+    return np.stack([imageio.imread(p) for p in sorted(folder.glob("frame_*.png"))])
+
+
+def test_generate_high_precision_flags_end_to_end(tmp_path, capsys, monkeypatch):
+    bf16 = _generate(tmp_path, "bf16")
+    fp4 = _generate(tmp_path, "fp4", "--mode", FP4)
+    assert not np.array_equal(bf16, fp4)
+    assert "precision    " not in capsys.readouterr().err
+
+    every = _generate(tmp_path, "every", "--mode", FP4, "--high-precision-steps", "first:2,last:1")
+    err = capsys.readouterr().err
+    assert "precision    bf16 on steps 0-2 of 3 (first:2,last:1); attn_qat elsewhere" in err
+    assert np.array_equal(every, bf16)
+    none = _generate(tmp_path, "none", "--mode", FP4, "--high-precision-steps", "first:0")
+    assert np.array_equal(none, fp4)
+
+    # which mode each block ran at each step: 2 blocks' attn1, cond + uncond, so 4 calls a step
+    seen = []
+    real = processor_module.attention
+    monkeypatch.setattr(processor_module, "attention", lambda q, k, v, mode, **kw: seen.append(mode) or real(
+        q, k, v, mode, **kw))
+    some = _generate(tmp_path, "some", "--mode", FP4, "--high-precision-steps", "-1",
+                     "--high-precision-blocks", "0", "--high-precision-mode", "sagebwd")
+    assert len(seen) == 3 * 4
+    ran = {(j // 4, j % 2): mode for j, mode in enumerate(seen)}
+    assert ran == {(0, 0): "sagebwd", (0, 1): FP4, (1, 0): "sagebwd", (1, 1): FP4,
+                   (2, 0): "sagebwd", (2, 1): "sagebwd"}
+    assert "precision    sagebwd on step 2 of 3 (-1); in block 0 of 2 at every step; attn_qat elsewhere" in \
+        capsys.readouterr().err
+    assert not np.array_equal(some, fp4) and not np.array_equal(some, bf16)
+
+
+BAD = [
+    (["--high-precision-steps", "first:4"], "--high-precision-steps: first:4 is more than the run's 3 denoising steps"),
+    (["--high-precision-steps", "3"], r"--high-precision-steps: step index \[3\] out of range for 3 denoising steps"),
+    (["--high-precision-steps=-4,0"], r"step index \[-4\] out of range"),  # '=': argparse takes -4,0 for a flag
+    (["--high-precision-steps", ""], "--high-precision-steps is empty"),
+    (["--high-precision-steps", "first:2,x"], "--high-precision-steps 'first:2,x': 'x' is not first:K, last:K or a "
+                                              "step index"),
+    (["--high-precision-steps", "0,,1"], "an empty item between commas"),
+    (["--high-precision-blocks", "2"], r"--high-precision-blocks: block index \[2\] out of range for a transformer "
+                                       r"of 2 blocks \(0..1, or -2..-1 from the end\)"),
+    (["--high-precision-blocks", "one"], "'one' is not a block index"),
+    (["--layers", "0", "--high-precision-blocks", "1"], r"--high-precision-blocks: blocks \[1\] are not among --layers 0"),
+    (["--high-precision-mode", "sagebwd"], "--high-precision-mode needs --high-precision-steps or "
+                                           "--high-precision-blocks"),
+    (["--high-precision-steps", "0", "--high-precision-mode", "nvfp4"], "--high-precision-mode 'nvfp4' not in bf16, "
+                                                                         "sagebwd"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_generate_refuses_bad_schedules_before_loading(tmp_path, capsys, monkeypatch, extra, message):
+    import attnqat.pipelines.loading as loading
+    from attnqat.cli import main
+
+    monkeypatch.setattr(loading, "load_pipeline", lambda *a, **k: pytest.fail("the model started loading"))
+    assert main(["generate", "--prompt", "p", *GEN, "--out", str(tmp_path / "v.mp4"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("attnqat generate: error: "), err
+    assert re.search(message, err), err
+    assert not (tmp_path / "v.mp4").exists()
+
+
+def test_generate_help_documents_the_flags(capsys):
+    from attnqat.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for must in ("--high-precision-steps SPEC", "first:K (the first K steps)", "last:K", "e.g. first:2,last:1",
+                 "--high-precision-blocks LIST", "--high-precision-mode MODE", "bf16 (default) or sagebwd"):
+        assert must in text, must
+
