@@ -363,3 +363,27 @@ def test_generate_help_documents_the_flags(capsys):
                  "--high-precision-blocks LIST", "--high-precision-mode MODE", "bf16 (default) or sagebwd"):
         assert must in text, must
 
+
+# ------------------------------------------------------------------------------------------ the demo
+def test_demo_runs_fp4_columns_with_bf16_first_and_last_steps(tmp_path, clean):
+    from attnqat.demo import DemoEngine, validate_request
+
+    pipe = clean
+    engine = DemoEngine(pipe, model="tiny", device=torch.device("cpu"), dtype=torch.float32)
+    size = dict(height=32, width=32, frames=5, steps=3, seed=1)
+    plain = engine.run("p", modes=["nvfp4"], out_dir=tmp_path / "plain", **size)
+    every = engine.run("p", modes=["nvfp4"], out_dir=tmp_path / "every", high_precision_steps=2, **size)
+    some = engine.run("p", modes=["nvfp4"], out_dir=tmp_path / "some", high_precision_steps=1, **size)
+    assert np.array_equal(plain[0].frames, every[0].frames)  # bf16 column: no schedule
+    assert not np.array_equal(plain[1].frames, plain[0].frames)
+    assert np.array_equal(every[1].frames, every[0].frames) and np.isinf(every[1].psnr)
+    assert not np.array_equal(some[1].frames, plain[1].frames) and not np.array_equal(some[1].frames,
+                                                                                      some[0].frames)
+    assert plain[1].precision is None and some[0].precision is None
+    assert some[1].precision == "bf16 on steps 0, 2 of 3 (first:1,last:1)"
+    assert some[1].summary()["precision"] == some[1].precision
+    req = dict(model="tiny", prompt="p", height=32, width=32, frames=5, steps=3, seed=0, modes=["bf16", "nvfp4"])
+    for k, message in [(4, "between 0 and the 3 steps"), (-1, "between 0 and the 3 steps"),
+                       (1.5, "must be a whole number")]:
+        with pytest.raises(ValueError, match=message):
+            validate_request(**req, high_precision_steps=k)
