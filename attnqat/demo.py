@@ -273,7 +273,8 @@ class ModeRun:
                 "psnr_db": num(self.psnr), "ssim": num(self.ssim),
                 "psnr_db_per_frame": [num(v) for v in self.psnr_frames],
                 "ssim_per_frame": [num(v) for v in self.ssim_frames],
-                "heat_max": self.heat_max, "precision": self.precision, "frames": int(self.frames.shape[0]), "height": int(self.frames.shape[1]),
+                "heat_max": self.heat_max, "precision": self.precision, "frames": int(self.frames.shape[0]),
+                "height": int(self.frames.shape[1]),
                 "width": int(self.frames.shape[2])}
 
 

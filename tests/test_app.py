@@ -400,7 +400,8 @@ def test_handler_runs_fp4_columns_with_bf16_first_and_last_steps(tmp_path, app_m
     summary = every[-1]
     assert summary["high_precision_steps"] == STEPS
     assert summary["modes"]["nvfp4"]["psnr_db"] == "inf" and summary["modes"]["bf16"]["precision"] is None
-    assert summary["modes"]["nvfp4"]["precision"] == f"bf16 on steps 0-{STEPS - 1} of {STEPS} (first:{STEPS},last:{STEPS})"
+    assert (summary["modes"]["nvfp4"]["precision"]
+            == f"bf16 on steps 0-{STEPS - 1} of {STEPS} (first:{STEPS},last:{STEPS})")
     assert "precision: bf16 on steps" in every[5]
     plain = asyncio.run(drive(None))[-1]  # an emptied number box is 0
     assert plain["high_precision_steps"] == 0 and plain["modes"]["nvfp4"]["psnr_db"] != "inf"

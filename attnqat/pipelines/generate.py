@@ -95,7 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--high-precision-steps", metavar="SPEC", help="denoising steps whose patched attention runs "
                    "in --high-precision-mode instead of --mode: comma-separated first:K (the first K steps), "
                    "last:K (the last K) or step indices (0-based; negative from the end), e.g. first:2,last:1 "
-                   "or 0,1,-1; a list that starts with a negative index needs '=': --high-precision-steps=-1,0 (default: none)")
+                   "or 0,1,-1; a list that starts with a negative index needs '=': --high-precision-steps=-1,0 "
+                   "(default: none)")
     g.add_argument("--high-precision-blocks", metavar="LIST", help="transformer blocks whose patched attention "
                    "runs in --high-precision-mode at every step: comma-separated indices (negative from the end), "
                    "e.g. 0,-1 (--high-precision-blocks=-1,0 with '='); they must be among --layers (default: none)")

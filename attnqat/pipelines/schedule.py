@@ -3,7 +3,7 @@ chosen denoising steps and in chosen transformer blocks, the patched (FP4) mode 
 SageAttention3's authors recommend keeping the first and/or last steps in high precision.
 
     from attnqat.pipelines import PrecisionSchedule, patch_attention
-    schedule = PrecisionSchedule.parse("first:2,last:1", blocks="0,-1")   # = PrecisionSchedule(first=2, last=1, blocks=(0, -1))
+    schedule = PrecisionSchedule.parse("first:2,last:1", blocks="0,-1")  # = PrecisionSchedule(2, 1, blocks=(0, -1))
     patch_attention(pipe.transformer, "attn_qat", schedule=schedule)     # blocks 0 and -1: bf16 at every step
     pipe(prompt, num_inference_steps=50, callback_on_step_end=schedule.callback(pipe.transformer, 50))
 
