@@ -116,6 +116,8 @@ def page_theme():
 
 def _fmt_metrics(run) -> str:
     lines = [f"**{run.label}**", f"time **{run.seconds:.2f} s** (denoising {run.denoise_seconds:.2f} s)"]
+    if run.precision:
+        lines.append(f"precision: {run.precision}")
     if run.psnr is None:
         lines.append("reference for the metrics (strip: its frames)")
     else:
@@ -146,11 +148,14 @@ def make_handler(engine, modes: list[str], out_root: str | Path):
     from attnqat.demo import new_request_dir, validate_request
     from attnqat.errors import GenerationCancelled
 
-    async def generate(prompt, seed, steps, height, width, frames, selected, progress=gr.Progress()):
+    async def generate(prompt, seed, steps, height, width, frames, selected, high_precision_steps=0,
+                       progress=gr.Progress()):
         selected = [m for m in (selected or []) if m in modes]
+        high_precision_steps = 0 if high_precision_steps is None else high_precision_steps
         try:
             validate_request(model=engine.model, prompt=prompt, height=height, width=width, frames=frames,
-                             steps=steps, seed=seed, modes=["bf16", *selected])
+                             steps=steps, seed=seed, modes=["bf16", *selected],
+                             high_precision_steps=high_precision_steps)
         except ValueError as e:
             raise gr.Error(str(e), title="Invalid input") from None
         try:
@@ -174,12 +179,13 @@ def make_handler(engine, modes: list[str], out_root: str | Path):
                 emit("done", engine.run(prompt, modes=selected, height=int(height), width=int(width),
                                         frames=int(frames), steps=int(steps), seed=int(seed), out_dir=out_dir,
                                         progress=lambda *a: emit("step", a), on_run=lambda r: emit("run", r),
-                                        cancel=cancel))
+                                        cancel=cancel, high_precision_steps=int(high_precision_steps)))
             except BaseException as e:  # handed to the coroutine, which shows it in the page
                 emit("error", e)
 
         summary = {"prompt": prompt, "seed": int(seed), "steps": int(steps), "height": int(height),
-                   "width": int(width), "frames": int(frames), "model": engine.model,
+                   "width": int(width), "frames": int(frames), "high_precision_steps": int(high_precision_steps),
+                   "model": engine.model,
                    "qat_checkpoint": engine.qat_checkpoint, "modes": {}}
         shown: dict[str, object] = {}
 
@@ -257,7 +263,9 @@ def build_demo(engine, modes: list[str], out_root: str | Path):
         gr.Markdown(f"# {TITLE}\nThe same prompt and seed, with the transformer's self-attention in each mode. "
                     "Each video shows its generation time and its fidelity to the BF16 video: PSNR and SSIM, and "
                     "a strip of its frames over a heat map of |difference| (one colour scale for all modes of a "
-                    f"request, dark = equal). Columns appear as their mode finishes.\n\n{METRICS_NOTE}")
+                    "request, dark = equal). Columns appear as their mode finishes. *BF16 on the first/last k "
+                    "steps* runs those denoising steps of every other column in BF16 attention (a precision "
+                    f"schedule, as SageAttention3's authors recommend).\n\n{METRICS_NOTE}")
         notes = [f"model `{engine.model}` on `{engine.device}` ({str(engine.dtype).replace('torch.', '')})"]
         if tiny:
             notes.append(f"**Note:** {TINY_NOTICE}. It shows the mechanics (the same seed, modes swapped, metrics), "
@@ -284,6 +292,8 @@ def build_demo(engine, modes: list[str], out_root: str | Path):
                 with gr.Row():
                     seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
                     steps = gr.Slider(1, 50 if tiny else 100, value=d["steps"], step=1, label="Steps")
+                    high_steps = gr.Number(label="BF16 on the first/last k steps (FP4 columns)", value=0,
+                                           precision=0, minimum=0, elem_id="high-precision-steps")
                 with gr.Row():
                     height = gr.Slider(16, 256 if tiny else 1280, value=d["height"], step=16, label="Height")
                     width = gr.Slider(16, 256 if tiny else 1280, value=d["width"], step=16, label="Width")
@@ -305,7 +315,7 @@ def build_demo(engine, modes: list[str], out_root: str | Path):
         with gr.Accordion("All metrics (JSON)", open=False):
             summary = gr.JSON(label="metrics (JSON)")
         event = button.click(make_handler(engine, modes, out_root), [prompt, seed, steps, height, width, frames,
-                                                                     selected], [*outputs, summary],
+                                                                     selected, high_steps], [*outputs, summary],
                              api_name="generate")
         stop.click(None, None, None, cancels=[event], api_name=False, queue=False)
     demo.queue(default_concurrency_limit=1)  # one generation at a time: one GPU is never oversubscribed

@@ -22,6 +22,11 @@ offers for download (``{mode}_frames.zip``), not the lossy H.264 videos it plays
   each finished mode's strip uses the scale of the modes finished so far; the last step redraws the
   strips whose scale changed.)
 
+Precision schedule: ``run(high_precision_steps=k)`` runs the first and the last ``k`` denoising
+steps of every mode but bf16 in bf16 attention (a
+:class:`~attnqat.pipelines.PrecisionSchedule`; SageAttention3's authors recommend it), the other
+steps in the column's own mode. 0 (the default) is the plain mode at every step.
+
 Limits of one request (:func:`validate_request`): each size within the page's sliders, and the
 work ``height x width x frames x steps x modes`` within :data:`WORK_LIMITS`, named by a request of
 that much work. Cancelling a request stops it at its next denoising step (``run(cancel=...)``).
@@ -199,7 +204,7 @@ def _whole(name: str, v) -> int:
 
 
 def validate_request(*, model: str, prompt: str, height: int, width: int, frames: int, steps: int, seed: int,
-                     modes: list[str]) -> None:
+                     modes: list[str], high_precision_steps: int = 0) -> None:
     """Raise ``ValueError`` with a message for the page if the request is not valid.
 
     Size and frame rules (and their messages with the nearest valid values) are the ``generate``
@@ -211,6 +216,7 @@ def validate_request(*, model: str, prompt: str, height: int, width: int, frames
 
     values = {k: _whole(k, v) for k, v in dict(height=height, width=width, frames=frames, steps=steps,
                                                  seed=seed).items()}
+    high_k = _whole("bf16 steps (first/last k)", high_precision_steps)
     check_text("the prompt", prompt if prompt is not None else "", max_chars=MAX_PROMPT_CHARS)
     if not modes:
         raise ValueError("no attention mode selected")
@@ -225,6 +231,8 @@ def validate_request(*, model: str, prompt: str, height: int, width: int, frames
                              + (" for the tiny CPU model" if tiny else ""))
     if not 0 <= values["seed"] < 2 ** 63:
         raise ValueError(f"seed {values['seed']} must be in [0, 2^63)")
+    if not 0 <= high_k <= values["steps"]:
+        raise ValueError(f"bf16 steps (first/last k) {high_k} must be between 0 and the {values['steps']} steps")
     work = request_work(values["height"], values["width"], values["frames"], values["steps"], len(modes))
     ref, why = WORK_LIMITS["tiny" if tiny else "real"]
     limit = request_work(**ref)
@@ -254,6 +262,7 @@ class ModeRun:
     ssim_frames: list[float] = field(default_factory=list)
     heat_max: float | None = None        # top of the strip's colour scale (None for bf16)
     frames_zip: Path | None = None       # the lossless frames the metrics measure, PNG in a zip
+    precision: str | None = None         # the precision schedule, e.g. "bf16 on steps 0, 3 of 4 (...)"
 
     def summary(self) -> dict:
         """JSON-friendly metrics (``inf`` PSNR as the string "inf")."""
@@ -264,7 +273,8 @@ class ModeRun:
                 "psnr_db": num(self.psnr), "ssim": num(self.ssim),
                 "psnr_db_per_frame": [num(v) for v in self.psnr_frames],
                 "ssim_per_frame": [num(v) for v in self.ssim_frames],
-                "heat_max": self.heat_max, "frames": int(self.frames.shape[0]), "height": int(self.frames.shape[1]),
+                "heat_max": self.heat_max, "precision": self.precision, "frames": int(self.frames.shape[0]),
+                "height": int(self.frames.shape[1]),
                 "width": int(self.frames.shape[2])}
 
 
@@ -326,8 +336,8 @@ class DemoEngine:
         return mode_label(mode, self.qat_checkpoint)
 
     def run(self, prompt: str, *, modes: list[str], height: int, width: int, frames: int, steps: int,
-            seed: int, out_dir: str | Path, progress=None, on_run=None, cancel: threading.Event | None = None
-            ) -> list[ModeRun]:
+            seed: int, out_dir: str | Path, progress=None, on_run=None, cancel: threading.Event | None = None,
+            high_precision_steps: int = 0) -> list[ModeRun]:
         """Generate ``prompt`` with ``seed`` in bf16 and every other mode of ``modes``; bf16 comes first
         (the reference of the metrics).
 
@@ -340,14 +350,18 @@ class DemoEngine:
             on_run: ``on_run(run)`` as soon as a mode's files are written (the page shows its column).
             cancel: when this event is set, the run stops at the next denoising step (or before the
                 next mode) with :class:`~attnqat.errors.GenerationCancelled`.
+            high_precision_steps: ``k``: every mode but bf16 runs its first and last ``k`` steps in bf16
+                attention (``PrecisionSchedule(first=k, last=k)``); 0: none.
         Return: the :class:`ModeRun` of every mode, bf16 first.
         """
-        from attnqat.pipelines import patch_attention
+        from attnqat.pipelines import PrecisionSchedule, patch_attention
         from attnqat.pipelines.generate import FPS, generate_video, write_mp4
 
         modes = ["bf16"] + [m for m in dict.fromkeys(modes) if m != "bf16"]
         validate_request(model=self.model, prompt=prompt, height=height, width=width, frames=frames, steps=steps,
-                         seed=seed, modes=modes)
+                         seed=seed, modes=modes, high_precision_steps=high_precision_steps)
+        k = int(high_precision_steps)
+        schedule = PrecisionSchedule(first=k, last=k) if k else None
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         runs: list[ModeRun] = []
@@ -368,16 +382,19 @@ class DemoEngine:
                         progress(i, len(modes), mode, done, total)
 
                 self._use_weights("qat" if mode == "attn_qat" and "qat" in self._weights else "base")
-                patch_attention(self.pipe.transformer, mode, timer=self.timer)
+                scheduled = schedule if mode != "bf16" else None
+                patch_attention(self.pipe.transformer, mode, timer=self.timer, schedule=scheduled)
                 result = generate_video(self.pipe, prompt, height=int(height), width=int(width), frames=int(frames),
                                         steps=int(steps), guidance=self.guidance, seed=int(seed), timer=self.timer,
-                                        device=self.device, on_step=on_step)
+                                        device=self.device, on_step=on_step, schedule=scheduled)
                 register_output(out_dir, f"{mode}.mp4")
                 video = write_mp4(result.frames, out_dir / f"{mode}.mp4", fps=FPS)
                 run = ModeRun(mode=mode, label=self.label(mode), video=video, strip=out_dir / f"{mode}_strip.png",
                               frames=result.frames, seconds=result.seconds, denoise_seconds=sum(result.step_seconds),
                               attention_seconds=result.attention_seconds, psnr=None, ssim=None,
-                              frames_zip=write_frames_zip(result.frames, out_dir / f"{mode}_frames.zip"))
+                              frames_zip=write_frames_zip(result.frames, out_dir / f"{mode}_frames.zip"),
+                              precision=None if scheduled is None else scheduled.describe(
+                                  int(steps), len(self.pipe.transformer.blocks)))
                 if runs:
                     run.psnr, run.psnr_frames = psnr(runs[0].frames, result.frames)
                     run.ssim, run.ssim_frames = ssim(runs[0].frames, result.frames)

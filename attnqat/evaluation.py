@@ -21,18 +21,33 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from attnqat.pipelines.schedule import PrecisionSchedule
+
 #: Noise levels of the flow-loss evaluation (each clip at each level, same noise for every variant).
 EVAL_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 @dataclass
 class Variant:
-    """An attention mode with the transformer weights it runs with (``None``: the base weights)."""
+    """An attention mode with the transformer weights it runs with (``None``: the base weights).
+
+    ``high_precision_steps``: denoising steps (0-based; negative from the end) whose attention runs in
+    bf16 when generating videos, or a whole :class:`~attnqat.pipelines.PrecisionSchedule` (steps,
+    blocks, high-precision mode). The flow metrics (one transformer call per noise level, no
+    denoising steps) use only its blocks.
+    """
     label: str
     mode: str = "bf16"
     weights: dict | None = None         # a full transformer state dict (e.g. a QAT checkpoint)
     options: dict = field(default_factory=dict)
-    high_precision_steps: tuple = ()    # denoising steps (0-based; negative from the end) run in bf16
+    high_precision_steps: tuple[int, ...] | PrecisionSchedule = ()
+
+    @property
+    def schedule(self) -> PrecisionSchedule | None:
+        """The variant's precision schedule (None when it has none)."""
+        s = self.high_precision_steps
+        s = s if isinstance(s, PrecisionSchedule) else PrecisionSchedule(steps=s)
+        return None if s.empty else s
 
 
 def held_out_prompts(n: int, seed: int = 0) -> list[tuple[str, dict]]:
@@ -64,11 +79,12 @@ class _Weights:
 
 
 def _use_mode(transformer, variant: Variant) -> None:
+    """Patch ``variant``'s mode and schedule (bf16 without a schedule: diffusers' own processors)."""
     from attnqat.pipelines import patch_attention, unpatch_attention
 
     unpatch_attention(transformer)
-    if variant.mode != "bf16":
-        patch_attention(transformer, variant.mode, "self", **variant.options)
+    if variant.mode != "bf16" or variant.schedule is not None:
+        patch_attention(transformer, variant.mode, "self", schedule=variant.schedule, **variant.options)
 
 
 @torch.no_grad()
@@ -107,37 +123,26 @@ def flow_metrics(transformer, variants: list[Variant], x0: torch.Tensor, embeds:
     return out
 
 
-class _PrecisionSchedule:
-    """A ``callback_on_step_end`` that runs the listed denoising steps in bf16 attention, the rest in
-    the variant's mode (patching swaps processor objects only, so a switch costs nothing)."""
-
-    def __init__(self, transformer, variant: Variant, steps: int):
-        self.transformer, self.variant = transformer, variant
-        self.bf16_steps = {s % steps for s in variant.high_precision_steps}
-        self._set(0)
-
-    def _set(self, step: int):
-        _use_mode(self.transformer, Variant("bf16") if step in self.bf16_steps else self.variant)
-
-    def __call__(self, pipe, step, timestep, callback_kwargs):
-        self._set(step + 1)
-        return {}
-
-
 @torch.no_grad()
 def generate_videos(pipe, variant: Variant, prompts: list[str], *, height: int, width: int, frames: int, steps: int,
                     guidance: float, seed: int = 0, batch: int = 8) -> np.ndarray:
     """(n, frames, height, width, 3) uint8 videos of ``prompts`` (prompt i with seed ``seed + i``)."""
     videos = []
-    for i in range(0, len(prompts), batch):
-        part = prompts[i:i + batch]
-        gens = [torch.Generator("cpu").manual_seed(seed + i + j) for j in range(len(part))]
-        schedule = _PrecisionSchedule(pipe.transformer, variant, steps)
-        out = pipe(prompt=part, negative_prompt=[""] * len(part), height=height, width=width, num_frames=frames,
-                   num_inference_steps=steps, guidance_scale=guidance, output_type="np", generator=gens,
-                   callback_on_step_end=schedule, max_sequence_length=512)
-        videos.append((np.clip(np.asarray(out.frames), 0, 1) * 255).round().astype(np.uint8))
-    _use_mode(pipe.transformer, Variant("bf16"))
+    _use_mode(pipe.transformer, variant)
+    schedule = variant.schedule
+    switch = schedule.callback(pipe.transformer, steps) if schedule is not None else None
+    try:
+        for i in range(0, len(prompts), batch):
+            part = prompts[i:i + batch]
+            gens = [torch.Generator("cpu").manual_seed(seed + i + j) for j in range(len(part))]
+            if switch is not None:
+                switch.start()
+            out = pipe(prompt=part, negative_prompt=[""] * len(part), height=height, width=width,
+                       num_frames=frames, num_inference_steps=steps, guidance_scale=guidance, output_type="np",
+                       generator=gens, callback_on_step_end=switch, max_sequence_length=512)
+            videos.append((np.clip(np.asarray(out.frames), 0, 1) * 255).round().astype(np.uint8))
+    finally:
+        _use_mode(pipe.transformer, Variant("bf16"))
     return np.concatenate(videos)
 
 

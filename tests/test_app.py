@@ -249,7 +249,7 @@ class _FlakyEngine:
         return DemoEngine.label(self, mode)
 
     def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, progress=None, on_run=None,
-            cancel=None):
+            cancel=None, high_precision_steps=0):
         from attnqat.demo import ModeRun
         from attnqat.pipelines.generate import write_mp4
 
@@ -386,6 +386,27 @@ def test_handler_shows_each_column_when_done_with_step_progress_per_mode(tmp_pat
         assert all("denoising steps" in desc and unit == "steps" for _, desc, unit in progress.calls)
     final = yields[-1]
     assert set(final[-1]["modes"]) == {"bf16", *selected}
+
+
+def test_handler_runs_fp4_columns_with_bf16_first_and_last_steps(tmp_path, app_module, tiny_engine):
+    import asyncio
+
+    handler = app_module.make_handler(tiny_engine, ["bf16", "nvfp4"], tmp_path)
+
+    async def drive(k):
+        return [o async for o in handler("p", 1, STEPS, H, W, FRAMES, ["nvfp4"], k, progress=_Progress())][-1]
+
+    every = asyncio.run(drive(STEPS))  # k = steps: every step of the nvfp4 column in bf16
+    summary = every[-1]
+    assert summary["high_precision_steps"] == STEPS
+    assert summary["modes"]["nvfp4"]["psnr_db"] == "inf" and summary["modes"]["bf16"]["precision"] is None
+    assert (summary["modes"]["nvfp4"]["precision"]
+            == f"bf16 on steps 0-{STEPS - 1} of {STEPS} (first:{STEPS},last:{STEPS})")
+    assert "precision: bf16 on steps" in every[5]
+    plain = asyncio.run(drive(None))[-1]  # an emptied number box is 0
+    assert plain["high_precision_steps"] == 0 and plain["modes"]["nvfp4"]["psnr_db"] != "inf"
+    with pytest.raises(Exception, match=f"bf16 steps \\(first/last k\\) {STEPS + 1} must be between 0 and the"):
+        asyncio.run(drive(STEPS + 1))
 
 
 def test_cancelled_request_stops_at_its_next_denoising_step(tmp_path, app_module, tiny_engine):

@@ -1,9 +1,12 @@
 """Wan 2.1 (diffusers) with attnqat attention: processor patching, the offline ``tiny`` model,
 model/checkpoint loading, and the ``attnqat generate`` command (:mod:`attnqat.pipelines.generate`).
 
-    from attnqat.pipelines import load_pipeline, patch_attention
+    from attnqat.pipelines import PrecisionSchedule, load_pipeline, patch_attention
     pipe = load_pipeline("tiny")                       # or a local Wan2.1-T2V-*-Diffusers folder
     patch_attention(pipe.transformer, "attn_qat")      # self-attention (attn1) in FP4
+    schedule = PrecisionSchedule(first=2, last=1)      # ... but bf16 on the first 2 and the last step
+    patch_attention(pipe.transformer, "attn_qat", schedule=schedule)
+    pipe(..., num_inference_steps=50, callback_on_step_end=schedule.callback(pipe.transformer, 50))
 
 The names below load their submodule (torch, diffusers) on first use, so that importing
 :mod:`attnqat.pipelines.generate` for ``attnqat generate --help`` stays fast.
@@ -15,6 +18,7 @@ _EXPORTS = {
                 "load_transformer"),
     "processor": ("AttentionTimer", "AttnQATProcessor", "attention_modes", "patch_attention", "patched_attention",
                   "unpatch_attention"),
+    "schedule": ("HIGH_PRECISION_MODES", "PrecisionSchedule", "PrecisionSwitch"),
     "tiny": ("TINY_NOTICE", "TINY_TRANSFORMER_CONFIG", "build_tiny_pipeline", "build_tiny_text_encoder",
              "build_tiny_tokenizer", "build_tiny_transformer", "build_tiny_vae"),
 }
@@ -22,7 +26,7 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "patch_attention", "unpatch_attention", "patched_attention", "attention_modes", "AttnQATProcessor",
-    "AttentionTimer",
+    "AttentionTimer", "PrecisionSchedule", "PrecisionSwitch", "HIGH_PRECISION_MODES",
     "load_pipeline", "load_transformer", "load_qat_checkpoint", "is_tiny", "ModelNotFoundError",
     "CheckpointMismatchError",
     "build_tiny_pipeline", "build_tiny_transformer", "build_tiny_text_encoder", "build_tiny_tokenizer",

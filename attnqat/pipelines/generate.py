@@ -1,6 +1,7 @@
 """Generate a video with Wan 2.1 text-to-video, its self-attention in an attnqat mode.
 
   attnqat generate --prompt "a corgi surfing a wave" --mode attn_qat --out corgi.mp4
+  attnqat generate --prompt "a corgi surfing a wave" --mode attn_qat --high-precision-steps first:2,last:1
 
 The default --model tiny is built in code with RANDOM weights (offline; its video is noise-like):
 it checks the whole pipeline in seconds on a CPU. For real videos pass a diffusers-format
@@ -91,6 +92,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", default="self", help="which attention layers use --mode: 'self' (default: attn1 "
                    "of every block, the paper's setting), 'all' (attn1 and cross-attention attn2), or comma-"
                    "separated block indices (their attn1)")
+    g.add_argument("--high-precision-steps", metavar="SPEC", help="denoising steps whose patched attention runs "
+                   "in --high-precision-mode instead of --mode: comma-separated first:K (the first K steps), "
+                   "last:K (the last K) or step indices (0-based; negative from the end), e.g. first:2,last:1 "
+                   "or 0,1,-1; a list that starts with a negative index needs '=': --high-precision-steps=-1,0 "
+                   "(default: none)")
+    g.add_argument("--high-precision-blocks", metavar="LIST", help="transformer blocks whose patched attention "
+                   "runs in --high-precision-mode at every step: comma-separated indices (negative from the end), "
+                   "e.g. 0,-1 (--high-precision-blocks=-1,0 with '='); they must be among --layers (default: none)")
+    g.add_argument("--high-precision-mode", metavar="MODE", help="the mode of those steps and blocks: bf16 "
+                   "(default) or sagebwd; needs --high-precision-steps or --high-precision-blocks")
     g.add_argument("--qat-checkpoint", metavar="PATH", help="transformer weights to load (a .safetensors file or "
                    "a folder of them, e.g. from attnqat's QAT fine-tuning); must match --model's architecture")
 
@@ -128,6 +139,42 @@ def parse_layers(text: str, n_blocks: int | None = None):
     return indices
 
 
+def parse_schedule(args: argparse.Namespace, n_blocks: int | None = None):
+    """The :class:`~attnqat.pipelines.schedule.PrecisionSchedule` of ``--high-precision-steps``,
+    ``--high-precision-blocks`` and ``--high-precision-mode`` (None when neither of the first two is
+    given), checked against ``--steps``, ``--layers`` and ``n_blocks`` when it is known."""
+    from .schedule import PrecisionSchedule
+
+    steps, blocks = getattr(args, "high_precision_steps", None), getattr(args, "high_precision_blocks", None)
+    mode = getattr(args, "high_precision_mode", None)
+    if steps is None and blocks is None:
+        if mode is not None:
+            raise ValueError("--high-precision-mode needs --high-precision-steps or --high-precision-blocks")
+        return None
+    for flag, text in (("--high-precision-steps", steps), ("--high-precision-blocks", blocks),
+                       ("--high-precision-mode", mode)):
+        if text is not None:
+            check_text(flag, text)
+    schedule = PrecisionSchedule.parse(steps, blocks, "bf16" if mode is None else mode,
+                                       flags=("--high-precision-steps", "--high-precision-blocks",
+                                              "--high-precision-mode"))
+    from attnqat.kernels import available_modes
+
+    if schedule.mode not in available_modes():
+        raise ValueError(f"--high-precision-mode {schedule.mode} is not registered in this attnqat build; "
+                         f"available: {', '.join(available_modes())}")
+    schedule.resolve_steps(args.steps, "--high-precision-steps")
+    if n_blocks is not None:
+        chosen = schedule.resolve_blocks(n_blocks, "--high-precision-blocks")
+        layers = getattr(args, "layers", "self")
+        if not isinstance(layers, str):
+            outside = sorted(set(chosen) - set(layers))
+            if outside:
+                raise ValueError(f"--high-precision-blocks: blocks {outside} are not among --layers "
+                                 f"{','.join(map(str, layers))}")
+    return schedule
+
+
 def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     """Fill model-dependent defaults and validate every generation setting, before anything heavy
     loads. The limits and their reasons are :data:`attnqat.checks.LIMITS`."""
@@ -149,8 +196,10 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     check_text("--mode", args.mode)
     if args.mode not in available_modes():
         raise ValueError(f"unknown --mode {show(args.mode)}; available: {', '.join(available_modes())}")
+    n_blocks = model_num_blocks(args.model)
     if isinstance(args.layers, str):
-        args.layers = parse_layers(args.layers, model_num_blocks(args.model))
+        args.layers = parse_layers(args.layers, n_blocks)
+    args.schedule = parse_schedule(args, n_blocks)
 
     device = check_device("--device", args.device)
     args.device = str(device)
@@ -216,12 +265,15 @@ class _StepClock:
 
 def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int, width: int, frames: int,
                    steps: int, guidance: float, seed: int = 0, timer=None, device=None,
-                   max_sequence_length: int = 512, on_step=None) -> GenerationResult:
+                   max_sequence_length: int = 512, on_step=None, schedule=None) -> GenerationResult:
     """Run a ``WanPipeline`` once and measure it (step times, attention time via ``timer``, peak memory).
 
     ``timer`` is the :class:`~attnqat.pipelines.AttentionTimer` given to :func:`patch_attention`
     (reset here). The progress bar is diffusers' (tqdm). ``on_step(done, steps)`` is called after
     each denoising step; an exception it raises stops the generation there (the demo's cancel).
+    ``schedule``: the :class:`~attnqat.pipelines.PrecisionSchedule` the transformer was patched with;
+    its steps run in high precision (its callback runs after each step; the processors are back in
+    their own mode afterwards, also when the run fails).
 
     After every step the latents are checked: NaN or inf stops the run with
     :class:`~attnqat.errors.NonFiniteOutputError` (no later step, no decoding); so do non-finite
@@ -231,6 +283,7 @@ def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int,
 
     device = torch.device(device) if device is not None else pipe._execution_device
     clock = _StepClock(device)
+    switch = schedule.callback(pipe.transformer, steps) if schedule is not None else None
 
     def step_end(pipe_, step, timestep, callback_kwargs):
         clock.on_step_end(pipe_, step, timestep, callback_kwargs)
@@ -238,6 +291,8 @@ def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int,
         if latents is not None and not bool(torch.isfinite(latents).all()):
             raise NonFiniteOutputError(f"denoising step {step + 1} of {steps} produced NaN or infinite latents; "
                                        f"no video is made from them")
+        if switch is not None:
+            switch(pipe_, step, timestep, callback_kwargs)
         if on_step is not None:
             on_step(step + 1, steps)
         return {}
@@ -255,6 +310,8 @@ def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int,
                    callback_on_step_end_tensor_inputs=["latents"], max_sequence_length=max_sequence_length)
     finally:
         hook.remove()
+        if switch is not None:
+            switch.finish()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
@@ -358,7 +415,7 @@ def write_pngs(frames: np.ndarray, folder: str | Path) -> list[Path]:
     return [folder / n for n in names]
 
 
-def check_mode_runs(mode: str, head_dim: int, device, dtype) -> None:
+def check_mode_runs(mode: str, head_dim: int, device, dtype, flag: str = "--mode") -> None:
     """Run ``mode`` once on small inputs of the model's head_dim, device and dtype, so that an
     unsupported combination (e.g. an FP4 kernel given fp32, or head_dim 96) fails before the model runs."""
     import torch
@@ -371,7 +428,7 @@ def check_mode_runs(mode: str, head_dim: int, device, dtype) -> None:
             attention(q, q, q, mode)
     except (ValueError, TypeError, NotImplementedError) as e:
         hint = "; try --dtype bf16" if dtype == torch.float32 and "dtype" in str(e) else ""
-        raise ValueError(f"--mode {mode} cannot run this model ({dtype}, head_dim {head_dim}, {device}): "
+        raise ValueError(f"{flag} {mode} cannot run this model ({dtype}, head_dim {head_dim}, {device}): "
                          f"{str(e).splitlines()[0]}{hint}") from e
 
 
@@ -405,8 +462,13 @@ def main(args: argparse.Namespace) -> int:
     if args.qat_checkpoint:
         load_qat_checkpoint(pipe.transformer, args.qat_checkpoint)
     check_mode_runs(args.mode, pipe.transformer.config.attention_head_dim, device, dtype)
+    schedule = args.schedule
+    if schedule is not None:
+        check_mode_runs(schedule.mode, pipe.transformer.config.attention_head_dim, device, dtype,
+                        flag="--high-precision-mode")
+        schedule.resolve_blocks(len(pipe.transformer.blocks), "--high-precision-blocks")  # a hub model's count
     timer = AttentionTimer(enabled=not args.compile)
-    patch_attention(pipe.transformer, args.mode, args.layers, timer=timer)
+    patch_attention(pipe.transformer, args.mode, args.layers, timer=timer, schedule=schedule)
     if args.offload:
         pipe.enable_model_cpu_offload(device=device)
     if args.compile:
@@ -417,7 +479,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         result = generate_video(pipe, args.prompt, negative_prompt=args.negative_prompt, height=args.height,
                                 width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
-                                seed=args.seed, timer=timer, device=device)
+                                seed=args.seed, timer=timer, device=device, schedule=schedule)
     except NonFiniteOutputError as e:
         raise NonFiniteOutputError(f"{e} (--mode {args.mode}, --dtype {args.dtype}, seed {args.seed}); nothing "
                                    f"was written") from e
@@ -439,6 +501,11 @@ def main(args: argparse.Namespace) -> int:
         f"model        {args.model}" + ("  (RANDOM weights: not a real video model)" if tiny else "")
         + (f" + {args.qat_checkpoint}" if args.qat_checkpoint else ""),
         f"attention    {args.mode} on {_describe_layers(args.layers, len(pipe.transformer.blocks))}",
+    ]
+    if schedule is not None:
+        lines.append(f"precision    {schedule.describe(args.steps, len(pipe.transformer.blocks))}"
+                     + ("" if schedule.empty else f"; {args.mode} elsewhere"))
+    lines += [
         f"video        {args.frames} frames {args.height}x{args.width}, {args.steps} steps, guidance "
         f"{args.guidance}, seed {args.seed}, {args.dtype} on {device}" + (" (CPU offload)" if args.offload else ""),
         f"total time   {total:.2f} s (loading {t_loaded - t_start:.2f} s, pipeline {result.seconds:.2f} s, "
@@ -448,7 +515,8 @@ def main(args: argparse.Namespace) -> int:
     ]
     if result.attention_seconds is not None and denoise > 0:
         lines.append(f"attention    {100 * result.attention_seconds / denoise:.1f}% of the step "
-                     f"({result.attention_seconds / max(len(steps), 1):.3f} s per step in {args.mode} layers)")
+                     f"({result.attention_seconds / max(len(steps), 1):.3f} s per step in "
+                     + (f"{args.mode} layers)" if schedule is None else "the patched layers)"))
     else:
         lines.append("attention    share not measured (--compile)")
     lines.append(f"peak memory  {result.peak_memory_bytes / 2**30:.2f} GiB (GPU, allocated)"

@@ -3,6 +3,9 @@
     patch_attention(pipe.transformer, "attn_qat")        # attn1 (self-attention) of every block
     patch_attention(pipe.transformer, "nvfp4", "all")    # attn1 and attn2 (cross-attention, 512 text tokens)
     patch_attention(pipe.transformer, "bf16", [0, 1])    # attn1 of blocks 0 and 1 only
+    patch_attention(pipe.transformer, "attn_qat", schedule=PrecisionSchedule(first=2, blocks=(0,)))
+                                                         # bf16 in block 0 always, and on steps the
+                                                         # schedule's callback switches (schedule.py)
     unpatch_attention(pipe.transformer)                  # diffusers' own processors again
 
 :class:`AttnQATProcessor` is diffusers' ``WanAttnProcessor`` with one change: where diffusers calls
@@ -14,7 +17,10 @@ with ``dispatch_attention_fn`` bound to this processor's attention in a private 
 diffusers' module is never modified, and two processors in different modes never share state.
 
 Processors hold no weights: patching, switching mode and unpatching change no parameter and no
-state-dict key, and switching mode costs nothing but creating a few small Python objects.
+state-dict key, and switching mode costs nothing but creating a few small Python objects. A
+processor patched with a :class:`~attnqat.pipelines.schedule.PrecisionSchedule` also knows its
+high-precision mode; its ``high_precision`` flag (flipped per denoising step by the schedule's
+callback) picks which of its two modes the next call runs.
 """
 from __future__ import annotations
 
@@ -22,12 +28,15 @@ import time
 import types
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
 from attnqat.kernels.api import attention, available_modes
+
+if TYPE_CHECKING:
+    from .schedule import PrecisionSchedule
 
 __all__ = ["AttnQATProcessor", "AttentionTimer", "patch_attention", "unpatch_attention", "patched_attention",
            "attention_modes"]
@@ -98,17 +107,24 @@ class AttnQATProcessor(WanAttnProcessor):
     Arguments:
         mode: an attention mode (see :func:`attnqat.kernels.available_modes`).
         timer: optional :class:`AttentionTimer` that times every attention call of this processor.
-        options: mode-specific keywords passed to ``attention`` (e.g. ``p_bwd`` for ``attn_qat``).
+        high_precision_mode: the mode calls run in while ``high_precision`` is True (set per denoising
+            step by :class:`~attnqat.pipelines.schedule.PrecisionSwitch`); None: always ``mode``.
+        options: mode-specific keywords passed to ``attention`` (e.g. ``p_bwd`` for ``attn_qat``); they
+            belong to ``mode``: the high-precision mode runs without them.
 
     Supported: what Wan 2.1 text-to-video uses (no attention mask, no dropout, no context parallelism,
     diffusers' default attention backend); anything else is refused by name.
     """
 
-    def __init__(self, mode: str, *, timer: AttentionTimer | None = None, **options: Any):
+    def __init__(self, mode: str, *, timer: AttentionTimer | None = None, high_precision_mode: str | None = None,
+                 **options: Any):
         super().__init__()
-        if mode not in available_modes():
-            raise ValueError(f"unknown attention mode {mode!r}; available: {', '.join(available_modes())}")
+        for m in (mode, high_precision_mode):
+            if m is not None and m not in available_modes():
+                raise ValueError(f"unknown attention mode {m!r}; available: {', '.join(available_modes())}")
         self.mode = mode
+        self.high_precision_mode = high_precision_mode
+        self.high_precision = False  # flipped per denoising step by a PrecisionSwitch
         self.timer = timer
         self.options = options
         # diffusers' __call__, run as is, except that its global `dispatch_attention_fn` is ours.
@@ -126,6 +142,11 @@ class AttnQATProcessor(WanAttnProcessor):
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         return self._call(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+
+    @property
+    def active_mode(self) -> str:
+        """The mode the next call runs: ``high_precision_mode`` while ``high_precision`` is set, else ``mode``."""
+        return self.high_precision_mode if self.high_precision and self.high_precision_mode else self.mode
 
     def _dispatch(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -147,19 +168,24 @@ class AttnQATProcessor(WanAttnProcessor):
                              f"unpatch_attention() before set_attention_backend()")
         if parallel_config is not None:
             raise ValueError("context parallelism (`parallel_config`) is not supported by AttnQATProcessor")
+        if self.high_precision and self.high_precision_mode:
+            mode, options = self.high_precision_mode, {}
+        else:
+            mode, options = self.mode, self.options
         timer = self.timer
         if timer is None:
-            out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), self.mode,
-                            sm_scale=scale, causal=is_causal, **self.options)
+            out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mode,
+                            sm_scale=scale, causal=is_causal, **options)
         else:
             with timer.measure(query.device):
-                out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), self.mode,
-                                sm_scale=scale, causal=is_causal, **self.options)
+                out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mode,
+                                sm_scale=scale, causal=is_causal, **options)
         return out.transpose(1, 2)  # (B, L, H, D) as diffusers expects; its caller does .type_as(query)
 
     def __repr__(self) -> str:
         opts = "".join(f", {k}={v!r}" for k, v in self.options.items())
-        return f"AttnQATProcessor(mode={self.mode!r}{opts})"
+        high = f", high_precision_mode={self.high_precision_mode!r}" if self.high_precision_mode else ""
+        return f"AttnQATProcessor(mode={self.mode!r}{high}{opts})"
 
 
 def _targets(transformer: torch.nn.Module, layers: Layers, cross_attention: bool | None) -> list[str]:
@@ -187,6 +213,11 @@ def _targets(transformer: torch.nn.Module, layers: Layers, cross_attention: bool
     return names
 
 
+def _block_of(name: str) -> int:
+    """``"blocks.3.attn1"`` -> 3."""
+    return int(name.split(".")[1])
+
+
 def unpatch_attention(transformer: torch.nn.Module) -> None:
     """Put back the processors that :func:`patch_attention` replaced (no-op on an unpatched model)."""
     originals: dict[str, Any] = transformer.__dict__.pop(_ORIGINALS_ATTR, {})
@@ -196,7 +227,7 @@ def unpatch_attention(transformer: torch.nn.Module) -> None:
 
 def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "self", *,
                     cross_attention: bool | None = None, timer: AttentionTimer | None = None,
-                    **options: Any) -> list[str]:
+                    schedule: PrecisionSchedule | None = None, **options: Any) -> list[str]:
     """Run the selected attention layers of a Wan transformer through attnqat's ``mode``.
 
     Arguments:
@@ -207,7 +238,12 @@ def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "s
             (``attn1`` of those blocks).
         cross_attention: also patch ``attn2`` of the selected blocks; default: only for ``"all"``.
         timer: an :class:`AttentionTimer` shared by the new processors, to measure attention time.
-        options: mode-specific keywords for ``attention`` (e.g. ``p_bwd="normalized"``).
+        schedule: a :class:`~attnqat.pipelines.schedule.PrecisionSchedule`: the patched layers of its
+            ``blocks`` (which must be among the selected ones) run in its high-precision ``mode``
+            always; every other patched layer also learns that mode, for the denoising steps that
+            ``schedule.callback(transformer, num_steps)`` switches to high precision.
+        options: mode-specific keywords for ``attention`` (e.g. ``p_bwd="normalized"``), for ``mode``
+            only (the schedule's high-precision mode runs without them).
     Return:
         the names of the patched modules, e.g. ``["blocks.0.attn1", "blocks.1.attn1"]``.
 
@@ -217,12 +253,28 @@ def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "s
     if mode not in available_modes():
         raise ValueError(f"unknown attention mode {mode!r}; available: {', '.join(available_modes())}")
     names = _targets(transformer, layers, cross_attention)
+    high_mode, high_blocks = None, set()
+    if schedule is not None:
+        high_mode = schedule.mode
+        if high_mode not in available_modes():
+            raise ValueError(f"the schedule's high-precision mode {high_mode!r} is not registered; available: "
+                             f"{', '.join(available_modes())}")
+        high_blocks = set(schedule.resolve_blocks(len(transformer.blocks)))
+        patched_blocks = {_block_of(name) for name in names}
+        outside = sorted(high_blocks - patched_blocks)
+        if outside:
+            raise ValueError(f"high-precision blocks {outside} are not among the patched blocks "
+                             f"{sorted(patched_blocks)}: select them in `layers` too")
     unpatch_attention(transformer)
     originals = {}
     for name in names:
         module = transformer.get_submodule(name)
         originals[name] = module.get_processor()
-        module.set_processor(AttnQATProcessor(mode, timer=timer, **options))
+        if _block_of(name) in high_blocks:  # high precision at every step; mode's options are not its
+            proc = AttnQATProcessor(high_mode, timer=timer, high_precision_mode=high_mode)
+        else:
+            proc = AttnQATProcessor(mode, timer=timer, high_precision_mode=high_mode, **options)
+        module.set_processor(proc)
     transformer.__dict__[_ORIGINALS_ATTR] = originals
     return names
 
@@ -245,10 +297,11 @@ def patched_attention(transformer: torch.nn.Module, mode: str, layers: Layers = 
 
 
 def attention_modes(transformer: torch.nn.Module) -> dict[str, str]:
-    """``{"blocks.0.attn1": "attn_qat", "blocks.0.attn2": "diffusers", ...}`` for every attention module."""
+    """``{"blocks.0.attn1": "attn_qat", "blocks.0.attn2": "diffusers", ...}`` for every attention module:
+    the mode its next call runs (:attr:`AttnQATProcessor.active_mode`)."""
     out = {}
     for name, module in transformer.named_modules():
         if isinstance(module, WanAttention):
             proc = module.get_processor()
-            out[name] = proc.mode if isinstance(proc, AttnQATProcessor) else "diffusers"
+            out[name] = proc.active_mode if isinstance(proc, AttnQATProcessor) else "diffusers"
     return out
