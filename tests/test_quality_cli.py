@@ -211,3 +211,40 @@ def test_help_imports_no_torch():
     """)], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert r.returncode == 0 and "HEAVY []" in r.stderr, r.stderr
     assert "--variant" in r.stdout and "LABEL=MODE[:CHECKPOINT]" in r.stdout
+
+
+def test_bench_writes_the_docs_section_and_picture(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "bench" / "quality.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    docs = tmp_path / "docs"
+    rc = bench.main([*SMALL, "--base-modes", "bf16", "--prompts", "1", "--clips", "1", "--out", str(tmp_path / "q"),
+                     "--docs", str(docs)])
+    assert rc == 0 and (docs / "quality.png").is_file() and json.loads((docs / "quality.json").read_text())["rows"]
+    page = (docs / "quality.md").read_text()
+    section = page.split("<!-- BEGIN quality -->")[1].split("<!-- END quality -->")[0]
+    assert "| **bf16** (bf16 ref.) |" in section and "](quality.png)" in section and "--model tiny" in section
+    assert "No measured results yet: `bench/quality.py`" not in section
+    assert page.split("<!-- BEGIN quality -->")[0] == (ROOT / "docs" / "quality.md").read_text().split(
+        "<!-- BEGIN quality -->")[0]  # the rest of the page is left alone
+
+
+def test_mini_qat_config_and_every_driver_run_validate():
+    """configs/mini_qat.yaml with each of bench/gpu_qat.sh's switches is a valid config for the mini model."""
+    from attnqat.pipelines.mini import MINI_TRANSFORMER_CONFIG
+    from attnqat.train.config import load_config, validate
+
+    driver = (ROOT / "bench" / "gpu_qat.sh").read_text()
+    runs = {"flow": [], "distill_output": ["objective.type=distill", "objective.target=output"],
+            "pbwd_normalized": ["attention.options.p_bwd=normalized"], "dropin": ["attention.mode=attn_qat_dropin"],
+            "bf16_control": ["attention.mode=bf16"]}
+    for name, sets in runs.items():
+        assert f"{name})" in driver and all(s in driver for s in sets), name
+        cfg = load_config(ROOT / "configs" / "mini_qat.yaml", sets)
+        validate(cfg, transformer_config=dict(MINI_TRANSFORMER_CONFIG), device_type="cuda")
+        assert cfg.data.source == "corpus" and cfg.train.max_steps == 1500 and 1e-5 <= cfg.train.lr <= 3e-5
+    assert load_config(ROOT / "configs" / "mini_qat.yaml", runs["pbwd_normalized"]).attention.options == \
+        {"p_bwd": "normalized"}
+    assert load_config(ROOT / "configs" / "mini_qat.yaml").objective.type == "flow"
