@@ -242,7 +242,8 @@ def add_gap_closed(rows: dict[str, dict], fp4: str, bf16: str) -> None:
 
 def check_variants(variants: list[Variant]) -> None:
     """The first variant must be bf16 on the base weights (the reference); labels are unique."""
-    if not variants or variants[0].mode != "bf16" or variants[0].weights is not None or variants[0].high_precision_steps:
+    first = variants[0] if variants else None
+    if first is None or first.mode != "bf16" or first.weights is not None or first.high_precision_steps:
         raise ValueError("the first variant must be bf16 attention on the base weights (the reference)")
     labels = [v.label for v in variants]
     dup = sorted({x for x in labels if labels.count(x) > 1})

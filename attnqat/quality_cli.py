@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on GPU, 33x128x128 on CPU)")
     g.add_argument("--steps", type=int, help="denoising steps (default: 25)")
     g.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale (default: 5.0)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the flow-loss noise; video i uses seed + i (default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the flow-loss noise; video i uses seed + i "
+                   "(default: 0)")
     g.add_argument("--corpus-seed", type=int, help="the corpus seed the model was trained on (default: the one in "
                    "the model's attnqat_mini.json, else 0)")
     g.add_argument("--batch", type=int, default=8, help="videos / clips per forward pass (default: 8)")
@@ -125,11 +126,11 @@ def parse_variant(text) -> tuple[str, str, str | None]:
                          f"qat=attn_qat:runs/qat")
     label, rest = text.split("=", 1)
     label = _label("--variant", label.strip())
-    mode, _, checkpoint = rest.partition(":")
+    mode, colon, checkpoint = rest.partition(":")
     mode = mode.strip()
     if mode not in available_modes():
         raise ValueError(f"--variant {label}: unknown mode {show(mode)}; available: {', '.join(available_modes())}")
-    if _ and not checkpoint.strip():
+    if colon and not checkpoint.strip():
         raise ValueError(f"--variant {label}: empty CHECKPOINT after ':' (leave out ':' for the base weights)")
     if checkpoint:
         check_qat_checkpoint(checkpoint, flag=f"--variant {label}")

@@ -79,7 +79,8 @@ class CorpusSource:
         self._setup(tokenizer, text_encoder, vae, cfg, text_len, device, rank, world)
 
     @classmethod
-    def from_components(cls, tokenizer, text_encoder, vae, cfg: CorpusConfig, *, text_len: int, device) -> "CorpusSource":
+    def from_components(cls, tokenizer, text_encoder, vae, cfg: CorpusConfig, *, text_len: int,
+                        device) -> "CorpusSource":
         """A source encoding with components already loaded (a pipeline's: ``pipe.tokenizer``,
         ``pipe.text_encoder``, ``pipe.vae``, used as they are, in their dtype; they are moved to ``device``)."""
         self = cls.__new__(cls)
