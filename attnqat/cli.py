@@ -37,6 +37,9 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "precompute": ("attnqat.train.precompute",
                    "encode prompts (and videos) into safetensors shards for `attnqat train`",
                    "attnqat.checks:check_precompute"),
+    "quality": ("attnqat.quality_cli",
+                "measure each attention mode's (and fine-tune's) flow loss, prompt following and PSNR/SSIM to bf16",
+                None),
 }
 
 # ValueError covers argument validation and attnqat's own refusals; FileNotFoundError covers

@@ -1,21 +1,26 @@
 """How much an attention mode (and a set of weights) costs a model, measured on held-out data.
 
 One *variant* is an attention mode plus the transformer weights it runs with (the base weights, or a
-fine-tune such as a QAT checkpoint). For a list of variants, on the held-out attribute combinations of
-the procedural corpus (:mod:`attnqat.corpus`), with fixed noise and seeds shared by every variant:
+fine-tune such as a QAT checkpoint), optionally with a precision schedule (some denoising steps in bf16).
+For a list of variants, on the held-out attribute combinations of the procedural corpus
+(:mod:`attnqat.corpus`), with fixed noise and seeds shared by every variant:
 
 - **flow loss**: the flow-matching loss ``|v - (noise - x0)|^2`` on held-out clips at fixed noise levels
-  (the cleanest single number for "how much worse is FP4");
+  (:data:`EVAL_SIGMAS`; the cleanest single number for "how much worse is FP4");
 - **velocity distance**: ``|v - v_bf16|^2 / |v_bf16|^2`` to the base model with bf16 attention at the
   same inputs (how far the variant's prediction moved);
 - **prompt following**: colour / shape / motion read off the generated videos by
-  :func:`attnqat.quality.detect` against the prompt's attributes;
-- **PSNR / SSIM** of each video to the bf16 video of the same prompt and seed.
+  :func:`attnqat.quality.detect` against the prompt's attributes (``acc_all``: every attribute right);
+- **PSNR / SSIM** of each video to the bf16 video of the same prompt and seed (the reference row has none);
+- **gap closed** ``(FP4 - X) / (FP4 - bf16)`` on the flow loss and on ``acc_all``, against an FP4 reference
+  row (by default the base weights in nvfp4) and a bf16 reference row (by default the first row).
 
 ``attnqat quality`` (:mod:`attnqat.quality_cli`) and ``bench/quality.py`` print and save the table.
 """
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,22 +30,24 @@ from attnqat.pipelines.schedule import PrecisionSchedule
 
 #: Noise levels of the flow-loss evaluation (each clip at each level, same noise for every variant).
 EVAL_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
+#: Modes whose forward (all that inference runs) is another mode's: they differ from it only in the backward,
+#: so with the base weights they give that mode's numbers exactly (tests/test_quality_cli.py checks it).
+SAME_FORWARD = {"attn_qat": "nvfp4", "attn_qat_dropin": "nvfp4"}
+#: Modes an "FP4 without QAT" reference row may have (the naive NVFP4 forward).
+FP4_MODES = ("nvfp4", "attn_qat", "attn_qat_dropin")
+#: PSNR of a frame identical to the reference is infinite; per-frame values are capped here before averaging.
+PSNR_CAP_DB = 100.0
 
 
 @dataclass
 class Variant:
-    """An attention mode with the transformer weights it runs with (``None``: the base weights).
-
-    ``high_precision_steps``: denoising steps (0-based; negative from the end) whose attention runs in
-    bf16 when generating videos, or a whole :class:`~attnqat.pipelines.PrecisionSchedule` (steps,
-    blocks, high-precision mode). The flow metrics (one transformer call per noise level, no
-    denoising steps) use only its blocks.
-    """
+    """An attention mode with the transformer weights it runs with (``None``: the base weights)."""
     label: str
     mode: str = "bf16"
     weights: dict | None = None         # a full transformer state dict (e.g. a QAT checkpoint)
     options: dict = field(default_factory=dict)
     high_precision_steps: tuple[int, ...] | PrecisionSchedule = ()
+    source: str | None = None           # where ``weights`` came from (for the table); None: the base weights
 
     @property
     def schedule(self) -> PrecisionSchedule | None:
@@ -48,6 +55,17 @@ class Variant:
         s = self.high_precision_steps
         s = s if isinstance(s, PrecisionSchedule) else PrecisionSchedule(steps=s)
         return None if s.empty else s
+
+
+def base_variants(modes: list[str] | None = None) -> list[Variant]:
+    """The base weights in every mode of ``modes`` (default: every registered mode whose forward is not
+    another's, see :data:`SAME_FORWARD`), bf16 first (the reference)."""
+    from attnqat.kernels import available_modes
+
+    if modes is None:
+        modes = [m for m in available_modes() if m not in SAME_FORWARD]
+    modes = ["bf16"] + [m for m in dict.fromkeys(modes) if m != "bf16"]
+    return [Variant(m, m) for m in modes]
 
 
 def held_out_prompts(n: int, seed: int = 0) -> list[tuple[str, dict]]:
@@ -79,7 +97,6 @@ class _Weights:
 
 
 def _use_mode(transformer, variant: Variant) -> None:
-    """Patch ``variant``'s mode and schedule (bf16 without a schedule: diffusers' own processors)."""
     from attnqat.pipelines import patch_attention, unpatch_attention
 
     unpatch_attention(transformer)
@@ -87,21 +104,46 @@ def _use_mode(transformer, variant: Variant) -> None:
         patch_attention(transformer, variant.mode, "self", schedule=variant.schedule, **variant.options)
 
 
+_BF16 = Variant("bf16")
+
+
+def bf16_sigma_indices(variant: Variant, scheduler, steps: int, sigmas=EVAL_SIGMAS) -> set[int]:
+    """Indices of ``sigmas`` that a ``steps``-step run of ``scheduler`` denoises in one of the variant's bf16
+    steps: step i takes the latents from ``s[i]`` to ``s[i+1]`` (the scheduler's shifted sigmas), so it covers
+    noise levels in ``(s[i+1], s[i]]``. The flow loss of a precision-schedule row uses bf16 attention there."""
+    if variant.schedule is None:
+        return set()
+    bf16_steps = variant.schedule.resolve_steps(steps)
+    sched = copy.deepcopy(scheduler)
+    sched.set_timesteps(steps)
+    s = [float(x) for x in sched.sigmas]
+    out = set()
+    for j, sigma in enumerate(sigmas):
+        for i in range(steps):
+            if s[i + 1] < sigma <= s[i] and i in bf16_steps:
+                out.add(j)
+    return out
+
+
 @torch.no_grad()
 def flow_metrics(transformer, variants: list[Variant], x0: torch.Tensor, embeds: torch.Tensor, *,
-                 sigmas=EVAL_SIGMAS, seed: int = 0, batch: int = 8) -> dict[str, dict]:
+                 sigmas=EVAL_SIGMAS, seed: int = 0, batch: int = 8, bf16_sigmas: dict | None = None,
+                 weights: _Weights | None = None, progress=None) -> dict[str, dict]:
     """Flow loss and velocity distance to bf16 of each variant on clips ``x0`` (n, C, F, H, W) with prompt
-    embeddings ``embeds``; the first variant is taken as the bf16 reference when its mode is bf16."""
-    weights = _Weights(transformer)
+    embeddings ``embeds``; the first variant is taken as the bf16 reference when its mode is bf16 on the base
+    weights. ``bf16_sigmas``: label -> indices of ``sigmas`` evaluated with bf16 attention (precision-schedule
+    rows, :func:`bf16_sigma_indices`). ``progress``: a tqdm-like object, ``update(1)`` after each variant."""
+    weights = weights or _Weights(transformer)
     dtype = next(transformer.parameters()).dtype
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn((len(sigmas),) + tuple(x0.shape), generator=g).to(x0.device)
     ref, out = None, {}
     for variant in variants:
         weights.use(variant.weights)
-        _use_mode(transformer, variant)
-        loss_sum, dist_sum, count, vels = 0.0, 0.0, 0, []
+        in_bf16 = (bf16_sigmas or {}).get(variant.label, set())
+        loss_sum, count, vels = 0.0, 0, []
         for si, sigma in enumerate(sigmas):
+            _use_mode(transformer, Variant(variant.label, variant.schedule.mode) if si in in_bf16 else variant)
             for i in range(0, len(x0), batch):
                 x, e, n = x0[i:i + batch], embeds[i:i + batch], noise[si, i:i + batch]
                 xt = (1 - sigma) * x + sigma * n
@@ -113,21 +155,29 @@ def flow_metrics(transformer, variants: list[Variant], x0: torch.Tensor, embeds:
                 vels.append(v.cpu())
         v_all = torch.cat(vels)
         row = {"flow_loss": loss_sum / count}
-        if ref is None and variant.mode == "bf16" and variant.weights is None:
+        if ref is None and variant.mode == "bf16" and variant.weights is None and not in_bf16:
             ref = v_all
         if ref is not None:
             row["velocity_distance"] = ((v_all - ref).pow(2).sum() / ref.pow(2).sum()).item()
         out[variant.label] = row
+        if progress is not None:
+            progress.update(1)
     weights.use(None)
-    _use_mode(transformer, Variant("bf16"))
+    _use_mode(transformer, _BF16)
     return out
 
 
 @torch.no_grad()
 def generate_videos(pipe, variant: Variant, prompts: list[str], *, height: int, width: int, frames: int, steps: int,
-                    guidance: float, seed: int = 0, batch: int = 8) -> np.ndarray:
-    """(n, frames, height, width, 3) uint8 videos of ``prompts`` (prompt i with seed ``seed + i``)."""
-    videos = []
+                    guidance: float, seed: int = 0, batch: int = 8, progress=None) -> tuple[np.ndarray, np.ndarray]:
+    """Videos of ``prompts`` in the variant's mode (prompt i with seed ``seed + i``, whatever the batching:
+    each prompt's noise comes from its own generator), with the weights the transformer holds now.
+
+    Return: ((n, frames, height, width, 3) uint8 videos, (n,) bool: the video was finite). A video with NaN
+    or inf pixels is kept (as 0 there) and marked, so that one broken variant does not end a long run.
+    ``progress``: a tqdm-like object, ``update(1)`` after each batch.
+    """
+    videos, finite = [], []
     _use_mode(pipe.transformer, variant)
     schedule = variant.schedule
     switch = schedule.callback(pipe.transformer, steps) if schedule is not None else None
@@ -137,63 +187,143 @@ def generate_videos(pipe, variant: Variant, prompts: list[str], *, height: int, 
             gens = [torch.Generator("cpu").manual_seed(seed + i + j) for j in range(len(part))]
             if switch is not None:
                 switch.start()
-            out = pipe(prompt=part, negative_prompt=[""] * len(part), height=height, width=width,
-                       num_frames=frames, num_inference_steps=steps, guidance_scale=guidance, output_type="np",
-                       generator=gens, callback_on_step_end=switch, max_sequence_length=512)
-            videos.append((np.clip(np.asarray(out.frames), 0, 1) * 255).round().astype(np.uint8))
+            out = pipe(prompt=part, negative_prompt=[""] * len(part), height=height, width=width, num_frames=frames,
+                       num_inference_steps=steps, guidance_scale=guidance, output_type="np", generator=gens,
+                       callback_on_step_end=switch, max_sequence_length=512)
+            v = np.asarray(out.frames, dtype=np.float32)
+            ok = np.isfinite(v).reshape(len(v), -1).all(1)
+            v = np.nan_to_num(v, nan=0.0, posinf=1.0, neginf=0.0)
+            videos.append((np.clip(v, 0, 1) * 255).round().astype(np.uint8))
+            finite.append(ok)
+            if progress is not None:
+                progress.update(1)
     finally:
-        _use_mode(pipe.transformer, Variant("bf16"))
-    return np.concatenate(videos)
+        _use_mode(pipe.transformer, _BF16)
+    return np.concatenate(videos), np.concatenate(finite)
+
+
+def work_units(variants: int, prompts: int, batch: int) -> int:
+    """How many ``progress.update(1)`` calls :func:`evaluate` makes: one per variant for the flow metrics, one
+    per variant and batch of generated videos."""
+    return variants * (1 + math.ceil(prompts / batch))
+
+
+def video_psnr(ref: np.ndarray, x: np.ndarray) -> float:
+    """PSNR (dB) of a video to a reference: the mean over frames, each frame's capped at :data:`PSNR_CAP_DB`
+    (an identical frame's is infinite)."""
+    from attnqat.quality import psnr
+
+    return float(np.mean([min(v, PSNR_CAP_DB) for v in psnr(ref, x)[1]]))
+
+
+def default_fp4_reference(variants: list[Variant]) -> str | None:
+    """The label of the first variant that is FP4 attention without QAT: a mode of :data:`FP4_MODES` on the
+    base weights, without bf16 steps (None when there is none)."""
+    for v in variants:
+        if v.mode in FP4_MODES and v.weights is None and v.schedule is None:
+            return v.label
+    return None
+
+
+def add_gap_closed(rows: dict[str, dict], fp4: str, bf16: str) -> None:
+    """Add ``gap_closed_loss`` (on ``flow_loss``) and ``gap_closed_acc`` (on ``acc_all``) to every row:
+    :func:`gap_closed` with the rows ``fp4`` and ``bf16`` as the two ends (None where undefined)."""
+    for key, metric in (("gap_closed_loss", "flow_loss"), ("gap_closed_acc", "acc_all")):
+        lo, hi = rows[fp4].get(metric), rows[bf16].get(metric)
+        for row in rows.values():
+            x = row.get(metric)
+            g = gap_closed(lo, x, hi) if None not in (lo, hi, x) else float("nan")
+            row[key] = g if math.isfinite(g) else None
+
+
+def check_variants(variants: list[Variant]) -> None:
+    """The first variant must be bf16 on the base weights (the reference); labels are unique."""
+    first = variants[0] if variants else None
+    if first is None or first.mode != "bf16" or first.weights is not None or first.schedule is not None:
+        raise ValueError("the first variant must be bf16 attention on the base weights (the reference)")
+    labels = [v.label for v in variants]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ValueError(f"variant labels must be unique; repeated: {', '.join(dup)}")
 
 
 def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 32, size=(33, 256, 256),
-             steps: int = 25, guidance: float = 5.0, seed: int = 0, batch: int = 8, keep_videos: bool = False,
-             log=print) -> dict:
+             steps: int = 25, guidance: float = 5.0, seed: int = 0, batch: int = 8, corpus_seed: int = 0,
+             fp4_reference: str | None = None, bf16_reference: str | None = None, keep_videos: bool = False,
+             log=print, progress=None) -> dict:
     """The full table: flow metrics on ``clips`` held-out clips and video metrics on ``prompts`` held-out
-    prompts, for every variant (the first must be bf16 on the base weights: the reference)."""
-    from attnqat.quality import detect, psnr, score, ssim
+    prompts, for every variant (the first must be bf16 on the base weights: the reference of the velocity
+    distance and of PSNR / SSIM).
+
+    Arguments:
+        pipe: a ``WanPipeline`` on its device; its text encoder and VAE encode the held-out clips the way
+            ``attnqat train`` (``data.source: corpus``) encodes training clips.
+        size: (frames, height, width) of the clips and videos.
+        corpus_seed: the corpus seed the model was trained with (its held-out split is the prompt set).
+        fp4_reference, bf16_reference: labels of the gap-closed rows' two ends; default
+            :func:`default_fp4_reference` and the first variant. No FP4 reference: no gap-closed columns.
+        progress: a tqdm-like object, updated :func:`work_units` times.
+    Return: ``{"rows": {label: {...}}, "order": [labels], "references": {...}, "prompts", "truth",
+    "detections": {label: [...]}, settings...}``, plus ``"videos": {label: uint8 array}`` if ``keep_videos``.
+    """
+    from attnqat.quality import detect, score, ssim
     from attnqat.train.config import CorpusConfig
     from attnqat.train.corpus_source import CorpusSource
 
-    if not variants or variants[0].mode != "bf16" or variants[0].weights is not None:
-        raise ValueError("the first variant must be bf16 attention on the base weights (the reference)")
+    check_variants(variants)
+    labels = [v.label for v in variants]
+    bf16_reference = bf16_reference or labels[0]
+    fp4_reference = fp4_reference if fp4_reference is not None else default_fp4_reference(variants)
+    for flag, label in (("fp4_reference", fp4_reference), ("bf16_reference", bf16_reference)):
+        if label is not None and label not in labels:
+            raise ValueError(f"{flag} {label!r} is not a variant label ({', '.join(labels)})")
     frames, height, width = size
     device = pipe._execution_device
-    source = CorpusSource(pipe.name_or_path if hasattr(pipe, "name_or_path") else pipe.config._name_or_path,
-                          CorpusConfig(sizes=[list(size)], pool=0), text_len=512, device=device)
+    source = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae,
+                                          CorpusConfig(seed=corpus_seed, sizes=[list(size)], pool=0,
+                                                       encode_batch=batch),
+                                          text_len=512, device=device)
     data = source.held_out(clips)
     log(f"flow metrics on {clips} held-out clips at sigmas {EVAL_SIGMAS}")
-    flow = flow_metrics(pipe.transformer, variants, data["x0"], data["embeds"], seed=seed, batch=batch)
-    truth = held_out_prompts(prompts, seed=0)
-    texts = [p for p, _ in truth]
     weights = _Weights(pipe.transformer)
-    results, ref_videos, videos = {}, None, {}
+    bf16_sigmas = {v.label: bf16_sigma_indices(v, pipe.scheduler, steps) for v in variants}
+    flow = flow_metrics(pipe.transformer, variants, data["x0"], data["embeds"], seed=seed, batch=batch,
+                        bf16_sigmas=bf16_sigmas, weights=weights, progress=progress)
+    truth = held_out_prompts(prompts, seed=corpus_seed)
+    texts = [p for p, _ in truth]
+    results, detections, ref_videos, videos = {}, {}, None, {}
     for variant in variants:
         log(f"generating {len(texts)} videos: {variant.label}")
         weights.use(variant.weights)
-        vids = generate_videos(pipe, variant, texts, height=height, width=width, frames=frames, steps=steps,
-                               guidance=guidance, seed=seed, batch=batch)
+        vids, finite = generate_videos(pipe, variant, texts, height=height, width=width, frames=frames, steps=steps,
+                                       guidance=guidance, seed=seed, batch=batch, progress=progress)
         dets = [detect(v) for v in vids]
+        acc = score(dets, [t for _, t in truth])
         row = dict(flow[variant.label])
-        row.update({f"acc_{k}": v for k, v in score(dets, [t for _, t in truth]).items()})
+        row.update({f"acc_{k}": acc[k] for k in ("colour", "shape", "motion", "all")})
+        row["nonfinite_videos"] = int((~finite).sum())
         if ref_videos is None:
             ref_videos = vids
+            row["psnr"] = row["ssim"] = None  # the reference itself
         else:
-            row["psnr"] = float(np.mean([_finite(psnr(a, b)) for a, b in zip(ref_videos, vids)]))
-            row["ssim"] = float(np.mean([_finite(ssim(a, b)) for a, b in zip(ref_videos, vids)]))
+            row["psnr"] = float(np.mean([video_psnr(a, b) for a, b in zip(ref_videos, vids)]))
+            row["ssim"] = float(np.mean([ssim(a, b)[0] for a, b in zip(ref_videos, vids)]))
         results[variant.label] = row
+        detections[variant.label] = [{k: d.get(k) for k in ("colour", "shape", "motion")} for d in dets]
         if keep_videos:
             videos[variant.label] = vids
     weights.use(None)
-    return {"rows": results, "prompts": texts, "truth": [t for _, t in truth], "size": list(size), "steps": steps,
-            "guidance": guidance, "seed": seed, "clips": clips, "sigmas": list(EVAL_SIGMAS),
-            "videos": videos if keep_videos else None}
-
-
-def _finite(x) -> float:
-    """The mean of a (mean, per-frame) metric pair, capped at 100 (PSNR of identical videos is infinite)."""
-    x = float(x[0] if isinstance(x, tuple) else x)
-    return min(x, 100.0)  # identical videos: PSNR is infinite; cap so that means stay finite
+    if fp4_reference is not None:
+        add_gap_closed(results, fp4_reference, bf16_reference)
+    return {"rows": results, "order": labels,
+            "variants": [{"label": v.label, "mode": v.mode, "weights": v.source, "options": dict(v.options),
+                          "high_precision": None if v.schedule is None else
+                          {"steps": v.schedule.steps_text(), "blocks": v.schedule.blocks_text(),
+                           "mode": v.schedule.mode}} for v in variants],
+            "references": {"bf16": bf16_reference, "fp4": fp4_reference, "video": labels[0]},
+            "prompts": texts, "truth": [t for _, t in truth], "detections": detections, "size": list(size),
+            "steps": steps, "guidance": guidance, "seed": seed, "corpus_seed": corpus_seed, "clips": clips,
+            "sigmas": list(EVAL_SIGMAS), "psnr_cap_db": PSNR_CAP_DB, "videos": videos if keep_videos else None}
 
 
 def gap_closed(fp4: float, qat: float, bf16: float) -> float:

@@ -12,8 +12,8 @@ from .mini import is_mini, mini_folder
 from .tiny import build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
-           "load_qat_checkpoint", "is_tiny", "is_mini", "resolve_model", "check_model", "model_num_blocks",
-           "check_qat_checkpoint"]
+           "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny", "is_mini",
+           "resolve_model", "check_model", "model_num_blocks", "check_qat_checkpoint"]
 
 #: The real model this project targets; also the example in error messages.
 DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
@@ -157,16 +157,48 @@ def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16
     return transformer.to(device) if device is not None else transformer
 
 
+def _latest_step_weights(checkpoints: Path) -> Path | None:
+    """``checkpoints/step-N/transformer.safetensors`` of the newest step folder that finished writing (its
+    manifest.json is written last), or None."""
+    import re
+
+    steps = sorted((p for p in checkpoints.iterdir() if re.fullmatch(r"step-\d{7}", p.name) and p.is_dir()),
+                   reverse=True)
+    for step in steps:
+        if (step / "manifest.json").is_file() and (step / "transformer.safetensors").is_file():
+            return step / "transformer.safetensors"
+    return None
+
+
 def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors file(s) holding the transformer weights that ``path`` names: a file; an ``attnqat train``
+    checkpoint or final/ folder (its transformer.safetensors: the exported, EMA where kept, weights); an
+    ``attnqat train`` run folder (its final/, else its newest complete checkpoint); a folder of shards; or a
+    diffusers model folder (its transformer/)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"QAT checkpoint {str(p)!r} does not exist")
-    if p.is_dir():
-        files = sorted(p.glob("*.safetensors")) or sorted(p.glob("transformer/*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"QAT checkpoint folder {str(p)!r} holds no .safetensors file")
-        return files
-    return [p]
+    if not p.is_dir():
+        return [p]
+    if (p / "transformer.safetensors").is_file():  # a checkpoint or final/ folder (beside ema.safetensors, state/)
+        return [p / "transformer.safetensors"]
+    if (p / "final" / "transformer.safetensors").is_file():  # a finished run folder
+        return [p / "final" / "transformer.safetensors"]
+    if (p / "checkpoints").is_dir():  # a run folder without final/ (stopped early)
+        latest = _latest_step_weights(p / "checkpoints")
+        if latest is not None:
+            return [latest]
+    files = sorted(p.glob("*.safetensors")) or sorted(p.glob("transformer/*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"QAT checkpoint folder {str(p)!r} holds no .safetensors file (nor an attnqat "
+                                f"train run's final/ or checkpoints/step-N/)")
+    return files
+
+
+def checkpoint_weights_path(path: str | os.PathLike) -> str:
+    """Where the weights of ``path`` are read from (one file, or a folder of shards): for messages."""
+    files = _checkpoint_files(path)
+    return str(files[0]) if len(files) == 1 else str(files[0].parent)
 
 
 def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint") -> None:
@@ -205,14 +237,10 @@ def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
-    """Load transformer weights (a QAT fine-tune) from a safetensors file, or a folder of shards.
-
-    The checkpoint must be a full state dict of this architecture: every key present, no extra key,
-    every shape equal; otherwise :class:`CheckpointMismatchError` says what differs (and nothing is
-    loaded). Values are cast to each parameter's dtype and device. Attention processors are kept.
-    Return: ``transformer``.
-    """
+def read_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The state dict (CPU tensors, as stored) of a QAT checkpoint, checked against ``transformer`` (which
+    is not changed): every key present, no extra key, every shape equal; otherwise
+    :class:`CheckpointMismatchError` says what differs. ``path``: as :func:`load_qat_checkpoint` takes."""
     state = _read_state_dict(path)
     own = transformer.state_dict()
     missing = sorted(set(own) - set(state))
@@ -230,5 +258,18 @@ def load_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -
             f"QAT checkpoint {str(path)!r} does not match this transformer"
             f"{f' ({arch} blocks)' if arch is not None else ''}: " + "; ".join(p for p in parts if p)
             + ". Was it trained on another model? Pass the --model it was trained from.")
-    transformer.load_state_dict(state, strict=True)
+    return state
+
+
+def load_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
+    """Load transformer weights (a QAT fine-tune) from a safetensors file, a folder of shards, an
+    ``attnqat train`` checkpoint folder (``OUTPUT/checkpoints/step-N``, ``OUTPUT/final``) or run folder
+    (``OUTPUT``: its final/, else its newest complete checkpoint), or a diffusers model folder.
+
+    The checkpoint must be a full state dict of this architecture: every key present, no extra key,
+    every shape equal; otherwise :class:`CheckpointMismatchError` says what differs (and nothing is
+    loaded). Values are cast to each parameter's dtype and device. Attention processors are kept.
+    Return: ``transformer``.
+    """
+    transformer.load_state_dict(read_qat_checkpoint(transformer, path), strict=True)
     return transformer

@@ -70,15 +70,30 @@ class CorpusSource:
         from diffusers import AutoencoderKLWan
         from transformers import AutoTokenizer, UMT5EncoderModel
 
-        from attnqat.corpus import Corpus
         from attnqat.pipelines.loading import resolve_model
 
         folder = resolve_model(model)
+        tokenizer = AutoTokenizer.from_pretrained(folder, subfolder="tokenizer")
+        text_encoder = UMT5EncoderModel.from_pretrained(folder, subfolder="text_encoder", dtype=torch.float32)
+        vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32)
+        self._setup(tokenizer, text_encoder, vae, cfg, text_len, device, rank, world)
+
+    @classmethod
+    def from_components(cls, tokenizer, text_encoder, vae, cfg: CorpusConfig, *, text_len: int,
+                        device) -> "CorpusSource":
+        """A source encoding with components already loaded (a pipeline's: ``pipe.tokenizer``,
+        ``pipe.text_encoder``, ``pipe.vae``, used as they are, in their dtype; they are moved to ``device``)."""
+        self = cls.__new__(cls)
+        self._setup(tokenizer, text_encoder, vae, cfg, text_len, device, 0, 1)
+        return self
+
+    def _setup(self, tokenizer, text_encoder, vae, cfg, text_len, device, rank, world) -> None:
+        from attnqat.corpus import Corpus
+
         self.cfg, self.text_len, self.device, self.rank, self.world = cfg, text_len, torch.device(device), rank, world
-        self.tokenizer = AutoTokenizer.from_pretrained(folder, subfolder="tokenizer")
-        self.text_encoder = UMT5EncoderModel.from_pretrained(folder, subfolder="text_encoder",
-                                                             dtype=torch.float32).to(self.device).eval()
-        self.vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32).to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder.to(self.device).eval()
+        self.vae = vae.to(self.device).eval()
         self.text_encoder.requires_grad_(False)
         self.vae.requires_grad_(False)
         z = self.vae.config.z_dim

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Device runs of the QAT fine-tunes of mini and their quality table (configs/mini_qat.yaml, docs/quality.md).
+# On the GPU machine, from the repo root, once bench/gpu_mini.sh has built runs/mini/mini (MODEL=... for another):
+#   bash bench/gpu_qat.sh start MINUTES   # the five fine-tunes, one after another in the background, MINUTES each
+#   bash bench/gpu_qat.sh wait SECONDS    # let them run; progress to stdout, logs to $OUT
+#   bash bench/gpu_qat.sh report          # wait for the last one; attnqat quality on every row -> docs/quality.*, $OUT
+#   bash bench/gpu_qat.sh stop            # end the background runs (their checkpoints stay)
+# A run that reaches its minutes saves a checkpoint and stops (no final/: attnqat quality takes the newest
+# checkpoint); `start` again continues each run from there for MINUTES more.
+# Knobs (environment): MODEL (runs/mini/mini), EXTRA (more --set values for every run, space-separated), DEVICE
+# (cuda), QUALITY_ARGS (more attnqat quality options), DOCS (docs: where bench/quality.py writes). A CPU smoke run:
+#   MODEL=/tmp/m DEVICE=cpu DOCS=/tmp/d EXTRA="data.corpus.sizes=[[5,32,32]] data.corpus.size_weights=null ..." \
+#     QUALITY_ARGS="--size 5x32x32 --steps 2 --prompts 2 --clips 2" bash bench/gpu_qat.sh start 0.1
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && [ "${1:-}" != _all ]; then  # _all inherits PYTHONPATH from start
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+MODEL=${MODEL:-runs/mini/mini}
+DEVICE=${DEVICE:-cuda}
+DOCS=${DOCS:-docs}
+W=runs/mini_qat
+RUNS="flow distill_output pbwd_normalized dropin bf16_control"
+
+overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
+  case $1 in
+    flow) ;;
+    distill_output) echo "objective.type=distill objective.target=output" ;;
+    pbwd_normalized) echo "attention.options.p_bwd=normalized" ;;
+    dropin) echo "attention.mode=attn_qat_dropin" ;;
+    bf16_control) echo "attention.mode=bf16" ;;
+  esac
+}
+
+train_one() {  # NAME MINUTES: train(..., time_limit) as python -m attnqat.train.mini does (resumes its checkpoint)
+  set -f  # EXTRA's [[5,32,32]] is a value, not a file pattern
+  python3 - "$MODEL" "$W/$1" "$2" $(overrides "$1") ${EXTRA:-} <<'PY'
+import sys
+from attnqat.train import load_config, train
+model, out, minutes, *sets = sys.argv[1:]
+cfg = load_config("configs/mini_qat.yaml", [f"model={model}", f"output_dir={out}", *sets])
+result = train(cfg, resume="auto", time_limit=float(minutes) * 60)
+print(f"{out}: step {result.steps}, held-out {result.gap_after}")
+PY
+  local rc=$?
+  set +f
+  return $rc
+}
+
+has_weights() {  # a run folder attnqat quality can read
+  [ -f "$W/$1/final/transformer.safetensors" ] || ls "$W/$1"/checkpoints/step-*/manifest.json >/dev/null 2>&1
+}
+
+running() { [ -f $W/pid ] && kill -0 "$(cat $W/pid)" 2>/dev/null; }
+
+case "${1:-}" in
+  start)
+    [ -f "$MODEL/model_index.json" ] || { echo "no trained mini at $MODEL (bash bench/gpu_mini.sh first)"; exit 1; }
+    running && { echo "already running (pid $(cat $W/pid))"; exit 1; }
+    mkdir -p $W
+    [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    setsid nohup bash "$0" _all "${2:?minutes per run}" > $W/train.log 2>&1 < /dev/null &
+    echo $! > $W/pid
+    sleep "${3:-60}"
+    ;;
+  _all)
+    for name in $RUNS; do
+      echo "=== $name ($(date +%T))"
+      train_one "$name" "$2" || echo "=== $name failed"
+    done
+    echo "=== done ($(date +%T))"
+    ;;
+  wait)
+    sleep "${2:-60}"
+    ;;
+  stop)
+    running && kill -- -"$(cat $W/pid)"
+    ;;
+  report)
+    while running; do sleep 10; done
+    args=()
+    add() { has_weights "$2" && args+=(--variant "$1=$3:$W/$2") || echo "no weights in $W/$2: row $1 left out"; }
+    add qat flow attn_qat
+    add qat_distill distill_output attn_qat
+    add qat_pbwd_norm pbwd_normalized attn_qat
+    add qat_dropin dropin attn_qat
+    add ctrl_fp4 bf16_control attn_qat
+    add ctrl_bf16 bf16_control bf16
+    args+=(--variant nvfp4_first2=nvfp4 --bf16-steps nvfp4_first2=0,1)
+    has_weights flow && args+=(--variant "qat_first2=attn_qat:$W/flow" --bf16-steps qat_first2=0,1)
+    python3 bench/quality.py --device "$DEVICE" --model "$MODEL" --docs "$DOCS" --out $W/quality "${args[@]}" \
+      ${QUALITY_ARGS:-} 2>&1 \
+      | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$\|^ *$" | tee "$OUT/quality.log" | tail -n 30
+    cp -r $W/quality "$OUT/" 2>/dev/null
+    cp "$DOCS"/quality.md "$DOCS"/quality.png "$DOCS"/quality.json "$OUT/" 2>/dev/null
+    ;;
+  *)
+    echo "usage: bash bench/gpu_qat.sh start MINUTES | wait SECONDS | report | stop"; exit 2
+    ;;
+esac
+[ "${1:-}" = _all ] && exit 0
+tr '\r' '\n' < $W/train.log 2>/dev/null | grep -v "it/s\]$\|s/it\]$\|^ *$" | tail -n 8
+for name in $RUNS; do
+  [ -f $W/$name/log.csv ] && { echo "$name: $(tail -n 1 $W/$name/log.csv)"; mkdir -p "$OUT/$name"; cp $W/$name/log.csv "$OUT/$name/"; }
+done
+cp $W/train.log "$OUT/qat_train.log" 2>/dev/null
+exit 0
