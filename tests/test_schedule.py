@@ -264,12 +264,12 @@ def test_evaluation_variants_use_the_schedule(clean):
 
     pipe = clean
     size = dict(height=32, width=32, frames=5, steps=2, guidance=5.0, batch=1)
-    bf16 = generate_videos(pipe, Variant("bf16"), ["a fox"], **size)
-    fp4 = generate_videos(pipe, Variant("fp4", FP4), ["a fox"], **size)
-    every = generate_videos(pipe, Variant("every", FP4, high_precision_steps=(0, -1)), ["a fox"], **size)
-    as_schedule = generate_videos(pipe, Variant("s", FP4, high_precision_steps=PrecisionSchedule(first=2)),
+    bf16, _ = generate_videos(pipe, Variant("bf16"), ["a fox"], **size)
+    fp4, _ = generate_videos(pipe, Variant("fp4", FP4), ["a fox"], **size)
+    every, _ = generate_videos(pipe, Variant("every", FP4, high_precision_steps=(0, -1)), ["a fox"], **size)
+    as_schedule, _ = generate_videos(pipe, Variant("s", FP4, high_precision_steps=PrecisionSchedule(first=2)),
                                   ["a fox"], **size)
-    one = generate_videos(pipe, Variant("one", FP4, high_precision_steps=(-1,)), ["a fox"], **size)
+    one, _ = generate_videos(pipe, Variant("one", FP4, high_precision_steps=(-1,)), ["a fox"], **size)
     assert not np.array_equal(bf16, fp4)
     assert np.array_equal(every, bf16) and np.array_equal(as_schedule, bf16)
     assert not np.array_equal(one, bf16) and not np.array_equal(one, fp4)
