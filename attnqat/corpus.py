@@ -50,7 +50,7 @@ import torch
 
 __all__ = ["SHAPES", "COLOURS", "MOTIONS", "BACKGROUNDS", "BACKGROUND_TONES", "HELD_OUT_COLOUR_SHAPE",
            "HELD_OUT_SHAPE_MOTION", "HELD_OUT_PAIRS", "ClipSpec", "Corpus", "caption", "parse_prompt",
-           "is_held_out", "make_spec", "render", "shape_sdf", "MOTION_DIRECTIONS"]
+           "is_held_out", "make_spec", "render", "shape_sdf", "MOTION_DIRECTIONS", "caption_words", "WORD_SYNONYMS"]
 
 # ------------------------------------------------------------------------------------------ attributes
 #: Eight shapes: 8 x 8 colours make 64 (colour, shape) pairs, so holding out one pair per colour
@@ -623,12 +623,29 @@ def caption(spec: ClipSpec, rng_or_variant: int | torch.Generator = 0) -> str:
     return text
 
 
+def caption_words() -> list[str]:
+    """Every word and punctuation mark a caption can contain, sorted (the ``mini`` model's tokenizer
+    vocabulary: one token per word). Words are maximal runs of letters; "up-right" is "up", "-", "right"."""
+    phrases = [*COLOURS, *BACKGROUND_TONES, *_PREPOSITIONS, "a", "an", "and"]
+    phrases += [w for words in _SHAPE_WORDS.values() for w in words]
+    fill = dict(h="left right", v="up down", vpos="top bottom", vadj="upper lower", t="", t2="")
+    groups = [_STRAIGHT_H, *_STRAIGHT_V.values(), _DIAGONAL, *_SIZE_CHANGE.values()]
+    phrases += [form.format(**fill) for group in groups for pair in group for form in pair]
+    phrases += [bg.format(**fill) for bgs in _BACKGROUND_WORDS.values() for bg in bgs]
+    phrases += [re.sub(r"\{\w+\}", " ", t) for t in _TEMPLATES]
+    return sorted({w for phrase in phrases for w in re.findall(r"[a-z]+|[^a-z\s]", phrase)})
+
+
 # ------------------------------------------------------------------------------------------- parsing
 _COLOUR_SYNONYMS = {"violet": "purple", "magenta": "pink", "aqua": "cyan", "turquoise": "cyan",
                     "crimson": "red", "scarlet": "red"}
 _SHAPE_SYNONYMS = {w: s for s, words in _SHAPE_WORDS.items() for w in words}
 _SHAPE_SYNONYMS.update({"dot": "circle", "rectangle": "square", "rhomb": "diamond", "doughnut": "ring",
                         "plus": "cross", "pentagram": "star"})
+#: Words a person may use that captions never do, and the caption word each means (the ``mini``
+#: tokenizer reads them as that word, so "a violet dot" prompts like "a purple circle").
+WORD_SYNONYMS = {**_COLOUR_SYNONYMS, "dot": "circle", "rectangle": "square", "rhomb": "diamond",
+                 "doughnut": "donut", "pentagram": "star"}
 _SHAPE_RE = re.compile(r"\b(" + "|".join(sorted(map(re.escape, _SHAPE_SYNONYMS), key=len, reverse=True))
                        + r")(?:e?s)?\b")
 _COLOUR_RE = re.compile(r"\b(" + "|".join(list(COLOURS) + list(_COLOUR_SYNONYMS)) + r")\b")

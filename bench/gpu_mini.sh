@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device runs that build the mini model (docs/mini.md). Usage on the GPU machine, from the repo root:
 #   bash bench/gpu_mini.sh vae MINUTES [again]     # init + train the VAE (again: train it further)
-#   bash bench/gpu_mini.sh train MINUTES SLEEP     # start the transformer in the background if the VAE
+#   bash bench/gpu_mini.sh train MINUTES SLEEP     # (init from a carried runs/mini_vae if there is no model yet)
+#                                                  # start the transformer in the background if the VAE
 #                                                  # passes its detector check, then sleep SLEEP seconds
 #   bash bench/gpu_mini.sh wait SECONDS            # let it train; copy logs to $OUT
 #   bash bench/gpu_mini.sh export                  # export runs/mini/mini and pack it into $OUT (2 parts)
@@ -22,6 +23,11 @@ case "$1" in
     python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" $again 2>&1 | tee -a "$OUT/vae.log" | grep -v Warn
     ;;
   train)
+    # A VAE trained by an earlier build (carried as runs/mini_vae: its model/vae and timings.json) is reused.
+    if [ ! -f $W/model/model_index.json ] && [ -d runs/mini_vae/model/vae ]; then
+      python3 -m attnqat.train.mini --out $W --stage init --vae runs/mini_vae/model/vae 2>&1 | grep -v Writing
+      cp runs/mini_vae/timings.json $W/timings.json
+    fi
     # The gate: the detector must read the colour of most held-out round trips at the CPU size.
     if ! python3 - <<'PY'
 import json, sys

@@ -190,3 +190,32 @@ def test_flow_metrics_reference_and_a_changed_variant(mini_folder):
     assert rows["ref"]["velocity_distance"] == 0 and rows["again"]["velocity_distance"] == 0
     assert rows["moved"]["velocity_distance"] > 1e-6 and rows["moved"]["flow_loss"] != rows["ref"]["flow_loss"]
     assert all(torch.equal(v, before[k]) for k, v in tr.state_dict().items())  # base weights restored
+
+
+def test_mini_tokenizer_reads_every_caption_word_and_user_synonyms(tmp_path):
+    """One token per caption word, none unknown (over fresh captions of both splits); synonyms a person
+    types become the caption word; the saved tokenizer loads back through AutoTokenizer with the same ids."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from attnqat.corpus import Corpus
+    from attnqat.pipelines.mini import build_mini_tokenizer
+
+    tok = build_mini_tokenizer()
+    unk = tok.unk_token_id
+    start = random.randrange(10 ** 6)
+    captions = [Corpus(0, split).caption_of(start + i) for split in ("train", "held_out") for i in range(300)]
+    for text in captions:
+        ids = tok(text).input_ids
+        assert unk not in ids and ids[-1] == tok.eos_token_id, text
+        assert len(ids) - 1 == len(text.replace("-", " - ").replace(",", " ,").replace(";", " ;").split()), text
+    same = [("A Violet dot rises.", "a purple circle rises"), ("a crimson RECTANGLE", "a red square"),
+            ("an aqua pentagram", "an cyan star")]
+    for user, caption_text in same:
+        assert tok(user).input_ids == tok(caption_text).input_ids
+    assert tok("a zebra").input_ids == [tok.convert_tokens_to_ids("a"), unk, tok.eos_token_id]
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    for text in captions[:50] + [u for u, _ in same]:
+        assert again(text).input_ids == tok(text).input_ids

@@ -169,10 +169,13 @@ def reconstruction_detection(vae, *, clips: int = 16, size=(33, 256, 256), seed:
 # The stages
 
 
-def stage_init(out: Path) -> None:
+def stage_init(out: Path, vae_folder: str | None = None) -> None:
+    from diffusers import AutoencoderKLWan
+
     from attnqat.pipelines.mini import build_mini_pipeline, save_pipeline_folder
 
-    save_pipeline_folder(build_mini_pipeline(), out / "model", vae_dtype=torch.float32, check_size=False)
+    vae = None if vae_folder is None else AutoencoderKLWan.from_pretrained(vae_folder, torch_dtype=torch.float32)
+    save_pipeline_folder(build_mini_pipeline(vae=vae), out / "model", vae_dtype=torch.float32, check_size=False)
 
 
 def stage_vae(out: Path, args) -> None:
@@ -273,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", choices=("all",) + STAGES, default="all")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--vae-minutes", type=float, default=4.0, help="VAE training time (default 4)")
+    p.add_argument("--vae", metavar="FOLDER", help="init: start from this trained AutoencoderKLWan folder (an earlier "
+                   "build's OUT/model/vae) instead of an untrained one; copy that build's timings.json into --out "
+                   "too so that the vae stage is skipped and its time counted")
     p.add_argument("--vae-steps", type=int, help="stop VAE training after this many steps (tests)")
     p.add_argument("--vae-batch", type=int, default=8)
     p.add_argument("--vae-lr", type=float, default=1e-3, help="VAE peak learning rate (default 1e-3)")
@@ -293,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stages = STAGES if args.stage == "all" else (args.stage,)
     if ("init" in stages or "vae" in stages) and not (out / "model" / "model_index.json").is_file():
-        stage_init(out)
+        stage_init(out, args.vae)
     if "vae" in stages:
         stage_vae(out, args)
     if "transformer" in stages:
