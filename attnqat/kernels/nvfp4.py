@@ -22,14 +22,8 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting
-
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-P_SCALE = E4M3_MAX * E2M1_MAX  # 2688: SageAttention3's two-level scale for P (SPEC §2)
-BLOCK = 16
-
-# Grid of e2m1 magnitudes, indexed by the 3-bit code (code 0..7; sign is bit 3).
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+from .formats import E2M1_GRID, NVFP4_BLOCK as BLOCK
+from .reference import e2m1_codes_ref, e4m3_scale_ref, fake_quant_nvfp4_ref
 
 
 @triton.jit
@@ -238,7 +232,6 @@ def fake_quant_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16, pre_scale:
     if not x.is_floating_point():
         raise ValueError(f"fake_quant_nvfp4 needs a float tensor, got {x.dtype}")
     if not (x.is_cuda or interpreting()):
-        from .reference import fake_quant_nvfp4_ref
         return fake_quant_nvfp4_ref(x, dim=dim, pre_scale=pre_scale)
     if x.numel() == 0:
         return x.clone()
@@ -276,7 +269,6 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16) -> tuple[tor
     """
     if block != BLOCK:
         raise ValueError(f"NVFP4 blocks are 16 elements, got block={block}")
-    from .reference import e2m1_codes_ref, e4m3_scale_ref
     xb, _ = _blocks_last(x, dim)
     if not torch.isfinite(xb).all():
         raise ValueError("quantize_nvfp4: input holds NaN or inf, which NVFP4 storage cannot represent")

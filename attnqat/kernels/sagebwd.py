@@ -51,10 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, PV_MODES, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
-
-Q_BLOCK = 128  # SPEC §4: psi(Q) and psi(dO) share one scale per 128 rows
-K_BLOCK = 64   # SPEC §4: psi(K) and psi(V) share one scale per 64 rows
+from ._common import PV_MODES, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
+from .formats import LOG2E, SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_FLOOR = 1e-30  # s = max(amax, 1e-30) / 127: an all-zero block quantizes to zeros, not NaN
