@@ -12,7 +12,6 @@ import torch
 SUPPORTED_HEAD_DIMS = (64, 128)
 P_BWD_CHOICES = ("final_max", "normalized")  # attn_qat's p_bwd option (SPEC §2)
 PV_MODES = ("int8", "fp8", "bf16")  # sagebwd's pv option: precision of the forward P V
-LOG2E = 1.4426950408889634  # exponents are kept in log2 units: exp(x) = exp2(x * log2(e))
 
 
 def interpreting() -> bool:
@@ -77,6 +76,12 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, name: str, s
 
 def default_scale(head_dim: int, sm_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the FP4 kernels' quantized operands and outputs: fp32 under the interpreter (exact there), else
+    the input's."""
+    return torch.float32 if interpreting() else dtype
 
 
 @dataclass(frozen=True)
