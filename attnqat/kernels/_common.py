@@ -113,19 +113,22 @@ SMALLER_CONFIGS = (LaunchConfig(128, 64, 8, 3), LaunchConfig(128, 64, 8, 2), Lau
 _FITTED: dict = {}  # (key, requested config) -> the config that launched
 
 
-def launch_fitting(launch, cfg: LaunchConfig, key: tuple):
-    """``launch(c)`` with c = cfg, or else the first of SMALLER_CONFIGS that fits the GPU.
+def launch_fitting(launch, cfg: LaunchConfig, key: tuple, smaller: tuple[LaunchConfig, ...] = SMALLER_CONFIGS):
+    """``launch(c)`` with c = cfg, or else the first of ``smaller`` (SMALLER_CONFIGS unless given) that fits
+    the GPU.
 
     Triton raises OutOfResources when a kernel is loaded, before anything runs, if its config needs more
     shared memory than the GPU has. The config that launched is remembered per ``key`` (the kernel and
     whatever changes its size: device, head_dim, variant flags), so the next call goes straight to it, and
     one warning names the fallback. ``launch`` must not have side effects before its kernel launch fails
-    other than recomputable ones (sage3 reruns its pre-pass)."""
+    other than recomputable ones (sage3 reruns its pre-pass). The FP4 kernels' results do not depend on
+    their tiles (SPEC §2), so any of SMALLER_CONFIGS will do; sagebwd's tiles are quantization blocks, so it
+    passes step-downs that keep them (``sagebwd.step_down``)."""
     from triton.runtime.errors import OutOfResources
 
     start = _FITTED.get((key, cfg), cfg)
     tried = []
-    for c in dict.fromkeys((start, cfg, *SMALLER_CONFIGS)):
+    for c in dict.fromkeys((start, cfg, *smaller)):
         try:
             out = launch(c)
         except OutOfResources as err:
