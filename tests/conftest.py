@@ -1,4 +1,5 @@
 import os
+import zlib
 
 import pytest
 import torch
@@ -16,6 +17,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+SEED_ENV = "ATTNQAT_TEST_SEED"
+
+
+@pytest.fixture(autouse=True)
+def seed(request):
+    """Seeds torch's global RNG before every test, so unseeded ``torch.randn`` inputs are fresh per test and per
+    parameter (the seed is a hash of the test's node id) yet the same on every run; a failing test's report
+    names its seed. ATTNQAT_TEST_SEED=<n> runs every test with seed n (to replay one, or to sweep),
+    ATTNQAT_TEST_SEED=random draws a new seed per test and run."""
+    chosen = os.environ.get(SEED_ENV, "")
+    if chosen == "random":
+        value = int.from_bytes(os.urandom(4), "little")
+    else:
+        value = int(chosen) if chosen else zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(value)
+    request.node.attnqat_seed = value
+    return value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    value = getattr(item, "attnqat_seed", None)
+    if report.failed and value is not None:
+        report.sections.append(("random seed", f"torch.manual_seed({value}); replay: {SEED_ENV}={value} "
+                                               f"python -m pytest '{item.nodeid}'"))
 
 
 @pytest.fixture
