@@ -42,6 +42,7 @@ from .nvfp4 import fake_quant_tile, quantize_heads, round_e2m1_nonneg, round_e4m
 # P~ = 2688 * 2^x = 2^(x + log2 2688): the kernels fold the scale into exp2 as the literal
 # 11.392317422778761 = log2(2688) (a literal: Triton kernels read no Python globals).
 
+
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     """acc + a @ b; IEEE (constexpr: the interpreter path) forces exact fp32 products, not tf32."""
