@@ -13,8 +13,10 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from attnqat.kernels._common import LOG2E, LaunchConfig  # noqa: E402
-from attnqat.kernels.attn_qat import _attn_fwd, attn_qat_forward, quantize_heads  # noqa: E402
+from attnqat.kernels._common import LaunchConfig  # noqa: E402
+from attnqat.kernels.formats import LOG2E  # noqa: E402
+from attnqat.kernels.attn_qat import _attn_fwd, attn_qat_forward  # noqa: E402
+from attnqat.kernels.nvfp4 import quantize_heads  # noqa: E402
 from bench._report import bench_ms  # noqa: E402
 
 OPS = ["HGMMA", "MUFU", "SHFL", "LDS", "STS", "BAR", "FMNMX", "FSETP", "FADD", "FMUL", "FFMA", "F2FP", "SEL",

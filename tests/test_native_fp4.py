@@ -12,7 +12,8 @@ import torch
 
 from attnqat.kernels import backend_info, quantize_nvfp4
 from attnqat.kernels import reference as R
-from attnqat.kernels.attn_qat import attn_qat_forward, native_fp4, quantize_heads
+from attnqat.kernels.attn_qat import attn_qat_forward, native_fp4
+from attnqat.kernels.nvfp4 import quantize_heads
 from attnqat.kernels.sage3 import sage3_forward
 from conftest import rel_err
 

@@ -27,7 +27,7 @@ def _check_prepass(lq, lk, d, device, wdt):
     q_s, k_s, ds_ref = R.sage3_smooth(q, k)
     hi, mid, lo = ds.float().unbind(-2)
     ds = (hi + mid) + lo  # exact in fp32: 8 + 8 + <= 8 significant bits
-    # stored in the forward's column order (attn_qat._key_order): position 8j + 2r + e of each 64-key tile
+    # stored in the forward's column order (nvfp4.tile_keys): position 8j + 2r + e of each 64-key tile
     # holds key 16r + 2j + e
     pos = torch.arange(ds.shape[-1], device=device)
     c = pos % 64

@@ -5,9 +5,12 @@ reference agree to the output dtype's rounding; the bound is also required to si
 quantization error itself (err(kernel, ref) < 0.2 * err(ref, exact)), so a kernel that skipped a
 quantization step, or quantized differently, would fail.
 """
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from attnqat.kernels import attention, sagebwd_attention
 from attnqat.kernels import reference as R
@@ -136,6 +139,67 @@ def test_backward_reuses_int8_q_and_k(device):
     assert sum(t.dtype == torch.int8 and t.shape == q.transpose(-1, -2).shape for t in saved) == 2  # K-major copies
     assert not any(t.dtype == q.dtype and (t.data_ptr() == q.data_ptr() or t.data_ptr() == k.data_ptr())
                    for t in saved)
+
+
+class _SharedMemoryLimit:
+    """Stands in for a kernel (``kernel[grid](...)``) on a GPU with little shared memory: launches with more
+    than one pipeline stage raise Triton's OutOfResources, as loading a kernel that needs too much does."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            tiles = tuple(v for key, v in kw.items() if key.startswith("BLOCK_"))
+            if kw["num_stages"] > 1:
+                self.log.append((self.name, "refused", tiles))
+                raise OutOfResources(100_000 * kw["num_stages"], 99 * 1024, "shared memory")
+            self.log.append((self.name, "ran", tiles))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def test_configs_that_do_not_fit_step_down(device, monkeypatch, poison):
+    """Each kernel steps down to a config that fits (simulated: every multi-stage launch is refused), keeping
+    the tile side that is a quantization block (fwd BLOCK_N, dK/dV BLOCK_M1, dQ BLOCK_N2); it warns once per
+    kernel, the next call goes straight to the config that ran, and the result is that config's, which the
+    reference for the requested tiles matches."""
+    from attnqat.kernels import _common
+
+    monkeypatch.setattr(_common, "_FITTED", {})
+    q, k, v, do = _inputs(1, 2, 80, 144, 64, torch.bfloat16, device, k_offset=1.0, seed=11)
+    cfg = S.launch_configs(64)
+    log = []
+    for name in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"):
+        monkeypatch.setattr(S, name, _SharedMemoryLimit(getattr(S, name), name, log))
+    with pytest.warns(UserWarning, match="does not fit this GPU") as caught:
+        got = _run_kernel(q, k, v, do, causal=True, smooth_q=True)
+    said = " ".join(str(w.message) for w in caught)
+    for name in ("sagebwd forward", "sagebwd backward (dK/dV)", "sagebwd backward (dQ)"):
+        assert said.count(name) == 1, said
+    ran = {name: tiles for name, what, tiles in log if what == "ran"}
+    assert ran["_attn_fwd"][1] == cfg["fwd"].block_n  # (BLOCK_M, BLOCK_N)
+    assert ran["_attn_bwd_dkdv"][0] == cfg["dkdv"].block_m  # (BLOCK_M1, BLOCK_N1)
+    assert ran["_attn_bwd_dq"][1] == cfg["dq"].block_n  # (BLOCK_M2, BLOCK_N2)
+    log.clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*does not fit")  # remembered: said once, no retries
+        again = _run_kernel(q, k, v, do, causal=True, smooth_q=True)
+    assert [what for _, what, _ in log] == ["ran"] * 3
+    for x, y in zip(got, again):
+        assert torch.equal(x, y)
+    # the step-down configs, pinned, give the same result; the reference for the requested tiles agrees
+    for name, keep, env in zip(("fwd", "dkdv", "dq"), "nmn", S._ENV):
+        c = S.step_down(cfg[name], keep)[-1]  # the last step: one stage
+        monkeypatch.setenv(env, f"{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}")
+    monkeypatch.setattr(_common, "_FITTED", {})
+    log.clear()
+    pinned = _run_kernel(q, k, v, do, causal=True, smooth_q=True)
+    assert [what for _, what, _ in log] == ["ran"] * 3
+    for x, y in zip(got, pinned):
+        assert torch.equal(x, y)
+    for name, g, r in zip(("o", "dq", "dk", "dv"), got, _run_reference(q, k, v, do, causal=True, smooth_q=True)):
+        assert rel(g, r) < 8e-3, name  # bf16 output rounding, as in test_kernel_matches_reference
 
 
 # Cos-sims vs exact fp32 attention; the SageBwd paper reports dQ 0.966, dK 0.954, dV 0.999 (real

@@ -12,7 +12,6 @@ import torch
 SUPPORTED_HEAD_DIMS = (64, 128)
 P_BWD_CHOICES = ("final_max", "normalized")  # attn_qat's p_bwd option (SPEC §2)
 PV_MODES = ("int8", "fp8", "bf16")  # sagebwd's pv option: precision of the forward P V
-LOG2E = 1.4426950408889634  # exponents are kept in log2 units: exp(x) = exp2(x * log2(e))
 
 
 def interpreting() -> bool:
@@ -79,6 +78,12 @@ def default_scale(head_dim: int, sm_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the FP4 kernels' quantized operands and outputs: fp32 under the interpreter (exact there), else
+    the input's."""
+    return torch.float32 if interpreting() else dtype
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tile sizes and launch parameters of one attention kernel launch."""
@@ -108,19 +113,22 @@ SMALLER_CONFIGS = (LaunchConfig(128, 64, 8, 3), LaunchConfig(128, 64, 8, 2), Lau
 _FITTED: dict = {}  # (key, requested config) -> the config that launched
 
 
-def launch_fitting(launch, cfg: LaunchConfig, key: tuple):
-    """``launch(c)`` with c = cfg, or else the first of SMALLER_CONFIGS that fits the GPU.
+def launch_fitting(launch, cfg: LaunchConfig, key: tuple, smaller: tuple[LaunchConfig, ...] = SMALLER_CONFIGS):
+    """``launch(c)`` with c = cfg, or else the first of ``smaller`` (SMALLER_CONFIGS unless given) that fits
+    the GPU.
 
     Triton raises OutOfResources when a kernel is loaded, before anything runs, if its config needs more
     shared memory than the GPU has. The config that launched is remembered per ``key`` (the kernel and
     whatever changes its size: device, head_dim, variant flags), so the next call goes straight to it, and
     one warning names the fallback. ``launch`` must not have side effects before its kernel launch fails
-    other than recomputable ones (sage3 reruns its pre-pass)."""
+    other than recomputable ones (sage3 reruns its pre-pass). The FP4 kernels' results do not depend on
+    their tiles (SPEC §2), so any of SMALLER_CONFIGS will do; sagebwd's tiles are quantization blocks, so it
+    passes step-downs that keep them (``sagebwd.step_down``)."""
     from triton.runtime.errors import OutOfResources
 
     start = _FITTED.get((key, cfg), cfg)
     tried = []
-    for c in dict.fromkeys((start, cfg, *SMALLER_CONFIGS)):
+    for c in dict.fromkeys((start, cfg, *smaller)):
         try:
             out = launch(c)
         except OutOfResources as err:

@@ -12,10 +12,14 @@ Backward: recompute S from the same Q^F, K^F (principle 1), P^F = phi(P~)/l with
 (the forward's quantized P), D = rowsum(dO * O') (principle 2), dV = P^F^T dO, dP = dO V^F^T,
 dS = P (dP - D), dQ = dS K^F scale, dK = dS^T Q^F scale; straight-through to Q, K, V.
 
-Pieces, in the order of Triton's fused-attention tutorial: ``_quantize_rows`` (the phi pre-pass over
-head_dim) -> ``_attn_fwd`` -> ``_attn_bwd_preprocess`` -> ``_attn_bwd_dkdv`` -> ``_attn_bwd_dq`` ->
-``AttnQATFunction`` -> :func:`attn_qat_attention`. ``QUANT_P=False`` turns the same forward into
-plain attention over quantized Q, K, V (tests use it to isolate P's quantization).
+The file reads top to bottom, in the order of Triton's fused-attention tutorial and FlashAttention's
+layers: ``@triton.jit`` helpers -> ``_attn_fwd`` -> ``_attn_bwd_preprocess`` -> ``_attn_bwd_dkdv`` ->
+``_attn_bwd_dq`` -> launch configs -> the launchers :func:`attn_qat_forward` / :func:`attn_qat_backward`
+-> their ``torch.library`` custom ops (``attnqat::attn_qat_fwd`` / ``attn_qat_bwd``, with fake
+implementations, so ``torch.compile`` traces them) -> ``AttnQATFunction`` -> :func:`attn_qat_attention`.
+The phi pre-pass over head_dim (``quantize_heads``) lives in ``nvfp4.py``, what the GPU can do (fp8 cast,
+block-scaled FP4 MMAs, compiles without a GPU) in ``_hardware.py``. ``QUANT_P=False`` turns the same
+forward into plain attention over quantized Q, K, V (tests use it to isolate P's quantization).
 
 On the GPU the dots take bf16/fp16 operands; phi's outputs are exact there (SPEC §1), so this is the
 exact emulation of block-scaled FP4 MMAs. Under ``TRITON_INTERPRET=1`` every dot runs in fp32
@@ -23,56 +27,20 @@ exact emulation of block-scaled FP4 MMAs. Under ``TRITON_INTERPRET=1`` every dot
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, P_BWD_CHOICES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting,
-                      pinned_config)
-from .nvfp4 import fake_quant_tile, pack_tile, round_e2m1_nonneg, round_e4m3, unpack_tile
+from ._common import (P_BWD_CHOICES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting,
+                      pinned_config, work_dtype)
+from ._hardware import compile_for, first_that_compiles, fp4_mma_arch, fp8_cast
+from .formats import LOG2E
+from .nvfp4 import fake_quant_tile, quantize_heads, round_e2m1_nonneg, round_e4m3, tile_keys, unpack_tile
 
 # P~ = 2688 * 2^x = 2^(x + log2 2688): the kernels fold the scale into exp2 as the literal
 # 11.392317422778761 = log2(2688) (a literal: Triton kernels read no Python globals).
-
-# Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages). Pin with ATTNQAT_FWD_CONFIG /
-# ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests and benchmarks.
-# Measured on an H100 at (1, 40, 32760, 128) by bench/tune_attn_qat.py (docs/kernels.md has the table).
-# Inference forward: 128x128 tiles, 8 warps, 3 stages (50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8); at
-# head_dim 64, 128x64/8 (32.5 ms vs 38.1 for 128x128).
-FWD_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 128, 8, 3)}
-FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}  # 70.9 vs 72.5 ms
-# Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program): 32x64, S held
-# transposed (266 ms for the whole backward; the untransposed layout's best was 292 ms). dQ: 128x64.
-BWD_CONFIG_GPU = {64: LaunchConfig(32, 64, 4, 3), 128: LaunchConfig(32, 64, 4, 3)}
-DQ_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}
-# Interpreter: small tiles keep numpy arrays small; the result does not depend on them. The forward's
-# BLOCK_N is at least 64 (see _key_order).
-CONFIG_INTERPRET = LaunchConfig(32, 32, 4, 1)
-FWD_CONFIG_INTERPRET = LaunchConfig(32, 64, 4, 1)
-
-
-def fwd_config(head_dim: int, training: bool) -> LaunchConfig:
-    if interpreting():
-        return pinned_config("ATTNQAT_FWD_CONFIG") or FWD_CONFIG_INTERPRET
-    table = FWD_TRAIN_CONFIG_GPU if training else FWD_CONFIG_GPU
-    return pinned_config("ATTNQAT_FWD_CONFIG") or table[head_dim]
-
-
-def bwd_config(head_dim: int) -> LaunchConfig:
-    if interpreting():
-        return pinned_config("ATTNQAT_BWD_CONFIG") or CONFIG_INTERPRET
-    return pinned_config("ATTNQAT_BWD_CONFIG") or BWD_CONFIG_GPU[head_dim]
-
-
-def dq_config(head_dim: int) -> LaunchConfig:
-    if interpreting():
-        return pinned_config("ATTNQAT_DQ_CONFIG") or CONFIG_INTERPRET
-    return pinned_config("ATTNQAT_DQ_CONFIG") or DQ_CONFIG_GPU[head_dim]
 
 
 @triton.jit
@@ -115,80 +83,6 @@ def _through_mma(x, COLS: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------------
-# phi pre-pass over head_dim: Q, K, V -> Q^F, K^F, V^F, contiguous (B*H, L, D)
-# ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _quantize_rows(X, XF, XS, Mean, stride_b, stride_h, stride_l, H, L,
-                   HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, CENTER: tl.constexpr, AXIS: tl.constexpr,
-                   PACK: tl.constexpr):
-    """phi over (BLOCK_L, HEAD_DIM) tiles: along head_dim (AXIS=1) or in blocks of 16 tokens (AXIS=0,
-    SageAttention3's V). CENTER (constexpr, SageAttention3's smoothing): 0 none; 1 subtract Mean[bh]
-    (K's token mean); 2 subtract the tile's own row mean (Q per 128 rows) and store it to Mean[bh, tile].
-    PACK (constexpr, AXIS=1 only): store NVFP4 storage instead of q * s, codes to XF (B*H, L, HEAD_DIM/2)
-    uint8 and scale bits to XS (B*H, L, HEAD_DIM/16), for the native block-scaled MMA.
-    Padded rows are zeros, which never change a block's scale."""
-    bh = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    cols = tl.arange(0, HEAD_DIM)
-    row_ok = rows[:, None] < L
-    x_ptrs = X + (bh // H) * stride_b + (bh % H) * stride_h + rows[:, None] * stride_l + cols[None, :]
-    x = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
-    if CENTER == 1:
-        x = tl.where(row_ok, x - tl.load(Mean + bh * HEAD_DIM + cols)[None, :], 0.0)
-    elif CENTER == 2:
-        count = tl.minimum(L - tl.program_id(0) * BLOCK_L, BLOCK_L)
-        mean = tl.sum(x, axis=0) / count
-        tl.store(Mean + (bh * tl.num_programs(0) + tl.program_id(0)) * HEAD_DIM + cols, mean)
-        x = tl.where(row_ok, x - mean[None, :], 0.0)
-    if PACK:
-        tl.static_assert(AXIS == 1)
-        codes, scale_bits = pack_tile(x, BLOCK_L, HEAD_DIM)
-        half = tl.arange(0, HEAD_DIM // 2)
-        tl.store(XF + bh * L * (HEAD_DIM // 2) + rows[:, None] * (HEAD_DIM // 2) + half[None, :], codes, mask=row_ok)
-        blocks = tl.arange(0, HEAD_DIM // 16)
-        tl.store(XS + bh * L * (HEAD_DIM // 16) + rows[:, None] * (HEAD_DIM // 16) + blocks[None, :], scale_bits,
-                 mask=row_ok)
-    else:
-        xf = fake_quant_tile(x, BLOCK_L, HEAD_DIM, AXIS, True, True)
-        tl.store(XF + bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
-                 xf.to(XF.dtype.element_ty), mask=row_ok)
-
-
-def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False, center: torch.Tensor | None = None,
-                   block_mean: int | None = None, packed: bool = False):
-    """phi of a (B, H, L, D) tensor -> contiguous (B, H, L, D) in ``dtype``: along head_dim, or along
-    tokens (``tokens=True``). ``center`` (B, H, D) fp32 is subtracted first; ``block_mean=n`` subtracts
-    each block of n rows' own mean and also returns those means, (B, H, ceil(L/n), D) fp32.
-    ``packed=True`` (along head_dim only) returns NVFP4 storage instead, a pair: codes (B, H, L, D/2) uint8
-    and scales (B, H, L, D/16) float8_e4m3fn, as :func:`attnqat.kernels.quantize_nvfp4` lays them out."""
-    b, h, n, d = x.shape
-    if packed and tokens:
-        raise ValueError("quantize_heads: packed storage is along head_dim only")
-    out = torch.empty((b, h, n, d // 2 if packed else d), dtype=torch.uint8 if packed else dtype, device=x.device)
-    scales = torch.empty((b, h, n, d // 16), dtype=torch.uint8, device=x.device) if packed else out
-    block_l = block_mean or (32 if interpreting() else 64)
-    num_warps = 8 if block_l >= 128 else 4
-    if tokens and not interpreting():
-        # blocks of 16 tokens: one warp per 16 rows keeps each block's max in one warp (0.26 ms against
-        # 0.88 for 64 rows / 4 warps at (1, 40, 32760, 128) on an H100)
-        block_l, num_warps = 16, 1
-    grid = (triton.cdiv(n, block_l), b * h)
-    mean = center
-    if block_mean:
-        mean = torch.empty((b, h, grid[0], d), dtype=torch.float32, device=x.device)
-    elif center is None:
-        mean = out  # unused
-    _quantize_rows[grid](x, out, scales, mean, x.stride(0), x.stride(1), x.stride(2), h, n, HEAD_DIM=d,
-                         BLOCK_L=block_l, CENTER=2 if block_mean else (0 if center is None else 1),
-                         AXIS=0 if tokens else 1, PACK=packed, num_warps=num_warps)
-    if packed:
-        out = (out, scales.view(torch.float8_e4m3fn))
-    return (out, mean) if block_mean else out
-
-
-# ---------------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------------
 
@@ -220,12 +114,6 @@ def _key_order(BLOCK_N: tl.constexpr):
     need no shuffles. K's and V's rows are permuted alike, so P V is unchanged; masks use these keys.
     """
     return tile_keys(tl.arange(0, BLOCK_N), BLOCK_N)
-
-
-@triton.jit
-def tile_keys(c, BLOCK_N: tl.constexpr):
-    """_key_order for column offsets c within a tile of BLOCK_N keys."""
-    return (BLOCK_N // 4) * ((c // 2) % 4) + 2 * (c // 8) + c % 2
 
 
 @triton.jit
@@ -634,19 +522,48 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
 
 
 # ---------------------------------------------------------------------------------------------------
-# Launchers and the autograd Function
+# Launch configs
 # ---------------------------------------------------------------------------------------------------
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), in one place. Pin with ATTNQAT_FWD_CONFIG /
+# ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests and benchmarks.
+# Measured on an H100 at (1, 40, 32760, 128) by bench/tune_attn_qat.py (docs/kernels.md has the table).
+# Inference forward: 128x128 tiles, 8 warps, 3 stages (50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8); at
+# head_dim 64, 128x64/8 (32.5 ms vs 38.1 for 128x128).
+FWD_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 128, 8, 3)}
+FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}  # 70.9 vs 72.5 ms
+# Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program): 32x64, S held
+# transposed (266 ms for the whole backward; the untransposed layout's best was 292 ms). dQ: 128x64.
+BWD_CONFIG_GPU = {64: LaunchConfig(32, 64, 4, 3), 128: LaunchConfig(32, 64, 4, 3)}
+DQ_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}
+# Interpreter: small tiles keep numpy arrays small; the result does not depend on them. The forward's
+# BLOCK_N is at least 64 (see _key_order).
+CONFIG_INTERPRET = LaunchConfig(32, 32, 4, 1)
+FWD_CONFIG_INTERPRET = LaunchConfig(32, 64, 4, 1)
 
-def fp8_cast(device: torch.device) -> bool:
-    """Whether the kernels may round to e4m3 with the hardware cast (sm_89+; ATTNQAT_NO_FP8_CAST=1 forces
-    the integer-arithmetic rounding, as on Ampere: tests use it)."""
-    if interpreting() or device.type != "cuda" or os.environ.get("ATTNQAT_NO_FP8_CAST", "0") != "0":
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+def fwd_config(head_dim: int, training: bool) -> LaunchConfig:
+    if interpreting():
+        return pinned_config("ATTNQAT_FWD_CONFIG") or FWD_CONFIG_INTERPRET
+    table = FWD_TRAIN_CONFIG_GPU if training else FWD_CONFIG_GPU
+    return pinned_config("ATTNQAT_FWD_CONFIG") or table[head_dim]
 
 
-NATIVE_FP4_ARCHS = (10, 12)  # compute capability majors with block-scaled FP4 MMAs: sm_100/103, sm_120/121
+def bwd_config(head_dim: int) -> LaunchConfig:
+    if interpreting():
+        return pinned_config("ATTNQAT_BWD_CONFIG") or CONFIG_INTERPRET
+    return pinned_config("ATTNQAT_BWD_CONFIG") or BWD_CONFIG_GPU[head_dim]
+
+
+def dq_config(head_dim: int) -> LaunchConfig:
+    if interpreting():
+        return pinned_config("ATTNQAT_DQ_CONFIG") or CONFIG_INTERPRET
+    return pinned_config("ATTNQAT_DQ_CONFIG") or DQ_CONFIG_GPU[head_dim]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------
 
 
 def native_fp4(device: torch.device) -> int:
@@ -654,66 +571,30 @@ def native_fp4(device: torch.device) -> int:
     (tl.dot_scaled over NVFP4 storage): a Blackwell GPU (sm_100/sm_120) and a Triton that compiles the
     forward's NVFP4 dot_scaled for it. The value is the kernel's PACKED_QK. ATTNQAT_NATIVE_FP4=0 keeps the
     bf16 emulation."""
-    if interpreting() or device.type != "cuda" or os.environ.get("ATTNQAT_NATIVE_FP4", "1") == "0":
-        return 0
-    cap = torch.cuda.get_device_capability(device)
-    return native_qk_form(cap[0] * 10 + cap[1]) if cap[0] in NATIVE_FP4_ARCHS else 0
+    arch = fp4_mma_arch(device)
+    return native_qk_form(arch) if arch else 0
 
 
 @functools.lru_cache(maxsize=None)
 def native_qk_form(arch: int) -> int:
     """The PACKED_QK form of the inference forward that this Triton compiles for sm_<arch> (a compile only,
     no GPU needed): 1 (dot_scaled as is), 2 (from a runtime zero accumulator: Triton 3.6/3.7 on sm_100),
-    or 0 (no NVFP4 dot_scaled there: Triton 3.6 on sm_90, for instance)."""
+    or 0 (no NVFP4 dot_scaled there: Triton 3.6 on sm_90, for instance; the exact emulation runs)."""
     cfg = FWD_CONFIG_GPU[128]
-    for form in (1, 2):
-        try:
-            with _native_stderr_to_devnull():  # a form that fails prints MLIR's reproducer: not the user's concern
-                compile_forward(arch, cfg, HEAD_DIM=128, CAUSAL=False, SMOOTH_Q=False, PACKED_QK=form)
-        except Exception:  # this form does not lower here: try the next, else keep the (exact) emulation
-            continue
-        return form
-    return 0
-
-
-@contextlib.contextmanager
-def _native_stderr_to_devnull():
-    """Point file descriptor 2 (where Triton's C++ passes print) at /dev/null for the block."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    return first_that_compiles(lambda form: compile_forward(arch, cfg, HEAD_DIM=128, CAUSAL=False, SMOOTH_Q=False,
+                                                            PACKED_QK=form), (1, 2))
 
 
 def compile_forward(arch: int, cfg: LaunchConfig, **constexprs):
     """Compile the inference forward (bf16, quantized P) for sm_<arch> without a GPU; ``constexprs`` set
     HEAD_DIM, CAUSAL, SMOOTH_Q and PACKED_QK. Returns Triton's compiled kernel (``.asm["ptx"]`` etc.)."""
-    from triton.backends.compiler import GPUTarget
-
-    names = _attn_fwd.arg_names
     packed = constexprs["PACKED_QK"]
     ptrs = {"QF": "*u8" if packed else "*bf16", "KF": "*u8" if packed else "*bf16", "QS": "*u8", "KS": "*u8",
             "VF": "*bf16", "O": "*bf16", "OAux": "*bf16", "M": "*fp32", "Lsum": "*fp32", "DeltaS": "*bf16"}
     const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TRAINING=False, QUANT_P=True, IEEE=False, FP16=False,
                  FP8_CAST=arch >= 89, **constexprs)
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
-    # pointers 16-byte aligned, as torch allocates them and a launch specialises: without it loads are not
-    # vectorised, so not pipelined, and the compile is not the one a GPU runs
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-    src = triton.compiler.ASTSource(fn=_attn_fwd, signature=sig, attrs=aligned,
-                                    constexprs={(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-
-
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of quantized operands and outputs: fp32 under the interpreter (exact there), else the input's."""
-    return torch.float32 if interpreting() else dtype
+    return compile_for(_attn_fwd, arch, types={**ptrs, "qk_scale": "fp32"}, constexprs=const, aligned=tuple(ptrs),
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -738,7 +619,7 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     b, h, lq, d = q.shape
     lk = k.shape[2]
     cfg = config or fwd_config(d, training)
-    wdt = _work_dtype(q.dtype)
+    wdt = work_dtype(q.dtype)
     fp16 = q.dtype == torch.float16
     if packed_qk is None:
         packed_qk = native_fp4(q.device) if not training and quant_qkv else 0
@@ -791,7 +672,7 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     lk = kf.shape[2]
     cfg = config or bwd_config(d)
     cfg_dq = config_dq or dq_config(d)
-    wdt = _work_dtype(q.dtype)
+    wdt = work_dtype(q.dtype)
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = torch.empty_like(m)
@@ -818,13 +699,57 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype)
 
 
+# ---------------------------------------------------------------------------------------------------
+# torch.library custom ops over the launches, with fake (shape-only) implementations, so torch.compile
+# traces models that use them without graph breaks; Dynamo traces the autograd Functions below.
+#
+#     attnqat::attn_qat_fwd  (q, k, v, sm_scale, causal, training) -> (o, o_aux, m, l, q^F, k^F, v^F)
+#     attnqat::attn_qat_bwd  (do, q, k, q^F, k^F, v^F, o_aux, m, l, sm_scale, causal, p_bwd) -> (dq, dk, dv)
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("attnqat::attn_qat_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_qat_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
+                 training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor, torch.Tensor]:
+    o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal, training=training)
+    if o_aux is None:  # inference: an empty placeholder (custom ops return tensors, not None)
+        o_aux = o.new_empty(0)
+    return o.to(q.dtype), o_aux, m, l, qf, kf, vf
+
+
+@attn_qat_fwd.register_fake
+def _(q, k, v, sm_scale, causal, training):
+    b, h, lq, d = q.shape
+    wdt = work_dtype(q.dtype)
+    aux = q.new_empty((b, h, lq, d), dtype=wdt) if training else q.new_empty(0, dtype=wdt)
+    return (torch.empty_like(q), aux, q.new_empty((b, h, lq), dtype=torch.float32),
+            q.new_empty((b, h, lq), dtype=torch.float32), q.new_empty(q.shape, dtype=wdt),
+            k.new_empty(k.shape, dtype=wdt), v.new_empty(v.shape, dtype=wdt))
+
+
+@torch.library.custom_op("attnqat::attn_qat_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_qat_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor,
+                 vf: torch.Tensor, o_aux: torch.Tensor, m: torch.Tensor, l: torch.Tensor, sm_scale: float,
+                 causal: bool, p_bwd: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
+
+
+@attn_qat_bwd.register_fake
+def _(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale, causal, p_bwd):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------------
+
+
 class AttnQATFunction(torch.autograd.Function):
     """FP4 forward that saves Q^F, K^F, V^F, O', m, l; the matching FP4-consistent backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, causal, p_bwd):
-        from .ops import attn_qat_fwd
-
         o, o_aux, m, l, qf, kf, vf = attn_qat_fwd(q, k, v, sm_scale, causal, True)
         ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l)
         ctx.sm_scale, ctx.causal, ctx.p_bwd = sm_scale, causal, p_bwd
@@ -832,8 +757,6 @@ class AttnQATFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        from .ops import attn_qat_bwd
-
         q, k, qf, kf, vf, o_aux, m, l = ctx.saved_tensors
         dq, dk, dv = attn_qat_bwd(do, q, k, qf, kf, vf, o_aux, m, l, ctx.sm_scale, ctx.causal, ctx.p_bwd)
         return dq, dk, dv, None, None, None
@@ -862,26 +785,9 @@ class AttnQATDropinFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                              causal: bool = False) -> torch.Tensor:
-    """The ``attn_qat_dropin`` ablation: NVFP4 forward, high-precision backward (unstable in training).
-    Arguments and return as :func:`attn_qat_attention`."""
-    check_qkv(q, k, v, name="attn_qat_dropin_attention", sm_scale=sm_scale, causal=causal)
-    scale = default_scale(q.shape[-1], sm_scale)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return AttnQATDropinFunction.apply(q, k, v, scale, causal)
-    return _fp4_inference(q, k, v, scale, causal)
-
-
-def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                    causal: bool = False) -> torch.Tensor:
-    """Naive NVFP4 attention (inference only): phi on Q, K, V along head_dim and on P along keys.
-    Arguments and return as :func:`attn_qat_attention`."""
-    check_qkv(q, k, v, name="nvfp4_attention", sm_scale=sm_scale, causal=causal)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("nvfp4_attention is inference-only (no backward): call it under torch.no_grad() "
-                         "or train with attn_qat_attention")
-    return _fp4_inference(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+# ---------------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------------
 
 
 def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -911,8 +817,28 @@ def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
     return _fp4_inference(q, k, v, scale, causal)
 
 
+def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                              causal: bool = False) -> torch.Tensor:
+    """The ``attn_qat_dropin`` ablation: NVFP4 forward, high-precision backward (unstable in training).
+    Arguments and return as :func:`attn_qat_attention`."""
+    check_qkv(q, k, v, name="attn_qat_dropin_attention", sm_scale=sm_scale, causal=causal)
+    scale = default_scale(q.shape[-1], sm_scale)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return AttnQATDropinFunction.apply(q, k, v, scale, causal)
+    return _fp4_inference(q, k, v, scale, causal)
+
+
+def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                    causal: bool = False) -> torch.Tensor:
+    """Naive NVFP4 attention (inference only): phi on Q, K, V along head_dim and on P along keys.
+    Arguments and return as :func:`attn_qat_attention`."""
+    check_qkv(q, k, v, name="nvfp4_attention", sm_scale=sm_scale, causal=causal)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("nvfp4_attention is inference-only (no backward): call it under torch.no_grad() "
+                         "or train with attn_qat_attention")
+    return _fp4_inference(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+
+
 def _fp4_inference(q, k, v, sm_scale: float, causal: bool) -> torch.Tensor:
     """The shared FP4 inference forward, through its custom op (no O')."""
-    from .ops import attn_qat_fwd
-
     return attn_qat_fwd(q, k, v, sm_scale, causal, False)[0]

@@ -4,13 +4,15 @@
 
 Two layers live here:
 
-* ``@triton.jit`` helpers (:func:`round_e4m3`, :func:`round_e2m1`, :func:`fake_quant_tile`) that the
-  attention kernels inline. Rounding is done by explicit fp32 arithmetic (integer adds on the bit
-  pattern and the "add a magic constant" trick), never by float->fp8 casts, so the same code is exact
-  under ``TRITON_INTERPRET=1`` and fast on the GPU.
+* ``@triton.jit`` helpers (:func:`round_e4m3`, :func:`round_e2m1`, :func:`fake_quant_tile`,
+  :func:`pack_tile`, :func:`tile_keys`) that the attention kernels inline. Rounding is done by explicit
+  fp32 arithmetic (integer adds on the bit pattern and the "add a magic constant" trick), never by
+  float->fp8 casts, so the same code is exact under ``TRITON_INTERPRET=1`` and fast on the GPU.
 * torch-facing functions: :func:`fake_quant_nvfp4` (a Triton launch on CUDA or under the interpreter, the
-  torch reference otherwise), and :func:`quantize_nvfp4` / :func:`dequantize_nvfp4` for the packed
-  storage format (two e2m1 codes per byte, element 0 in the low nibble; scales as float8_e4m3fn).
+  torch reference otherwise); :func:`quantize_heads`, the FP4 attention kernels' pre-pass (phi of
+  (B, H, L, D) Q, K, V, with sage3's smoothing, or NVFP4 storage for the native MMA); and
+  :func:`quantize_nvfp4` / :func:`dequantize_nvfp4` for the packed storage format (two e2m1 codes per
+  byte, element 0 in the low nibble; scales as float8_e4m3fn).
 
 Every ``q * s`` is exactly representable in bf16 and fp16, so a 16-bit tensor-core dot over
 dequantized operands with fp32 accumulation reproduces a block-scaled FP4 MMA up to summation order.
@@ -22,14 +24,8 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting
-
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-P_SCALE = E4M3_MAX * E2M1_MAX  # 2688: SageAttention3's two-level scale for P (SPEC §2)
-BLOCK = 16
-
-# Grid of e2m1 magnitudes, indexed by the 3-bit code (code 0..7; sign is bit 3).
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+from .formats import E2M1_GRID, NVFP4_BLOCK as BLOCK
+from .reference import e2m1_codes_ref, e4m3_scale_ref, fake_quant_nvfp4_ref
 
 
 @triton.jit
@@ -205,6 +201,17 @@ def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexp
 
 
 @triton.jit
+def tile_keys(c, BLOCK_N: tl.constexpr):
+    """The key (offset in its tile) that column offset c of an attention forward's BLOCK_N-key tile holds
+    (BLOCK_N a multiple of 64): key (BLOCK_N/4) r + 2j + e sits in column 8j + 2r + e.
+
+    Hopper's and Ampere's MMA accumulators give lane r of each quad the columns 8j + 2r + {0, 1}, so each
+    lane then holds BLOCK_N/4 consecutive keys: every 16-key NVFP4 block of P lies in one thread's registers
+    and its max and sum need no shuffles (attn_qat._key_order). sage3 stores ΔS in this order too."""
+    return (BLOCK_N // 4) * ((c // 2) % 4) + 2 * (c // 8) + c % 2
+
+
+@triton.jit
 def _fake_quant_rows_kernel(X, Y, n_rows, n_cols, stride_xr, stride_yr, pre_scale,
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """phi along the last axis of a (n_rows, n_cols) view; tails are zero-padded (padding never
@@ -216,6 +223,43 @@ def _fake_quant_rows_kernel(X, Y, n_rows, n_cols, stride_xr, stride_yr, pre_scal
     q = fake_quant_tile(x * pre_scale, BLOCK_R, BLOCK_C, 1, True, True)
     q = tl.math.div_rn(q, pre_scale)
     tl.store(Y + rows[:, None] * stride_yr + cols[None, :], q, mask=mask)
+
+
+@triton.jit
+def _quantize_rows(X, XF, XS, Mean, stride_b, stride_h, stride_l, H, L,
+                   HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, CENTER: tl.constexpr, AXIS: tl.constexpr,
+                   PACK: tl.constexpr):
+    """phi over (BLOCK_L, HEAD_DIM) tiles: along head_dim (AXIS=1) or in blocks of 16 tokens (AXIS=0,
+    SageAttention3's V). CENTER (constexpr, SageAttention3's smoothing): 0 none; 1 subtract Mean[bh]
+    (K's token mean); 2 subtract the tile's own row mean (Q per 128 rows) and store it to Mean[bh, tile].
+    PACK (constexpr, AXIS=1 only): store NVFP4 storage instead of q * s, codes to XF (B*H, L, HEAD_DIM/2)
+    uint8 and scale bits to XS (B*H, L, HEAD_DIM/16), for the native block-scaled MMA.
+    Padded rows are zeros, which never change a block's scale."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = tl.arange(0, HEAD_DIM)
+    row_ok = rows[:, None] < L
+    x_ptrs = X + (bh // H) * stride_b + (bh % H) * stride_h + rows[:, None] * stride_l + cols[None, :]
+    x = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+    if CENTER == 1:
+        x = tl.where(row_ok, x - tl.load(Mean + bh * HEAD_DIM + cols)[None, :], 0.0)
+    elif CENTER == 2:
+        count = tl.minimum(L - tl.program_id(0) * BLOCK_L, BLOCK_L)
+        mean = tl.sum(x, axis=0) / count
+        tl.store(Mean + (bh * tl.num_programs(0) + tl.program_id(0)) * HEAD_DIM + cols, mean)
+        x = tl.where(row_ok, x - mean[None, :], 0.0)
+    if PACK:
+        tl.static_assert(AXIS == 1)
+        codes, scale_bits = pack_tile(x, BLOCK_L, HEAD_DIM)
+        half = tl.arange(0, HEAD_DIM // 2)
+        tl.store(XF + bh * L * (HEAD_DIM // 2) + rows[:, None] * (HEAD_DIM // 2) + half[None, :], codes, mask=row_ok)
+        blocks = tl.arange(0, HEAD_DIM // 16)
+        tl.store(XS + bh * L * (HEAD_DIM // 16) + rows[:, None] * (HEAD_DIM // 16) + blocks[None, :], scale_bits,
+                 mask=row_ok)
+    else:
+        xf = fake_quant_tile(x, BLOCK_L, HEAD_DIM, AXIS, True, True)
+        tl.store(XF + bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
+                 xf.to(XF.dtype.element_ty), mask=row_ok)
 
 
 def fake_quant_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16, pre_scale: float = 1.0) -> torch.Tensor:
@@ -238,7 +282,6 @@ def fake_quant_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16, pre_scale:
     if not x.is_floating_point():
         raise ValueError(f"fake_quant_nvfp4 needs a float tensor, got {x.dtype}")
     if not (x.is_cuda or interpreting()):
-        from .reference import fake_quant_nvfp4_ref
         return fake_quant_nvfp4_ref(x, dim=dim, pre_scale=pre_scale)
     if x.numel() == 0:
         return x.clone()
@@ -253,6 +296,38 @@ def fake_quant_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16, pre_scale:
     _fake_quant_rows_kernel[grid](rows, out, rows.shape[0], rows.shape[1], rows.stride(0), out.stride(0),
                                   float(pre_scale), BLOCK_R=block_r, BLOCK_C=block_c)
     return out.to(x.dtype).reshape(shape).movedim(-1, dim)
+
+
+def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False, center: torch.Tensor | None = None,
+                   block_mean: int | None = None, packed: bool = False):
+    """phi of a (B, H, L, D) tensor -> contiguous (B, H, L, D) in ``dtype``: along head_dim, or along
+    tokens (``tokens=True``). ``center`` (B, H, D) fp32 is subtracted first; ``block_mean=n`` subtracts
+    each block of n rows' own mean and also returns those means, (B, H, ceil(L/n), D) fp32.
+    ``packed=True`` (along head_dim only) returns NVFP4 storage instead, a pair: codes (B, H, L, D/2) uint8
+    and scales (B, H, L, D/16) float8_e4m3fn, as :func:`attnqat.kernels.quantize_nvfp4` lays them out."""
+    b, h, n, d = x.shape
+    if packed and tokens:
+        raise ValueError("quantize_heads: packed storage is along head_dim only")
+    out = torch.empty((b, h, n, d // 2 if packed else d), dtype=torch.uint8 if packed else dtype, device=x.device)
+    scales = torch.empty((b, h, n, d // 16), dtype=torch.uint8, device=x.device) if packed else out
+    block_l = block_mean or (32 if interpreting() else 64)
+    num_warps = 8 if block_l >= 128 else 4
+    if tokens and not interpreting():
+        # blocks of 16 tokens: one warp per 16 rows keeps each block's max in one warp (0.26 ms against
+        # 0.88 for 64 rows / 4 warps at (1, 40, 32760, 128) on an H100)
+        block_l, num_warps = 16, 1
+    grid = (triton.cdiv(n, block_l), b * h)
+    mean = center
+    if block_mean:
+        mean = torch.empty((b, h, grid[0], d), dtype=torch.float32, device=x.device)
+    elif center is None:
+        mean = out  # unused
+    _quantize_rows[grid](x, out, scales, mean, x.stride(0), x.stride(1), x.stride(2), h, n, HEAD_DIM=d,
+                         BLOCK_L=block_l, CENTER=2 if block_mean else (0 if center is None else 1),
+                         AXIS=0 if tokens else 1, PACK=packed, num_warps=num_warps)
+    if packed:
+        out = (out, scales.view(torch.float8_e4m3fn))
+    return (out, mean) if block_mean else out
 
 
 def _blocks_last(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
@@ -276,7 +351,6 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16) -> tuple[tor
     """
     if block != BLOCK:
         raise ValueError(f"NVFP4 blocks are 16 elements, got block={block}")
-    from .reference import e2m1_codes_ref, e4m3_scale_ref
     xb, _ = _blocks_last(x, dim)
     if not torch.isfinite(xb).all():
         raise ValueError("quantize_nvfp4: input holds NaN or inf, which NVFP4 storage cannot represent")

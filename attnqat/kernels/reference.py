@@ -3,7 +3,8 @@
 Tests and benchmarks compare the Triton kernels against these; on CPU, :func:`attnqat.kernels.attention`
 runs them directly. They compute in float32 and are written to be independent of the kernels' tricks:
 the quantizer picks the nearest e2m1 grid point by distance (not by rounding arithmetic) and rounds
-scales with torch's own float8 cast.
+scales with torch's own float8 cast. They import nothing from the kernels (``tests/test_structure.py``
+checks it): only torch and the format constants of ``formats.py``.
 
 All attention functions take (batch, heads, seqlen, head_dim) tensors. ``causal`` masks are aligned
 top-left, as in ``torch.nn.functional.scaled_dot_product_attention``: query i sees keys 0..i.
@@ -14,9 +15,8 @@ import math
 
 import torch
 
-from .nvfp4 import BLOCK, E2M1_GRID, P_SCALE
-
-LOG2E = 1.4426950408889634
+from .formats import (E2M1_GRID, LOG2E, NVFP4_BLOCK as BLOCK, P_SCALE, SAGE3_Q_BLOCK, SAGEBWD_K_BLOCK,
+                      SAGEBWD_Q_BLOCK)
 
 # ---------------------------------------------------------------------------------------------------
 # NVFP4 (SPEC §1)
@@ -238,9 +238,6 @@ def nvfp4_attention_ref(q, k, v, *, sm_scale=None, causal=False):
 # SageAttention3, emulated (SPEC §3; inference only)
 # ---------------------------------------------------------------------------------------------------
 
-SAGE3_Q_BLOCK = 128  # Q is smoothed per block of 128 query rows
-
-
 def sage3_smooth(q, k):
     """K_s = K - mean_tokens(K); per 128-row query block i: q̄_i = mean_rows(Q_i), Q_s = Q - q̄_i,
     ΔS_i = q̄_i K_s^T. Returns float32 (q_s, k_s, delta_s (B, H, ceil(Lq/128), Lk))."""
@@ -276,10 +273,8 @@ def sage3_attention_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int = 
 # ---------------------------------------------------------------------------------------------------
 # Written from SPEC §4 with dequantized float32 matmuls (products of int8 codes summed over at most
 # 128 terms are exact in float32). The tile arguments name the kernel's tiles because the P~, P and
-# dS quantization blocks are the kernel's tiles; the defaults are the GPU tiles.
-
-SAGEBWD_Q_BLOCK = 128  # psi(Q), psi(dO): one scale per 128 rows
-SAGEBWD_K_BLOCK = 64   # psi(K), psi(V): one scale per 64 rows
+# dS quantization blocks are the kernel's tiles; the defaults are the GPU tiles. psi(Q) and psi(dO) take
+# one scale per SAGEBWD_Q_BLOCK = 128 rows, psi(K) and psi(V) one per SAGEBWD_K_BLOCK = 64 (formats.py).
 
 
 def int8_round_ref(y: torch.Tensor) -> torch.Tensor:

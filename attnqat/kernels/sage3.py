@@ -3,11 +3,15 @@
     K_s = K - mean_tokens(K);  per 128 query rows: Q_s = Q - q̄,  ΔS = q̄ K_s^T (fp32)
     S   = (phi(Q_s) phi(K_s)^T + ΔS) * scale;  two-level P (2688);  V quantized along tokens
 
-The pre-pass is four launches: K's token mean (torch), then ``attn_qat._quantize_rows`` smoothing and
+The pre-pass is four launches: K's token mean (torch), then ``nvfp4.quantize_heads`` smoothing and
 quantizing Q (its own 128-row means), K and V (blocks of 16 tokens), then ``_delta_s`` for ΔS in fp32,
 stored as three exact bf16 parts. The attention itself is ``attn_qat._attn_fwd`` with ``SMOOTH_Q=True``
 adding ΔS through one more k=16 MMA, so the online softmax (integer running max) and phi(P) are the very
 code the other FP4 modes run.
+
+Top to bottom: ``_bf16_bits`` -> ``_delta_s`` -> launch config and pre-pass -> :func:`sage3_forward` (the
+launch) -> its custom op ``attnqat::sage3_fwd`` (with a fake implementation, so ``torch.compile`` traces
+it) -> :func:`sage3_attention`.
 """
 from __future__ import annotations
 
@@ -15,12 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting
-from .attn_qat import _work_dtype, attn_qat_forward, fwd_config, native_fp4, quantize_heads, tile_keys
-from .reference import SAGE3_Q_BLOCK
+from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, work_dtype
+from .attn_qat import attn_qat_forward, fwd_config, native_fp4
+from .formats import SAGE3_Q_BLOCK
+from .nvfp4 import quantize_heads, tile_keys
 
 DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU; (128, 64), (128, 128) were slower
 DELTA_S_BYTES = 2 << 30  # _sage3_heads splits the heads so that ΔS stays below this
+
+
+@triton.jit
+def _bf16_bits(x):
+    """x (fp32 whose low 16 bits are 0) as bf16, by its bits: exact, with no rounding cast."""
+    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -29,7 +40,7 @@ def _delta_s(K, KMean, QMean, DS, stride_kb, stride_kh, stride_kl, H, LK, NQB, D
              IEEE: tl.constexpr):
     """ΔS[bh, i, :, keys] = q̄_i · (K - k̄)^T for every 128-row query block i and BLOCK_N keys, computed in
     fp32 and stored as bf16 parts hi, mid, lo (hi + mid + lo = ΔS exactly), in the column order of the
-    forward's KEY_TILE-wide tiles (attn_qat._key_order) so that its loads are contiguous.
+    forward's KEY_TILE-wide tiles (nvfp4.tile_keys) so that its loads are contiguous.
     Padding keys (LK <= key < DS_STRIDE) get q̄ · (0 - k̄): finite, as the forward needs.
 
     The GPU runs the dot as three tf32 tensor-core products (hi*hi + hi*lo + lo*hi: relative error
@@ -61,32 +72,6 @@ def _delta_s(K, KMean, QMean, DS, stride_kb, stride_kh, stride_kl, H, LK, NQB, D
         tl.store(ptrs + 2 * DS_STRIDE, _bf16_bits(lo), mask=mask)
 
 
-@triton.jit
-def _bf16_bits(x):
-    """x (fp32 whose low 16 bits are 0) as bf16, by its bits: exact, with no rounding cast."""
-    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-def sage3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                    causal: bool = False) -> torch.Tensor:
-    """SageAttention3 (emulated NVFP4 with Q/K smoothing and two-level P). Inference only.
-
-    Arguments:
-        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); bf16/fp16;
-            head_dim 64 or 128.
-        sm_scale: softmax scale, default 1/sqrt(head_dim).
-        causal: top-left aligned causal mask.
-    Return:
-        (batch, heads, seqlen_q, head_dim) in q's dtype and stride order.
-    """
-    check_qkv(q, k, v, name="sage3_attention", sm_scale=sm_scale, causal=causal)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("sage3_attention is inference-only (no backward): call it under torch.no_grad()")
-    from .ops import sage3_fwd
-
-    return sage3_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
-
-
 def sage3_config(head_dim: int) -> LaunchConfig:
     """The forward's launch config for sage3: the FP4 inference forward's (pin with ATTNQAT_FWD_CONFIG), whose
     rows must lie in one 128-row smoothing block. At head_dim 128 its 128x128 tiles fit shared memory beside
@@ -107,7 +92,7 @@ def sage3_prepass(q, k, v, cfg: LaunchConfig, packed: bool = False):
     """Smoothing and quantization for the forward launched with ``cfg``: returns Q^F, K^F, V^F (work dtype,
     contiguous (B, H, L, D)) and ΔS, (B, H, ceil(Lq/128), 3, Lk padded to whole cfg.block_n tiles) bf16
     (see _delta_s). ``packed``: Q^F and K^F as NVFP4 storage, (codes, scales) pairs (the native path)."""
-    wdt = _work_dtype(q.dtype)
+    wdt = work_dtype(q.dtype)
     b, h, lk, d = k.shape
     k_mean = k.mean(dim=2, dtype=torch.float32).contiguous()
     qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK, packed=packed)
@@ -150,3 +135,31 @@ def _sage3_heads(q, k, v, cfg: LaunchConfig, sm_scale: float, causal: bool, pack
             return o.to(q.dtype)
         out[:, hs] = o
     return out
+
+
+@torch.library.custom_op("attnqat::sage3_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def sage3_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool) -> torch.Tensor:
+    return sage3_forward(q, k, v, sm_scale=sm_scale, causal=causal)
+
+
+@sage3_fwd.register_fake
+def _(q, k, v, sm_scale, causal):
+    return torch.empty_like(q)
+
+
+def sage3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                    causal: bool = False) -> torch.Tensor:
+    """SageAttention3 (emulated NVFP4 with Q/K smoothing and two-level P). Inference only.
+
+    Arguments:
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); bf16/fp16;
+            head_dim 64 or 128.
+        sm_scale: softmax scale, default 1/sqrt(head_dim).
+        causal: top-left aligned causal mask.
+    Return:
+        (batch, heads, seqlen_q, head_dim) in q's dtype and stride order.
+    """
+    check_qkv(q, k, v, name="sage3_attention", sm_scale=sm_scale, causal=causal)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("sage3_attention is inference-only (no backward): call it under torch.no_grad()")
+    return sage3_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal)

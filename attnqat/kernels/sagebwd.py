@@ -51,10 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, PV_MODES, LaunchConfig, check_qkv, default_scale, interpreting, pinned_config
-
-Q_BLOCK = 128  # SPEC §4: psi(Q) and psi(dO) share one scale per 128 rows
-K_BLOCK = 64   # SPEC §4: psi(K) and psi(V) share one scale per 64 rows
+from ._common import PV_MODES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config
+from .formats import LOG2E, SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_FLOOR = 1e-30  # s = max(amax, 1e-30) / 127: an all-zero block quantizes to zeros, not NaN
@@ -413,6 +411,32 @@ def launch_configs(head_dim: int) -> dict[str, LaunchConfig]:
     return out
 
 
+def step_down(cfg: LaunchConfig, keep: str) -> tuple[LaunchConfig, ...]:
+    """Smaller configs to try, in order, when ``cfg`` needs more shared memory than the GPU has (see
+    ``_common.launch_fitting``): fewer stages (2), then half the other tile side with 4 warps, then both
+    sides equal and 1 stage. The side named by ``keep`` (``"m"``: BLOCK_M, ``"n"``: BLOCK_N) never changes:
+    it is a quantization block (fwd BLOCK_N: P~ per row of a key tile; dK/dV BLOCK_M1: P and dS per key over
+    BLOCK_M1 queries; dQ BLOCK_N2: dS per query over BLOCK_N2 keys), so every step computes the same
+    function. The other side only groups work per program and stays a multiple of the kept one, as the
+    kernels' static_asserts require. Under the interpreter the GPU tiles' steps give bit-identical outputs;
+    with 32-wide tiles a rare element moves by an fp32 ulp (numpy's fp32 dot for the 16-bit dP sums in a
+    shape-dependent order).
+
+    Measured by compiling for sm_80/86/90 on the CPU (head_dim 128): the tuned configs need at most 82 KB
+    on sm_80/sm_86 and 107 KB on sm_90, inside every GPU's limit, so this is insurance for pinned or retuned
+    configs and other GPUs and Triton versions; no GPU has run it."""
+    kept = cfg.block_m if keep == "m" else cfg.block_n
+    free = cfg.block_n if keep == "m" else cfg.block_m
+
+    def make(other, warps, stages):
+        return LaunchConfig(kept, other, warps, stages) if keep == "m" else LaunchConfig(other, kept, warps, stages)
+
+    steps = (make(free, cfg.num_warps, min(cfg.num_stages, 2)),
+             make(max(kept, free // 2), 4, min(cfg.num_stages, 2)),
+             make(kept, 4, 1))
+    return tuple(c for c in dict.fromkeys(steps) if c != cfg)
+
+
 def kmajor() -> bool:
     """Whether the kernels read the B operand of every L-reducing 8-bit matmul (P V, P^T dO, dS^T Q,
     dS K) from a transposed (D, L) int8 copy. Default on; ``ATTNQAT_SAGEBWD_KMAJOR=0`` reads the
@@ -471,12 +495,16 @@ class _SageBwdAttention(torch.autograd.Function):
             bias = ((ks @ qmean[..., None]).squeeze(-1) * qk_scale).contiguous()
         o = _empty(q.shape, dtype=torch.float32 if interp else q.dtype, device=q.device)
         lse = _empty(b, h, lq, dtype=torch.float32, device=q.device)
-        f = cfg["fwd"]
-        _attn_fwd[(triton.cdiv(lq, f.block_m), b * h)](
-            q8, k8, v8, sq, sk, sv, bias if bias is not None else sk, o, lse, lq, lk, qk_scale,
-            sq.shape[-1], sk.shape[-1], BLOCK_M=f.block_m, BLOCK_N=f.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
-            KBLK=K_BLOCK, CAUSAL=causal, HAS_BIAS=bias is not None, PV=pv_code, KMAJOR=km and pv_code < 2,
-            num_warps=f.num_warps, num_stages=f.num_stages)
+
+        def launch(f):
+            _attn_fwd[(triton.cdiv(lq, f.block_m), b * h)](
+                q8, k8, v8, sq, sk, sv, bias if bias is not None else sk, o, lse, lq, lk, qk_scale,
+                sq.shape[-1], sk.shape[-1], BLOCK_M=f.block_m, BLOCK_N=f.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
+                KBLK=K_BLOCK, CAUSAL=causal, HAS_BIAS=bias is not None, PV=pv_code, KMAJOR=km and pv_code < 2,
+                num_warps=f.num_warps, num_stages=f.num_stages)
+
+        launch_fitting(launch, cfg["fwd"], ("sagebwd forward", q.device, d, causal, pv_code, km, smooth_q),
+                       step_down(cfg["fwd"], keep="n"))
         o = o.to(q.dtype)
         ctx.save_for_backward(q8, q8t, k8, k8t, v, sq, sk, bias, qmean, o, lse)
         ctx.sm_scale, ctx.causal, ctx.cfg, ctx.kmajor = sm_scale, causal, cfg, km
@@ -504,20 +532,27 @@ class _SageBwdAttention(torch.autograd.Function):
         dk = _empty(b, h, lk, d, dtype=gdt, device=o.device)
         dv = _empty(b, h, lk, d, dtype=gdt, device=o.device)
         has_bias = bias is not None
-        kv = cfg["dkdv"]
-        _attn_bwd_dkdv[(triton.cdiv(lk, kv.block_n), b * h)](
-            q8, q8t if km else q8, k8, v, sq, sk, bias if has_bias else sk, qmean if has_bias else sk, do, do8, sdo,
-            lse, delta,
-            dk, dv, lq, lk, qk_scale, ctx.sm_scale, nq, sk.shape[-1],
-            BLOCK_M1=kv.block_m, BLOCK_N1=kv.block_n, HEAD_DIM=d, QBLK=Q_BLOCK, KBLK=K_BLOCK,
-            CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km,
-            num_warps=kv.num_warps, num_stages=kv.num_stages)
-        c = cfg["dq"]
-        _attn_bwd_dq[(triton.cdiv(lq, c.block_m), b * h)](
-            q8, k8, k8t if km else k8, v, sq, sk, bias if has_bias else sk, do, lse, delta, dq, lq, lk, qk_scale, ctx.sm_scale,
-            nq, sk.shape[-1], BLOCK_M2=c.block_m, BLOCK_N2=c.block_n, HEAD_DIM=d, QBLK=Q_BLOCK, KBLK=K_BLOCK,
-            CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km,
-            num_warps=c.num_warps, num_stages=c.num_stages)
+        variant = (o.device, d, ctx.causal, km, has_bias)
+
+        def launch_dkdv(kv):
+            _attn_bwd_dkdv[(triton.cdiv(lk, kv.block_n), b * h)](
+                q8, q8t if km else q8, k8, v, sq, sk, bias if has_bias else sk, qmean if has_bias else sk, do, do8,
+                sdo, lse, delta,
+                dk, dv, lq, lk, qk_scale, ctx.sm_scale, nq, sk.shape[-1],
+                BLOCK_M1=kv.block_m, BLOCK_N1=kv.block_n, HEAD_DIM=d, QBLK=Q_BLOCK, KBLK=K_BLOCK,
+                CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km,
+                num_warps=kv.num_warps, num_stages=kv.num_stages)
+
+        def launch_dq(c):
+            _attn_bwd_dq[(triton.cdiv(lq, c.block_m), b * h)](
+                q8, k8, k8t if km else k8, v, sq, sk, bias if has_bias else sk, do, lse, delta, dq, lq, lk, qk_scale,
+                ctx.sm_scale, nq, sk.shape[-1], BLOCK_M2=c.block_m, BLOCK_N2=c.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
+                KBLK=K_BLOCK, CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km,
+                num_warps=c.num_warps, num_stages=c.num_stages)
+
+        launch_fitting(launch_dkdv, cfg["dkdv"], ("sagebwd backward (dK/dV)", *variant),
+                       step_down(cfg["dkdv"], keep="m"))
+        launch_fitting(launch_dq, cfg["dq"], ("sagebwd backward (dQ)", *variant), step_down(cfg["dq"], keep="n"))
         dt = o.dtype
         return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
 
