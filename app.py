@@ -2,7 +2,8 @@
 Attn-QAT and (optionally) naive NVFP4 attention; each video with its time and fidelity to BF16.
 
     pip install -e ".[app]"
-    python app.py                                   # offline tiny model (RANDOM weights), CPU is fine
+    python app.py                                   # the shipped mini model (tiny, with a note, until it ships)
+    python app.py --model tiny                      # RANDOM weights: the mechanics in a second per mode
     python app.py --model ./Wan2.1-T2V-1.3B-Diffusers --qat-checkpoint qat.safetensors --port 7860
 
 The pipeline is loaded once; each mode only swaps attention processors (and, with a QAT
@@ -28,18 +29,20 @@ from pathlib import Path
 
 TITLE = "attnqat: BF16 vs SageAttention3 vs Attn-QAT (Wan 2.1)"
 DEFAULT_PROMPT = "a corgi surfing a wave at sunset, cinematic"
+MINI_PROMPT = "a blue square moves up over a checkered background"  # mini knows the corpus's words only
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from attnqat.cli import OneLineParser
-    from attnqat.pipelines.generate import DEFAULT_MODEL
+    from attnqat.pipelines.mini import DEFAULT_MODEL, FALLBACK_MODEL
 
     p = OneLineParser(prog="app.py", description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"'tiny' (default: {DEFAULT_MODEL}; tiny is offline, "
-                   "RANDOM weights, runs on CPU) or a local diffusers-format Wan 2.1 T2V folder / hub id")
+    p.add_argument("--model", help=f"'{DEFAULT_MODEL}' (the default: attnqat's own small model, shipped in the "
+                   f"package, offline, runs on CPU; without its weights installed '{FALLBACK_MODEL}', with a note), "
+                   "'tiny' (offline, RANDOM weights) or a local diffusers-format Wan 2.1 T2V folder / hub id")
     p.add_argument("--qat-checkpoint", metavar="PATH", help="transformer weights from Attn-QAT fine-tuning, used by "
                    "the Attn-QAT column (without it, that column is plain FP4 attention, labelled so)")
     p.add_argument("--modes", help="comma-separated attention modes to offer (default: bf16,sage3,attn_qat,nvfp4, "
@@ -52,7 +55,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "fp32 on CPU)")
     p.add_argument("--out-dir", help="where videos are written, in OUT_DIR/attnqat-demo-requests/ (default: a "
                    "temporary folder); only the app's own request folders there are ever pruned")
-    return p.parse_args(argv)
+    return resolve_model_default(p.parse_args(argv))
+
+
+def resolve_model_default(args: argparse.Namespace) -> argparse.Namespace:
+    """--model left out: :func:`attnqat.pipelines.mini.default_model` ("mini"; "tiny" only on an installation
+    without mini's weights, and then ``args.model_note`` says so)."""
+    from attnqat.pipelines.mini import DEFAULT_MODEL, MINI_MISSING_NOTE, default_model
+
+    args.model_note = None
+    if args.model is None:
+        args.model = default_model()
+        if args.model != DEFAULT_MODEL:
+            args.model_note = MINI_MISSING_NOTE
+    return args
 
 
 def check_listen(host: str, port: int) -> None:
@@ -247,15 +263,18 @@ def make_handler(engine, modes: list[str], out_root: str | Path):
 def build_demo(engine, modes: list[str], out_root: str | Path):
     import gradio as gr
 
-    from attnqat.demo import MAX_PROMPT_CHARS, MAX_UPLOAD, WORK_LIMITS, page_defaults, request_work
-    from attnqat.pipelines import TINY_NOTICE, is_tiny
+    from attnqat.demo import (MAX_PROMPT_CHARS, MAX_UPLOAD, SIZE_LIMITS, WORK_LIMITS, model_kind, page_defaults,
+                              request_work)
+    from attnqat.pipelines import TINY_NOTICE
+    from attnqat.pipelines.mini import MINI_NOTICE
 
-    tiny = is_tiny(engine.model)
-    d = page_defaults(engine.model)
+    kind = model_kind(engine.model)
+    d = page_defaults(engine.model, engine.device)
+    top = SIZE_LIMITS[kind]
     on_cpu = engine.device.type == "cpu"
     optional = [m for m in modes if m != "bf16"]
     default_on = [m for m in optional if m != "nvfp4"] or optional
-    ref, why = WORK_LIMITS["tiny" if tiny else "real"]
+    ref, why = WORK_LIMITS[kind]
 
     # Gradio 6 takes the theme in launch() (launch_options); Gradio 5 in Blocks().
     theme = {} if _theme_in_launch() else {"theme": page_theme()}
@@ -267,9 +286,12 @@ def build_demo(engine, modes: list[str], out_root: str | Path):
                     "steps* runs those denoising steps of every other column in BF16 attention (a precision "
                     f"schedule, as SageAttention3's authors recommend).\n\n{METRICS_NOTE}")
         notes = [f"model `{engine.model}` on `{engine.device}` ({str(engine.dtype).replace('torch.', '')})"]
-        if tiny:
+        if kind == "tiny":
             notes.append(f"**Note:** {TINY_NOTICE}. It shows the mechanics (the same seed, modes swapped, metrics), "
-                         "not video quality; start the app with `--model <Wan 2.1 folder>` for real videos.")
+                         "not video quality; start the app with `--model mini` (attnqat's own small model, when "
+                         "installed) or `--model <Wan 2.1 folder>` for real videos.")
+        elif kind == "mini":
+            notes.append(f"**Note:** {MINI_NOTICE}.")
         if "attn_qat" in modes and not engine.qat_checkpoint:
             notes.append("No `--qat-checkpoint` given: the Attn-QAT column is plain FP4 attention "
                          "(no QAT checkpoint).")
@@ -285,19 +307,20 @@ def build_demo(engine, modes: list[str], out_root: str | Path):
         gr.Markdown("  \n".join(notes))
         with gr.Row():
             with gr.Column(scale=3):
-                prompt = gr.Textbox(label="Prompt", value=DEFAULT_PROMPT, lines=2, max_length=MAX_PROMPT_CHARS)
+                prompt = gr.Textbox(label="Prompt", value=MINI_PROMPT if kind == "mini" else DEFAULT_PROMPT, lines=2,
+                                    max_length=MAX_PROMPT_CHARS)
                 selected = gr.CheckboxGroup(choices=[(engine.label(m), m) for m in optional], value=default_on,
                                             label="Modes (BF16 always runs: it is the reference)")
             with gr.Column(scale=2):
                 with gr.Row():
                     seed = gr.Number(label="Seed", value=0, precision=0, minimum=0)
-                    steps = gr.Slider(1, 50 if tiny else 100, value=d["steps"], step=1, label="Steps")
+                    steps = gr.Slider(1, top["steps"], value=d["steps"], step=1, label="Steps")
                     high_steps = gr.Number(label="BF16 on the first/last k steps (FP4 columns)", value=0,
                                            precision=0, minimum=0, elem_id="high-precision-steps")
                 with gr.Row():
-                    height = gr.Slider(16, 256 if tiny else 1280, value=d["height"], step=16, label="Height")
-                    width = gr.Slider(16, 256 if tiny else 1280, value=d["width"], step=16, label="Width")
-                    frames = gr.Slider(1, 33 if tiny else 81, value=d["frames"], step=4, label="Frames (4k+1)")
+                    height = gr.Slider(16, top["height"], value=d["height"], step=16, label="Height")
+                    width = gr.Slider(16, top["width"], value=d["width"], step=16, label="Width")
+                    frames = gr.Slider(1, top["frames"], value=d["frames"], step=4, label="Frames (4k+1)")
         with gr.Row():
             button = gr.Button("Generate", variant="primary", elem_id="generate", scale=4)
             stop = gr.Button("Cancel", variant="stop", elem_id="cancel", scale=1)
@@ -355,6 +378,8 @@ def main(argv=None) -> int:
 
     try:
         modes, out_dir = check_args(args)
+        if args.model_note:  # after the checks: a mistake stays one line
+            print(f"app.py: note: {args.model_note}", file=sys.stderr, flush=True)
         try:
             import gradio  # noqa: F401
         except ImportError:

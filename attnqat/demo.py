@@ -1,7 +1,7 @@
 """The side-by-side demo's logic (``app.py`` is its Gradio page): one Wan 2.1 pipeline, one prompt and
 seed, several attention modes, and each video's fidelity to the BF16 one.
 
-    engine = DemoEngine.load("tiny")                       # or a diffusers-format Wan 2.1 folder
+    engine = DemoEngine.load("tiny")        # or "mini" (the default), or a diffusers-format Wan 2.1 folder
     runs = engine.run("a corgi surfing a wave", modes=["bf16", "sage3", "attn_qat"], height=64, width=64,
                       frames=5, steps=4, seed=0, out_dir="out/")
     runs[1].psnr, runs[1].ssim, runs[1].video, runs[1].strip
@@ -68,7 +68,8 @@ from attnqat.outputs import write_file_atomically
 
 __all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "difference_strip",
            "heat_colors", "heat_scale", "demo_modes", "mode_label", "validate_request", "request_work",
-           "page_defaults", "new_request_dir", "prune_requests", "register_output", "WORK_LIMITS",
+           "page_defaults", "new_request_dir", "prune_requests", "register_output", "WORK_LIMITS", "SIZE_LIMITS",
+           "model_kind",
            "REQUESTS_FOLDER", "KEEP_REQUESTS", "MAX_PROMPT_CHARS"]
 
 #: The modes the demo compares, in page order; only those registered in attnqat.kernels appear.
@@ -85,14 +86,19 @@ NO_CHECKPOINT_LABEL = "Attn-QAT: plain FP4 attention (no QAT checkpoint)"
 HEAT_MAX = 64.0  # default top of the heat map's colour scale (|difference| on the 0-255 scale)
 
 # Per-request limits, so one visitor cannot ask the CPU-only tiny demo for minutes of work: each
-# size (the page's sliders), and the work of the whole request (below).
+# size (the page's sliders), and the work of the whole request (below). Per kind of model
+# (:func:`model_kind`): tiny, mini (its largest training size, 33x256x256, and up to 50 steps), real.
 TINY_LIMITS = dict(height=256, width=256, frames=33, steps=50)
+MINI_LIMITS = dict(height=256, width=256, frames=33, steps=50)
 REAL_LIMITS = dict(height=1280, width=1280, frames=81, steps=100)
+SIZE_LIMITS = {"tiny": TINY_LIMITS, "mini": MINI_LIMITS, "real": REAL_LIMITS}
 # The work of a request: height x width x frames x steps x modes ("pixel-frame-steps"); a step's cost
 # grows at least linearly in each factor. Each limit is the work of the request named beside it.
 WORK_LIMITS = {
     "tiny": (dict(height=128, width=128, frames=17, steps=20, modes=4),
              "about a minute for the tiny model on a 2-core CPU"),
+    "mini": (dict(height=256, width=256, frames=33, steps=25, modes=4),
+             "mini's GPU defaults, its larger training size, in all four modes"),
     "real": (dict(height=720, width=1280, frames=81, steps=50, modes=4),
              "Wan 2.1's largest trained size, 81 frames, 50 steps, in all four modes"),
 }
@@ -179,15 +185,22 @@ def difference_strip(ref: np.ndarray | None, x: np.ndarray, *, vmax: float = HEA
 
 
 # ---------------------------------------------------------------------------------------------- engine
-def page_defaults(model: str) -> dict:
-    """The page's initial settings: the model's generation defaults
+def model_kind(model: str) -> str:
+    """Which limits and page settings a model gets: "tiny", "mini" (also a mini build's folder) or "real"."""
+    from attnqat.pipelines import is_tiny
+    from attnqat.pipelines.generate import is_mini_model
+
+    return "tiny" if is_tiny(model) else "mini" if is_mini_model(model) else "real"
+
+
+def page_defaults(model: str, device=None) -> dict:
+    """The page's initial settings: the model's generation defaults on ``device``
     (:func:`attnqat.pipelines.generate.model_defaults`), with fewer frames and steps for the tiny
     model so that a click answers in about a second."""
-    from attnqat.pipelines import is_tiny
     from attnqat.pipelines.generate import model_defaults
 
-    d = model_defaults(model)
-    if is_tiny(model):
+    d = model_defaults(model, device)
+    if model_kind(model) == "tiny":
         d.update(frames=5, steps=4)
     return d
 
@@ -212,7 +225,6 @@ def validate_request(*, model: str, prompt: str, height: int, width: int, frames
     (the sliders) and on the work of the whole request (:data:`WORK_LIMITS`).
     """
     from attnqat.kernels import available_modes
-    from attnqat.pipelines import is_tiny
 
     values = {k: _whole(k, v) for k, v in dict(height=height, width=width, frames=frames, steps=steps,
                                                  seed=seed).items()}
@@ -224,17 +236,17 @@ def validate_request(*, model: str, prompt: str, height: int, width: int, frames
         if mode not in available_modes():
             raise ValueError(f"unknown mode {mode!r}; available: {', '.join(available_modes())}")
     check_video_size(values["height"], values["width"], values["frames"], values["steps"], prefix="")
-    tiny = is_tiny(model)
-    for k, top in (TINY_LIMITS if tiny else REAL_LIMITS).items():
+    kind = model_kind(model)
+    for k, top in SIZE_LIMITS[kind].items():
         if values[k] > top:
             raise ValueError(f"{k} {values[k]} is above this demo's limit of {top}"
-                             + (" for the tiny CPU model" if tiny else ""))
+                             + {"tiny": " for the tiny CPU model", "mini": " for the mini model"}.get(kind, ""))
     if not 0 <= values["seed"] < 2 ** 63:
         raise ValueError(f"seed {values['seed']} must be in [0, 2^63)")
     if not 0 <= high_k <= values["steps"]:
         raise ValueError(f"bf16 steps (first/last k) {high_k} must be between 0 and the {values['steps']} steps")
     work = request_work(values["height"], values["width"], values["frames"], values["steps"], len(modes))
-    ref, why = WORK_LIMITS["tiny" if tiny else "real"]
+    ref, why = WORK_LIMITS[kind]
     limit = request_work(**ref)
     if work > limit:
         raise ValueError(
@@ -303,22 +315,26 @@ class DemoEngine:
         self.timer = AttentionTimer()
 
     @classmethod
-    def load(cls, model: str = "tiny", *, qat_checkpoint: str | None = None, device: str | None = None,
+    def load(cls, model: str | None = None, *, qat_checkpoint: str | None = None, device: str | None = None,
              dtype: str | None = None) -> "DemoEngine":
-        """Load the pipeline once. ``device`` defaults to cuda if available; ``dtype`` ("bf16", "fp16",
-        "fp32") to bf16 on GPU and under the Triton interpreter (the FP4 kernels take 16-bit inputs),
-        else fp32 (CPU runs each mode's PyTorch reference)."""
+        """Load the pipeline once. ``model`` defaults to
+        :func:`~attnqat.pipelines.mini.default_model` ("mini"; "tiny" where its weights are not
+        installed); ``device`` to cuda if available; ``dtype`` ("bf16", "fp16", "fp32") to bf16 on GPU
+        and under the Triton interpreter (the FP4 kernels take 16-bit inputs), else fp32 (CPU runs each
+        mode's PyTorch reference)."""
         from attnqat.checks import check_device
         from attnqat.kernels import backend_info
         from attnqat.pipelines import load_pipeline
-        from attnqat.pipelines.generate import DTYPE_NAMES, model_defaults, torch_dtype
+        from attnqat.pipelines.generate import DTYPE_NAMES, default_model, model_defaults, torch_dtype
 
+        if model is None:
+            model = default_model()
         dev = check_device("--device", device)
         if dtype is None:
             dtype = "bf16" if dev.type == "cuda" or backend_info(dev)["interpreter"] else "fp32"
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"--dtype {dtype!r} not in {sorted(DTYPE_NAMES)}")
-        defaults = model_defaults(model)
+        defaults = model_defaults(model, dev)
         pipe = load_pipeline(model, dtype=torch_dtype(dtype), device=dev, flow_shift=defaults["flow_shift"])
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, model=model, device=dev, dtype=torch_dtype(dtype), qat_checkpoint=qat_checkpoint,

@@ -40,12 +40,15 @@ from pathlib import Path
 
 from attnqat.checks import (LIMITS, check_device, check_float, check_int, check_limited, check_output_dir,
                             check_text, check_video_size, show)
+# DEFAULT_MODEL ("mini") is generate's default too; unlike generate, no fallback to tiny where mini's weights
+# are not installed (a table of random weights would mean nothing): `quality` then stops with mini_folder()'s
+# one-line error, which says how to build mini.
+from attnqat.pipelines.mini import DEFAULT_MODEL
 
 # torch, diffusers and PIL are imported where they are used, so `attnqat quality --help` stays fast.
 
 HELP = "measure each attention mode's (and fine-tune's) flow loss, prompt following and PSNR/SSIM to bf16"
 
-DEFAULT_MODEL = "mini"
 GPU_DEFAULTS = dict(prompts=32, clips=32, size="33x256x256", steps=25)
 CPU_DEFAULTS = dict(prompts=8, clips=8, size="33x128x128", steps=25)
 MAX_PROMPTS = 4096  # the held-out split holds far more; beyond this a run takes days even on a GPU

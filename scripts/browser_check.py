@@ -1,7 +1,8 @@
 """Real-browser check of the demo: headless Chromium loads the page, clicks Generate, waits until
 every column shows a playable video, and saves a screenshot.
 
-    python scripts/browser_check.py                          # starts `python app.py` itself (tiny, CPU)
+    python scripts/browser_check.py                          # starts `python app.py` itself (default model, CPU)
+    python scripts/browser_check.py -- --model tiny          # the same with the random-weight tiny model
     python scripts/browser_check.py --url http://127.0.0.1:7860 --out docs/demo.png
 
 Needs Debian's Chromium (`apt-get install -y chromium`) and playwright-python (`pip install playwright`);

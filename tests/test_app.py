@@ -161,7 +161,7 @@ def served(tmp_path_factory):
     port = browser_check.free_port()
     url = f"http://127.0.0.1:{port}/"
     with open(log_path, "w") as log:
-        proc = browser_check.start_app(port, "--out-dir", str(out_dir), log=log)
+        proc = browser_check.start_app(port, "--model", "tiny", "--out-dir", str(out_dir), log=log)
         try:
             browser_check.wait_for_server(url, proc, timeout=180)
         except (RuntimeError, TimeoutError) as e:

@@ -117,7 +117,7 @@ def no_model_loads(monkeypatch):
 
 
 def test_generate_refuses_hostile_values(world, capsys, no_model_loads):
-    base = ["generate", "--prompt", "p", "--height", "32", "--width", "32", "--frames", "5", "--steps", "1",
+    base = ["generate", "--prompt", "p", "--model", "tiny", "--height", "32", "--width", "32", "--frames", "5", "--steps", "1",
             "--device", "cpu", "--out", str(world / "new.mp4")]
     cases = [[flag, v.format(w=world)] for flag, v in _cases(GENERATE)] + GENERATE_OTHER
     for extra in cases:

@@ -12,7 +12,7 @@ import torch
 from attnqat.cli import main
 from attnqat.kernels import available_modes
 
-SMALL = ["--height", "64", "--width", "96", "--frames", "5", "--steps", "2", "--device", "cpu"]
+SMALL = ["--model", "tiny", "--height", "64", "--width", "96", "--frames", "5", "--steps", "2", "--device", "cpu"]
 
 
 def _cli(*argv, env=None, cwd=None):
@@ -47,7 +47,7 @@ def test_generate_tiny_writes_mp4_with_requested_frames_and_size(tmp_path):
     assert np.abs(frames.astype(float) - np.stack([imageio.imread(p) for p in pngs]).astype(float)).mean() < 12
 
 
-TINIEST = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "1", "--device", "cpu", "--dtype", "bf16"]
+TINIEST = ["--model", "tiny", "--height", "32", "--width", "32", "--frames", "5", "--steps", "1", "--device", "cpu", "--dtype", "bf16"]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from attnqat.cli import main
 from attnqat.pipelines.generate import read_video, write_mp4, write_pngs
 
-TINIEST = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--device", "cpu"]
+TINIEST = ["--model", "tiny", "--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--device", "cpu"]
 
 
 def _snapshot(root):

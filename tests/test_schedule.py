@@ -278,7 +278,7 @@ def test_evaluation_variants_use_the_schedule(clean):
 
 
 # -------------------------------------------------------------------------------- attnqat generate
-GEN = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "3", "--device", "cpu"]
+GEN = ["--model", "tiny", "--height", "32", "--width", "32", "--frames", "5", "--steps", "3", "--device", "cpu"]
 
 
 def _generate(tmp_path, name, *extra):

@@ -1,11 +1,17 @@
 """Generate a video with Wan 2.1 text-to-video, its self-attention in an attnqat mode.
 
-  attnqat generate --prompt "a corgi surfing a wave" --mode attn_qat --out corgi.mp4
-  attnqat generate --prompt "a corgi surfing a wave" --mode attn_qat --high-precision-steps first:2,last:1
+  attnqat generate --prompt "a blue square moves up over a checkered background" --out square.mp4
+  attnqat generate --prompt "a red ball slides left over a striped background" --mode attn_qat --out ball.mp4
+  attnqat generate --prompt "a corgi surfing a wave" --mode attn_qat --high-precision-steps first:2,last:1 \
+      --model ./Wan2.1-T2V-1.3B-Diffusers
 
-The default --model tiny is built in code with RANDOM weights (offline; its video is noise-like):
-it checks the whole pipeline in seconds on a CPU. For real videos pass a diffusers-format
-Wan 2.1 T2V folder, e.g. one made by
+The default --model mini is attnqat's own small Wan 2.1-architecture model, shipped in the package
+(attnqat/models/mini) and loaded with WanPipeline.from_pretrained like real Wan weights; it was trained
+on the procedural corpus, so it draws coloured shapes moving over simple backgrounds, offline, on a CPU
+(33 frames of 128x128 in 20 steps). An installation without mini's weights (a checkout from before they
+were committed) runs --model tiny instead and says so in one line. tiny is built in code with RANDOM
+weights (its video is noise-like): it checks the whole pipeline in seconds, for tests. For Wan 2.1
+itself pass a diffusers-format Wan 2.1 T2V folder, e.g. one made by
   huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir ./Wan2.1-T2V-1.3B-Diffusers
 
 Sizes: height and width must be multiples of 16 and --frames of the form 4k+1 (1, 5, ..., 81);
@@ -33,27 +39,55 @@ from attnqat.checks import (SIZE_MULTIPLE, TIME_STRIDE,  # noqa: F401 - defined 
 from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
+# DEFAULT_MODEL ("mini") and default_model(): the switch of the --model default, in one place (mini.py).
+from .mini import DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, default_model  # noqa: F401
+
 # torch and diffusers are imported where they are used, so `attnqat generate --help` stays fast.
 
 HELP = "generate a video with Wan 2.1 text-to-video (attention in an attnqat mode)"
 
-#: The model used when --model is not given (here and by app.py).
-DEFAULT_MODEL = "tiny"
 # Per-model defaults for options left unset: the tiny model's are small so the CPU run takes seconds;
-# the real model's are Wan 2.1's 480p settings (flow shift 3.0 at 480p, 5.0 at 720p).
+# mini's are its two training sizes (33x128x128 on a CPU: well under a minute on 2 cores; 33x256x256 on a
+# GPU), its flow shift the one in its scheduler config (None: the model's own); the real model's are Wan
+# 2.1's 480p settings (flow shift 3.0 at 480p, 5.0 at 720p). Guidance 5.0 is WanPipeline's own default.
 TINY_DEFAULTS = dict(height=64, width=64, frames=9, steps=8, guidance=5.0, flow_shift=3.0)
+MINI_DEFAULTS = {"cpu": dict(height=128, width=128, frames=33, steps=20, guidance=5.0, flow_shift=None),
+                 "cuda": dict(height=256, width=256, frames=33, steps=25, guidance=5.0, flow_shift=None)}
 REAL_DEFAULTS = dict(height=480, width=832, frames=81, steps=50, guidance=5.0, flow_shift=3.0)
 FPS = 16  # Wan 2.1 generates 16 frames per second
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch attribute
 MP4_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers ffmpeg writes H.264 into
 
 
-def model_defaults(model: str) -> dict:
+def is_mini_model(model: str) -> bool:
+    """``mini``, or a folder of a mini build (``attnqat_mini.json``, the build's record, beside its
+    model_index.json: e.g. ``runs/mini/mini`` or ``attnqat/models/mini`` given as a path)."""
+    from .mini import is_mini
+
+    if is_mini(model):
+        return True
+    try:
+        return (Path(model).expanduser() / "attnqat_mini.json").is_file()
+    except (OSError, ValueError):  # a name no path can have
+        return False
+
+
+def model_defaults(model: str, device=None) -> dict:
     """The defaults of ``model`` for the generation settings left unset (height, width, frames,
-    steps, guidance, flow_shift): the one place that maps a model to them (generate and the demo)."""
+    steps, guidance, flow_shift; flow_shift None: the model's own scheduler setting): the one place
+    that maps a model to them (generate and the demo). mini's depend on ``device`` (a torch device or
+    its name; None: cuda if available, else cpu)."""
     from .loading import is_tiny
 
-    return dict(TINY_DEFAULTS if is_tiny(model) else REAL_DEFAULTS)
+    if is_tiny(model):
+        return dict(TINY_DEFAULTS)
+    if is_mini_model(model):
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return dict(MINI_DEFAULTS["cuda" if str(device).startswith("cuda") else "cpu"])
+    return dict(REAL_DEFAULTS)
 
 
 def torch_dtype(name: str):
@@ -71,22 +105,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt", required=True, help="text prompt")
     g.add_argument("--negative-prompt", default="", help="negative prompt for classifier-free guidance (default: empty)")
     g.add_argument("--height", type=int, help=f"video height in pixels, a multiple of 16 up to {side} "
-                   "(default: 64 for tiny, 480 otherwise)")
+                   "(default: mini 128 on CPU, 256 on GPU; tiny 64; a Wan 2.1 folder 480)")
     g.add_argument("--width", type=int, help=f"video width in pixels, a multiple of 16 up to {side} "
-                   "(default: 64 for tiny, 832 otherwise)")
-    g.add_argument("--frames", type=int, help=f"number of frames, 4k+1 up to {frames} (default: 9 for tiny, 81 "
-                   "otherwise); other values are refused with the nearest valid ones")
-    g.add_argument("--steps", type=int, help=f"denoising steps, 1 to {steps} (default: 8 for tiny, 50 otherwise)")
+                   "(default: mini 128 on CPU, 256 on GPU; tiny 64; a Wan 2.1 folder 832)")
+    g.add_argument("--frames", type=int, help=f"number of frames, 4k+1 up to {frames} (default: mini 33; tiny 9; "
+                   "a Wan 2.1 folder 81); other values are refused with the nearest valid ones")
+    g.add_argument("--steps", type=int, help=f"denoising steps, 1 to {steps} (default: mini 20 on CPU, 25 on GPU; "
+                   "tiny 8; a Wan 2.1 folder 50)")
     g.add_argument("--guidance", type=float, help="classifier-free guidance scale, >= 0 (default: 5.0; <= 1 "
                    "disables the unconditional pass)")
-    g.add_argument("--flow-shift", type=float, help="UniPC flow-matching shift, > 0 (default: 3.0, Wan 2.1's 480p "
-                   "value; 5.0 for 720p)")
+    g.add_argument("--flow-shift", type=float, help="UniPC flow-matching shift, > 0 (default: mini's own, 3.0, "
+                   "from its scheduler config; 3.0 otherwise, Wan 2.1's 480p value; 5.0 for 720p)")
     g.add_argument("--seed", type=int, default=0, help="random seed of the initial noise, 0 to 2^63-1 (default: 0)")
 
     g = p.add_argument_group("model and attention")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"'tiny' (default: {DEFAULT_MODEL}; tiny is offline, "
-                   "RANDOM weights), a local diffusers-format Wan 2.1 T2V folder, or a hub id such as "
-                   "Wan-AI/Wan2.1-T2V-1.3B-Diffusers (used from the cache, downloaded only if the network allows)")
+    g.add_argument("--model", help=f"'{DEFAULT_MODEL}' (the default: attnqat's own small Wan 2.1-architecture "
+                   "model, shipped in the package, offline; it draws coloured shapes moving over simple backgrounds; "
+                   f"an installation without its weights uses '{FALLBACK_MODEL}' instead, with a note), 'tiny' "
+                   "(offline, RANDOM weights, for tests), a local diffusers-format Wan 2.1 T2V folder, or a hub id "
+                   "such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers (used from the cache, downloaded only if the network "
+                   "allows)")
     g.add_argument("--mode", default="bf16", help="attention mode for the patched layers (default: bf16); "
                    "one of attnqat.available_modes(), e.g. attn_qat, nvfp4, sage3")
     g.add_argument("--layers", default="self", help="which attention layers use --mode: 'self' (default: attn1 "
@@ -182,15 +220,23 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
 
     from .loading import check_model, check_qat_checkpoint, model_num_blocks
 
+    args.model_note = None
+    if args.model is None:
+        args.model = default_model()
+        if args.model != DEFAULT_MODEL:  # only on an installation without mini's weights
+            args.model_note = MINI_MISSING_NOTE
     check_model(args.model)
-    for k, v in model_defaults(args.model).items():
+    device = check_device("--device", args.device)
+    args.device = str(device)
+    for k, v in model_defaults(args.model, device).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     check_text("--prompt", args.prompt)
     check_text("--negative-prompt", args.negative_prompt, empty_ok=True)
     check_video_size(args.height, args.width, args.frames, args.steps)
     check_float("--guidance", args.guidance, lo=0.0)
-    check_float("--flow-shift", args.flow_shift, lo=0.0, lo_open=True)
+    if args.flow_shift is not None:  # None: the model's own (mini's scheduler config)
+        check_float("--flow-shift", args.flow_shift, lo=0.0, lo_open=True)
     check_limited("--fps", args.fps, "fps")
     check_int("--seed", args.seed, 0, *LIMITS["seed"])
     check_text("--mode", args.mode)
@@ -201,8 +247,6 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         args.layers = parse_layers(args.layers, n_blocks)
     args.schedule = parse_schedule(args, n_blocks)
 
-    device = check_device("--device", args.device)
-    args.device = str(device)
     if args.offload and device.type != "cuda":
         raise ValueError("--offload needs a CUDA device (it moves models between CPU and GPU)")
     if args.dtype is None:
@@ -452,6 +496,8 @@ def main(args: argparse.Namespace) -> int:
     from .tiny import TINY_NOTICE
 
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - the video path goes to stdout
+    if getattr(args, "model_note", None):
+        log(f"NOTE: {args.model_note}.")
     tiny = is_tiny(args.model)
     if tiny:
         log(f"NOTE: {TINY_NOTICE}.")
@@ -499,6 +545,8 @@ def main(args: argparse.Namespace) -> int:
     lines = [
         "",
         f"model        {args.model}" + ("  (RANDOM weights: not a real video model)" if tiny else "")
+        + ("  (attnqat's small model, trained on its procedural corpus: coloured shapes over simple backgrounds)"
+           if is_mini_model(args.model) else "")
         + (f" + {args.qat_checkpoint}" if args.qat_checkpoint else ""),
         f"attention    {args.mode} on {_describe_layers(args.layers, len(pipe.transformer.blocks))}",
     ]

@@ -17,6 +17,8 @@ __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "lo
 
 #: The real model this project targets; also the example in error messages.
 DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+#: Text encoders with fewer parameters (mini's: 0.36M) run in fp32 (Wan 2.1's UMT5-XXL has 5.7B).
+SMALL_TEXT_ENCODER = 10 ** 8
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -103,9 +105,15 @@ def model_num_blocks(model: str) -> int | None:
 
 def _from_pretrained(cls, model: str, **kwargs):
     """``cls.from_pretrained`` with network/cache failures turned into :class:`ModelNotFoundError`."""
+    import warnings
+
     target = _resolve(model, kwargs.get("subfolder"))
     try:
-        return cls.from_pretrained(target, **kwargs)
+        with warnings.catch_warnings():
+            # newer diffusers renamed torch_dtype to dtype and warn on the old name, which older ones (>= 0.33,
+            # as pyproject allows) need: keep it, without the warning.
+            warnings.filterwarnings("ignore", message=r"`torch_dtype` is deprecated", category=FutureWarning)
+            return cls.from_pretrained(target, **kwargs)
     except (OSError, ValueError, EnvironmentError) as e:  # hub: not cached and offline/unreachable/unknown id
         if Path(target).exists():
             raise ModelNotFoundError(f"could not load {cls.__name__} from folder {target!r}: {e}".splitlines()[0]) from e
@@ -118,10 +126,13 @@ def load_pipeline(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16, d
     """A Wan 2.1 text-to-video ``diffusers.WanPipeline``.
 
     Arguments:
-        model: ``"tiny"`` (offline, RANDOM weights, built in code), a local diffusers-format folder
+        model: ``"mini"`` (attnqat's own small model, shipped in the package: its folder, loaded like
+            any other), ``"tiny"`` (offline, RANDOM weights, built in code), a local diffusers-format folder
             (e.g. one made by ``huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir ...``),
             or a hub id (used from the local cache, else downloaded if the network allows).
-        dtype: dtype of the transformer and text encoder.
+        dtype: dtype of the transformer and text encoder (a folder's small text encoder, under
+            :data:`SMALL_TEXT_ENCODER` parameters such as mini's, runs in fp32 whatever ``dtype``, as
+            ``attnqat train`` encodes the captions; its weights may be stored in bf16).
         device: where to put the pipeline; None leaves it on the CPU (for ``enable_model_cpu_offload``).
         flow_shift: the UniPC scheduler's flow shift (Wan 2.1: 3.0 at 480p, 5.0 at 720p); None keeps
             the model's own.
@@ -140,6 +151,8 @@ def load_pipeline(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16, d
     _resolve(model)  # a folder without model_index.json fails here, before any component loads
     vae = _from_pretrained(AutoencoderKLWan, model, subfolder="vae", torch_dtype=vae_dtype)
     pipe = _from_pretrained(WanPipeline, model, vae=vae, torch_dtype=dtype)
+    if sum(p.numel() for p in pipe.text_encoder.parameters()) < SMALL_TEXT_ENCODER:
+        pipe.text_encoder.to(torch.float32)  # the pipeline casts its embeddings to the transformer's dtype
     if flow_shift is not None:
         pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=flow_shift)
     return pipe.to(device) if device is not None else pipe

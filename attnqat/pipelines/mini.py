@@ -31,10 +31,26 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
+# torch is imported where it is used: `attnqat generate --help` reads the default model from here.
 
 #: Where the shipped weights live (package data).
 MINI_DIR = Path(__file__).resolve().parent.parent / "models" / "mini"
+
+#: The model ``attnqat generate``, ``app.py`` (the demo) and ``attnqat quality`` use when --model is not given.
+DEFAULT_MODEL = "mini"
+#: What ``generate`` and ``app.py`` run instead of :data:`DEFAULT_MODEL` while THIS installation has no mini
+#: weights (a checkout from before ``attnqat/models/mini/`` was committed), printing :data:`MINI_MISSING_NOTE`.
+#: Once the folder ships, :func:`default_model` is :data:`DEFAULT_MODEL` on every installation and this
+#: fallback never triggers. ``attnqat quality`` never falls back (scores of random weights would mean
+#: nothing): it stops with :func:`mini_folder`'s error instead.
+FALLBACK_MODEL = "tiny"
+MINI_MISSING_NOTE = ("the default model 'mini' is not in this installation (attnqat/models/mini/ holds no weights), "
+                     "so --model defaults to 'tiny'; pass --model tiny to silence this note, or build mini with "
+                     "`python -m attnqat.train.mini` (docs/mini.md)")
+#: One line on what mini can draw (it knows only the procedural corpus's world), for summaries and pages.
+MINI_NOTICE = ("model 'mini' is attnqat's own small Wan 2.1-architecture model, trained on its procedural corpus: "
+               "it draws one coloured shape moving over a simple background, e.g. \"a blue square moves up over a "
+               "checkered background\"")
 
 MINI_TEXT_DIM = 128
 MINI_TEXT_ENCODER_CONFIG = dict(d_model=MINI_TEXT_DIM, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
@@ -72,9 +88,22 @@ def is_mini(model: str) -> bool:
     return model.strip().lower() == "mini"
 
 
+def mini_installed() -> bool:
+    """Whether this installation holds mini's weights (``MINI_DIR/model_index.json``)."""
+    return (MINI_DIR / "model_index.json").is_file()
+
+
+def default_model() -> str:
+    """The --model of ``attnqat generate`` and ``app.py`` when none is given: :data:`DEFAULT_MODEL` ("mini")
+    whenever its weights are installed, which is always once ``attnqat/models/mini/`` is committed;
+    :data:`FALLBACK_MODEL` ("tiny") only on an installation without them (callers print
+    :data:`MINI_MISSING_NOTE` then)."""
+    return DEFAULT_MODEL if mini_installed() else FALLBACK_MODEL
+
+
 def mini_folder() -> Path:
     """The shipped ``mini`` folder; :class:`FileNotFoundError` with the way to build it when absent."""
-    if not (MINI_DIR / "model_index.json").is_file():
+    if not mini_installed():
         raise FileNotFoundError(f"the mini model's weights are not in this installation ({MINI_DIR} has no "
                                 f"model_index.json); rebuild them with `python -m attnqat.train.mini` "
                                 f"(docs/mini.md) or use --model tiny")
@@ -107,6 +136,7 @@ def build_mini_tokenizer():
 
 def build_mini_text_encoder():
     """The frozen text encoder: a ``UMT5EncoderModel`` at its seeded random initialisation."""
+    import torch
     from transformers import UMT5Config, UMT5EncoderModel
 
     config = UMT5Config(vocab_size=len(build_mini_tokenizer()), **MINI_TEXT_ENCODER_CONFIG)
@@ -117,6 +147,7 @@ def build_mini_text_encoder():
 
 def build_mini_vae():
     """An untrained ``AutoencoderKLWan`` of the mini size (seeded)."""
+    import torch
     from diffusers import AutoencoderKLWan
 
     with torch.random.fork_rng(devices=[]):
@@ -126,6 +157,7 @@ def build_mini_vae():
 
 def build_mini_transformer(seed: int = _SEED_TRANSFORMER):
     """An untrained ``WanTransformer3DModel`` of the mini size (seeded)."""
+    import torch
     from diffusers import WanTransformer3DModel
 
     with torch.random.fork_rng(devices=[]):
@@ -145,22 +177,26 @@ def build_mini_pipeline(transformer=None, vae=None):
                        transformer=transformer if transformer is not None else build_mini_transformer())
 
 
-def save_pipeline_folder(pipe, folder: str | os.PathLike, *, transformer_dtype=torch.bfloat16,
-                         vae_dtype=torch.float16, text_encoder_dtype=torch.bfloat16, check_size: bool = True) -> Path:
+def save_pipeline_folder(pipe, folder: str | os.PathLike, *, transformer_dtype=None, vae_dtype=None,
+                         text_encoder_dtype=None, check_size: bool = True) -> Path:
     """Write ``pipe`` as a diffusers-format folder, atomically (a temporary folder, then one rename).
 
     Weights are stored small: the transformer and text encoder in bf16, the VAE in fp16 (it runs in
     fp32; loading upcasts). Safetensors files are sharded to at most 15 MiB. An existing ``folder`` is
     replaced only after the new one is complete, and only if it is itself a diffusers folder
     (``model_index.json``), never an unrelated directory. ``check_size`` enforces the shipped limits.
+    The ``*_dtype`` arguments override those storage dtypes (None: bf16, fp16, bf16).
     """
+    import torch
+
     folder = Path(folder)
     if folder.exists() and not (folder / "model_index.json").is_file():
         raise FileExistsError(f"{folder} exists and is not a diffusers model folder; refusing to replace it")
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    casts = {"transformer": transformer_dtype, "vae": vae_dtype, "text_encoder": text_encoder_dtype}
+    casts = {"transformer": transformer_dtype or torch.bfloat16, "vae": vae_dtype or torch.float16,
+             "text_encoder": text_encoder_dtype or torch.bfloat16}
     originals = {name: next(getattr(pipe, name).parameters()).dtype for name in casts}
     try:
         for name, dtype in casts.items():
