@@ -1,0 +1,250 @@
+"""Context parallelism of patched attention (attnqat/pipelines/context_parallel.py), on CPU.
+
+- Refusals: unit tests on stand-in configs (no process group).
+- Two gloo processes (torch.multiprocessing, world 2): diffusers' templated Ulysses and ring functions with
+  attnqat's op on sequence shards equal the one-process result (Ulysses: forward and backward, bf16 and
+  attn_qat; ring: inference, bf16 / nvfp4 / attn_qat, equal up to fp32 rounding thanks to the FP4 modes'
+  integer running max), and so does a whole tiny patched Wan transformer whose processors hold the config.
+  diffusers' ``enable_parallelism`` itself needs an accelerator (it takes ``rank % device_count()``), so the
+  config is set up by hand on a CPU device mesh, as ``enable_parallelism`` would.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from attnqat.pipelines.context_parallel import check_context_parallel, context_parallel_attention
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusals
+# --------------------------------------------------------------------------------------------------
+
+
+def _cfg(ring=1, ulysses=1, mesh=None, **kw):
+    r, u = mesh or (ring, ulysses)
+    return SimpleNamespace(context_parallel_config=SimpleNamespace(
+        ring_degree=ring, ulysses_degree=ulysses, ulysses_anything=False, ring_anything=False,
+        _ring_mesh=SimpleNamespace(size=lambda: r), _ulysses_mesh=SimpleNamespace(size=lambda: u), **kw))
+
+
+def _refusal(cfg, **kw) -> str:
+    args = dict(heads=12, mode="bf16", needs_grad=False) | kw
+    with pytest.raises(ValueError) as e:
+        check_context_parallel(cfg, **args)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_ulysses_degree_must_divide_heads():
+    msg = _refusal(_cfg(ulysses=8), heads=12)
+    assert "ulysses_degree 8" in msg and "12 attention heads" in msg
+    msg = _refusal(_cfg(ulysses=3), heads=40)
+    assert "ulysses_degree 3" in msg and "40 attention heads" in msg
+    check_context_parallel(_cfg(ulysses=4), heads=12, mode="attn_qat", needs_grad=True)
+    check_context_parallel(_cfg(ulysses=8), heads=40, mode="sagebwd", needs_grad=True)
+
+
+def test_ring_refuses_training_and_modes_without_lse():
+    msg = _refusal(_cfg(ring=2), mode="attn_qat", needs_grad=True)
+    assert "ring" in msg and "'attn_qat'" in msg and "inference-only" in msg
+    msg = _refusal(_cfg(ring=2), mode="bf16", needs_grad=True)
+    assert "inference-only" in msg
+    for mode in ("sage3", "sagebwd"):
+        msg = _refusal(_cfg(ring=2), mode=mode)
+        assert f"{mode!r}" in msg and "log-sum-exp" in msg
+    for mode in ("bf16", "nvfp4", "attn_qat", "attn_qat_dropin"):
+        check_context_parallel(_cfg(ring=2), heads=12, mode=mode, needs_grad=False)
+
+
+def test_world_size_mismatch_and_unsupported_layouts():
+    assert "world size mismatch" in _refusal(_cfg(ulysses=2, mesh=(1, 4)))
+    assert "never set up" in _refusal(SimpleNamespace(context_parallel_config=SimpleNamespace(
+        ring_degree=1, ulysses_degree=2, _ring_mesh=None, _ulysses_mesh=None)))
+    assert "together" in _refusal(_cfg(ring=2, ulysses=2))
+    cfg = _cfg(ulysses=2)
+    cfg.context_parallel_config.ulysses_anything = True
+    assert "ulysses_anything" in _refusal(cfg)
+
+
+def test_causal_refused():
+    q = torch.randn(1, 8, 2, 64)
+    with pytest.raises(ValueError, match="causal"):
+        context_parallel_attention(q, q, q, "bf16", parallel_config=_cfg(ulysses=2), is_causal=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Two gloo processes
+# --------------------------------------------------------------------------------------------------
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup(rank: int, ring: int, ulysses: int):
+    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cp = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
+    mesh = init_device_mesh("cpu", cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+    config = ParallelConfig(context_parallel_config=cp)
+    config.setup(rank, WORLD, torch.device("cpu"), mesh=mesh)
+    return config
+
+
+def _inputs(seed: int, s: int = 128, h: int = 4, d: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, s, h, d, generator=g) for _ in range(4)]  # q, k, v, grad_out in (B, S, H, D)
+
+
+def _one_process(mode, q, k, v, do=None):
+    from attnqat.kernels.api import attention
+
+    if do is None:
+        with torch.no_grad():
+            return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mode).transpose(1, 2), None
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = attention(*(x.transpose(1, 2) for x in leaves), mode).transpose(1, 2)
+    out.backward(do)
+    return out.detach(), [x.grad for x in leaves]
+
+
+def _check_attention(rank: int, results: dict):
+    for layout, (ring, ulysses), cases in (
+            ("ulysses", (1, 2), [("bf16", True), ("attn_qat", True), ("nvfp4", False), ("sage3", False)]),
+            ("ring", (2, 1), [("bf16", False), ("nvfp4", False), ("attn_qat", False)])):
+        config = _setup(rank, ring, ulysses)
+        for i, (mode, grad) in enumerate(cases):
+            q, k, v, do = _inputs(seed=i)
+            ref, ref_grads = _one_process(mode, q, k, v, do if grad else None)
+            shard = lambda x: x.chunk(WORLD, dim=1)[rank]  # noqa: E731 - sequence shard, as the CP hooks do
+            leaves = [shard(x).clone().requires_grad_(grad) for x in (q, k, v)]
+            with torch.set_grad_enabled(grad):
+                out = context_parallel_attention(*leaves, mode, parallel_config=config)
+            key = f"{layout}/{mode}"
+            results[key] = [(out.detach() - shard(ref)).abs().max().item()]
+            if grad:
+                out.backward(shard(do))
+                results[key] += [(x.grad - shard(g)).abs().max().item() for x, g in zip(leaves, ref_grads)]
+        if ring > 1:  # training under ring: refused in one line, before any communication
+            q = _inputs(0)[0].chunk(WORLD, dim=1)[rank].requires_grad_()
+            try:
+                context_parallel_attention(q, q, q, "attn_qat", parallel_config=config)
+            except ValueError as e:
+                results["ring/train"] = str(e)
+
+
+def _tiny_wan(heads: int = 4):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=64,
+                                 in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
+                                 num_layers=2, rope_max_seq_len=64).eval()
+
+
+def _wan_inputs():
+    g = torch.Generator().manual_seed(1)
+    return dict(hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g), timestep=torch.tensor([500]),
+                encoder_hidden_states=torch.randn(1, 16, 32, generator=g), return_dict=False)
+
+
+def _check_model(rank: int, results: dict):
+    """What enable_parallelism does, minus its accelerator lookup: the config on the model and on every
+    attention processor, and diffusers' context-parallel hooks from Wan's _cp_plan."""
+    from diffusers.hooks.context_parallel import apply_context_parallel
+    from diffusers.models.transformers.transformer_wan import WanAttention
+
+    from attnqat.pipelines import patch_attention
+
+    from attnqat.pipelines import context_parallel as cp_module
+
+    calls = []
+    original = cp_module.context_parallel_attention
+    cp_module.context_parallel_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    for layout, degrees, mode in (("ulysses", (1, 2), "attn_qat"), ("ring", (2, 1), "nvfp4")):
+        calls.clear()
+        model = _tiny_wan()
+        patch_attention(model, mode)
+        with torch.no_grad():
+            ref = model(**_wan_inputs())[0]
+        assert not calls
+        config = _setup(rank, *degrees)
+        model._parallel_config = config
+        for m in model.modules():
+            if isinstance(m, WanAttention):
+                m.processor._parallel_config = config
+        apply_context_parallel(model, config.context_parallel_config, model._cp_plan)
+        with torch.no_grad():
+            out = model(**_wan_inputs())[0]
+        results[f"model/{layout}/{mode}"] = [(out - ref).abs().max().item(), ref.abs().max().item()]
+        results[f"model/{layout}/{mode}/calls"] = len(calls)  # one per self-attention (2 blocks)
+    cp_module.context_parallel_attention = original
+
+
+def _worker(rank: int, port: int, out_dir: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results: dict = {}
+    try:
+        _check_attention(rank, results)
+        _check_model(rank, results)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        results["error"] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def distributed_results():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(_free_port(), tmp), nprocs=WORLD, join=True)
+        results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    for r in results:
+        assert "error" not in r, r.get("error")
+    return results
+
+
+@pytest.mark.parametrize("mode", ["bf16", "attn_qat", "nvfp4", "sage3"])
+def test_ulysses_equals_one_process(distributed_results, mode):
+    """Ulysses moves whole heads: every rank computes exactly what one process does for those heads."""
+    for r in distributed_results:
+        errs = r[f"ulysses/{mode}"]
+        assert max(errs) <= 1e-6, (mode, errs)  # output (and dq, dk, dv for the trainable modes)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "nvfp4", "attn_qat"])
+def test_ring_equals_one_process(distributed_results, mode):
+    """Ring merges per-chunk outputs with the log-sum-exp; for the FP4 modes the integer running max makes
+    that the one-pass result up to fp32 rounding."""
+    for r in distributed_results:
+        assert r[f"ring/{mode}"][0] <= 2e-6, (mode, r[f"ring/{mode}"])
+
+
+def test_ring_training_refused(distributed_results):
+    for r in distributed_results:
+        assert "inference-only" in r["ring/train"] and "\n" not in r["ring/train"]
+
+
+@pytest.mark.parametrize("case", ["ulysses/attn_qat", "ring/nvfp4"])
+def test_patched_wan_under_context_parallel(distributed_results, case):
+    for r in distributed_results:
+        err, scale = r[f"model/{case}"]
+        assert r[f"model/{case}/calls"] == 2  # the processors did run the context-parallel path
+        assert err <= 1e-5 * max(scale, 1.0), (case, err, scale)
