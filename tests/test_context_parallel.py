@@ -4,9 +4,10 @@
 - Two gloo processes (torch.multiprocessing, world 2): diffusers' templated Ulysses and ring functions with
   attnqat's op on sequence shards equal the one-process result (Ulysses: forward and backward, bf16 and
   attn_qat; ring: inference, bf16 / nvfp4 / attn_qat, equal up to fp32 rounding thanks to the FP4 modes'
-  integer running max), and so does a whole tiny patched Wan transformer whose processors hold the config.
-  diffusers' ``enable_parallelism`` itself needs an accelerator (it takes ``rank % device_count()``), so the
-  config is set up by hand on a CPU device mesh, as ``enable_parallelism`` would.
+  integer running max) — there the config is set up by hand on a CPU device mesh, as ``enable_parallelism``
+  does — and so does a whole tiny patched Wan transformer under diffusers' own ``enable_parallelism``
+  (forward; for Ulysses also the parameter gradients). ``enable_parallelism`` takes
+  ``rank % torch.accelerator.device_count()``, 0 on a CPU-only torch; the test makes that count 1.
 """
 from __future__ import annotations
 
@@ -164,36 +165,55 @@ def _wan_inputs():
 
 
 def _check_model(rank: int, results: dict):
-    """What enable_parallelism does, minus its accelerator lookup: the config on the model and on every
-    attention processor, and diffusers' context-parallel hooks from Wan's _cp_plan."""
-    from diffusers.hooks.context_parallel import apply_context_parallel
-    from diffusers.models.transformers.transformer_wan import WanAttention
-
-    from attnqat.pipelines import patch_attention
+    """A tiny patched Wan through diffusers' own ``enable_parallelism`` (its one accelerator lookup,
+    ``rank % torch.accelerator.device_count()``, is given a count of 1: the CPU is the device), against the
+    same model unsharded: output, and for Ulysses the parameter gradients (summed over ranks)."""
+    from diffusers import ContextParallelConfig
 
     from attnqat.pipelines import context_parallel as cp_module
+    from attnqat.pipelines import patch_attention
 
     calls = []
     original = cp_module.context_parallel_attention
     cp_module.context_parallel_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
-    for layout, degrees, mode in (("ulysses", (1, 2), "attn_qat"), ("ring", (2, 1), "nvfp4")):
-        calls.clear()
-        model = _tiny_wan()
-        patch_attention(model, mode)
-        with torch.no_grad():
-            ref = model(**_wan_inputs())[0]
-        assert not calls
-        config = _setup(rank, *degrees)
-        model._parallel_config = config
-        for m in model.modules():
-            if isinstance(m, WanAttention):
-                m.processor._parallel_config = config
-        apply_context_parallel(model, config.context_parallel_config, model._cp_plan)
-        with torch.no_grad():
-            out = model(**_wan_inputs())[0]
-        results[f"model/{layout}/{mode}"] = [(out - ref).abs().max().item(), ref.abs().max().item()]
-        results[f"model/{layout}/{mode}/calls"] = len(calls)  # one per self-attention (2 blocks)
-    cp_module.context_parallel_attention = original
+    device_count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        for layout, (ring, ulysses), mode in (("ulysses", (1, 2), "attn_qat"), ("ring", (2, 1), "nvfp4")):
+            calls.clear()
+            train = ring == 1
+            model = _tiny_wan()
+            patch_attention(model, mode)
+            with torch.set_grad_enabled(train):
+                ref = model(**_wan_inputs())[0]
+                if train:
+                    (ref * _weights(ref)).sum().backward()
+            ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            assert not calls
+            model.enable_parallelism(config=ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses))
+            with torch.set_grad_enabled(train):
+                out = model(**_wan_inputs())[0]
+                if train:
+                    (out * _weights(out)).sum().backward()
+            key = f"model/{layout}/{mode}"
+            results[key] = [(out.detach() - ref.detach()).abs().max().item(), ref.abs().max().item()]
+            results[key + "/calls"] = len(calls)  # one per self-attention (2 blocks)
+            if train:
+                worst = 0.0
+                for n, p in model.named_parameters():
+                    if n in ref_grads:
+                        g = p.grad.clone()
+                        torch.distributed.all_reduce(g)  # each rank holds its shard's contribution
+                        worst = max(worst, ((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item())
+                results[key + "/grad"] = worst
+    finally:
+        torch.accelerator.device_count = device_count
+        cp_module.context_parallel_attention = original
+
+
+def _weights(x):
+    return torch.linspace(-1, 1, x.numel()).reshape(x.shape)
 
 
 def _worker(rank: int, port: int, out_dir: str):
@@ -248,6 +268,8 @@ def test_patched_wan_under_context_parallel(distributed_results, case):
         err, scale = r[f"model/{case}"]
         assert r[f"model/{case}/calls"] == 2  # the processors did run the context-parallel path
         assert err <= 1e-5 * max(scale, 1.0), (case, err, scale)
+        if case.startswith("ulysses"):  # trained through: parameter gradients, summed over ranks
+            assert r[f"model/{case}/grad"] <= 1e-5, r[f"model/{case}/grad"]
 
 
 # --------------------------------------------------------------------------------------------------
