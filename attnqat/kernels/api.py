@@ -8,6 +8,7 @@ differentiable for trainable modes, so the tiny model trains and generates on a 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -248,3 +249,81 @@ def _sagebwd_reference(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, s
 register_mode(Mode("sagebwd", "trainable INT8 attention: six of seven matmuls in INT8, dP in 16-bit (SageBwd)",
                    True, _sagebwd_kernel, _sagebwd_reference,
                    options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", PV_MODES))))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output and log-sum-exp (context-parallel ring attention merges per-chunk outputs with it)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _fp4_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """Natural-log log-sum-exp of the scaled logits from the FP4 forwards' integer max m (log2 units) and
+    l = sum of P~ = 2688 * 2^(S - m): log(sum e^(s)) = ln2 * (m + log2(l / 2688))."""
+    from .formats import P_SCALE
+
+    return (m.float() + torch.log2(l.float()) - math.log2(P_SCALE)) * math.log(2.0)
+
+
+def _bf16_lse(q, k, v, *, sm_scale, causal, use_kernel, **options):
+    _no_options("bf16", options)
+    if q.is_cuda:  # FlashAttention returns its log-sum-exp (B, H, Lq) float32 (not exercised on CPU)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                       scale=sm_scale)[:2]
+        return out, lse
+    from .reference import _logits_log2
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    s = _logits_log2(q.float(), k.float(), scale, causal) / LOG2E_F
+    return _sdpa(q, k, v, sm_scale=sm_scale, causal=causal), torch.logsumexp(s, dim=-1)
+
+
+def _nvfp4_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None, **options):
+    """The FP4 forward shared by nvfp4, attn_qat and attn_qat_dropin (their forwards are one and the same)."""
+    _no_options("nvfp4", options)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    if use_kernel:
+        from .attn_qat import attn_qat_fwd
+
+        o, _, m, l = attn_qat_fwd(q, k, v, scale, causal, False)[:4]
+    else:
+        from .reference import attn_qat_forward_ref
+
+        o, _, m, l = attn_qat_forward_ref(q, k, v, sm_scale=scale, causal=causal, training=False)
+    return o.to(q.dtype), _fp4_lse(m, l)
+
+
+LOG2E_F = 1.4426950408889634
+# Modes whose forward can also return its log-sum-exp (inference only: no backward through these). Not sage3:
+# its K smoothing subtracts the mean of all keys, so a chunk of keys gives other logits than the whole (its
+# per-chunk outputs do not merge into the one-pass result); not sagebwd (its lse is not exposed here yet).
+_LSE: dict[str, Callable] = {"bf16": _bf16_lse, "nvfp4": _nvfp4_lse, "attn_qat": _nvfp4_lse,
+                             "attn_qat_dropin": _nvfp4_lse}
+
+
+def lse_modes() -> list[str]:
+    """Modes :func:`attention_with_lse` runs (the ones context-parallel ring attention can merge)."""
+    return [m for m in _MODES if m in _LSE]
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = "bf16", *,
+                       sm_scale: float | None = None, causal: bool = False,
+                       **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention`'s output and the row log-sum-exp of the scaled logits, log(sum_j e^(s_ij)), as a
+    (batch, heads, seqlen_q) float32 tensor (natural log, as FlashAttention's). Inference only (no backward).
+
+    For the FP4 modes it is computed from the kernel's integer running max m and the unquantized row sum l,
+    so merging the outputs of key chunks with it (ring attention) gives the one-pass result up to fp32
+    rounding: the integer max makes every chunk's P~ a power-of-two rescaling of the one-pass P~, which
+    NVFP4 quantization commutes with (SPEC §2)."""
+    m = get_mode(mode)
+    if mode not in _LSE:
+        raise ValueError(f"attention mode {mode!r} does not return its log-sum-exp (needed by ring attention); "
+                         f"modes that do: {', '.join(lse_modes())}")
+    check_qkv(q, k, v, name=f"attention_with_lse(mode={mode!r})", sm_scale=sm_scale, causal=causal,
+              dtypes=m.dtypes, cpu_dtypes=(torch.float32,), head_dims=m.head_dims, kernel=False)
+    check_options(mode, options)
+    if _needs_grad(q, k, v):
+        raise ValueError(f"attention_with_lse(mode={mode!r}) is inference-only (no backward); run it under "
+                         f"torch.no_grad()")
+    use_kernel = q.is_cuda or (interpreting() and q.dtype in (torch.bfloat16, torch.float16))
+    return _LSE[mode](q, k, v, sm_scale=sm_scale, causal=causal, use_kernel=use_kernel, **options)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 import types
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 import torch
@@ -112,8 +112,9 @@ class AttnQATProcessor(WanAttnProcessor):
         options: mode-specific keywords passed to ``attention`` (e.g. ``p_bwd`` for ``attn_qat``); they
             belong to ``mode``: the high-precision mode runs without them.
 
-    Supported: what Wan 2.1 text-to-video uses (no attention mask, no dropout, no context parallelism,
-    diffusers' default attention backend); anything else is refused by name.
+    Supported: what Wan 2.1 text-to-video uses (no attention mask, no dropout, diffusers' default attention
+    backend), and context parallelism (``transformer.enable_parallelism``: Ulysses for every mode, ring for
+    inference; see :mod:`attnqat.pipelines.context_parallel`); anything else is refused by name.
     """
 
     def __init__(self, mode: str, *, timer: AttentionTimer | None = None, high_precision_mode: str | None = None,
@@ -166,13 +167,20 @@ class AttnQATProcessor(WanAttnProcessor):
             raise ValueError(f"a diffusers attention backend ({backend}) was set on a patched processor; "
                              f"AttnQATProcessor runs attnqat's {self.mode!r} attention: call "
                              f"unpatch_attention() before set_attention_backend()")
-        if parallel_config is not None:
-            raise ValueError("context parallelism (`parallel_config`) is not supported by AttnQATProcessor")
         if self.high_precision and self.high_precision_mode:
             mode, options = self.high_precision_mode, {}
         else:
             mode, options = self.mode, self.options
         timer = self.timer
+        if parallel_config is not None and getattr(parallel_config, "context_parallel_config", None) is not None:
+            from .context_parallel import context_parallel_attention
+
+            with timer.measure(query.device) if timer is not None else nullcontext():
+                return context_parallel_attention(query, key, value, mode, parallel_config=parallel_config,
+                                                  scale=scale, is_causal=is_causal, **options)
+        if parallel_config is not None:
+            raise ValueError("AttnQATProcessor supports context parallelism only (`parallel_config` without a "
+                             "context_parallel_config, e.g. tensor parallelism, is not supported)")
         if timer is None:
             out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mode,
                             sm_scale=scale, causal=is_causal, **options)
