@@ -129,6 +129,14 @@ def test_corpus_settings_are_checked(mini_folder, tmp_path, override, message):
         validate(_cfg(mini_folder, tmp_path, override))
 
 
+def test_corpus_refuses_teacher_latents_it_would_ignore(mini_folder, tmp_path):
+    from attnqat.train.config import validate
+
+    with pytest.raises(ValueError, match="latents 'teacher' does not apply"):
+        validate(_cfg(mini_folder, tmp_path, "objective.type=distill", "objective.latents=teacher"))
+    validate(_cfg(mini_folder, tmp_path, "objective.type=distill", "objective.latents=dataset"))  # accepted
+
+
 def test_shipped_folder_writer_limits_and_refusals(tmp_path):
     from attnqat.pipelines.mini import check_folder_size, save_pipeline_folder
 

@@ -408,6 +408,10 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     if d.source == "corpus":
         if d.path is not None:
             raise ValueError("data.path and data.source 'corpus' exclude each other; set data.path: null")
+        if o.type in ("distill", "mix") and o.latents == "teacher":
+            # the corpus's clips are the clean latents of every objective; teacher samples would be ignored
+            raise ValueError("objective.latents 'teacher' does not apply to data.source 'corpus' (its clips are "
+                             "the clean latents); use 'dataset' or 'noise', or a precomputed data.path")
         shapes = corpus_shapes
         index["has_latents"] = True
     else:
