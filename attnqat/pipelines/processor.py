@@ -147,7 +147,13 @@ class AttnQATProcessor(WanAttnProcessor):
     @property
     def active_mode(self) -> str:
         """The mode the next call runs: ``high_precision_mode`` while ``high_precision`` is set, else ``mode``."""
-        return self.high_precision_mode if self.high_precision and self.high_precision_mode else self.mode
+        return self._active()[0]
+
+    def _active(self) -> tuple[str, dict]:
+        """(mode, options) of the next call: the high-precision mode runs without ``mode``'s options."""
+        if self.high_precision and self.high_precision_mode:
+            return self.high_precision_mode, {}
+        return self.mode, self.options
 
     def _dispatch(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -167,27 +173,20 @@ class AttnQATProcessor(WanAttnProcessor):
             raise ValueError(f"a diffusers attention backend ({backend}) was set on a patched processor; "
                              f"AttnQATProcessor runs attnqat's {self.mode!r} attention: call "
                              f"unpatch_attention() before set_attention_backend()")
-        if self.high_precision and self.high_precision_mode:
-            mode, options = self.high_precision_mode, {}
-        else:
-            mode, options = self.mode, self.options
-        timer = self.timer
+        mode, options = self._active()
+        measured = self.timer.measure(query.device) if self.timer is not None else nullcontext()
         if parallel_config is not None and getattr(parallel_config, "context_parallel_config", None) is not None:
             from .context_parallel import context_parallel_attention
 
-            with timer.measure(query.device) if timer is not None else nullcontext():
+            with measured:
                 return context_parallel_attention(query, key, value, mode, parallel_config=parallel_config,
                                                   scale=scale, is_causal=is_causal, **options)
         if parallel_config is not None:
             raise ValueError("AttnQATProcessor supports context parallelism only (`parallel_config` without a "
                              "context_parallel_config, e.g. tensor parallelism, is not supported)")
-        if timer is None:
+        with measured:
             out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mode,
                             sm_scale=scale, causal=is_causal, **options)
-        else:
-            with timer.measure(query.device):
-                out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mode,
-                                sm_scale=scale, causal=is_causal, **options)
         return out.transpose(1, 2)  # (B, L, H, D) as diffusers expects; its caller does .type_as(query)
 
     def __repr__(self) -> str:
