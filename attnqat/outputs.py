@@ -17,7 +17,8 @@ from pathlib import Path
 
 from .errors import OutputWriteError
 
-__all__ = ["temp_beside", "make_parents", "remove_created", "write_file_atomically", "write_dir_atomically"]
+__all__ = ["temp_beside", "make_parents", "remove_created", "write_file_atomically", "write_dir_atomically",
+           "replace_dir_atomically"]
 
 # Errors a writer raises when the file system fails it (imageio-ffmpeg raises RuntimeError when ffmpeg
 # exits early, e.g. on a full disk). Anything else is a bug and keeps its own type.
@@ -126,4 +127,21 @@ def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], None],
             raise OutputWriteError(f"could not write folder {str(path)!r}: {_reason(e)}; "
                                    f"{'it was left as it was' if path.exists() else 'nothing was written'}") from e
         raise
+    return path
+
+
+def replace_dir_atomically(path: str | os.PathLike, write: Callable[[Path], None],
+                           verify: Callable[[Path], None] | None = None) -> Path:
+    """:func:`write_dir_atomically`, except that an existing folder at ``path`` is replaced: the new folder
+    is written and verified under a temporary name first, then the old one is moved aside (to another
+    temporary name), the new one renamed into place, and the old one removed. The caller decides that
+    ``path`` is its own to replace (e.g. a model folder an earlier run wrote). Return: ``path``."""
+    path = Path(path)
+    if not path.exists():
+        return write_dir_atomically(path, write, verify)
+    staged = write_dir_atomically(temp_beside(path, suffix=""), write, verify)
+    old = temp_beside(path, suffix="")
+    os.rename(path, old)
+    os.rename(staged, path)
+    shutil.rmtree(old)
     return path

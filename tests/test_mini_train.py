@@ -152,6 +152,27 @@ def test_shipped_folder_writer_limits_and_refusals(tmp_path):
     assert (user / "notes.txt").read_text() == "keep"
 
 
+def test_replace_dir_keeps_the_old_folder_until_the_new_one_verifies(tmp_path):
+    """The model folders (mini's export, the VAE stage, --ship) are replaced through this: a failed write
+    or verification leaves the old folder as it was and no temporary folder behind."""
+    from attnqat.outputs import replace_dir_atomically
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "old.txt").write_text("old")
+
+    def reject(tmp):
+        raise ValueError("too big")
+
+    with pytest.raises(ValueError, match="too big"):
+        replace_dir_atomically(folder, lambda tmp: (tmp / "new.txt").write_text("new"), reject)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert [p.name for p in folder.iterdir()] == ["old.txt"]
+    replace_dir_atomically(folder, lambda tmp: (tmp / "new.txt").write_text("new"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert [p.name for p in folder.iterdir()] == ["new.txt"]
+
+
 def test_mini_missing_is_a_clear_error(monkeypatch, tmp_path):
     from attnqat.pipelines import loading, mini
     from attnqat.pipelines.loading import ModelNotFoundError, resolve_model

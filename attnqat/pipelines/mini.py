@@ -28,7 +28,6 @@ path as real Wan weights. Every component is Wan 2.1's class, only smaller:
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 # torch is imported where it is used: `attnqat generate --help` reads the default model from here.
@@ -189,34 +188,25 @@ def save_pipeline_folder(pipe, folder: str | os.PathLike, *, transformer_dtype=N
     """
     import torch
 
+    from attnqat.outputs import replace_dir_atomically
+
     folder = Path(folder)
     if folder.exists() and not (folder / "model_index.json").is_file():
         raise FileExistsError(f"{folder} exists and is not a diffusers model folder; refusing to replace it")
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
     casts = {"transformer": transformer_dtype or torch.bfloat16, "vae": vae_dtype or torch.float16,
              "text_encoder": text_encoder_dtype or torch.bfloat16}
     originals = {name: next(getattr(pipe, name).parameters()).dtype for name in casts}
-    try:
-        for name, dtype in casts.items():
-            torch.nn.Module.to(getattr(pipe, name), dtype)
-        pipe.save_pretrained(str(tmp), safe_serialization=True, max_shard_size="14MB")
-    finally:
-        for name, dtype in originals.items():
-            torch.nn.Module.to(getattr(pipe, name), dtype)
-    if check_size:
-        check_folder_size(tmp)
-    if folder.exists():
-        old = folder.with_name(folder.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, folder)
-    return folder
+
+    def write(tmp: Path) -> None:
+        try:
+            for name, dtype in casts.items():
+                torch.nn.Module.to(getattr(pipe, name), dtype)
+            pipe.save_pretrained(str(tmp), safe_serialization=True, max_shard_size="14MB")
+        finally:
+            for name, dtype in originals.items():
+                torch.nn.Module.to(getattr(pipe, name), dtype)
+
+    return replace_dir_atomically(folder, write, check_folder_size if check_size else None)
 
 
 def check_folder_size(folder: str | os.PathLike) -> int:

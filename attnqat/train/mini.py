@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from attnqat.outputs import replace_dir_atomically, write_file_atomically
 
 STAGES = ("init", "vae", "transformer", "export")
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "mini.yaml"
@@ -40,9 +41,7 @@ def _record(out: Path, stage: str, seconds: float, **facts) -> None:
     path = out / "timings.json"
     rows = json.loads(path.read_text()) if path.is_file() else []
     rows.append({"stage": stage, "seconds": round(seconds, 1), "device": _device_name(), **facts})
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(rows, indent=1))
-    os.replace(tmp, path)
+    write_file_atomically(path, lambda tmp: tmp.write_text(json.dumps(rows, indent=1)))
 
 
 def _device_name() -> str:
@@ -197,14 +196,7 @@ def stage_vae(out: Path, args) -> None:
     seen = {f"{f}x{h}x{w}": reconstruction_detection(vae, device=args.device, clips=args.eval_clips, size=(f, h, w))
             for f, h, w in sizes}
     vae.register_to_config(latents_mean=mean, latents_std=std)
-    tmp = folder.with_name("vae.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    vae.to("cpu").save_pretrained(tmp)
-    old = folder.with_name("vae.old")
-    os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old)
+    replace_dir_atomically(folder, lambda tmp: vae.to("cpu").save_pretrained(tmp))
     print(f"vae: {facts['steps']} steps, L1 {facts['l1']:.4f}, held-out reconstruction PSNR {psnr:.2f} dB")
     for key, acc in seen.items():
         print(f"vae: detector on {key} round trips: " + ", ".join(f"{k} {v:.0%}" for k, v in acc.items() if v is not None))
@@ -258,13 +250,7 @@ def stage_export(out: Path, args) -> Path:
 
         if MINI_DIR.exists() and not (MINI_DIR / "model_index.json").is_file():
             raise FileExistsError(f"{MINI_DIR} exists and is not a model folder; not replacing it")
-        tmp = MINI_DIR.with_name("mini.tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        shutil.copytree(target, tmp)
-        if MINI_DIR.exists():
-            shutil.rmtree(MINI_DIR)
-        os.replace(tmp, MINI_DIR)
+        replace_dir_atomically(MINI_DIR, lambda tmp: shutil.copytree(target, tmp, dirs_exist_ok=True))
         print(f"shipped to {MINI_DIR}")
     return target
 
