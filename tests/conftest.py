@@ -48,6 +48,16 @@ def pytest_runtest_makereport(item, call):
                                                f"python -m pytest '{item.nodeid}'"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): on a small
+    shared CPU, OpenMP threads that wait for each other make many small tensor ops 10-100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -12,14 +12,7 @@ from attnqat.corpus import (BACKGROUND_TONES, BACKGROUNDS, COLOURS, HELD_OUT_COL
                             is_held_out, make_spec, parse_prompt, render)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a small shared CPU, OpenMP threads that wait for each other make these
-    many small tensor ops 10-100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _luma(rgb) -> float:

@@ -14,14 +14,7 @@ from attnqat.corpus import BACKGROUNDS, Corpus, make_spec, parse_prompt
 from attnqat.quality import degrade, detect, psnr, score, ssim, to_uint8_frames
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a small shared CPU, OpenMP threads that wait for each other make these
-    many small tensor ops 10-100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _accuracy(seed: int, clips: int, size: int, degraded: bool) -> dict:
