@@ -33,6 +33,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from attnqat.checks import show
+
 __all__ = ["HIGH_PRECISION_MODES", "PrecisionSchedule", "PrecisionSwitch", "parse_steps", "parse_blocks"]
 
 #: The modes a schedule may use for its high-precision steps and blocks (default: bf16).
@@ -43,9 +45,8 @@ _RANGE = re.compile(r"(first|last):([0-9]+)")
 _MAX_DIGITS = 9  # more is out of range for any run (steps are at most 1000, Wan has 40 blocks)
 
 
-def _show(value: Any, limit: int = 60) -> str:
-    r = repr(value)
-    return r if len(r) <= limit else r[:limit // 2 - 2] + "..." + r[-(limit // 2 - 2):]
+def _show(value: Any) -> str:
+    return show(value, 60)
 
 
 def _items(text: Any, flag: str) -> list[str]:
