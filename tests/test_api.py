@@ -338,3 +338,22 @@ def test_bf16_mode_marks_only_the_rows_that_saw_the_bad_value():
     assert torch.isfinite(want[0, 1, 30:]).all()  # what the mode fixes
     assert torch.equal(got[0, 0], want[0, 0]) and torch.equal(got[0, 1, :30], want[0, 1, :30])
     assert torch.isnan(got[0, 1, 30:]).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", sorted(TRAINABLE))
+def test_a_key_with_only_minus_inf_logits_still_marks_the_gradients(mode, path, monkeypatch, poison):
+    """The case the random draws above meet about once in forty runs: a -inf in k that only the last query row
+    attends (causal), against a positive q entry, so its one logit is -inf and a backward from unquantized Q, K
+    (bf16, the drop-in ablation) gets a finite P. The output row, dq, dk and dv must stay non-finite anyway."""
+    monkeypatch.setenv("TRITON_INTERPRET", PATHS[path])
+    q, k, v = (torch.randn(1, 2, n, 64).bfloat16() for n in (40, 72, 72))
+    col = int(torch.randint(64, (1,)))
+    k[0, 1, 39, col] = float("-inf")
+    q[0, 1, 39, col] = q[0, 1, 39, col].abs() + 0.1
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = attention(*leaves, mode=mode, causal=True)
+    assert not torch.isfinite(out[0, 1, 39]).all()
+    out.backward(torch.randn(out.shape).to(out.dtype))
+    for name, x in zip("qkv", leaves):
+        assert not torch.isfinite(x.grad).all(), f"{mode}/{path}: finite d{name}"

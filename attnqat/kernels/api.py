@@ -156,19 +156,25 @@ def nonfinite_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return torch.where(bad, float("nan"), 0.0)[..., None]
 
 
-def _sdpa(q, k, v, *, sm_scale=None, causal=False, **options):
-    _no_options("bf16", options)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
-    # SDPA turns some infs into finite rows (a -inf logit is just a zero weight; PyTorch's CPU kernel also
-    # zeroes +inf rows): add NaN to the rows that saw one (SPEC §1: an inf input never gives a silent finite
-    # value). An addition, so SDPA's backward is unchanged for finite rows; the marker is multiplied into a zero
-    # that depends on q, k and v, so the rows it marks send NaN into dq, dk and dv as well (0 * NaN is NaN).
+def mark_nonfinite(out: torch.Tensor, q, k, v, causal: bool) -> torch.Tensor:
+    """``out`` with NaN added to the rows that saw a NaN or inf (:func:`nonfinite_rows`), also in the gradients:
+    the marker is multiplied into a zero that depends on q, k and v, so a marked row sends NaN into dq, dk and dv
+    (0 * NaN is NaN). An addition, so finite rows and their gradients are unchanged. For the paths whose own
+    arithmetic can turn an inf into a finite value: SDPA (a -inf logit is just a zero weight; PyTorch's CPU kernel
+    also zeroes +inf rows) and the drop-in backward (its P, from unquantized Q and K, is finite where the FP4
+    forward was not)."""
     marker = nonfinite_rows(q, k, v, causal).to(out.dtype)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         zero = sum(torch.nan_to_num(x, 0.0, 0.0, 0.0).sum(dims, keepdim=True)
                    for x, dims in ((q, (-1,)), (k, (-2, -1)), (v, (-2, -1)))) * 0
         marker = marker * zero.to(out.dtype) + marker
     return out + marker
+
+
+def _sdpa(q, k, v, *, sm_scale=None, causal=False, **options):
+    _no_options("bf16", options)
+    # SPEC §1: an inf input never gives a silent finite value
+    return mark_nonfinite(F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale), q, k, v, causal)
 
 
 register_mode(Mode("bf16", "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True, _sdpa, _sdpa,
@@ -217,10 +223,18 @@ register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inf
 register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
                    "grad it is the nvfp4 forward)", True, _attn_qat_kernel, _attn_qat_reference,
                    options=(("p_bwd", P_BWD_CHOICES),)))
+def _marked(fn):
+    """``fn`` with :func:`mark_nonfinite` on its output (the drop-in ablation's backward needs it)."""
+    def run(q, k, v, *, sm_scale=None, causal=False, **options):
+        return mark_nonfinite(fn(q, k, v, sm_scale=sm_scale, causal=causal, **options), q, k, v, causal)
+
+    return run
+
+
 register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
                    "(unstable in training)", True,
-                   *_plain("attn_qat_dropin", "attn_qat", "attn_qat_dropin_attention",
-                          "attn_qat_dropin_attention_ref")))
+                   *map(_marked, _plain("attn_qat_dropin", "attn_qat", "attn_qat_dropin_attention",
+                                        "attn_qat_dropin_attention_ref"))))
 register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
                    False, *_plain("sage3", "sage3", "sage3_attention", "sage3_attention_ref")))
 
