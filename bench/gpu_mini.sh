@@ -4,7 +4,8 @@
 #   bash bench/gpu_mini.sh train MINUTES SLEEP     # (init from a carried runs/mini_vae if there is no model yet)
 #                                                  # start the transformer in the background if the VAE
 #                                                  # passes its detector check, then sleep SLEEP seconds
-#   bash bench/gpu_mini.sh wait SECONDS            # let it train; copy logs to $OUT
+#   bash bench/gpu_mini.sh wait SECONDS [tests]    # let it train; copy logs to $OUT (tests: meanwhile run
+#                                                  # `pytest -m gpu` beside it: correctness only, it shares the GPU)
 #   bash bench/gpu_mini.sh export                  # export runs/mini/mini and pack it into $OUT (2 parts)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -41,7 +42,11 @@ PY
     sleep "${3:-120}"
     ;;
   wait)
-    sleep "$2"
+    start=$SECONDS
+    if [ "${3:-}" = tests ]; then
+      timeout $(( $2 - 30 )) python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    fi
+    left=$(( $2 - (SECONDS - start) )); [ $left -gt 0 ] && sleep $left
     ;;
   export)
     while pgrep -f "attnqat.train.mini" > /dev/null; do sleep 5; done
