@@ -6,8 +6,9 @@
   attn_qat; ring: inference, bf16 / nvfp4 / attn_qat, equal up to fp32 rounding thanks to the FP4 modes'
   integer running max) — there the config is set up by hand on a CPU device mesh, as ``enable_parallelism``
   does — and so does a whole tiny patched Wan transformer under diffusers' own ``enable_parallelism``
-  (forward; for Ulysses also the parameter gradients). ``enable_parallelism`` takes
-  ``rank % torch.accelerator.device_count()``, 0 on a CPU-only torch; the test makes that count 1.
+  (forward; for Ulysses also the parameter gradients), called through ``enable_context_parallel``, which makes
+  ``torch.accelerator.device_count()`` 1 for the call on a CPU-only torch (``enable_parallelism`` takes
+  ``rank % device_count()``, 0 there).
 """
 from __future__ import annotations
 
@@ -165,19 +166,15 @@ def _wan_inputs():
 
 
 def _check_model(rank: int, results: dict):
-    """A tiny patched Wan through diffusers' own ``enable_parallelism`` (its one accelerator lookup,
-    ``rank % torch.accelerator.device_count()``, is given a count of 1: the CPU is the device), against the
-    same model unsharded: output, and for Ulysses the parameter gradients (summed over ranks)."""
-    from diffusers import ContextParallelConfig
-
+    """A tiny patched Wan through diffusers' own ``enable_parallelism`` (via ``enable_context_parallel``: its one
+    accelerator lookup, ``rank % torch.accelerator.device_count()``, is given a count of 1, the CPU is the
+    device), against the same model unsharded: output, and for Ulysses the parameter gradients (summed over ranks)."""
     from attnqat.pipelines import context_parallel as cp_module
     from attnqat.pipelines import patch_attention
 
     calls = []
     original = cp_module.context_parallel_attention
     cp_module.context_parallel_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
-    device_count = torch.accelerator.device_count
-    torch.accelerator.device_count = lambda: 1
     try:
         for layout, (ring, ulysses), mode in (("ulysses", (1, 2), "attn_qat"), ("ring", (2, 1), "nvfp4")):
             calls.clear()
@@ -191,7 +188,8 @@ def _check_model(rank: int, results: dict):
             ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)
             assert not calls
-            model.enable_parallelism(config=ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses))
+            cp_module.enable_context_parallel(model, layout, ring * ulysses)
+            assert torch.accelerator.device_count() == 0  # the count was 1 only during the call
             with torch.set_grad_enabled(train):
                 out = model(**_wan_inputs())[0]
                 if train:
@@ -208,7 +206,6 @@ def _check_model(rank: int, results: dict):
                         worst = max(worst, ((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item())
                 results[key + "/grad"] = worst
     finally:
-        torch.accelerator.device_count = device_count
         cp_module.context_parallel_attention = original
 
 

@@ -154,7 +154,7 @@ def test_usage_errors_and_help(capsys):
     help_text = capsys.readouterr().out
     for flag in ("--prompt", "--negative-prompt", "--model", "--mode", "--qat-checkpoint", "--height", "--width",
                  "--frames", "--steps", "--guidance", "--flow-shift", "--seed", "--out", "--dtype", "--device",
-                 "--offload", "--compile", "--frames-dir", "--layers"):
+                 "--offload", "--compile", "--frames-dir", "--layers", "--parallel"):
         assert flag in help_text
 
 

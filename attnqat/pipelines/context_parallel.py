@@ -2,6 +2,7 @@
 attnqat's attention as the per-rank op.
 
     transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))  # after patch_attention
+    enable_context_parallel(transformer, "ulysses", 2)  # the same, also on a CPU-only torch (gloo)
 
 diffusers' ``WanAttnProcessor`` passes the model's ``ParallelConfig`` to ``dispatch_attention_fn`` for
 self-attention (cross-attention runs unsharded); :class:`~attnqat.pipelines.processor.AttnQATProcessor`
@@ -18,6 +19,9 @@ hands it to :func:`context_parallel_attention`, which calls diffusers'
   modes' backwards need their own saved statistics (Attn-QAT's O' and integer max), so that contract does
   not fit and a ring call that needs gradients is refused.
 
+``attnqat generate --parallel`` (:mod:`attnqat.pipelines.generate`) calls :func:`enable_context_parallel` and checks
+the degrees with :func:`check_degrees` before anything loads.
+
 Refusals (one ``ValueError`` line each, before any communication): a Ulysses degree that does not divide
 the head count, ring with gradients or with a mode without a log-sum-exp, ring and Ulysses together,
 the ``*_anything`` variants, a device mesh whose ring / ulysses sizes differ from the degrees (world size
@@ -25,13 +29,14 @@ mismatch), causal attention.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from attnqat.kernels.api import attention, attention_with_lse, get_mode, lse_modes
 
-__all__ = ["check_context_parallel", "context_parallel_attention"]
+__all__ = ["check_context_parallel", "check_degrees", "context_parallel_attention", "enable_context_parallel"]
 
 
 def _cp_config(parallel_config: Any) -> Any:
@@ -39,24 +44,12 @@ def _cp_config(parallel_config: Any) -> Any:
     return getattr(parallel_config, "context_parallel_config", parallel_config)
 
 
-def check_context_parallel(parallel_config: Any, *, heads: int, mode: str, needs_grad: bool) -> None:
-    """Refuse, in one line, the context-parallel settings :func:`context_parallel_attention` does not run."""
-    cp = _cp_config(parallel_config)
-    ring, ulysses = int(cp.ring_degree or 1), int(cp.ulysses_degree or 1)
+def check_degrees(ring: int, ulysses: int, *, heads: int, mode: str, needs_grad: bool) -> None:
+    """Refuse, in one line, degrees :func:`context_parallel_attention` does not run with ``heads`` heads in
+    ``mode`` (no device mesh needed: ``attnqat generate --parallel`` checks them before anything loads)."""
     if ring > 1 and ulysses > 1:
         raise ValueError(f"context parallelism with ring_degree={ring} and ulysses_degree={ulysses} together is "
                          f"not supported by AttnQATProcessor yet; use one of them")
-    if getattr(cp, "ulysses_anything", False) or getattr(cp, "ring_anything", False):
-        raise ValueError("ContextParallelConfig's ulysses_anything / ring_anything are not supported by "
-                         "AttnQATProcessor; use plain ulysses or ring")
-    ring_mesh, ulysses_mesh = getattr(cp, "_ring_mesh", None), getattr(cp, "_ulysses_mesh", None)
-    if ring_mesh is None or ulysses_mesh is None:
-        raise ValueError("the ContextParallelConfig was never set up (no device mesh): enable it through "
-                         "transformer.enable_parallelism(config=...)")
-    if (ring_mesh.size(), ulysses_mesh.size()) != (ring, ulysses):
-        raise ValueError(f"context parallel world size mismatch: ring_degree {ring} x ulysses_degree {ulysses}, "
-                         f"but the device mesh's ring x ulysses dimensions hold {ring_mesh.size()} x "
-                         f"{ulysses_mesh.size()} processes")
     if ulysses > 1 and heads % ulysses:
         raise ValueError(f"ulysses_degree {ulysses} does not divide the {heads} attention heads "
                          f"(Wan 2.1 14B has 40, 1.3B has 12): pick a degree that divides {heads}")
@@ -68,6 +61,26 @@ def check_context_parallel(parallel_config: Any, *, heads: int, mode: str, needs
         if mode not in lse_modes():
             raise ValueError(f"ring attention needs the log-sum-exp, which mode {mode!r} does not return; "
                              f"ring runs {', '.join(lse_modes())} (use ulysses_degree for {mode!r})")
+
+
+def check_context_parallel(parallel_config: Any, *, heads: int, mode: str, needs_grad: bool) -> None:
+    """Refuse, in one line, the context-parallel settings :func:`context_parallel_attention` does not run."""
+    cp = _cp_config(parallel_config)
+    ring, ulysses = int(cp.ring_degree or 1), int(cp.ulysses_degree or 1)
+    if ring > 1 and ulysses > 1:
+        check_degrees(ring, ulysses, heads=heads, mode=mode, needs_grad=needs_grad)  # refuses the pair
+    if getattr(cp, "ulysses_anything", False) or getattr(cp, "ring_anything", False):
+        raise ValueError("ContextParallelConfig's ulysses_anything / ring_anything are not supported by "
+                         "AttnQATProcessor; use plain ulysses or ring")
+    ring_mesh, ulysses_mesh = getattr(cp, "_ring_mesh", None), getattr(cp, "_ulysses_mesh", None)
+    if ring_mesh is None or ulysses_mesh is None:
+        raise ValueError("the ContextParallelConfig was never set up (no device mesh): enable it through "
+                         "transformer.enable_parallelism(config=...)")
+    if (ring_mesh.size(), ulysses_mesh.size()) != (ring, ulysses):
+        raise ValueError(f"context parallel world size mismatch: ring_degree {ring} x ulysses_degree {ulysses}, "
+                         f"but the device mesh's ring x ulysses dimensions hold {ring_mesh.size()} x "
+                         f"{ulysses_mesh.size()} processes")
+    check_degrees(ring, ulysses, heads=heads, mode=mode, needs_grad=needs_grad)
 
 
 def _ops(mode: str, options: dict, needs_grad: bool):
@@ -124,3 +137,36 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     return _templated_context_parallel_attention(query, key, value, None, 0.0, False, scale, False, False,
                                                  forward_op=forward_op, backward_op=backward_op,
                                                  _parallel_config=parallel_config)
+
+
+@contextmanager
+def _cpu_counts_as_one_device():
+    """diffusers' ``enable_parallelism`` (0.42.1) places each rank on
+    ``torch.device(accelerator, rank % torch.accelerator.device_count())``; a CPU-only torch counts 0
+    accelerators, so that is a ZeroDivisionError. There every rank's device is the one CPU, so a count of 1
+    is the true answer to the question diffusers asks: patched only for the call, only where torch has no
+    accelerator (a GPU build is left alone: diffusers builds its device mesh there, see
+    :func:`enable_context_parallel`)."""
+    if torch.accelerator.current_accelerator() is not None:
+        yield
+        return
+    device_count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = device_count
+
+
+def enable_context_parallel(transformer: torch.nn.Module, layout: str, degree: int) -> None:
+    """``transformer.enable_parallelism`` with ``ContextParallelConfig(ulysses_degree=degree)`` (``layout``
+    "ulysses") or ``(ring_degree=degree)`` ("ring"), after :func:`~attnqat.pipelines.patch_attention`; the
+    process group must be up. diffusers builds its device mesh on torch's accelerator, or on the CPU where
+    torch has none (the CPU-only case needs :func:`_cpu_counts_as_one_device`)."""
+    from diffusers import ContextParallelConfig
+
+    if layout not in ("ulysses", "ring"):
+        raise ValueError(f"context-parallel layout {layout!r} not in ('ulysses', 'ring')")
+    config = ContextParallelConfig(**{f"{layout}_degree": degree})
+    with _cpu_counts_as_one_device():
+        transformer.enable_parallelism(config=config)

@@ -19,6 +19,12 @@ other values are refused with the nearest valid ones (nothing is rounded silentl
 (typo guards, each with its reason in the message): height and width 4096, frames 1025, steps 1000,
 fps 240. Every argument and both output paths are checked before any model loads.
 
+Several processes (GPUs) share one video with --parallel ulysses|ring under a distributed launch:
+  torchrun --nproc-per-node 2 -m attnqat generate --parallel ulysses --prompt "a corgi surfing a wave" ...
+Every process runs the pipeline with the same seed; its transformer works on its share of the video's
+tokens (diffusers' context parallelism); rank 0 alone decodes with the VAE, writes the outputs and
+prints the summary.
+
 Outputs are never left half-written: the video goes to a temporary file beside --out and replaces
 it only once it reads back with every frame; --frames-dir is filled under a temporary name and
 renamed into place. NaN or inf in the latents stops the run at that step, and nothing is written.
@@ -26,14 +32,16 @@ renamed into place. NaN or inf in the latents stops the run at that step, and no
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from attnqat.checks import (SIZE_MULTIPLE, TIME_STRIDE,  # noqa: F401 - defined here before, still importable
+from attnqat.checks import (SIZE_MULTIPLE, TIME_STRIDE,  # noqa: F401 - SIZE_MULTIPLE: defined here before
                             LIMITS, check_device, check_float, check_int, check_limited, check_output_dir,
                             check_output_file, check_text, check_video_size, show)
 from attnqat.errors import NonFiniteOutputError, OutputWriteError
@@ -57,6 +65,8 @@ REAL_DEFAULTS = dict(height=480, width=832, frames=81, steps=50, guidance=5.0, f
 FPS = 16  # Wan 2.1 generates 16 frames per second
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch attribute
 MP4_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers ffmpeg writes H.264 into
+PARALLEL_LAYOUTS = ("ulysses", "ring")  # --parallel: diffusers' ContextParallelConfig ulysses_degree / ring_degree
+VAE_SPATIAL_STRIDE = 8  # Wan 2.1's VAE downsamples height and width by 8 (and time by TIME_STRIDE)
 
 
 def is_mini_model(model: str) -> bool:
@@ -156,6 +166,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on GPU, fp32 on CPU; the VAE always runs in fp32)")
     g.add_argument("--offload", action="store_true", help="model CPU offload (diffusers' enable_model_cpu_offload): "
                    "each model moves to the GPU only while it runs, for GPUs with little memory")
+    g.add_argument("--parallel", choices=PARALLEL_LAYOUTS, help="split the video's tokens over the processes of a "
+                   "distributed launch (torchrun --nproc-per-node N -m attnqat generate ...; on GPUs also accelerate "
+                   "launch): 'ulysses' (every mode; N must divide the head count) or 'ring' (modes with a "
+                   "log-sum-exp: bf16, nvfp4, attn_qat, attn_qat_dropin); each process uses cuda:LOCAL_RANK (the CPU "
+                   "with gloo on a CPU-only torch), rank 0 decodes and writes (default: one process)")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer (the first step is "
                    "slower; attention time is then not measured)")
 
@@ -218,7 +233,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     loads. The limits and their reasons are :data:`attnqat.checks.LIMITS`."""
     from attnqat.kernels import available_modes
 
-    from .loading import check_model, check_qat_checkpoint, model_num_blocks
+    from .loading import check_model, check_qat_checkpoint, model_num_blocks, model_transformer_config
 
     args.model_note = None
     if args.model is None:
@@ -227,6 +242,11 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
             args.model_note = MINI_MISSING_NOTE
     check_model(args.model)
     device = check_device("--device", args.device)
+    args.launch = resolve_launch(args)
+    if args.launch is not None:
+        from .launch import rank_device
+
+        device = rank_device(args.launch, args.device)
     args.device = str(device)
     for k, v in model_defaults(args.model, device).items():
         if getattr(args, k) is None:
@@ -246,6 +266,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     if isinstance(args.layers, str):
         args.layers = parse_layers(args.layers, n_blocks)
     args.schedule = parse_schedule(args, n_blocks)
+    check_parallel_layout(args, model_transformer_config(args.model))
 
     if args.offload and device.type != "cuda":
         raise ValueError("--offload needs a CUDA device (it moves models between CPU and GPU)")
@@ -254,6 +275,80 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     if args.qat_checkpoint is not None:
         check_qat_checkpoint(args.qat_checkpoint)
     return args
+
+
+def resolve_launch(args: argparse.Namespace):
+    """The :class:`~attnqat.pipelines.launch.Launch` ``--parallel`` runs under (None: one process). Refused:
+    ``--parallel`` in one process, several launched processes without ``--parallel`` (each would generate
+    and write the same --out), ``--parallel`` with ``--offload``."""
+    from .launch import LAUNCH_HINT, launch_from_env
+
+    if getattr(args, "parallel", None) is None:
+        try:
+            launch = launch_from_env()
+        except ValueError:  # stray variables no launcher set: not a launch to refuse a one-process run for
+            return None
+        if launch is not None:
+            raise ValueError(f"{launch.world_size} processes were launched (WORLD_SIZE={launch.world_size}) without "
+                             f"--parallel: each would generate and write the same video; add --parallel ulysses "
+                             f"or --parallel ring")
+        return None
+    launch = launch_from_env()
+    if launch is None:
+        raise ValueError(f"--parallel {args.parallel} needs several processes and this is one (WORLD_SIZE is "
+                         f"{os.environ.get('WORLD_SIZE') or 'unset'}); {LAUNCH_HINT}")
+    if args.offload:
+        raise ValueError("--offload with --parallel is not supported: each process keeps its whole pipeline on "
+                         "its GPU")
+    return launch
+
+
+def video_tokens(height: int, width: int, frames: int, patch_size=(1, 2, 2)) -> int:
+    """The transformer's sequence length for a video of that size: latent frames x rows x columns of patches."""
+    pt, ph, pw = patch_size
+    latent_frames = (frames - 1) // TIME_STRIDE + 1
+    return (latent_frames // pt) * (height // VAE_SPATIAL_STRIDE // ph) * (width // VAE_SPATIAL_STRIDE // pw)
+
+
+def check_parallel_layout(args: argparse.Namespace, config) -> None:
+    """``--parallel``'s layout against the transformer's ``config`` (heads, patch size) and the video's size,
+    the same on every rank and before any communication, so that a refusal stops every rank at once. ``config``
+    None (a hub id not loaded yet) is checked again once the model has loaded."""
+    from .context_parallel import check_degrees
+
+    if getattr(args, "launch", None) is None or config is None:
+        return
+    world = args.launch.world_size
+    where = f"--parallel {args.parallel} over {world} processes"
+    ring, ulysses = (world, 1) if args.parallel == "ring" else (1, world)
+    modes = [args.mode] + ([args.schedule.mode] if args.schedule is not None else [])
+    for mode in modes:
+        try:
+            check_degrees(ring, ulysses, heads=int(config["num_attention_heads"]), mode=mode, needs_grad=False)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    tokens = video_tokens(args.height, args.width, args.frames, tuple(config.get("patch_size") or (1, 2, 2)))
+    if tokens % world:
+        raise ValueError(f"{where}: the video's {tokens} tokens do not split into {world} equal shares (diffusers "
+                         f"shards the sequence evenly); pick --height, --width, --frames or a process count so that "
+                         f"they do")
+
+
+def parallel_note(args: argparse.Namespace, config) -> str | None:
+    """A note for ring with an FP4 mode when a rank's share of the tokens is not whole NVFP4 blocks: P and V are
+    quantized in blocks of 16 keys, and a share boundary inside a block gives other blocks (other scales) than one
+    process has, so the video differs from the one-process video like another FP4 rounding would."""
+    from attnqat.kernels.formats import NVFP4_BLOCK
+
+    if getattr(args, "launch", None) is None or args.parallel != "ring" or args.mode == "bf16":
+        return None
+    share = video_tokens(args.height, args.width, args.frames, tuple(config.get("patch_size") or (1, 2, 2)))
+    share //= args.launch.world_size
+    if share % NVFP4_BLOCK == 0:
+        return None
+    return (f"each rank holds {share} of the video's tokens, not a multiple of {NVFP4_BLOCK} (NVFP4's block along "
+            f"the keys): ring's {args.mode} quantizes other key blocks than one process does, so this video is not "
+            f"the one-process video to the bit (it differs as another FP4 rounding would)")
 
 
 def check_outputs(args: argparse.Namespace) -> argparse.Namespace:
@@ -271,12 +366,13 @@ def check_outputs(args: argparse.Namespace) -> argparse.Namespace:
 @dataclass
 class GenerationResult:
     """What :func:`generate_video` returns: the frames and the measurements of the run."""
-    frames: np.ndarray                  # (frames, height, width, 3) uint8
+    frames: np.ndarray | None           # (frames, height, width, 3) uint8; None when not decoded (decode=False)
     step_seconds: list[float] = field(default_factory=list)   # wall time of each denoising step
     attention_seconds: float | None = None  # time inside patched attention calls, all steps (None: not timed)
     attention_calls: int = 0
     peak_memory_bytes: int | None = None  # peak GPU memory allocated (None on CPU)
     seconds: float = 0.0                # the whole pipeline call (text encoding, denoising, VAE decoding)
+    latents: Any = None                 # the final latents (torch.Tensor, what the VAE decodes)
 
 
 class _StepClock:
@@ -309,7 +405,8 @@ class _StepClock:
 
 def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int, width: int, frames: int,
                    steps: int, guidance: float, seed: int = 0, timer=None, device=None,
-                   max_sequence_length: int = 512, on_step=None, schedule=None) -> GenerationResult:
+                   max_sequence_length: int = 512, on_step=None, schedule=None,
+                   decode: bool = True) -> GenerationResult:
     """Run a ``WanPipeline`` once and measure it (step times, attention time via ``timer``, peak memory).
 
     ``timer`` is the :class:`~attnqat.pipelines.AttentionTimer` given to :func:`patch_attention`
@@ -322,6 +419,9 @@ def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int,
     After every step the latents are checked: NaN or inf stops the run with
     :class:`~attnqat.errors.NonFiniteOutputError` (no later step, no decoding); so do non-finite
     decoded frames. A video is never made from them.
+
+    ``decode`` False skips the VAE (frames None): the ranks other than 0 of ``--parallel``, whose final
+    latents equal rank 0's.
     """
     import torch
 
@@ -329,9 +429,11 @@ def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int,
     clock = _StepClock(device)
     switch = schedule.callback(pipe.transformer, steps) if schedule is not None else None
 
+    final = {}
+
     def step_end(pipe_, step, timestep, callback_kwargs):
         clock.on_step_end(pipe_, step, timestep, callback_kwargs)
-        latents = callback_kwargs.get("latents")
+        latents = final["latents"] = callback_kwargs.get("latents")
         if latents is not None and not bool(torch.isfinite(latents).all()):
             raise NonFiniteOutputError(f"denoising step {step + 1} of {steps} produced NaN or infinite latents; "
                                        f"no video is made from them")
@@ -349,7 +451,7 @@ def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int,
     t0 = time.perf_counter()
     try:
         out = pipe(prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, num_frames=frames,
-                   num_inference_steps=steps, guidance_scale=guidance, output_type="np",
+                   num_inference_steps=steps, guidance_scale=guidance, output_type="np" if decode else "latent",
                    generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=step_end,
                    callback_on_step_end_tensor_inputs=["latents"], max_sequence_length=max_sequence_length)
     finally:
@@ -359,15 +461,20 @@ def generate_video(pipe, prompt: str, *, negative_prompt: str = "", height: int,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    video = np.asarray(out.frames[0])
-    if not np.isfinite(video).all():
-        raise NonFiniteOutputError("the decoded frames hold NaN or infinite values; no video is made from them")
-    video = (np.clip(video, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+    video = _to_uint8(out.frames[0]) if decode else None
     timed = timer is not None and timer.enabled
     return GenerationResult(
-        frames=video, step_seconds=clock.seconds(), seconds=seconds,
+        frames=video, step_seconds=clock.seconds(), seconds=seconds, latents=final.get("latents"),
         attention_seconds=timer.total_seconds() if timed else None, attention_calls=timer.calls if timed else 0,
         peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+
+
+def _to_uint8(frames) -> np.ndarray:
+    """The pipeline's float frames in [0, 1] as uint8; non-finite frames are refused."""
+    video = np.asarray(frames)
+    if not np.isfinite(video).all():
+        raise NonFiniteOutputError("the decoded frames hold NaN or infinite values; no video is made from them")
+    return (np.clip(video, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
 def check_mp4_writer() -> None:
@@ -487,19 +594,35 @@ def _describe_layers(layers, n_blocks: int) -> str:
 def main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     args = resolve_settings(args)
-    check_outputs(args)
-    check_mp4_writer()  # before minutes of generation, not after
+    if args.launch is None:
+        check_outputs(args)
+        check_mp4_writer()  # before minutes of generation, not after
+        return _generate(args, t_start)
+    import torch
+
+    from .launch import process_group, shared_check
+
+    with process_group(torch.device(args.device)):
+        # Only rank 0 writes, so only rank 0 checks the paths; its refusal stops every rank.
+        shared_check(args.launch, lambda: (check_outputs(args), check_mp4_writer()))
+        return _generate(args, t_start)
+
+
+def _generate(args: argparse.Namespace, t_start: float) -> int:
+    """Load, patch (under --parallel: enable context parallelism), generate; the one process, or rank 0 of
+    --parallel, writes the outputs and the summary."""
     import torch
 
     from .loading import is_tiny, load_pipeline, load_qat_checkpoint
     from .processor import AttentionTimer, patch_attention
     from .tiny import TINY_NOTICE
 
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - the video path goes to stdout
+    writes = args.launch is None or args.launch.rank == 0
+    # The video path goes to stdout; the other ranks stay quiet (they would repeat rank 0's lines).
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if writes else (lambda msg: None)  # noqa: E731
     if getattr(args, "model_note", None):
         log(f"NOTE: {args.model_note}.")
-    tiny = is_tiny(args.model)
-    if tiny:
+    if is_tiny(args.model):
         log(f"NOTE: {TINY_NOTICE}.")
     device, dtype = torch.device(args.device), torch_dtype(args.dtype)
 
@@ -515,20 +638,31 @@ def main(args: argparse.Namespace) -> int:
         schedule.resolve_blocks(len(pipe.transformer.blocks), "--high-precision-blocks")  # a hub model's count
     timer = AttentionTimer(enabled=not args.compile)
     patch_attention(pipe.transformer, args.mode, args.layers, timer=timer, schedule=schedule)
+    if args.launch is not None:
+        from .context_parallel import enable_context_parallel
+
+        config = dict(pipe.transformer.config)
+        check_parallel_layout(args, config)  # a hub id's config is known only now
+        enable_context_parallel(pipe.transformer, args.parallel, args.launch.world_size)
+        note = parallel_note(args, config)
+        if note:
+            log(f"NOTE: {note}.")
     if args.offload:
         pipe.enable_model_cpu_offload(device=device)
     if args.compile:
         pipe.transformer.compile()
-    pipe.set_progress_bar_config(desc=f"denoising ({args.mode})", file=sys.stderr)
+    pipe.set_progress_bar_config(desc=f"denoising ({args.mode})", file=sys.stderr, disable=not writes)
     t_loaded = time.perf_counter()
 
     try:
         result = generate_video(pipe, args.prompt, negative_prompt=args.negative_prompt, height=args.height,
                                 width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
-                                seed=args.seed, timer=timer, device=device, schedule=schedule)
+                                seed=args.seed, timer=timer, device=device, schedule=schedule, decode=writes)
     except NonFiniteOutputError as e:
         raise NonFiniteOutputError(f"{e} (--mode {args.mode}, --dtype {args.dtype}, seed {args.seed}); nothing "
                                    f"was written") from e
+    if not writes:
+        return 0
     out = write_mp4(result.frames, args.out, fps=args.fps)
     pngs = []
     if args.frames_dir is not None:
@@ -536,8 +670,19 @@ def main(args: argparse.Namespace) -> int:
             pngs = write_pngs(result.frames, args.frames_dir)
         except OutputWriteError as e:
             raise OutputWriteError(f"{e} (the video {str(out)!r} was written)") from e
-    total = time.perf_counter() - t_start
+    log("\n".join(_summary(args, pipe, result, time.perf_counter() - t_start, t_loaded - t_start, out, pngs)))
+    print(out)
+    return 0
 
+
+def _summary(args: argparse.Namespace, pipe, result: GenerationResult, total: float, loading: float, out: Path,
+             pngs: list) -> list[str]:
+    """The lines printed after a run: what ran, its times, what was written."""
+    from .loading import is_tiny
+
+    tiny = is_tiny(args.model)
+    schedule = args.schedule
+    device = args.device
     steps = result.step_seconds
     denoise = sum(steps)
     per_step = denoise / max(len(steps), 1)
@@ -556,7 +701,12 @@ def main(args: argparse.Namespace) -> int:
     lines += [
         f"video        {args.frames} frames {args.height}x{args.width}, {args.steps} steps, guidance "
         f"{args.guidance}, seed {args.seed}, {args.dtype} on {device}" + (" (CPU offload)" if args.offload else ""),
-        f"total time   {total:.2f} s (loading {t_loaded - t_start:.2f} s, pipeline {result.seconds:.2f} s, "
+    ]
+    if args.launch is not None:
+        lines.append(f"parallel     {args.parallel} over {args.launch.world_size} processes (context parallelism); "
+                     f"times and memory are rank 0's, which decoded and wrote")
+    lines += [
+        f"total time   {total:.2f} s (loading {loading:.2f} s, pipeline {result.seconds:.2f} s, "
         f"denoising {denoise:.2f} s)",
         f"per step     {per_step:.3f} s ({passes})" + (f"; first {steps[0]:.3f} s, rest {sum(steps[1:]) / (len(steps) - 1):.3f} s"
                                                      if len(steps) > 1 else ""),
@@ -571,6 +721,4 @@ def main(args: argparse.Namespace) -> int:
                  if result.peak_memory_bytes is not None else "peak memory  n/a (CPU run)")
     lines.append(f"wrote        {out} ({len(result.frames)} frames, {args.height}x{args.width}, {args.fps} fps)"
                  + (f" and {len(pngs)} PNGs in {args.frames_dir}" if pngs else ""))
-    log("\n".join(lines))
-    print(out)
-    return 0
+    return lines

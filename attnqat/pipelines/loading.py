@@ -13,7 +13,7 @@ from .tiny import build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny", "is_mini",
-           "resolve_model", "check_model", "model_num_blocks", "check_qat_checkpoint"]
+           "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint"]
 
 #: The real model this project targets; also the example in error messages.
 DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
@@ -85,21 +85,28 @@ def check_model(model: str, flag: str = "--model") -> None:
         _resolve(model)
 
 
-def model_num_blocks(model: str) -> int | None:
-    """The transformer's number of blocks, read from its config without loading weights (None for a
-    hub id or an unreadable config: then it is known once the model loads)."""
+def model_transformer_config(model: str) -> dict | None:
+    """The transformer's config (``num_layers``, ``num_attention_heads``, ``patch_size`` ...), read without
+    loading weights (None for a hub id or an unreadable config: then it is known once the model loads)."""
     model = resolve_model(model)
     if is_tiny(model):
         from .tiny import TINY_TRANSFORMER_CONFIG
 
-        return TINY_TRANSFORMER_CONFIG["num_layers"]
+        return dict(TINY_TRANSFORMER_CONFIG)
     config = Path(model).expanduser() / "transformer" / "config.json"
     try:
         import json
 
-        n = json.loads(config.read_text()).get("num_layers")
-    except (OSError, ValueError, AttributeError):
+        values = json.loads(config.read_text())
+    except (OSError, ValueError):
         return None
+    return values if isinstance(values, dict) else None
+
+
+def model_num_blocks(model: str) -> int | None:
+    """The transformer's number of blocks, read from its config without loading weights (None for a
+    hub id or an unreadable config: then it is known once the model loads)."""
+    n = (model_transformer_config(model) or {}).get("num_layers")
     return n if isinstance(n, int) else None
 
 
