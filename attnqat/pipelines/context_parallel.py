@@ -158,15 +158,17 @@ def _cpu_counts_as_one_device():
         torch.accelerator.device_count = device_count
 
 
-def enable_context_parallel(transformer: torch.nn.Module, layout: str, degree: int) -> None:
+def enable_context_parallel(transformer: torch.nn.Module, layout: str, degree: int, mesh: Any = None) -> None:
     """``transformer.enable_parallelism`` with ``ContextParallelConfig(ulysses_degree=degree)`` (``layout``
     "ulysses") or ``(ring_degree=degree)`` ("ring"), after :func:`~attnqat.pipelines.patch_attention`; the
-    process group must be up. diffusers builds its device mesh on torch's accelerator, or on the CPU where
-    torch has none (the CPU-only case needs :func:`_cpu_counts_as_one_device`)."""
+    process group must be up. diffusers builds its device mesh over the whole world on torch's accelerator, or
+    on the CPU where torch has none (the CPU-only case needs :func:`_cpu_counts_as_one_device`); ``mesh``, a
+    DeviceMesh with "ring" and "ulysses" dimensions, puts it over a sub-group instead (training's sequence
+    groups, :mod:`attnqat.train.sequence_parallel`)."""
     from diffusers import ContextParallelConfig
 
     if layout not in ("ulysses", "ring"):
         raise ValueError(f"context-parallel layout {layout!r} not in ('ulysses', 'ring')")
-    config = ContextParallelConfig(**{f"{layout}_degree": degree})
+    config = ContextParallelConfig(**{f"{layout}_degree": degree}, **({"mesh": mesh} if mesh is not None else {}))
     with _cpu_counts_as_one_device():
         transformer.enable_parallelism(config=config)

@@ -6,7 +6,8 @@
 The student runs a trainable FP4 attention mode (``attn_qat``); a frozen copy of the same initial
 weights with bf16 attention is the teacher. Objectives: ``distill`` (data-free or on precomputed
 prompts; target ``output`` or ``features``), ``flow`` (flow matching on precomputed video latents),
-``mix``. Runs on accelerate (CPU, one GPU, DDP, FSDP). See docs/training.md.
+``mix``. Runs on accelerate (CPU, one GPU, DDP, FSDP), optionally with Ulysses sequence parallelism
+(``train.sequence_parallel``). See docs/training.md.
 """
 from .config import (DISTILL_TARGETS, OBJECTIVES, TrainConfig, config_from_dict, load_config, model_config,
                      save_config, validate)

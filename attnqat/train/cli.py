@@ -5,6 +5,7 @@
   attnqat train --config configs/tiny.yaml --resume auto         # continue from the latest intact checkpoint
   attnqat train --config configs/tiny.yaml --overwrite           # delete the run in output_dir, start over
   accelerate launch --config_file configs/fsdp_wan14b.yaml -m attnqat.train --config configs/wan2.1-14b.yaml
+  accelerate launch --config_file configs/fsdp_wan14b.yaml -m attnqat.train --config configs/wan2.1-14b-sp.yaml
 
 The student trains `attention.mode` (attn_qat) attention; a frozen copy with bf16 attention is the
 teacher. Checkpoints go to OUTPUT_DIR/checkpoints/step-N/ (atomic, sha256 manifest, no pickles), the last

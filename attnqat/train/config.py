@@ -4,9 +4,10 @@
 
 Every key is checked: an unknown key, a value of the wrong type (a null where a value is needed, a
 non-finite number), a value outside its range (see :data:`LIMITS` for the upper bounds and their reasons),
-an unknown objective / attention mode / option / schedule, a missing data folder, or latents that do not
-fit the transformer (channels, patch divisibility, text width) raise ``ValueError`` naming the offending
-value, before any model is loaded or step is taken.
+an unknown objective / attention mode / option / schedule, a missing data folder, latents that do not
+fit the transformer (channels, patch divisibility, text width), or a ``train.sequence_parallel`` degree that
+does not divide the process count, the heads or the tokens raise ``ValueError`` naming the offending value,
+before any model is loaded or step is taken.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import dataclasses
 import json
 import math
 import numbers
+import os
 import re
 import reprlib
 import types
@@ -95,7 +97,7 @@ class DataConfig:
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     latent_shape: list = field(default_factory=lambda: [16, 21, 60, 104])  # (C, F, H, W) for noise latents
     text_len: int = 512             # tokens of random prompt embeddings when path is null (data-free)
-    batch_size: int = 1             # per process, per micro-batch
+    batch_size: int = 1             # per process (per sequence-parallel group), per micro-batch
     held_out: int = 4               # samples in the fixed held-out set for the student-teacher gap
     held_out_seed: int = 12345
 
@@ -118,6 +120,7 @@ class TrainSection:
     teacher_dtype: str | None = None  # bf16 | fp32; default bf16 under bf16 mixed precision, else fp32
     from_scratch: bool = False      # start from a seeded random initialisation of the model's architecture
     ema_decay: float = 0.0          # > 0: keep an exponential moving average of the weights and export it
+    sequence_parallel: int = 1      # Ulysses degree: N consecutive processes share each sample's sequence
 
 
 @dataclass
@@ -329,9 +332,11 @@ def model_config(model: str) -> dict:
                                  f"({type(e).__name__})") from e
 
 
-def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device_type: str = "cpu") -> dict:
-    """Check ``cfg`` against itself, its data folder and the transformer's config; return the data index
-    (``{}`` when data-free). Raises ValueError / FileNotFoundError naming the offending value."""
+def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device_type: str = "cpu",
+             world_size: int | None = None) -> dict:
+    """Check ``cfg`` against itself, its data folder, the transformer's config and the process count
+    ``world_size`` (default: the launcher's ``WORLD_SIZE``, 1 without one); return the data index (``{}`` when
+    data-free). Raises ValueError / FileNotFoundError naming the offending value."""
     from attnqat.kernels import available_modes
     from attnqat.kernels.api import check_options, get_mode
 
@@ -367,7 +372,8 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
                            ("checkpoint.keep", ck.keep, 1), ("log.every", cfg.log.every, 1),
                            ("log.eval_every", cfg.log.eval_every, 0), ("data.held_out", d.held_out, 0),
                            ("data.text_len", d.text_len, 1), ("objective.teacher_steps", o.teacher_steps, 1),
-                           ("seed", cfg.seed, 0), ("data.held_out_seed", d.held_out_seed, 0)):
+                           ("seed", cfg.seed, 0), ("data.held_out_seed", d.held_out_seed, 0),
+                           ("train.sequence_parallel", tr.sequence_parallel, 1)):
         if value < lo:
             raise ValueError(f"{key} must be >= {lo}, got {value}")
     for key, value in (("train.max_steps", tr.max_steps), ("seed", cfg.seed), ("train.lr", tr.lr),
@@ -467,9 +473,32 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
             raise ValueError(f"attention.layers {bad} out of range: the transformer has {tc['num_layers']} blocks")
     if device_type == "cpu" and tr.mixed_precision == "fp16":
         raise ValueError("train.mixed_precision 'fp16' needs a GPU; use 'no' on CPU")
+    _check_sequence_parallel(tr.sequence_parallel, tc, shapes, world_size)
     index["latent_shape"] = shapes[0]
     index["latent_shapes"] = shapes
     return index
+
+
+def _check_sequence_parallel(degree: int, tc: dict, shapes: list[list[int]], world_size: int | None) -> None:
+    """``train.sequence_parallel`` N against the processes (groups of N), the heads (Ulysses hands each process
+    heads / N of them) and the tokens (diffusers splits the sequence in N equal parts)."""
+    if degree == 1:
+        return
+    # torchrun and accelerate launch set WORLD_SIZE: the CLI refuses before a process group or model exists
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if world % degree:
+        raise ValueError(f"train.sequence_parallel {degree} must divide the process count {world}: each group of "
+                         f"{degree} consecutive processes shares one sample's sequence")
+    heads = tc["num_attention_heads"]
+    if heads % degree:
+        raise ValueError(f"train.sequence_parallel {degree} must divide the transformer's {heads} attention heads "
+                         f"(Ulysses gives each process heads / {degree}; Wan 2.1 14B has 40, 1.3B has 12)")
+    pt, ph, pw = tc.get("patch_size", (1, 2, 2))
+    for c, f, h, w in shapes:
+        tokens = (f // pt) * (h // ph) * (w // pw)
+        if tokens % degree:
+            raise ValueError(f"train.sequence_parallel {degree} must divide the {tokens} tokens of latent shape "
+                             f"{[c, f, h, w]}: diffusers splits the sequence into equal parts")
 
 
 def _corpus_shapes(c: CorpusConfig) -> list[list[int]]:

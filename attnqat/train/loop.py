@@ -5,8 +5,9 @@
     result.gap_before, result.gap_after        # held-out student-teacher gap (normalized MSE)
 
 One optimizer step = ``gradient_accumulation_steps`` micro-batches of ``data.batch_size`` samples per
-process. Every random draw of a micro-batch (noise, sigma, data-free latents and embeddings) comes from
-a generator seeded by (seed, step, micro-batch, rank), and dataset rows from the global sample position,
+process (per group of ``train.sequence_parallel`` processes, which share each sample: :mod:`.sequence_parallel`).
+Every random draw of a micro-batch (noise, sigma, data-free latents and embeddings) comes from a generator
+seeded by (seed, step, micro-batch, data-parallel rank), and dataset rows from the global sample position,
 so a run resumed from a checkpoint repeats the uninterrupted run's batches exactly.
 
 Checkpoints hold safetensors and JSON only, with a sha256 manifest written last (:mod:`.checkpoint`); a run
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ck
+from . import sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
 from .config import TrainConfig, model_config, save_config, validate
 from .data import ShardDataset, sample_indices
@@ -128,7 +130,10 @@ class Trainer:
         self.accelerator = accelerator or Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
         acc = self.accelerator
         self.tc = model_config(cfg.model)
-        self.index = validate(cfg, transformer_config=self.tc, device_type=acc.device.type)
+        self.index = validate(cfg, transformer_config=self.tc, device_type=acc.device.type,
+                              world_size=acc.num_processes)
+        self.sp = sequence_parallel.setup(tr.sequence_parallel, acc.process_index, acc.num_processes,
+                                          acc.device.type)
         self.shape = self.index["latent_shape"]
         self.dataset = ShardDataset(cfg.data.path) if cfg.data.path else None
         set_seed(cfg.seed)
@@ -150,6 +155,11 @@ class Trainer:
                                                 trainable=tr.trainable)
         if tr.gradient_checkpointing:
             student.enable_gradient_checkpointing()
+        if self.sp.degree > 1:
+            # the teacher too: its block features must be the same sequence shards as the student's, and a
+            # whole-sequence teacher forward would cost every process N times its share
+            sequence_parallel.enable(student, self.sp)
+            sequence_parallel.enable(teacher, self.sp)
         self.needs_teacher = cfg.objective.type in ("distill", "mix")
         self.features = cfg.objective.target == "features" and self.needs_teacher
         optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=tr.lr, betas=tuple(float(b) for b in tr.betas),
@@ -170,7 +180,7 @@ class Trainer:
             from .corpus_source import CorpusSource
 
             self.corpus = CorpusSource(cfg.model, cfg.data.corpus, text_len=cfg.data.text_len, device=acc.device,
-                                       rank=acc.process_index, world=acc.num_processes)
+                                       rank=self.sp.dp_rank, world=self.sp.dp_size)
         # EMA of the trainable weights (fp32, on the device), exported instead of the raw weights.
         self.ema = None
         if tr.ema_decay:
@@ -221,8 +231,9 @@ class Trainer:
             s_out = self._forward(self.student, batch)
             s_feat = dict(feats)
         if t_out is not None:
-            out["gap"] = nmse(s_out, t_out)
-            out["gap_features"] = torch.stack([nmse(s_feat[i], t_feat[i]) for i in sorted(t_feat)]).mean()
+            out["gap"] = nmse(s_out, t_out)  # the output is whole on every process (gathered under SP)
+            total = lambda x: sequence_parallel.sum_over_group(x, self.sp)  # noqa: E731 - features are shards
+            out["gap_features"] = torch.stack([nmse(s_feat[i], t_feat[i], total=total) for i in sorted(t_feat)]).mean()
         if self.needs_teacher:
             if self.features:
                 out["distill"] = out["gap_features"] + cfg.objective.output_weight * out["gap"]
@@ -242,14 +253,16 @@ class Trainer:
     def micro_batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
         cfg, acc = self.cfg, self.accelerator
         b = cfg.data.batch_size
-        g = _generator(cfg.seed, step, micro, acc.process_index)
+        # a function of the data-parallel rank: the processes of a sequence group train on the same samples
+        dp_rank, dp_size = self.sp.dp_rank, self.sp.dp_size
+        g = _generator(cfg.seed, step, micro, dp_rank)
         indices = None
         if self.dataset is not None:
-            pos = (step * cfg.train.gradient_accumulation_steps + micro) * b * acc.num_processes + acc.process_index * b
+            pos = (step * cfg.train.gradient_accumulation_steps + micro) * b * dp_size + dp_rank * b
             indices = sample_indices(len(self.dataset), cfg.seed, pos, b)
         if self.corpus is not None:
             pos = (step * cfg.train.gradient_accumulation_steps + micro) * b
-            data = self.corpus.batch(step, micro, b, g, pos)
+            data = sequence_parallel.share_batch(self.corpus.batch(step, micro, b, g, pos), self.sp)
             return self._noise(data, g)
         batch = self._to_device(self.batcher.make(g, b, indices))
         if self.needs_teacher and cfg.objective.type == "distill" and cfg.objective.latents == "teacher":
@@ -711,8 +724,9 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         ck.atomic_write_text(out_dir / ck.RUN_CONFIG, yaml_config(cfg))
     if resumed is not None and start == tr.max_steps:
         return _finish(trainer, out_dir / "final")
+    groups = f", sequence parallel {trainer.sp.degree} x {trainer.sp.dp_size}" if trainer.sp.degree > 1 else ""
     acc.print(f"attnqat train: {cfg.model}, {acc.num_processes} process(es) on {acc.device.type} "
-              f"({acc.distributed_type.value}), objective {cfg.objective.type}"
+              f"({acc.distributed_type.value}{groups}), objective {cfg.objective.type}"
               f"{'/' + cfg.objective.target if trainer.needs_teacher else ''}, student {cfg.attention.mode}, "
               f"{trainer.tokens_at(start)} tokens/sample, steps {start}..{tr.max_steps}")
     logger = _Logger(cfg, acc, start, resuming=bool(resume))
@@ -739,7 +753,9 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
             ctx = acc.no_sync(trainer.student) if micro < accum - 1 else _null()
             with ctx:
                 out = trainer.losses(batch)
-                acc.backward(out["loss"] / accum)
+                # x sequence_parallel: each process's gradient is its sequence shard's share of the sample's,
+                # which the group must sum, but DDP / FSDP average over every process (sequence_parallel.py)
+                acc.backward(out["loss"] * trainer.sp.degree / accum)
             for k in ("loss", "distill", "flow", "gap"):
                 if k in out:
                     sums[k] = sums.get(k, 0.0) + out[k].detach().float() / accum
@@ -753,7 +769,7 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.update_ema(step)
         trainer.state.step = step + 1
-        trainer.state.position = (step + 1) * accum * cfg.data.batch_size * acc.num_processes
+        trainer.state.position = (step + 1) * accum * cfg.data.batch_size * trainer.sp.dp_size
         if acc.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -761,7 +777,8 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         row = {"step": step + 1, "loss": reduced["loss"], "loss_distill": reduced.get("distill", ""),
                "loss_flow": reduced.get("flow", ""), "gap": reduced.get("gap", ""),
                "grad_norm": float(grad_norm) if grad_norm is not None else "", "lr": lr,
-               "tokens_per_s": trainer.tokens_at(step) * cfg.data.batch_size * accum * acc.num_processes / dt, "step_s": dt}
+               "tokens_per_s": trainer.tokens_at(step) * cfg.data.batch_size * accum * trainer.sp.dp_size / dt,
+               "step_s": dt}
         if cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0 and step + 1 < tr.max_steps:
             ev = trainer.evaluate()
             if ev:

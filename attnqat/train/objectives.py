@@ -21,10 +21,15 @@ import torch
 from attnqat.pipelines import AttnQATProcessor, patch_attention
 
 
-def nmse(student: torch.Tensor, teacher: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """||s - t||^2 / ||t||^2 over the whole tensor, in float32."""
+def nmse(student: torch.Tensor, teacher: torch.Tensor, eps: float = 1e-12, total=None) -> torch.Tensor:
+    """||s - t||^2 / ||t||^2 over the whole tensor, in float32. ``total``: for tensors that are one process's
+    part of a larger one (sequence shards), a function that sums a local sum over the processes holding the
+    parts (:func:`attnqat.train.sequence_parallel.sum_over_group`)."""
     s, t = student.float(), teacher.float()
-    return (s - t).pow(2).sum() / t.pow(2).sum().clamp_min(eps)
+    err, ref = (s - t).pow(2).sum(), t.pow(2).sum()
+    if total is not None:
+        err, ref = total(err), total(ref)
+    return err / ref.clamp_min(eps)
 
 
 class AutocastAttnProcessor(AttnQATProcessor):
