@@ -176,9 +176,11 @@ def _check_model(rank: int, results: dict):
     original = cp_module.context_parallel_attention
     cp_module.context_parallel_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
     try:
-        for layout, (ring, ulysses), mode in (("ulysses", (1, 2), "attn_qat"), ("ring", (2, 1), "nvfp4")):
+        cases = (("ulysses", (1, 2), "attn_qat", False), ("ring", (2, 1), "nvfp4", False),
+                 ("ulysses", (1, 2), "sage3", True))  # True: patched again after enable_parallelism
+        for layout, (ring, ulysses), mode, late in cases:
             calls.clear()
-            train = ring == 1
+            train = mode == "attn_qat"  # Ulysses trains through; ring and sage3 are inference-only
             model = _tiny_wan()
             patch_attention(model, mode)
             with torch.set_grad_enabled(train):
@@ -190,11 +192,14 @@ def _check_model(rank: int, results: dict):
             assert not calls
             cp_module.enable_context_parallel(model, layout, ring * ulysses)
             assert torch.accelerator.device_count() == 0  # the count was 1 only during the call
+            if late:  # the processors patch_attention puts in now must keep the parallel config
+                patch_attention(model, "bf16")
+                patch_attention(model, mode)
             with torch.set_grad_enabled(train):
                 out = model(**_wan_inputs())[0]
                 if train:
                     (out * _weights(out)).sum().backward()
-            key = f"model/{layout}/{mode}"
+            key = f"model/{layout}/{mode}" + ("/late" if late else "")
             results[key] = [(out.detach() - ref.detach()).abs().max().item(), ref.abs().max().item()]
             results[key + "/calls"] = len(calls)  # one per self-attention (2 blocks)
             if train:
@@ -259,13 +264,15 @@ def test_ring_training_refused(distributed_results):
         assert "inference-only" in r["ring/train"] and "\n" not in r["ring/train"]
 
 
-@pytest.mark.parametrize("case", ["ulysses/attn_qat", "ring/nvfp4"])
+@pytest.mark.parametrize("case", ["ulysses/attn_qat", "ring/nvfp4", "ulysses/sage3/late"])
 def test_patched_wan_under_context_parallel(distributed_results, case):
+    """The patched model equals itself unsharded; "late": patch_attention called again after
+    enable_parallelism (its new processors take the parallel config of the ones they replace)."""
     for r in distributed_results:
         err, scale = r[f"model/{case}"]
         assert r[f"model/{case}/calls"] == 2  # the processors did run the context-parallel path
         assert err <= 1e-5 * max(scale, 1.0), (case, err, scale)
-        if case.startswith("ulysses"):  # trained through: parameter gradients, summed over ranks
+        if case == "ulysses/attn_qat":  # trained through: parameter gradients, summed over ranks
             assert r[f"model/{case}/grad"] <= 1e-5, r[f"model/{case}/grad"]
 
 

@@ -229,7 +229,18 @@ def unpatch_attention(transformer: torch.nn.Module) -> None:
     """Put back the processors that :func:`patch_attention` replaced (no-op on an unpatched model)."""
     originals: dict[str, Any] = transformer.__dict__.pop(_ORIGINALS_ATTR, {})
     for name, proc in originals.items():
-        transformer.get_submodule(name).set_processor(proc)
+        module = transformer.get_submodule(name)
+        _keep_parallel_config(module.get_processor(), proc)
+        module.set_processor(proc)
+
+
+def _keep_parallel_config(old: Any, new: Any) -> None:
+    """``enable_parallelism`` writes its config into the processors it finds at that moment: a processor that
+    replaces one later (patching or unpatching after it) must carry it on, or that layer's attention would run
+    on its rank's shard of the sequence alone."""
+    config = getattr(old, "_parallel_config", None)
+    if config is not None:
+        new._parallel_config = config
 
 
 def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "self", *,
@@ -281,6 +292,7 @@ def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "s
             proc = AttnQATProcessor(high_mode, timer=timer, high_precision_mode=high_mode)
         else:
             proc = AttnQATProcessor(mode, timer=timer, high_precision_mode=high_mode, **options)
+        _keep_parallel_config(originals[name], proc)
         module.set_processor(proc)
     transformer.__dict__[_ORIGINALS_ATTR] = originals
     return names
