@@ -168,14 +168,14 @@ def markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, text: str) -> None:
+def write_section(path: Path, text: str, section: str = SECTION) -> None:
     """Replace (or append) only this benchmark's section of a markdown file; other sections stay."""
     old = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = old.find(SECTION)
+    start = old.find(section)
     if start < 0:
         new = old.rstrip("\n") + "\n\n" + text
     else:
-        nxt = old.find("\n## ", start + len(SECTION))
+        nxt = old.find("\n## ", start + len(section))
         new = old[:start] + text + ("\n" + old[nxt + 1:] if nxt >= 0 else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new)

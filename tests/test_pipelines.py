@@ -311,3 +311,35 @@ def test_patched_transformer_compiles_and_matches_eager(transformer):
         assert torch.equal(_run(compiled, inputs), eager)
     finally:
         torch._dynamo.reset()
+
+
+def test_multigpu_benchmark_code_path_on_two_cpu_processes(tmp_path):
+    """bench/multigpu.py under torchrun (2 gloo processes, tiny model): the 1-process and 2-process steps run in
+    one job, only rank 0 writes, and the 2-process output equals the 1-process one (ring: each rank's 16 tokens
+    are whole NVFP4 blocks, so the FP4 result is the one-pass result up to fp32 rounding)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n")
+    import socket
+
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           str(root / "bench" / "multigpu.py"), "--tiny", "--parallel", "ring", "--modes", "bf16,nvfp4",
+           "--warmup", "0", "--repeats", "1", "--docs", str(docs), "--json", str(tmp_path / "mg.json")]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "mg.json").read_text())["results"]
+    assert [r["mode"] for r in rows] == ["bf16", "nvfp4"]
+    for r in rows:
+        assert r["finite"] and r["one_s"] > 0 and r["many_s"] > 0 and r["gap"] <= 3e-6, r
+    text = docs.read_text()
+    assert "keep me" in text and text.count("## Multi-GPU: Wan 2.1 14B step") == 1 and "| tiny | 32 | nvfp4 |" in text

@@ -89,15 +89,19 @@ def rank_device(launch: Launch, requested: str | None):
 
 
 @contextmanager
-def process_group(device) -> Iterator[None]:
+def process_group(device, timeout_minutes: float | None = None) -> Iterator[None]:
     """The default process group (NCCL on a CUDA ``device``, gloo on the CPU) from the launch's environment,
-    destroyed on the way out, error or not."""
+    destroyed on the way out, error or not. ``timeout_minutes``: how long a collective may wait (torch's
+    default, 10 minutes, when None; benchmarks where one rank times alone need more)."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL starts, so each rank's communicator is on its own GPU
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     try:
         yield
     finally:
