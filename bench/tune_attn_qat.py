@@ -1,6 +1,7 @@
 """Price the pieces of the Attn-QAT kernels and sweep launch configs (one device run).
 
     python bench/tune_attn_qat.py [--L 32760] [--heads 40]
+    python bench/tune_attn_qat.py --fused-dq      # the backward: two kernels vs dQ fused by atomics, per config
 
 Prints the median time of: the forward with/without P quantization and O' per config; the backward
 (with/without phi) per dK/dV config; the dQ kernel per config. The chosen
@@ -32,6 +33,8 @@ def main():
     ap.add_argument("--L", type=int, default=32760)
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--json", type=pathlib.Path, default=None)
+    ap.add_argument("--fused-dq", action="store_true",
+                    help="only the backward: two kernels vs dQ fused into the dK/dV kernel (fp32 atomics), per config")
     ap.add_argument("--forward", action="store_true",
                     help="only the forward: configs x head dims, inference and training, beside cuDNN SDPA")
     args = ap.parse_args()
@@ -65,6 +68,23 @@ def main():
             res[f"fwd {cfg} quant={quant} train={train}"] = t
             print(f"fwd {cfg} quant={quant} train={train}: {t}", flush=True)
     o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=True)
+    if args.fused_dq:  # the route "one S recompute for dK, dV and dQ" of issue 15
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # same-run context: cuDNN's fwd and fwd+bwd
+            res["cudnn fwd"] = safe(lambda: torch.nn.functional.scaled_dot_product_attention(*leaves))
+            res["cudnn fwd+bwd"] = safe(lambda: torch.nn.functional.scaled_dot_product_attention(*leaves).backward(do))
+        print(f"cudnn fwd {res['cudnn fwd']}, fwd+bwd {res['cudnn fwd+bwd']}", flush=True)
+        for cfg, fused in itertools.product([(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3),
+                                             (128, 64, 8, 3), (128, 128, 8, 2)], (False, True)):
+            c = LaunchConfig(*cfg)
+            t = safe(lambda: attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False,
+                                               config=c, fused_dq=fused))
+            res[f"bwd dkdv={cfg} fused_dq={fused}"] = t
+            print(f"bwd dkdv={cfg} fused_dq={fused}: {t}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+        return
     dq_fixed = LaunchConfig(128, 64, 8, 3)
     for cfg in [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2),
                 (32, 64, 4, 3)]:

@@ -260,3 +260,22 @@ def test_row_max_that_keeps_growing(poison):
     assert (rm - first_tile.amax(-1)).min() > 150
     assert torch.equal(m, rm)
     assert rel_err(l, rl) < 1e-5 and rel_err(o, ro) < 1e-5 and rel_err(o_aux, ro_aux) < 1e-5
+
+
+@pytest.mark.parametrize("lq,lk,causal,p_bwd", [(70, 70, False, "final_max"), (64, 96, True, "normalized"),
+                                                 (33, 50, False, "final_max"), (96, 96, True, "final_max")])
+def test_fused_dq_backward_equals_the_two_kernel_backward(lq, lk, causal, p_bwd, poison):
+    """``fused_dq=True`` (dQ from the dK/dV kernel's S recompute by fp32 atomics, no dQ kernel): the same dq up
+    to the order of the fp32 sums, and dk, dv bit for bit (the dK/dV arithmetic is untouched); ragged lengths,
+    causal, both P variants of the backward."""
+    dt = torch.float16 if causal else torch.bfloat16
+    q, do = (torch.randn(1, 2, lq, 64).to(dt) for _ in range(2))
+    k, v = (torch.randn(1, 2, lk, 64).to(dt) for _ in range(2))
+    o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=0.125, causal=causal, training=True)
+    two = attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=0.125, causal=causal, p_bwd=p_bwd,
+                            fused_dq=False)
+    fused = attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=0.125, causal=causal, p_bwd=p_bwd,
+                              fused_dq=True)
+    assert torch.isfinite(fused[0]).all()
+    assert rel_err(fused[0].float(), two[0].float()) < 1e-3
+    assert torch.equal(fused[1], two[1]) and torch.equal(fused[2], two[2])

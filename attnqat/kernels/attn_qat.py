@@ -28,6 +28,7 @@ exact emulation of block-scaled FP4 MMAs. Under ``TRITON_INTERPRET=1`` every dot
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -365,14 +366,16 @@ def _attn_bwd_preprocess(OAux, DO, Delta, stride_dob, stride_doh, stride_dol, H,
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, M, Lsum, Delta, bh, offs_n, lo, hi, stride_dol,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, lo, hi, stride_dol,
                          LQ, LK, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                          CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, QUANT_P: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, FUSED_DQ: tl.constexpr):
     """Query blocks [lo, hi) for one key block. S and P are held transposed (keys x queries), so P^T
     and dS^T feed the MMAs directly and phi runs along axis 0 (measured faster than the untransposed
-    layout: docs/kernels.md). MASK (constexpr): only ragged blocks and the causal diagonal pay for it."""
+    layout: docs/kernels.md). MASK (constexpr): only ragged blocks and the causal diagonal pay for it.
+    FUSED_DQ: also dQ += dS K^F from this S recompute, added atomically into an fp32 buffer (five MMAs per
+    tile pair instead of seven over the two kernels; the price is the atomic traffic)."""
     offs_d = tl.arange(0, HEAD_DIM)
     dot_ty = k.dtype
     for start_m in range(lo, hi, BLOCK_M):
@@ -411,18 +414,27 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, M, Lsum, Delta, bh, offs
         dpt = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
         dst = pt * (dpt - delta[None, :])
         dk = _dot(dst.to(dot_ty), tl.trans(qt), dk, IEEE)
+        if FUSED_DQ:
+            dq = _dot(tl.trans(dst.to(dot_ty)), k, tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), IEEE)
+            dq_ptrs = dq_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+            if MASK:
+                tl.atomic_add(dq_ptrs, dq, mask=(offs_m < LQ)[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV,
+def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV, DQAcc,
                    stride_dob, stride_doh, stride_dol,
                    stride_kb, stride_kh, stride_kl,
                    H, LQ, LK, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, IEEE: tl.constexpr, QUANT_P: tl.constexpr):
+                   CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, IEEE: tl.constexpr, QUANT_P: tl.constexpr,
+                   FUSED_DQ: tl.constexpr = False):
     """One key block per program, looping over query blocks: dV = P^F^T dO, dK = dS^T Q^F * scale.
-    QUANT_P=False drops phi (benchmarks use it to price the quantization)."""
+    QUANT_P=False drops phi (benchmarks use it to price the quantization). FUSED_DQ: also dS K^F into DQAcc
+    ((B*H, LQ, HEAD_DIM) fp32, zeroed; unscaled), and no dQ kernel runs."""
     tl.static_assert(BLOCK_N % 16 == 0)
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -435,6 +447,7 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV,
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     q_base = QF + bh * LQ * HEAD_DIM
     do_base = DO + (bh // H) * stride_dob + (bh % H) * stride_doh
+    dq_base = DQAcc + bh * LQ * HEAD_DIM
     # Query blocks: [lo, mid) masked (causal: the diagonal; queries before this key block never see it),
     # [mid, full_hi) unmasked, [full_hi, LQ) masked (the ragged last block). A ragged key block masks all.
     if CAUSAL:
@@ -445,15 +458,15 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV,
         mid = 0
     mid = tl.where((start_n + 1) * BLOCK_N <= LK, mid, LQ)
     full_hi = tl.maximum(mid, (LQ // BLOCK_M) * BLOCK_M)
-    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, M, Lsum, Delta, bh, offs_n, lo, mid, stride_dol,
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, lo, mid, stride_dol,
                                   LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, P_NORMALIZED,
-                                  QUANT_P, IEEE)
-    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, M, Lsum, Delta, bh, offs_n, mid, full_hi,
+                                  QUANT_P, IEEE, FUSED_DQ)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, mid, full_hi,
                                   stride_dol, LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
-                                  P_NORMALIZED, QUANT_P, IEEE)
-    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, M, Lsum, Delta, bh, offs_n, full_hi, LQ,
+                                  P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, full_hi, LQ,
                                   stride_dol, LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
-                                  P_NORMALIZED, QUANT_P, IEEE)
+                                  P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ)
     out = (bh // H) * stride_kb + (bh % H) * stride_kh + offs_n[:, None] * stride_kl + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -662,12 +675,17 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
 
 def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, causal: bool,
                       p_bwd: str = "final_max", config: LaunchConfig | None = None,
-                      config_dq: LaunchConfig | None = None, quant_p: bool = True):
+                      config_dq: LaunchConfig | None = None, quant_p: bool = True, fused_dq: bool | None = None):
     """Launch the backward. Returns (dq, dk, dv) in the layouts and dtype of q and k.
 
     ``config`` is the dK/dV kernel's (BLOCK_M: queries per step, BLOCK_N: keys per program),
     ``config_dq`` the dQ kernel's; ``quant_p=False`` drops phi(P) (benchmarks, the drop-in ablation).
+    ``fused_dq``: dQ from the dK/dV kernel's S recompute by fp32 atomics instead of a second kernel (default:
+    ATTNQAT_BWD_FUSED_DQ=1; off otherwise: not yet measured on a GPU). Its sums run in another order, so dQ
+    differs from the two-kernel dQ by fp32 rounding.
     """
+    if fused_dq is None:
+        fused_dq = os.environ.get("ATTNQAT_BWD_FUSED_DQ") == "1"
     b, h, lq, d = qf.shape
     lk = kf.shape[2]
     cfg = config or bwd_config(d)
@@ -681,12 +699,16 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     dq = _empty_like_layout(q, wdt)
     dk = _empty_like_layout(k, wdt)
     dv = torch.empty_like(dk)  # same layout as dk: one set of strides for both stores
+    dq_acc = torch.zeros(b, h, lq, d, device=q.device, dtype=torch.float32) if fused_dq else dk
     _attn_bwd_dkdv[(triton.cdiv(lk, cfg.block_n), b * h)](
-        qf, kf, vf, do, m, l, delta, dk, dv, do.stride(0), do.stride(1), do.stride(2),
+        qf, kf, vf, do, m, l, delta, dk, dv, dq_acc, do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, IEEE=interpreting(),
-        P_NORMALIZED=(p_bwd == "normalized"), QUANT_P=quant_p,
+        P_NORMALIZED=(p_bwd == "normalized"), QUANT_P=quant_p, FUSED_DQ=fused_dq,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if fused_dq:
+        dq.copy_(dq_acc.mul_(sm_scale))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype)
 
     def launch_dq(c):  # 128x64/8/3 needs 116 KB on sm_89 (99 KB there): launch_fitting steps down
         _attn_bwd_dq[(triton.cdiv(lq, c.block_m), b * h)](
