@@ -279,3 +279,17 @@ def test_fused_dq_backward_equals_the_two_kernel_backward(lq, lk, causal, p_bwd,
     assert torch.isfinite(fused[0]).all()
     assert rel_err(fused[0].float(), two[0].float()) < 1e-3
     assert torch.equal(fused[1], two[1]) and torch.equal(fused[2], two[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L,causal", [(4096, False), (3000, True)])
+def test_gpu_fused_dq_equals_two_kernels(L, causal, poison):
+    """The compiled FUSED_DQ path (fp32 atomics on the GPU): dq within fp32 summation order of the two-kernel
+    dq, dk and dv bit for bit."""
+    q, k, v = qkv(1, 2, L, L, 128, device="cuda")
+    do = torch.randn_like(q)
+    o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=128 ** -0.5, causal=causal, training=True)
+    two, fused = (attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=128 ** -0.5, causal=causal,
+                                    fused_dq=f) for f in (False, True))
+    assert rel_err(fused[0], two[0]) < 1e-3
+    assert torch.equal(fused[1], two[1]) and torch.equal(fused[2], two[2])
