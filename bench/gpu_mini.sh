@@ -57,4 +57,11 @@ esac
 tr '\r' '\n' < $W/train.log 2>/dev/null | grep -v "it/s\]$" | tail -n 12
 cp $W/train.log $W/run/log.csv $W/timings.json "$OUT/" 2>/dev/null
 tail -n 3 $W/run/log.csv 2>/dev/null
+# the held-out rows: flow loss and wrong/right caption loss (about 1.00 = the prompt is ignored)
+python3 - $W/run/log.csv <<'PY' 2>/dev/null
+import csv, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if r.get("eval_flow")]
+for r in rows[-4:]:
+    print(f"step {r['step']}: held-out flow {float(r['eval_flow']):.4f}, wrong/right caption {r.get('eval_prompt_ratio') or '-'}")
+PY
 exit 0

@@ -101,6 +101,25 @@ def test_from_scratch_is_seeded_and_ignores_the_folders_weights(mini_folder, tmp
     assert torch.equal(p1, p2) and not torch.equal(p1, p3)
 
 
+def test_held_out_prompt_ratio_is_the_wrong_caption_loss_over_the_right_one(mini_folder, tmp_path):
+    """evaluate()'s prompt_ratio (eval_prompt_ratio in log.csv): the held-out flow loss with each clip given the
+    next clip's caption over the loss with its own, recomputed here through losses(); and 1 exactly when every
+    clip has the same caption (then nothing changes), the control that the ratio measures the captions."""
+    from attnqat.train.loop import Trainer
+
+    trainer = Trainer(_cfg(mini_folder, tmp_path / "r", "train.from_scratch=true", "data.held_out=4",
+                           "data.batch_size=2"))
+    got = trainer.evaluate()["prompt_ratio"]
+    right = wrong = 0.0
+    for batch in trainer.held_out():
+        right += trainer.losses(batch, grad=False)["flow"].item()
+        wrong += trainer.losses(dict(batch, embeds=batch["embeds"].roll(1, dims=0)), grad=False)["flow"].item()
+    assert got == pytest.approx(wrong / right, rel=1e-5) and got != pytest.approx(1.0, abs=1e-6)
+    for batch in trainer.held_out():  # every clip captioned alike
+        batch["embeds"][:] = batch["embeds"][:1].clone()
+    assert trainer.evaluate()["prompt_ratio"] == pytest.approx(1.0, abs=1e-7)
+
+
 def test_time_limit_saves_a_checkpoint_and_stops(mini_folder, tmp_path):
     from attnqat.train import train
     from attnqat.train.loop import latest_checkpoint
