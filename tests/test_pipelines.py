@@ -326,13 +326,8 @@ def test_multigpu_benchmark_code_path_on_two_cpu_processes(tmp_path):
     root = Path(__file__).resolve().parents[1]
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n")
-    import socket
-
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",  # a free port
            str(root / "bench" / "multigpu.py"), "--tiny", "--parallel", "ring", "--modes", "bf16,nvfp4",
            "--warmup", "0", "--repeats", "1", "--docs", str(docs), "--json", str(tmp_path / "mg.json")]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -343,3 +338,19 @@ def test_multigpu_benchmark_code_path_on_two_cpu_processes(tmp_path):
         assert r["finite"] and r["one_s"] > 0 and r["many_s"] > 0 and r["gap"] <= 3e-6, r
     text = docs.read_text()
     assert "keep me" in text and text.count("## Multi-GPU: Wan 2.1 14B step") == 1 and "| tiny | 32 | nvfp4 |" in text
+
+
+def test_fsdp_sequence_parallel_training_step_benchmark_on_two_cpu_processes():
+    """bench/train_step_sp.py under torchrun (2 gloo processes, tiny model): the FSDP1 + Ulysses training step runs
+    for both student modes, with finite losses, and rank 0 prints the table."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(root / "bench" / "train_step_sp.py"), "--tiny", "--steps", "1", "--warmup", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| `bf16` |" in run.stdout and "| `attn_qat` |" in run.stdout and run.stdout.count("| `bf16` |") == 1
