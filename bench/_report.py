@@ -18,6 +18,31 @@ def bench_ms(fn, warmup=25, rep=100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def timed_steps(step, *, warmup: int, steps: int, device, before_each=None) -> tuple[list[float], list[float]]:
+    """``warmup`` untimed calls of ``step`` (which returns a loss), the CUDA peak-memory counter reset, then
+    ``steps`` timed calls (wall time, CUDA-synchronised; ``before_each`` runs untimed before each, e.g. a
+    barrier). Returns (seconds per call, losses)."""
+    import time
+
+    import torch
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times, losses = [], []
+    for _ in range(steps):
+        if before_each is not None:
+            before_each()
+        t0 = time.perf_counter()
+        losses.append(step())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
 def environment() -> dict:
     import torch
     import triton

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+from _report import timed_steps  # noqa: E402
 
 SECTION = "## Training step: Wan 2.1 1.3B-sized transformer"
 
@@ -116,18 +117,7 @@ def run_mode(mode: str, args, config: dict, shape, device, autocast_dtype):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    for _ in range(args.warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times, losses = timed_steps(step, warmup=args.warmup, steps=args.steps, device=device)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     s_cap.remove()
     if t_cap:

@@ -26,16 +26,17 @@ import gc
 import importlib.util
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from attnqat.pipelines import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from attnqat.pipelines.launch import launch_from_env, process_group, rank_device  # noqa: E402
+from _report import timed_steps  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
 e2e = importlib.util.module_from_spec(_spec)
@@ -142,19 +143,8 @@ def run_mode(mode, args, config, layers, latent, device, sp):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    for _ in range(args.warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-    times, losses = [], []
-    for _ in range(args.steps):
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        losses.append(step())
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times, losses = timed_steps(step, warmup=args.warmup, steps=args.steps, device=device,
+                                before_each=torch.distributed.barrier)  # every rank starts the step together
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0],
                         device=device)
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
