@@ -28,6 +28,12 @@ def safe(fn):
         return "err: " + str(e).splitlines()[0][:60]
 
 
+def record(res: dict, key: str, fn) -> None:
+    """Time ``fn`` (:func:`safe`), keep it under ``key`` and print it as it comes."""
+    res[key] = t = safe(fn)
+    print(f"{key}: {t}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--L", type=int, default=32760)
@@ -43,66 +49,74 @@ def main():
     do = torch.randn_like(q)
     sc = 128 ** -0.5
     res = {}
+
+    def saved():  # what the backward reads: the training forward's outputs
+        return attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=True)
+
     if args.forward:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            res["cudnn fwd"] = safe(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
-            q64, k64, v64 = (t[..., :64].contiguous() for t in (q, k, v))
-            res["cudnn fwd d=64"] = safe(lambda: torch.nn.functional.scaled_dot_product_attention(q64, k64, v64))
-        print(f"cudnn fwd: {res['cudnn fwd']}, d=64: {res['cudnn fwd d=64']}", flush=True)
-        for cfg in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (256, 64, 16, 3)]:
+        forward_sweep(res, q, k, v, sc)
+    elif args.fused_dq:  # only the backward, as its --help says
+        fused_dq_sweep(res, q, k, v, do, sc, saved())
+    else:
+        for cfg in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 32, 8, 3),
+                    (64, 32, 4, 3), (128, 128, 8, 2)]:
             c = LaunchConfig(*cfg)
-            for d, train in ((128, False), (128, True), (64, False)):
-                qd, kd, vd = (t[..., :d] for t in (q, k, v))
-                t = safe(lambda: attn_qat_forward(qd, kd, vd, sm_scale=sc, causal=False, training=train, config=c))
-                res[f"fwd {cfg} d={d} train={train}"] = t
-                print(f"fwd {cfg} d={d} train={train}: {t}", flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(res, indent=1))
-        return
-    for cfg in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 32, 8, 3),
-                (64, 32, 4, 3), (128, 128, 8, 2)]:
+            for quant, train in itertools.product((True, False), (False, True)):
+                record(res, f"fwd {cfg} quant={quant} train={train}", lambda: attn_qat_forward(
+                    q, k, v, sm_scale=sc, causal=False, training=train, quant_p=quant, config=c))
+        backward_sweep(res, q, k, v, do, sc, saved())
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+
+
+def forward_sweep(res, q, k, v, sc):
+    """Forward configs x head dims, inference and training, beside cuDNN SDPA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        record(res, "cudnn fwd", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        q64, k64, v64 = (t[..., :64].contiguous() for t in (q, k, v))
+        record(res, "cudnn fwd d=64", lambda: torch.nn.functional.scaled_dot_product_attention(q64, k64, v64))
+    for cfg in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (256, 64, 16, 3)]:
         c = LaunchConfig(*cfg)
-        for quant, train in itertools.product((True, False), (False, True)):
-            t = safe(lambda: attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=train, quant_p=quant, config=c))
-            res[f"fwd {cfg} quant={quant} train={train}"] = t
-            print(f"fwd {cfg} quant={quant} train={train}: {t}", flush=True)
-    o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=True)
-    if args.fused_dq:  # the route "one S recompute for dK, dV and dQ" of issue 15
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # same-run context: cuDNN's fwd and fwd+bwd
-            res["cudnn fwd"] = safe(lambda: torch.nn.functional.scaled_dot_product_attention(*leaves))
-            res["cudnn fwd+bwd"] = safe(lambda: torch.nn.functional.scaled_dot_product_attention(*leaves).backward(do))
-        print(f"cudnn fwd {res['cudnn fwd']}, fwd+bwd {res['cudnn fwd+bwd']}", flush=True)
-        for cfg, fused in itertools.product([(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3),
-                                             (128, 64, 8, 3), (128, 128, 8, 2)], (False, True)):
-            c = LaunchConfig(*cfg)
-            t = safe(lambda: attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False,
-                                               config=c, fused_dq=fused))
-            res[f"bwd dkdv={cfg} fused_dq={fused}"] = t
-            print(f"bwd dkdv={cfg} fused_dq={fused}: {t}", flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(res, indent=1))
-        return
+        for d, train in ((128, False), (128, True), (64, False)):
+            qd, kd, vd = (t[..., :d] for t in (q, k, v))
+            record(res, f"fwd {cfg} d={d} train={train}", lambda: attn_qat_forward(
+                qd, kd, vd, sm_scale=sc, causal=False, training=train, config=c))
+
+
+def fused_dq_sweep(res, q, k, v, do, sc, saved):
+    """The route "one S recompute for dK, dV and dQ" of issue 15: two kernels vs FUSED_DQ per dK/dV config,
+    beside cuDNN's fwd and fwd+bwd in the same run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    o, o_aux, m, l, (qf, kf, vf) = saved
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        record(res, "cudnn fwd", lambda: torch.nn.functional.scaled_dot_product_attention(*leaves))
+        record(res, "cudnn fwd+bwd", lambda: torch.nn.functional.scaled_dot_product_attention(*leaves).backward(do))
+    for cfg, fused in itertools.product([(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3),
+                                         (128, 64, 8, 3), (128, 128, 8, 2)], (False, True)):
+        c = LaunchConfig(*cfg)
+        record(res, f"bwd dkdv={cfg} fused_dq={fused}", lambda: attn_qat_backward(
+            do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False, config=c, fused_dq=fused))
+
+
+def backward_sweep(res, q, k, v, do, sc, saved):
+    """dK/dV configs with and without phi (dQ kernel fixed), then dQ configs (dK/dV kernel fixed)."""
+    o, o_aux, m, l, (qf, kf, vf) = saved
     dq_fixed = LaunchConfig(128, 64, 8, 3)
     for cfg in [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2),
                 (32, 64, 4, 3)]:
         c = LaunchConfig(*cfg)
         for quant in (True, False):
-            t = safe(lambda: attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False,
-                                               config=c, config_dq=dq_fixed, quant_p=quant))
-            res[f"bwd dkdv={cfg} quant={quant}"] = t
-            print(f"bwd dkdv={cfg} quant={quant}: {t}", flush=True)
+            record(res, f"bwd dkdv={cfg} quant={quant}", lambda: attn_qat_backward(
+                do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False, config=c, config_dq=dq_fixed,
+                quant_p=quant))
     dkdv_fixed = LaunchConfig(64, 128, 8, 3)
+    print(f"dQ configs, dK/dV kernel fixed at {tuple(dkdv_fixed.__dict__.values())}:", flush=True)
     for cfg in [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 128, 8, 3)]:
         c = LaunchConfig(*cfg)
-        t = safe(lambda: attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False,
-                                           config=dkdv_fixed, config_dq=c))
-        res[f"bwd dq={cfg}"] = t
-        print(f"bwd (dkdv fixed {tuple(dkdv_fixed.__dict__.values())}) dq={cfg}: {t}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+        record(res, f"bwd dq={cfg}", lambda: attn_qat_backward(
+            do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False, config=dkdv_fixed, config_dq=c))
 
 
 if __name__ == "__main__":
