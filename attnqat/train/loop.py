@@ -240,8 +240,7 @@ class Trainer:
             else:
                 out["distill"] = out["gap"]
         if cfg.objective.type in ("flow", "mix") or (not grad and self.corpus is not None):
-            target = batch["noise"] - batch["x0"]
-            out["flow"] = (s_out.float() - target.float()).pow(2).mean()
+            out["flow"] = _flow_loss(s_out, batch)
         if cfg.objective.type == "distill":
             out["loss"] = out["distill"]
         elif cfg.objective.type == "flow":
@@ -329,8 +328,7 @@ class Trainer:
         the prompt at all: about 1.00 means it ignores it (mini's byte-tokenizer build stayed at 1.001-1.011)."""
         batch = dict(batch, embeds=batch["embeds"].roll(1, dims=0))
         with self.accelerator.autocast():
-            s_out = self._forward(self.student, batch)
-        return (s_out.float() - (batch["noise"] - batch["x0"]).float()).pow(2).mean().item()
+            return _flow_loss(self._forward(self.student, batch), batch).item()
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
@@ -560,6 +558,17 @@ def select_checkpoint(output_dir: str | Path, log=print) -> tuple[Path, dict] | 
         raise CheckpointError(f"no intact checkpoint in {Path(output_dir) / 'checkpoints'}: "
                               + " | ".join(str(e) for _, e in problems))
     return None
+
+
+def _flow_loss(s_out: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The flow-matching loss: the velocity ``s_out`` against noise - x0."""
+    return (s_out.float() - (batch["noise"] - batch["x0"]).float()).pow(2).mean()
+
+
+def _eval_columns(ev: dict) -> dict:
+    """log.csv's held-out columns from :meth:`Trainer.evaluate`'s result."""
+    return {"eval_gap_output": ev["output"], "eval_gap_features": ev["features"], "eval_flow": ev.get("flow", ""),
+            "eval_prompt_ratio": ev.get("prompt_ratio", "")}
 
 
 class _Logger:
@@ -797,14 +806,12 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         if cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0 and step + 1 < tr.max_steps:
             ev = trainer.evaluate()
             if ev:
-                row["eval_gap_output"], row["eval_gap_features"] = ev["output"], ev["features"]
-                row["eval_flow"], row["eval_prompt_ratio"] = ev.get("flow", ""), ev.get("prompt_ratio", "")
+                row.update(_eval_columns(ev))
         last = step + 1 == tr.max_steps
         if last:
             gap_after = trainer.evaluate()
         if last and gap_after:
-            row["eval_gap_output"], row["eval_gap_features"] = gap_after["output"], gap_after["features"]
-            row["eval_flow"], row["eval_prompt_ratio"] = gap_after.get("flow", ""), gap_after.get("prompt_ratio", "")
+            row.update(_eval_columns(gap_after))
         if (step + 1) % cfg.log.every == 0 or last or "eval_gap_output" in row:
             logger.log(row)
         bar.update(1)
