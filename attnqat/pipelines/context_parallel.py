@@ -67,8 +67,7 @@ def check_context_parallel(parallel_config: Any, *, heads: int, mode: str, needs
     """Refuse, in one line, the context-parallel settings :func:`context_parallel_attention` does not run."""
     cp = _cp_config(parallel_config)
     ring, ulysses = int(cp.ring_degree or 1), int(cp.ulysses_degree or 1)
-    if ring > 1 and ulysses > 1:
-        check_degrees(ring, ulysses, heads=heads, mode=mode, needs_grad=needs_grad)  # refuses the pair
+    check_degrees(ring, ulysses, heads=heads, mode=mode, needs_grad=needs_grad)
     if getattr(cp, "ulysses_anything", False) or getattr(cp, "ring_anything", False):
         raise ValueError("ContextParallelConfig's ulysses_anything / ring_anything are not supported by "
                          "AttnQATProcessor; use plain ulysses or ring")
@@ -80,7 +79,6 @@ def check_context_parallel(parallel_config: Any, *, heads: int, mode: str, needs
         raise ValueError(f"context parallel world size mismatch: ring_degree {ring} x ulysses_degree {ulysses}, "
                          f"but the device mesh's ring x ulysses dimensions hold {ring_mesh.size()} x "
                          f"{ulysses_mesh.size()} processes")
-    check_degrees(ring, ulysses, heads=heads, mode=mode, needs_grad=needs_grad)
 
 
 def _ops(mode: str, options: dict, needs_grad: bool):
