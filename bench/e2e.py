@@ -103,8 +103,9 @@ def sdpa_context(backend: str):
 
 @torch.no_grad()
 def run_mode(model, mode: str, inputs: dict, *, warmup: int, repeats: int, device: torch.device,
-             sdpa: str) -> dict:
-    """Warm up, then time ``repeats`` steps (cond + uncond) of ``model`` with attn1 in ``mode``."""
+             sdpa: str, keep_outputs: bool = False) -> dict:
+    """Warm up, then time ``repeats`` steps (cond + uncond) of ``model`` with attn1 in ``mode``.
+    ``keep_outputs``: the last step's two outputs (on the CPU) under "outputs" (not JSON)."""
     timer = AttentionTimer()
     patch_attention(model, mode, "self", timer=timer)
     clock = _Events(device)
@@ -137,7 +138,7 @@ def run_mode(model, mode: str, inputs: dict, *, warmup: int, repeats: int, devic
         "attention_share": attn_s / step_s, "attention_calls_per_step": timer.calls // repeats,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "finite": bool(all(torch.isfinite(o).all() for o in outs)),
-    }
+    } | ({"outputs": [o.cpu() for o in outs]} if keep_outputs else {})
 
 
 def markdown(results: list[dict], meta: dict) -> str:

@@ -71,16 +71,10 @@ def _relative_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def _time(model, mode, inputs, args, device) -> tuple[dict, list[torch.Tensor]]:
-    """bench/e2e.py's timed step, plus the step's outputs (for the 1-GPU vs N-GPU comparison)."""
-    r = e2e.run_mode(model, mode, inputs, warmup=args.warmup, repeats=args.repeats, device=device, sdpa=args.sdpa)
-    with torch.no_grad(), e2e.sdpa_context(args.sdpa):
-        e2e.patch_attention(model, mode, "self")
-        try:
-            outs = [model(hidden_states=inputs["latents"], timestep=inputs["timestep"], encoder_hidden_states=c,
-                          return_dict=False)[0].cpu() for c in (inputs["cond"], inputs["uncond"])]
-        finally:
-            e2e.unpatch_attention(model)
-    return r, outs
+    """bench/e2e.py's timed step, and the last step's outputs (for the 1-GPU vs N-GPU comparison)."""
+    r = e2e.run_mode(model, mode, inputs, warmup=args.warmup, repeats=args.repeats, device=device, sdpa=args.sdpa,
+                     keep_outputs=True)
+    return r, r.pop("outputs")
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
