@@ -14,7 +14,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["LIMITS", "SIZE_MULTIPLE", "TIME_STRIDE", "show", "check_int", "check_float", "check_text",
+__all__ = ["LIMITS", "SIZE_MULTIPLE", "TIME_STRIDE", "VAE_SPATIAL_STRIDE", "show", "check_int", "check_float", "check_text",
            "check_video_size", "check_path_text", "check_output_file", "check_output_dir", "check_input_file",
            "check_device", "check_precompute"]
 
@@ -29,7 +29,8 @@ LIMITS: dict[str, tuple[int, str]] = {
     "text_tokens": (4096, "8x the 512 text tokens Wan 2.1's text encoder is used with"),
     "seed": (2 ** 63 - 1, "seeds are 64-bit signed integers"),
 }
-SIZE_MULTIPLE = 16  # the VAE downsamples by 8, then the transformer patches 2x2
+VAE_SPATIAL_STRIDE = 8  # Wan 2.1's VAE downsamples height and width by 8
+SIZE_MULTIPLE = 2 * VAE_SPATIAL_STRIDE  # the VAE downsamples by 8, then the transformer patches 2x2
 TIME_STRIDE = 4  # the VAE keeps the first frame, then compresses time by 4: frames = 4k + 1
 NAME_MAX, PATH_MAX = 255, 4095  # bytes of one file name, of a whole path (Linux)
 

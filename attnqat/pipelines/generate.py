@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from attnqat.checks import (SIZE_MULTIPLE, TIME_STRIDE,  # noqa: F401 - SIZE_MULTIPLE: defined here before
-                            LIMITS, check_device, check_float, check_int, check_limited, check_output_dir,
-                            check_output_file, check_text, check_video_size, show)
+from attnqat.checks import (SIZE_MULTIPLE,  # noqa: F401 - defined here before, still importable
+                            TIME_STRIDE, VAE_SPATIAL_STRIDE, LIMITS, check_device, check_float, check_int,
+                            check_limited, check_output_dir, check_output_file, check_text, check_video_size, show)
 from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
@@ -66,7 +66,6 @@ FPS = 16  # Wan 2.1 generates 16 frames per second
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch attribute
 MP4_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers ffmpeg writes H.264 into
 PARALLEL_LAYOUTS = ("ulysses", "ring")  # --parallel: diffusers' ContextParallelConfig ulysses_degree / ring_degree
-VAE_SPATIAL_STRIDE = 8  # Wan 2.1's VAE downsamples height and width by 8 (and time by TIME_STRIDE)
 
 
 def is_mini_model(model: str) -> bool:
@@ -303,9 +302,11 @@ def resolve_launch(args: argparse.Namespace):
     return launch
 
 
-def video_tokens(height: int, width: int, frames: int, patch_size=(1, 2, 2)) -> int:
-    """The transformer's sequence length for a video of that size: latent frames x rows x columns of patches."""
-    pt, ph, pw = patch_size
+def video_tokens(args: argparse.Namespace, config) -> int:
+    """The transformer's sequence length for --height x --width x --frames: latent frames x rows x columns of
+    patches (the patch size from the transformer's ``config``)."""
+    height, width, frames = args.height, args.width, args.frames
+    pt, ph, pw = tuple(config.get("patch_size") or (1, 2, 2))
     latent_frames = (frames - 1) // TIME_STRIDE + 1
     return (latent_frames // pt) * (height // VAE_SPATIAL_STRIDE // ph) * (width // VAE_SPATIAL_STRIDE // pw)
 
@@ -327,7 +328,7 @@ def check_parallel_layout(args: argparse.Namespace, config) -> None:
             check_degrees(ring, ulysses, heads=int(config["num_attention_heads"]), mode=mode, needs_grad=False)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-    tokens = video_tokens(args.height, args.width, args.frames, tuple(config.get("patch_size") or (1, 2, 2)))
+    tokens = video_tokens(args, config)
     if tokens % world:
         raise ValueError(f"{where}: the video's {tokens} tokens do not split into {world} equal shares (diffusers "
                          f"shards the sequence evenly); pick --height, --width, --frames or a process count so that "
@@ -342,8 +343,7 @@ def parallel_note(args: argparse.Namespace, config) -> str | None:
 
     if getattr(args, "launch", None) is None or args.parallel != "ring" or args.mode == "bf16":
         return None
-    share = video_tokens(args.height, args.width, args.frames, tuple(config.get("patch_size") or (1, 2, 2)))
-    share //= args.launch.world_size
+    share = video_tokens(args, config) // args.launch.world_size
     if share % NVFP4_BLOCK == 0:
         return None
     return (f"each rank holds {share} of the video's tokens, not a multiple of {NVFP4_BLOCK} (NVFP4's block along "
