@@ -45,6 +45,7 @@ WAN21_14B_CONFIG = dict(
 )
 # 480x832 pixels, 81 frames -> latents (16, 21, 60, 104): VAE 4x in time (+1 frame), 8x in space.
 LATENT_480P = (16, 21, 60, 104)
+TINY_LATENT = (16, 2, 8, 8)  # --tiny: 32 tokens (splits over 2 and 4 processes)
 TEXT_TOKENS = 512
 # Modes whose inference forward is another mode's: timing them again adds nothing.
 SAME_FORWARD_AS = {"attn_qat_dropin": "attn_qat"}
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
 
     if args.tiny:
         config, dtype = TINY_TRANSFORMER_CONFIG, torch.float32 if device.type == "cpu" else torch.bfloat16
-        latent, text, name, resolution = (16, 2, 8, 8), 32, "Tiny Wan 2.1-architecture transformer", "64×64×5 frames"
+        latent, text, name, resolution = TINY_LATENT, 32, "Tiny Wan 2.1-architecture transformer", "64×64×5 frames"
         text_dim = config["text_dim"]
     else:
         config, dtype = WAN21_14B_CONFIG, torch.bfloat16

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import platform
 import sys
@@ -29,21 +28,19 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from attnqat.kernels import available_modes  # noqa: E402
 from attnqat.pipelines import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from attnqat.pipelines.context_parallel import check_degrees, enable_context_parallel  # noqa: E402
 from attnqat.pipelines.launch import launch_from_env, process_group, rank_device  # noqa: E402
+import e2e  # noqa: E402 - bench/e2e.py: the 14B config, the timed step, write_section
 
-_spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
-e2e = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(e2e)
 
 SECTION = "## Multi-GPU: Wan 2.1 14B step"
 # Latents (channels, frames, height / 8, width / 8) of 81-frame videos: 480x832 -> 32,760 tokens,
 # 720x1280 -> 75,600 tokens (patch 1x2x2).
-LATENTS = {"480p": (16, 21, 60, 104), "720p": (16, 21, 90, 160)}
-TINY_LATENT = (16, 2, 8, 8)  # 32 tokens: splits over 2 and 4 processes
+LATENTS = {"480p": e2e.LATENT_480P, "720p": (16, 21, 90, 160)}
 
 
 def parse_args(argv=None):
@@ -130,7 +127,7 @@ def _run(args, launch, device, config, modes, resolutions) -> int:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     layers = args.layers or config["num_layers"]
     model = e2e.build_transformer(config, device, dtype, layers)
-    shapes = {"tiny": TINY_LATENT} if args.tiny else {r: LATENTS[r] for r in resolutions}
+    shapes = {"tiny": e2e.TINY_LATENT} if args.tiny else {r: LATENTS[r] for r in resolutions}
     text = 32 if args.tiny else e2e.TEXT_TOKENS
     g = torch.Generator(device="cpu").manual_seed(0)
     inputs = {name: {"latents": torch.randn(1, *lat, generator=g).to(device, dtype),

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import importlib.util
 import statistics
 import sys
 from pathlib import Path
@@ -37,15 +36,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 from attnqat.pipelines import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from attnqat.pipelines.launch import launch_from_env, process_group, rank_device  # noqa: E402
 from _report import timed_steps  # noqa: E402
+import e2e  # noqa: E402 - bench/e2e.py: the 14B config, the timed step, write_section
 
-_spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
-e2e = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(e2e)
 
 SECTION = "## Training step: Wan 2.1 14B, FSDP + sequence parallelism"
-LATENT_480P = (16, 21, 60, 104)  # 32,760 tokens
-TINY_LATENT = (16, 2, 8, 8)      # 32 tokens
-INIT_STD = 0.02                   # random weights: a timing needs finite activations, not a trained model
+INIT_STD = 0.02  # random weights: a timing needs finite activations, not a trained model
 
 
 def parse_args(argv=None):
@@ -66,7 +61,7 @@ def _materialise(module: torch.nn.Module, device: torch.device, dtype: torch.dty
     with torch.no_grad():
         for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             if t.is_floating_point():
-                t.normal_(0.0, INIT_STD) if t.dim() > 1 else t.fill_(1.0 if "norm" in name or name == "weight" else 0.0)
+                t.normal_(0.0, INIT_STD) if t.dim() > 1 else t.fill_(1.0 if name == "weight" else 0.0)  # norms: 1
     if dtype is not None:
         module.to(dtype)
 
@@ -169,7 +164,7 @@ def main(argv=None) -> int:
         print("bench/train_step_sp.py: error: run it under torchrun --nproc-per-node N (N >= 2)", file=sys.stderr)
         return 2
     config = TINY_TRANSFORMER_CONFIG if args.tiny else e2e.WAN21_14B_CONFIG
-    latent = TINY_LATENT if args.tiny else LATENT_480P
+    latent = e2e.TINY_LATENT if args.tiny else e2e.LATENT_480P  # 32 / 32,760 tokens
     layers = args.layers or config["num_layers"]
     tokens = latent[1] * (latent[2] // 2) * (latent[3] // 2)
     n = launch.world_size
