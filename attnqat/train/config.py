@@ -493,12 +493,18 @@ def _check_sequence_parallel(degree: int, tc: dict, shapes: list[list[int]], wor
     if heads % degree:
         raise ValueError(f"train.sequence_parallel {degree} must divide the transformer's {heads} attention heads "
                          f"(Ulysses gives each process heads / {degree}; Wan 2.1 14B has 40, 1.3B has 12)")
-    pt, ph, pw = tc.get("patch_size", (1, 2, 2))
-    for c, f, h, w in shapes:
-        tokens = (f // pt) * (h // ph) * (w // pw)
+    for shape in shapes:
+        tokens = tokens_per_sample(shape, tc)
         if tokens % degree:
             raise ValueError(f"train.sequence_parallel {degree} must divide the {tokens} tokens of latent shape "
-                             f"{[c, f, h, w]}: diffusers splits the sequence into equal parts")
+                             f"{list(shape)}: diffusers splits the sequence into equal parts")
+
+
+def tokens_per_sample(shape, tc: dict) -> int:
+    """Self-attention tokens of one latent of ``shape`` (C, F, H, W) under the transformer config ``tc``'s patch."""
+    _, f, h, w = shape
+    pt, ph, pw = tc.get("patch_size", (1, 2, 2))
+    return (f // pt) * (h // ph) * (w // pw)
 
 
 def _corpus_shapes(c: CorpusConfig) -> list[list[int]]:

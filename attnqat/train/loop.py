@@ -32,7 +32,7 @@ import torch
 from . import checkpoint as ck
 from . import sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
-from .config import TrainConfig, model_config, save_config, validate
+from .config import TrainConfig, model_config, save_config, tokens_per_sample, validate
 from .data import ShardDataset, sample_indices
 from .objectives import FeatureCapture, make_student_teacher, nmse, noised, sample_sigmas, teacher_samples
 
@@ -80,12 +80,6 @@ def lr_lambda(cfg: TrainConfig):
         progress = min(1.0, (step - tr.warmup_steps) / span)
         return tr.min_lr_ratio + (1 - tr.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
-
-
-def tokens_per_sample(shape, tc) -> int:
-    _, f, h, w = shape
-    pt, ph, pw = tc.get("patch_size", (1, 2, 2))
-    return (f // pt) * (h // ph) * (w // pw)
 
 
 class Batcher:
