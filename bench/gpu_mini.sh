@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Device runs that build the mini model (docs/mini.md). Usage on the GPU machine, from the repo root:
 #   bash bench/gpu_mini.sh vae MINUTES [again]     # init + train the VAE (again: train it further)
-#   bash bench/gpu_mini.sh train MINUTES SLEEP     # (init from a carried runs/mini_vae if there is no model yet)
+#   bash bench/gpu_mini.sh train MINUTES SLEEP     # (init from a carried runs/mini_vae if there is no model yet,
+#                                                  # warm-started from a carried runs/mini_from: an exported build)
 #                                                  # start the transformer in the background if the VAE
 #                                                  # passes its detector check, then sleep SLEEP seconds
 #   bash bench/gpu_mini.sh wait SECONDS [tests]    # let it train; copy logs to $OUT (tests: meanwhile run
 #                                                  # `pytest -m gpu` beside it: correctness only, it shares the GPU)
+#   bash bench/gpu_mini.sh profile [--set K=V ...] # where a training step's time goes (before train)
 #   bash bench/gpu_mini.sh export                  # export runs/mini/mini and pack it into $OUT (2 parts)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -15,6 +17,18 @@ if [ -d .whl ]; then
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 W=runs/mini
+# A VAE trained by an earlier build (carried as runs/mini_vae: its model/vae and timings.json) is reused; an
+# exported build carried as runs/mini_from (its OUT/mini) is continued: a warm start (docs/mini.md).
+init_model() {
+  [ -f $W/model/model_index.json ] && return
+  if [ -f runs/mini_from/attnqat_mini.json ]; then
+    python3 -m attnqat.train.mini --out $W --stage init --from runs/mini_from --vae runs/mini_vae/model/vae 2>&1 \
+      | grep -v Writing
+  elif [ -d runs/mini_vae/model/vae ]; then
+    python3 -m attnqat.train.mini --out $W --stage init --vae runs/mini_vae/model/vae 2>&1 | grep -v Writing
+    cp runs/mini_vae/timings.json $W/timings.json
+  fi
+}
 case "$1" in
   vae)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -24,11 +38,7 @@ case "$1" in
     python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" $again 2>&1 | tee -a "$OUT/vae.log" | grep -v Warn
     ;;
   train)
-    # A VAE trained by an earlier build (carried as runs/mini_vae: its model/vae and timings.json) is reused.
-    if [ ! -f $W/model/model_index.json ] && [ -d runs/mini_vae/model/vae ]; then
-      python3 -m attnqat.train.mini --out $W --stage init --vae runs/mini_vae/model/vae 2>&1 | grep -v Writing
-      cp runs/mini_vae/timings.json $W/timings.json
-    fi
+    init_model
     # The gate: the detector must read the colour of most held-out round trips at the CPU size.
     if ! python3 - <<'PY'
 import json, sys
@@ -40,6 +50,11 @@ PY
     then echo "VAE below the gate: not training the transformer"; exit 0; fi
     setsid nohup python3 -m attnqat.train.mini --out $W --stage transformer --minutes "$2" > $W/train.log 2>&1 < /dev/null &
     sleep "${3:-120}"
+    ;;
+  profile)
+    init_model
+    shift; python3 bench/profile_mini_step.py --out $W --json "$OUT/profile_$(date +%s).json" "$@" 2>&1 | grep -v Warn | tail -4
+    exit 0
     ;;
   wait)
     start=$SECONDS

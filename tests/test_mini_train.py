@@ -267,3 +267,52 @@ def test_mini_tokenizer_reads_every_caption_word_and_user_synonyms(tmp_path):
     again = AutoTokenizer.from_pretrained(tmp_path)
     for text in captions[:50] + [u for u, _ in same]:
         assert again(text).input_ids == tok(text).input_ids
+
+
+def test_warm_start_continues_from_an_exported_build_and_counts_the_chain(tmp_path, capsys):
+    """init --from: the exported (EMA, bf16) transformer is the new run's starting point, not a seeded
+    random one; the earlier build's timings and steps carry into the next export's card; refusals."""
+    from safetensors.torch import load_file
+
+    from diffusers import WanTransformer3DModel
+
+    from attnqat.train.loop import Trainer
+    from attnqat.train.mini import main, transformer_config
+
+    small = [a for kv in SMALL + ["train.max_steps=3"] for a in ("--set", kv)]
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert main(["--out", str(first), "--stage", "init", "--device", "cpu"]) == 0
+    (first / "timings.json").write_text('[{"stage": "vae", "seconds": 5.0, "device": "x"}]')  # as if trained
+    for stage in ("transformer", "export"):
+        assert main(["--out", str(first), "--stage", stage, "--device", "cpu", *small]) == 0
+    exported = WanTransformer3DModel.from_pretrained(first / "mini", subfolder="transformer",
+                                                     torch_dtype=torch.float32).state_dict()
+
+    assert main(["--out", str(second), "--stage", "init", "--device", "cpu", "--from", str(first / "mini"),
+                 "--vae", str(first / "model" / "vae")]) == 0
+    cfg = transformer_config(second, SMALL)
+    assert cfg.train.from_scratch is False
+    start = dict(Trainer(cfg).student.named_parameters())
+    assert all(torch.equal(start[k].detach(), exported[k]) for k in start)  # bf16 values, held exactly
+    scratch = dict(Trainer(transformer_config(first, SMALL)).student.named_parameters())
+    assert not torch.equal(scratch["proj_out.weight"], start["proj_out.weight"])
+    # the VAE is --vae's fp32 one, not the folder's fp16 copy
+    vae = load_file(str(second / "model" / "vae" / "diffusion_pytorch_model.safetensors"))
+    want = load_file(str(first / "model" / "vae" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(vae[k], want[k]) for k in want)
+
+    for stage in ("transformer", "export"):
+        assert main(["--out", str(second), "--stage", stage, "--device", "cpu", *small]) == 0
+    card = json.loads((second / "mini" / "attnqat_mini.json").read_text())
+    assert card["transformer_steps"] == 6 and [r["steps"] for r in card["runs"]] == [3, 3]
+    assert [r["warm_start"] for r in card["runs"]] == [False, True]
+    assert [r["stage"] for r in card["timings"]] == ["vae", "transformer", "transformer"]
+    assert card["gpu_seconds"]["vae"] == 5.0
+
+    capsys.readouterr()
+    for argv, message in [(["--from", str(first / "mini")], "exists already"),  # never over a build's model/
+                          (["--from", str(tmp_path)], "no attnqat_mini.json")]:
+        with pytest.raises(SystemExit):
+            main(["--out", str(second if "exists" in message else tmp_path / "c"), "--stage", "init", *argv])
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "c" / "model").exists()

@@ -18,6 +18,13 @@ Stages, each skipped when its output exists (so a killed or time-limited run jus
    trained, for how long, on what). ``--ship`` then copies it to ``attnqat/models/mini``.
 
 Wall-clock time of each stage is appended to ``OUT/timings.json``.
+
+A warm start (``--from FOLDER``, at ``init``): continue training from an earlier build's exported folder
+(its ``attnqat_mini.json`` names it) when the full checkpoint cannot travel, e.g. across GPU sessions whose
+transfers are capped: the exported (EMA, bf16) transformer becomes the starting weights of a new run, with
+a fresh optimizer and EMA (the warm-up of ``configs/mini.yaml`` applies again); the VAE is ``--vae`` if
+given (the fp32 one the earlier build encoded with), else the folder's. The earlier build's timings and
+steps are carried over, so the next export's card counts the whole chain.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import torch
 from attnqat.outputs import replace_dir_atomically, write_file_atomically
 
 STAGES = ("init", "vae", "transformer", "export")
+CONTINUED = "continued_from.json"  # in OUT after a warm start: the card of the build it started from
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "mini.yaml"
 
 
@@ -168,13 +176,42 @@ def reconstruction_detection(vae, *, clips: int = 16, size=(33, 256, 256), seed:
 # The stages
 
 
-def stage_init(out: Path, vae_folder: str | None = None) -> None:
-    from diffusers import AutoencoderKLWan
+def stage_init(out: Path, vae_folder: str | None = None, from_folder: str | None = None) -> None:
+    from diffusers import AutoencoderKLWan, WanPipeline
 
     from attnqat.pipelines.mini import build_mini_pipeline, save_pipeline_folder
 
     vae = None if vae_folder is None else AutoencoderKLWan.from_pretrained(vae_folder, torch_dtype=torch.float32)
-    save_pipeline_folder(build_mini_pipeline(vae=vae), out / "model", vae_dtype=torch.float32, check_size=False)
+    if from_folder is None:
+        save_pipeline_folder(build_mini_pipeline(vae=vae), out / "model", vae_dtype=torch.float32, check_size=False)
+        return
+    card = read_card(Path(from_folder))
+    if vae is None:
+        vae = AutoencoderKLWan.from_pretrained(from_folder, subfolder="vae", torch_dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(from_folder, vae=vae, torch_dtype=torch.float32)
+    # the transformer as it was exported (bf16 values, held exactly in fp32); the text encoder stays in the
+    # bf16 it was stored in by every build, so the prompt embeddings are the ones the weights learned from
+    save_pipeline_folder(pipe, out / "model", transformer_dtype=torch.float32, vae_dtype=torch.float32,
+                         check_size=False)
+    write_file_atomically(out / CONTINUED, lambda tmp: tmp.write_text(json.dumps(card, indent=1)))
+    if not (out / "timings.json").is_file():
+        write_file_atomically(out / "timings.json", lambda tmp: tmp.write_text(json.dumps(card["timings"], indent=1)))
+    print(f"init: warm start from {from_folder} ({card['transformer_steps']} transformer steps so far)")
+
+
+def read_card(folder: Path) -> dict:
+    """The ``attnqat_mini.json`` of an exported build (ValueError when there is none or it is not one)."""
+    path = folder / "attnqat_mini.json"
+    if not path.is_file():
+        raise ValueError(f"--from {folder}: no attnqat_mini.json there; give a folder the export stage wrote")
+    try:
+        card = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--from {folder}: attnqat_mini.json is not JSON ({e})") from None
+    if not (isinstance(card, dict) and isinstance(card.get("transformer_steps"), int)
+            and isinstance(card.get("timings"), list)):
+        raise ValueError(f"--from {folder}: attnqat_mini.json lacks transformer_steps / timings")
+    return card
 
 
 def stage_vae(out: Path, args) -> None:
@@ -207,7 +244,9 @@ def stage_vae(out: Path, args) -> None:
 def transformer_config(out: Path, overrides: list[str]):
     from .config import load_config
 
-    return load_config(CONFIG, [f"model={out / 'model'}", f"output_dir={out / 'run'}", *overrides])
+    # a warm start trains the weights in OUT/model instead of a seeded random initialisation
+    warm = ["train.from_scratch=false"] if (out / CONTINUED).is_file() else []
+    return load_config(CONFIG, [f"model={out / 'model'}", f"output_dir={out / 'run'}", *warm, *overrides])
 
 
 def stage_transformer(out: Path, args) -> None:
@@ -238,13 +277,18 @@ def stage_export(out: Path, args) -> Path:
     target = save_pipeline_folder(pipe, out / "mini")
     state = json.loads((ckpt / "trainer_state.json").read_text())
     timings = json.loads((out / "timings.json").read_text()) if (out / "timings.json").is_file() else []
-    card = {"model": "attnqat mini (Wan 2.1 architecture)", "transformer_steps": state["step"],
-            "checkpoint": ckpt.name, "config": transformer_config(out, args.set).to_dict(),
+    before = json.loads((out / CONTINUED).read_text()) if (out / CONTINUED).is_file() else None
+    # each run of the chain: its steps and checkpoint (a card from before warm starts lists none)
+    runs = ((before.get("runs") or [{"steps": before["transformer_steps"], "checkpoint": before.get("checkpoint")}])
+            if before else []) + [{"steps": state["step"], "checkpoint": ckpt.name, "warm_start": before is not None}]
+    card = {"model": "attnqat mini (Wan 2.1 architecture)", "transformer_steps": sum(r["steps"] for r in runs),
+            "runs": runs, "checkpoint": ckpt.name, "config": transformer_config(out, args.set).to_dict(),
             "gpu_seconds": {s: sum(r["seconds"] for r in timings if r["stage"] == s) for s in ("vae", "transformer")},
             "device": sorted({r["device"] for r in timings}), "timings": timings}
     (target / "attnqat_mini.json").write_text(json.dumps(card, indent=1))
     size = check_folder_size(target)
-    print(f"export: {target} ({size / 1e6:.1f} MB) from {ckpt} (step {state['step']})")
+    print(f"export: {target} ({size / 1e6:.1f} MB) from {ckpt} (step {state['step']}; "
+          f"{card['transformer_steps']} transformer steps in all)")
     if args.ship:
         from attnqat.pipelines.mini import MINI_DIR
 
@@ -265,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae", metavar="FOLDER", help="init: start from this trained AutoencoderKLWan folder (an earlier "
                    "build's OUT/model/vae) instead of an untrained one; copy that build's timings.json into --out "
                    "too so that the vae stage is skipped and its time counted")
+    p.add_argument("--from", dest="from_folder", metavar="FOLDER",
+                   help="init: warm start from an earlier build's exported folder (OUT/mini, with its "
+                        "attnqat_mini.json): its transformer is the starting point, its steps and timings carry over")
     p.add_argument("--vae-steps", type=int, help="stop VAE training after this many steps (tests)")
     p.add_argument("--vae-batch", type=int, default=8)
     p.add_argument("--vae-lr", type=float, default=1e-3, help="VAE peak learning rate (default 1e-3)")
@@ -284,8 +331,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--out {out} is a file")
     out.mkdir(parents=True, exist_ok=True)
     stages = STAGES if args.stage == "all" else (args.stage,)
+    if args.from_folder is not None:
+        if (out / "model" / "model_index.json").is_file():
+            p.error(f"--from: {out / 'model'} exists already; a warm start begins in a new --out")
+        try:
+            read_card(Path(args.from_folder))
+        except ValueError as e:
+            p.error(str(e))
     if ("init" in stages or "vae" in stages) and not (out / "model" / "model_index.json").is_file():
-        stage_init(out, args.vae)
+        stage_init(out, args.vae, args.from_folder)
     if "vae" in stages:
         stage_vae(out, args)
     if "transformer" in stages:
