@@ -10,7 +10,7 @@ import torch
 from attnqat.train.corpus_source import pool_clips, uses_before
 
 SMALL = ["data.corpus.sizes=[[5,32,32],[9,32,64]]", "data.corpus.size_weights=[2,1]", "data.batch_size=2",
-         "data.corpus.pool=4", "data.corpus.refresh=2", "data.corpus.encode_batch=3", "data.held_out=2",
+         "data.corpus.pool=4", "data.corpus.refresh=2", "data.corpus.refresh_every=1", "data.corpus.encode_batch=3", "data.held_out=2",
          "train.max_steps=6", "train.warmup_steps=2", "checkpoint.every=3", "log.every=1", 'train.mixed_precision="no"',
          "log.progress=false"]
 
@@ -24,6 +24,33 @@ def test_pool_formula_matches_replaying_the_refreshes():
                 slots[t % pool] = pool + t
                 t += 1
             assert pool_clips(pool, refresh, use) == slots, (pool, refresh, use)
+
+
+def test_pool_refreshed_every_kth_use_holds_the_replayed_clips(mini_folder, tmp_path):
+    """refresh_every K: the pool of a size takes refresh * K new clips at every K-th use of that size (uses
+    counted per size, sizes cycling 0, 0, 1), in slot order, and each slot's latents are its clip's."""
+    from attnqat.train.loop import Trainer
+
+    k, refresh, pool = 2, 1, 4
+    trainer = Trainer(_cfg(mini_folder, tmp_path, "train.from_scratch=true", f"data.corpus.refresh_every={k}",
+                           f"data.corpus.refresh={refresh}", f"data.corpus.pool={pool}"))
+    src = trainer.corpus
+    slots = {0: list(range(pool)), 1: list(range(pool))}
+    fresh, uses = {0: pool, 1: pool}, {0: 0, 1: 0}
+    for step in range(14):
+        size = src.size_of_step(step)
+        if uses[size] % k == 0:  # the replay: refresh * k clips, the next slots in turn
+            for _ in range(refresh * k):
+                slots[size][(fresh[size] - pool) % pool] = fresh[size]
+                fresh[size] += 1
+        uses[size] += 1
+        got = src._pool(size, step)
+        assert got["clips"] == slots[size], (step, size)
+    for size in (0, 1):
+        got = src._pools[size]
+        for j in (0, pool - 1):
+            want, _ = src.encode_clips("train", [src.clip_number(size, got["clips"][j])], size)
+            torch.testing.assert_close(got["x0"][j], want[0], rtol=1e-5, atol=1e-5)
 
 
 def test_size_cycle_counts():
@@ -64,14 +91,16 @@ def test_prompt_embeddings_equal_the_pipelines(mini_folder):
     assert torch.equal(got == 0, want == 0)  # the same zero padding past each prompt
 
 
-def test_corpus_training_resumes_exactly_with_pool_and_ema(mini_folder, tmp_path):
+@pytest.mark.parametrize("every", [1, 2])
+def test_corpus_training_resumes_exactly_with_pool_and_ema(mini_folder, tmp_path, every):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from attnqat.train import train
 
-    full = train(_cfg(mini_folder, tmp_path / "a", "train.from_scratch=true", "train.ema_decay=0.9"))
-    cfg_b = _cfg(mini_folder, tmp_path / "b", "train.from_scratch=true", "train.ema_decay=0.9")
+    extra = ("train.from_scratch=true", "train.ema_decay=0.9", f"data.corpus.refresh_every={every}")
+    full = train(_cfg(mini_folder, tmp_path / "a", *extra))
+    cfg_b = _cfg(mini_folder, tmp_path / "b", *extra)
     first = train(cfg_b, stop_after=3)
     second = train(cfg_b, resume="auto")
     assert first.losses + second.losses == full.losses  # the pool is rebuilt as it was: identical batches
@@ -137,6 +166,8 @@ def test_time_limit_saves_a_checkpoint_and_stops(mini_folder, tmp_path):
     ("data.corpus.seed=-1", "seed"),
     ("data.corpus.size_weights=[1]", "size_weights"),
     ("data.corpus.refresh=9", "refresh"),
+    ("data.corpus.refresh_every=0", "refresh_every"),
+    ("data.corpus.refresh_every=3", "refresh_every"),  # 2 x 3 new clips > a pool of 4
     ("data.corpus.caption_dropout=1.5", "caption_dropout"),
     ("train.ema_decay=1.0", "ema_decay"),
     ("data.source=videos", "data.source"),
@@ -316,3 +347,22 @@ def test_warm_start_continues_from_an_exported_build_and_counts_the_chain(tmp_pa
             main(["--out", str(second if "exists" in message else tmp_path / "c"), "--stage", "init", *argv])
         assert message in capsys.readouterr().err
     assert not (tmp_path / "c" / "model").exists()
+
+
+def test_compiled_blocks_train_like_eager_ones(mini_folder, tmp_path):
+    """train.compile: the same losses as eager to float rounding, the same checkpoint names (the blocks are
+    compiled in place, so nothing gains an _orig_mod prefix)."""
+    from safetensors.torch import load_file
+
+    from attnqat.train import train
+
+    runs = {}
+    for compiled in (False, True):
+        cfg = _cfg(mini_folder, tmp_path / str(compiled), "train.from_scratch=true", "train.max_steps=2",
+                   "data.held_out=0", f"train.compile={str(compiled).lower()}")
+        runs[compiled] = train(cfg).losses
+        names = set(load_file(str(tmp_path / str(compiled) / "run" / "final" / "transformer.safetensors")))
+        assert not any("_orig_mod" in n for n in names)
+        runs[str(compiled)] = names
+    torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-5, atol=0)
+    assert runs["True"] == runs["False"]

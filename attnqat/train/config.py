@@ -85,7 +85,9 @@ class CorpusConfig:
     sizes: list = field(default_factory=lambda: [[33, 256, 256]])  # video sizes (frames, height, width)
     size_weights: list | None = None  # integer weight of each size in the cycle of step sizes (default: 1 each)
     pool: int = 1024                # encoded clips kept per size (0: encode every sample fresh)
-    refresh: int = 8                # pool clips replaced by new ones per step of that size
+    refresh: int = 8                # pool clips replaced by new ones per step of that size (on average)
+    refresh_every: int = 1          # ... replaced refresh * refresh_every at a time, every refresh_every-th step of
+                                    # that size: the VAE's cost is mostly per call, so batching refreshes saves time
     encode_batch: int = 16          # clips rendered and encoded at once
     caption_dropout: float = 0.1    # share of samples whose prompt is replaced by the empty one (for guidance)
 
@@ -116,6 +118,7 @@ class TrainSection:
     gradient_accumulation_steps: int = 1
     mixed_precision: str = "bf16"   # accelerate's: no | bf16 | fp16 (master weights stay fp32)
     gradient_checkpointing: bool = True
+    compile: bool = False           # torch.compile the student's blocks (small models are launch-bound)
     trainable: str = "all"          # all | attention (only the patched attention modules' weights)
     teacher_dtype: str | None = None  # bf16 | fp32; default bf16 under bf16 mixed precision, else fp32
     from_scratch: bool = False      # start from a seeded random initialisation of the model's architecture
@@ -530,10 +533,11 @@ def _corpus_shapes(c: CorpusConfig) -> list[list[int]]:
         raise ValueError(f"data.corpus.size_weights must be one integer in [0, 1000] per size (not all 0), "
                          f"got {_show(c.size_weights)}")
     # pool: at most 65536 clips (a 33x256x256 clip's latents and prompt take ~0.9 MB on the device)
-    if not (whole(c.pool, 0, 65536) and whole(c.refresh, 1, 65536) and whole(c.encode_batch, 1, 1024)
-            and (c.pool == 0 or c.refresh <= c.pool)):
-        raise ValueError(f"data.corpus: need pool in [0, 65536], 1 <= refresh <= pool, encode_batch in [1, 1024]; got "
-                         f"pool {_show(c.pool)}, refresh {_show(c.refresh)}, encode_batch {_show(c.encode_batch)}")
+    if not (whole(c.pool, 0, 65536) and whole(c.refresh, 1, 65536) and whole(c.refresh_every, 1, 65536)
+            and whole(c.encode_batch, 1, 1024) and (c.pool == 0 or c.refresh * c.refresh_every <= c.pool)):
+        raise ValueError(f"data.corpus: need pool in [0, 65536], refresh and refresh_every >= 1 with refresh * "
+                         f"refresh_every <= pool, encode_batch in [1, 1024]; got pool {_show(c.pool)}, refresh "
+                         f"{_show(c.refresh)}, refresh_every {_show(c.refresh_every)}, encode_batch {_show(c.encode_batch)}")
     if not (isinstance(c.caption_dropout, float) and 0 <= c.caption_dropout < 1):
         raise ValueError(f"data.corpus.caption_dropout must be in [0, 1), got {_show(c.caption_dropout)}")
     from .corpus_source import latent_shape
