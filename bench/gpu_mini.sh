@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Device runs that build the mini model (docs/mini.md). Usage on the GPU machine, from the repo root:
 #   bash bench/gpu_mini.sh vae MINUTES [again]     # init + train the VAE (again: train it further)
-#   bash bench/gpu_mini.sh train MINUTES SLEEP     # (init from a carried runs/mini_vae if there is no model yet,
-#                                                  # warm-started from a carried runs/mini_from: an exported build)
+#   bash bench/gpu_mini.sh train MINUTES SLEEP [--set K=V ...|auto]
+#                                                  # (init from a carried runs/mini_vae if there is no model yet,
+#                                                  # warm-started from a carried runs/mini_from: an exported build;
+#                                                  # --set: configs/mini.yaml overrides; auto: profile eager and
+#                                                  # compiled blocks first and train with the faster)
 #                                                  # start the transformer in the background if the VAE
 #                                                  # passes its detector check, then sleep SLEEP seconds
 #   bash bench/gpu_mini.sh wait SECONDS [tests]    # let it train; copy logs to $OUT (tests: meanwhile run
@@ -48,8 +51,30 @@ print("vae gate:", acc)
 sys.exit(0 if (acc.get("colour") or 0) >= 0.8 else 1)
 PY
     then echo "VAE below the gate: not training the transformer"; exit 0; fi
-    setsid nohup python3 -m attnqat.train.mini --out $W --stage transformer --minutes "$2" > $W/train.log 2>&1 < /dev/null &
-    sleep "${3:-120}"
+    minutes=$2; pause=${3:-120}; shift $(( $# < 3 ? $# : 3 )); extra=("$@")
+    if [ "${extra[0]:-}" = auto ]; then
+      for c in false true; do
+        python3 bench/profile_mini_step.py --out $W --steps 12 --warmup 4 --json "$OUT/profile_compile_$c.json" \
+          --set data.corpus.pool=64 --set train.compile=$c 2>&1 | grep -E "^[0-9]+x" || echo "profile compile=$c failed"
+      done
+      extra=(--set "train.compile=$(python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+def step(c):  # seconds per step over the size cycle (2 x 256^2 : 1 x 128^2 in configs/mini.yaml)
+    try:
+        per = json.loads((Path(sys.argv[1]) / f"profile_compile_{c}.json").read_text())["per_step_s"]
+    except (OSError, ValueError, KeyError):
+        return float("inf")
+    w = {"33x256x256": 2, "33x128x128": 1}
+    return sum(w.get(k, 1) * sum(v.values()) for k, v in per.items()) / sum(w.get(k, 1) for k in per)
+print("true" if step("true") < 0.9 * step("false") else "false")
+PY
+)")
+      echo "training with ${extra[*]}"
+    fi
+    setsid nohup python3 -m attnqat.train.mini --out $W --stage transformer --minutes "$minutes" "${extra[@]}" \
+      > $W/train.log 2>&1 < /dev/null &
+    sleep "$pause"
     ;;
   profile)
     init_model

@@ -332,9 +332,10 @@ def test_warm_start_continues_from_an_exported_build_and_counts_the_chain(tmp_pa
     want = load_file(str(first / "model" / "vae" / "diffusion_pytorch_model.safetensors"))
     assert all(torch.equal(vae[k], want[k]) for k in want)
 
-    for stage in ("transformer", "export"):
-        assert main(["--out", str(second), "--stage", stage, "--device", "cpu", *small]) == 0
+    assert main(["--out", str(second), "--stage", "transformer", "--device", "cpu", *small]) == 0
+    assert main(["--out", str(second), "--stage", "export", "--device", "cpu"]) == 0  # the run recorded its --set
     card = json.loads((second / "mini" / "attnqat_mini.json").read_text())
+    assert card["config"]["train"]["max_steps"] == 3 and card["config"]["train"]["from_scratch"] is False
     assert card["transformer_steps"] == 6 and [r["steps"] for r in card["runs"]] == [3, 3]
     assert [r["warm_start"] for r in card["runs"]] == [False, True]
     assert [r["stage"] for r in card["timings"]] == ["vae", "transformer", "transformer"]

@@ -249,6 +249,16 @@ def transformer_config(out: Path, overrides: list[str]):
     return load_config(CONFIG, [f"model={out / 'model'}", f"output_dir={out / 'run'}", *warm, *overrides])
 
 
+def run_config(out: Path, overrides: list[str]):
+    """The config the transformer stage trained with: the run's own record (it holds the --set overrides of
+    the training call), else configs/mini.yaml with ``overrides``."""
+    from .checkpoint import RUN_CONFIG
+    from .config import load_config
+
+    recorded = out / "run" / RUN_CONFIG
+    return load_config(recorded) if recorded.is_file() else transformer_config(out, overrides)
+
+
 def stage_transformer(out: Path, args) -> None:
     from .loop import train
 
@@ -282,7 +292,7 @@ def stage_export(out: Path, args) -> Path:
     runs = ((before.get("runs") or [{"steps": before["transformer_steps"], "checkpoint": before.get("checkpoint")}])
             if before else []) + [{"steps": state["step"], "checkpoint": ckpt.name, "warm_start": before is not None}]
     card = {"model": "attnqat mini (Wan 2.1 architecture)", "transformer_steps": sum(r["steps"] for r in runs),
-            "runs": runs, "checkpoint": ckpt.name, "config": transformer_config(out, args.set).to_dict(),
+            "runs": runs, "checkpoint": ckpt.name, "config": run_config(out, args.set).to_dict(),
             "gpu_seconds": {s: sum(r["seconds"] for r in timings if r["stage"] == s) for s in ("vae", "transformer")},
             "device": sorted({r["device"] for r in timings}), "timings": timings}
     (target / "attnqat_mini.json").write_text(json.dumps(card, indent=1))
