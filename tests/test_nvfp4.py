@@ -61,6 +61,29 @@ def test_scale_rounds_to_nearest_even_e4m3(poison):
     assert fake_quant_nvfp4(x)[0].item() == 6 * 448
 
 
+def test_reference_codes_are_the_nearest_grid_value_with_ties_to_even():
+    """e2m1_codes_ref against the definition, by brute force: the nearest of the 8 magnitudes (float64
+    distances), ties to the even code, for every finite bf16 value, each midpoint and its float32
+    neighbours, and random float32; above 5 everything saturates to code 7 (the old distance form gave 0
+    once |y| > 2^56, where y - 6 and y - 0 round to the same float64)."""
+    from attnqat.kernels.reference import e2m1_codes_ref
+
+    bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, *E2M1_GRID[1:]])
+    near = torch.cat([points, torch.nextafter(points, torch.tensor(0.0)), torch.nextafter(points, torch.tensor(9.0))])
+    y = torch.cat([bf16[torch.isfinite(bf16)], near, -near, torch.randn(200_000) * 3, torch.rand(200_000) * 8])
+    small = y.abs() < 1e6
+    a = y[small].double().abs()
+    dist = (a[:, None] - GRID.double()).abs()
+    nearest = dist == dist.amin(dim=1, keepdim=True)
+    even = nearest & (torch.arange(8) % 2 == 0)
+    want = torch.where(even.any(1), even.int().argmax(1), nearest.int().argmax(1)) | ((y[small] < 0).int() << 3)
+    got = e2m1_codes_ref(y)
+    assert torch.equal(got[small], want)
+    assert torch.equal(got[~small], 7 | ((y[~small] < 0).int() << 3))
+    assert e2m1_codes_ref(torch.tensor([float("inf"), -float("inf")])).tolist() == [7, 15]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape,dim", [((7, 50), -1), ((3, 33, 5), 1), ((2, 4, 16, 64), -1), ((40, 3), 0)])
 def test_random_matches_reference(dtype, shape, dim, poison):

@@ -32,15 +32,20 @@ def e4m3_scale_ref(amax: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_codes_ref(y: torch.Tensor) -> torch.Tensor:
-    """Nearest e2m1 code (0..15, sign in bit 3) for finite ``y``, ties to the even code, saturating."""
+    """Nearest e2m1 code (0..15, sign in bit 3) for finite ``y``, ties to the even code, saturating.
+
+    The midpoints between neighbouring grid values split the magnitudes into the 8 codes' intervals
+    (exact comparisons in float64, which holds every float32 exactly); a magnitude exactly on a
+    midpoint is a tie between its two neighbours and takes the even code. NaN gives code 0 (callers
+    zero non-finite blocks first)."""
     grid = torch.tensor(E2M1_GRID, dtype=torch.float64, device=y.device)
+    mids = (grid[1:] + grid[:-1]) / 2  # 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5: exact
     a = y.double().abs()
-    dist = (a[..., None] - grid).abs()  # exact in float64 for float32 inputs
-    is_min = dist == dist.amin(dim=-1, keepdim=True)
-    even = torch.arange(8, device=y.device) % 2 == 0
-    even_min = is_min & even
-    code = torch.where(even_min.any(-1), even_min.int().argmax(-1), is_min.int().argmax(-1))
-    return code | ((y < 0).int() << 3)
+    code = torch.bucketize(a, mids)  # mids[i-1] < a <= mids[i] -> i; above 5 -> 7 (saturates at 6)
+    tie = (code < 7) & (a == mids[code.clamp(max=6)])
+    code = torch.where(tie & (code % 2 == 1), code + 1, code)  # odd code on a tie: the even one above
+    code = torch.where(torch.isnan(a), torch.zeros_like(code), code)
+    return code.int() | ((y < 0).int() << 3)
 
 
 def fake_quant_nvfp4_ref(x: torch.Tensor, dim: int = -1, pre_scale: float = 1.0) -> torch.Tensor:
