@@ -278,14 +278,18 @@ def check_precompute(args) -> None:
     """Every argument of ``attnqat precompute``, before its encoders load (the command's own module
     re-checks what it needs; this adds the limits, the paths and the device).
 
-    ``--out`` must be new, empty, or an earlier precompute output (it holds index.json; its shards
-    are then rewritten): a folder holding anything else is refused, so no user file is overwritten.
+    ``--out`` must be new, empty, or an earlier precompute output (its index.json and shards, nothing else:
+    it is then replaced, once the new output is complete): a folder holding anything else is refused, so no
+    user file is overwritten. The new output is written beside it first, so its parent must be writable.
     """
     from attnqat.pipelines.loading import check_model
+    from attnqat.train.data import is_precompute_output
 
     prompts = check_input_file("--prompts", args.prompts)
     check_model(args.model)
-    check_output_dir("--out", args.out, must_be_empty=True, reusable=lambda p: (p / "index.json").is_file())
+    out = check_output_dir("--out", args.out, must_be_empty=True, reusable=is_precompute_output)
+    if out.exists():
+        _check_can_create_in("--out", str(args.out), out.parent)
     check_limited("--max-length", args.max_length, "text_tokens")
     check_int("--shard-size", args.shard_size, 1)
     check_int("--batch-size", args.batch_size, 1)

@@ -6,7 +6,9 @@ on for the kernel tests), since the interpreter takes only bf16 and would make e
 """
 from __future__ import annotations
 
+import argparse
 import csv
+import json
 import math
 import os
 import subprocess
@@ -141,6 +143,50 @@ def test_fsdp_config_for_14b():
     assert env["FSDP_USE_ORIG_PARAMS"] == "true"
     cls = get_module_class_from_name(build_tiny_transformer(), env["FSDP_TRANSFORMER_CLS_TO_WRAP"])
     assert cls is WanTransformerBlock
+
+
+def test_precompute_replaces_only_its_own_output_and_only_when_complete(tmp_path):
+    """A rerun into an earlier output replaces it once the new one is complete: a run that fails half way
+    (the second shard's video is corrupt) leaves the earlier files byte for byte, and no temporary folder.
+    A folder with anything beside precompute's files is refused; an empty folder is filled."""
+    from attnqat.checks import check_precompute
+    from attnqat.train.precompute import precompute
+
+    (tmp_path / "d.jsonl").write_text("".join(f'{{"prompt": "clip {i}"}}\n' for i in range(3)))
+    run = lambda out, **kw: precompute(str(tmp_path / "d.jsonl"), str(out), max_length=8, shard_size=2,  # noqa: E731
+                                       log=lambda *a: None, **kw)
+    out = tmp_path / "data"
+    run(out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["index.json", "shard-00000.safetensors", "shard-00001.safetensors"]
+
+    import imageio.v3 as iio
+    import numpy as np
+    iio.imwrite(tmp_path / "v0.mp4", (np.random.rand(9, 32, 32, 3) * 255).astype(np.uint8), fps=16)
+    (tmp_path / "v1.mp4").write_bytes(b"not a video")
+    (tmp_path / "v.jsonl").write_text("".join(f'{{"prompt": "c{i}", "video": "v{min(i // 2, 1)}.mp4"}}\n'
+                                              for i in range(3)))
+    with pytest.raises(ValueError, match="v1.mp4.*cannot read it as a video"):  # the input's fault, said so
+        precompute(str(tmp_path / "v.jsonl"), str(out), videos=True, max_length=8, height=32, width=32, frames=5,
+                   shard_size=2, log=lambda *a: None)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+    index = run(out, batch_size=1)  # a complete rerun replaces it
+    assert index["num_samples"] == 3 and json.loads((out / "index.json").read_text()) == index
+
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="did not write"):
+        run(out)
+    args = argparse.Namespace(prompts=str(tmp_path / "d.jsonl"), model="tiny", out=str(out), max_length=8,
+                              shard_size=2, batch_size=1, videos=False, height=480, width=832, frames=81, device=None)
+    with pytest.raises(ValueError, match="not empty"):
+        check_precompute(args)
+    assert (out / "notes.txt").read_text() == "mine"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run(empty)["num_samples"] == 3 and (empty / "index.json").is_file()
 
 
 def test_precompute_then_flow_and_mix(tmp_path):

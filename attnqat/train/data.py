@@ -15,11 +15,22 @@ position*: resuming at a position continues the exact sequence, on any number of
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 
 INDEX = "index.json"
+SHARD_NAME = re.compile(r"shard-\d{5}\.safetensors")  # precompute's shard files
+
+
+def is_precompute_output(folder: Path) -> bool:
+    """Whether ``folder`` holds an earlier ``attnqat precompute`` output and nothing else: its index.json
+    and shard files (the only folder precompute replaces; anything beside them is someone else's)."""
+    folder = Path(folder)
+    if not (folder / INDEX).is_file():
+        return False
+    return all(e.is_file() and (e.name == INDEX or SHARD_NAME.fullmatch(e.name)) for e in folder.iterdir())
 
 
 def read_index(path: str | Path) -> dict:

@@ -107,7 +107,10 @@ def read_video(path: str, frames: int, height: int, width: int) -> torch.Tensor:
     import numpy as np
     import torch.nn.functional as F
 
-    arr = np.stack([f for _, f in zip(range(frames), iio.imiter(path))])
+    try:
+        arr = np.stack([f for _, f in zip(range(frames), iio.imiter(path))])
+    except (OSError, RuntimeError, ValueError) as e:  # a ValueError: not an output write failure
+        raise ValueError(f"video {path!r}: cannot read it as a video ({' '.join(str(e).split())})") from None
     if len(arr) < frames:
         raise ValueError(f"video {path!r} has {len(arr)} frames; --frames {frames} needs at least that many")
     x = torch.from_numpy(arr[..., :3]).float().permute(0, 3, 1, 2) / 127.5 - 1  # (T, 3, H, W)
@@ -127,8 +130,15 @@ def encode_video(vae, video: torch.Tensor, device) -> torch.Tensor:
 def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool = False, max_length: int = 512,
                height: int = 480, width: int = 832, frames: int = 81, shard_size: int = 256, batch_size: int = 8,
                device: str | None = None, log=print) -> dict:
-    """Write the shards and index.json; return the index."""
-    from .data import write_index, write_shard
+    """Write the shards and index.json; return the index.
+
+    ``out`` is written as a whole: into a temporary folder beside it, renamed into place when complete, so
+    a failed or interrupted run never leaves a half-written dataset there. An earlier precompute output at
+    ``out`` (its index.json and shards, nothing else) is replaced only then; any other non-empty folder is
+    refused."""
+    from attnqat.outputs import replace_dir_atomically, write_dir_atomically
+
+    from .data import INDEX, is_precompute_output, write_index, write_shard
 
     if videos:
         if height % 16 or width % 16:
@@ -137,28 +147,40 @@ def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool
             raise ValueError(f"--frames {frames} must be 4k+1 (e.g. {frames - frames % 4 + 1})")
     if max_length < 1 or shard_size < 1 or batch_size < 1:
         raise ValueError("--max-length, --shard-size and --batch-size must be >= 1")
+    folder = Path(out).expanduser()
+    reuse = folder.is_dir() and (folder / INDEX).is_file()
+    if folder.exists() and not (folder.is_dir() and (reuse or not any(folder.iterdir()))):
+        raise ValueError(f"--out {str(out)!r} exists and is neither empty nor an earlier precompute output")
+    if reuse and not is_precompute_output(folder):
+        raise ValueError(f"--out {str(out)!r} holds an index.json beside files precompute did not write; "
+                         f"give a new or empty folder (nothing in it is replaced)")
     records = read_records(prompts_file, videos)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok, enc, vae = load_encoders(model, device, videos)
-    folder = Path(out).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    shards, latent_shape = [], None
-    for s in range(0, len(records), shard_size):
-        chunk = records[s:s + shard_size]
-        embeds = torch.cat([encode_prompts(tok, enc, [r["prompt"] for r in chunk[i:i + batch_size]], max_length, device)
-                            for i in range(0, len(chunk), batch_size)])
-        tensors = {"prompt_embeds": embeds}
-        if videos:
-            lat = torch.stack([encode_video(vae, read_video(r["video"], frames, height, width), device) for r in chunk])
-            tensors["latents"] = lat
-            latent_shape = list(lat.shape[1:])
-        name = f"shard-{len(shards):05d}.safetensors"
-        write_shard(folder / name, tensors, metadata={"prompts": json.dumps([r["prompt"] for r in chunk])})
-        shards.append({"file": name, "num": len(chunk)})
-        log(f"attnqat precompute: {name}: {len(chunk)} samples")
-    index = {"num_samples": len(records), "shards": shards, "text_dim": int(embeds.shape[-1]), "text_len": max_length,
-             "has_latents": bool(videos), "latent_shape": latent_shape, "model": model}
-    write_index(folder, index)
+    index: dict = {}
+
+    def write(tmp: Path) -> None:
+        shards, latent_shape = [], None
+        for s in range(0, len(records), shard_size):
+            chunk = records[s:s + shard_size]
+            embeds = torch.cat([encode_prompts(tok, enc, [r["prompt"] for r in chunk[i:i + batch_size]], max_length,
+                                               device) for i in range(0, len(chunk), batch_size)])
+            tensors = {"prompt_embeds": embeds}
+            if videos:
+                lat = torch.stack([encode_video(vae, read_video(r["video"], frames, height, width), device)
+                                   for r in chunk])
+                tensors["latents"] = lat
+                latent_shape = list(lat.shape[1:])
+            name = f"shard-{len(shards):05d}.safetensors"
+            write_shard(tmp / name, tensors, metadata={"prompts": json.dumps([r["prompt"] for r in chunk])})
+            shards.append({"file": name, "num": len(chunk)})
+            log(f"attnqat precompute: {name}: {len(chunk)} samples")
+        index.update({"num_samples": len(records), "shards": shards, "text_dim": int(embeds.shape[-1]),
+                      "text_len": max_length, "has_latents": bool(videos), "latent_shape": latent_shape,
+                      "model": model})
+        write_index(tmp, index)
+
+    (replace_dir_atomically if reuse else write_dir_atomically)(folder, write)
     log(f"attnqat precompute: wrote {len(records)} samples to {folder} (set data.path: {folder})")
     return index
 
