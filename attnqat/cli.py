@@ -25,7 +25,7 @@ import importlib
 import os
 import sys
 
-from .errors import NonFiniteOutputError, OutputWriteError
+from .errors import ComputeError, NonFiniteOutputError, OutputWriteError
 
 # name -> (module, one-line help, argument check run before the module's main or None). The check of
 # precompute lives in attnqat.checks while attnqat/train is being changed in another branch.
@@ -46,7 +46,7 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
 # ModelNotFoundError and missing checkpoints; ImportError a missing optional dependency (the message says
 # what to install).
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError)
-RUN_ERRORS = (OutputWriteError, NonFiniteOutputError)
+RUN_ERRORS = (OutputWriteError, NonFiniteOutputError, ComputeError)
 
 
 def one_line(text: str) -> str:

@@ -5,7 +5,7 @@ and exits with status 1 (status 2 is for mistakes in the arguments, see :mod:`at
 """
 from __future__ import annotations
 
-__all__ = ["OutputWriteError", "NonFiniteOutputError", "GenerationCancelled"]
+__all__ = ["OutputWriteError", "NonFiniteOutputError", "GenerationCancelled", "ComputeError"]
 
 
 class OutputWriteError(OSError):
@@ -19,3 +19,8 @@ class NonFiniteOutputError(RuntimeError):
 
 class GenerationCancelled(RuntimeError):
     """A generation was stopped between two denoising steps because its request was cancelled."""
+
+
+class ComputeError(Exception):
+    """A model computation failed part way (out of memory, a device error): not an output that could not be
+    written, even when it happened while one was being written. The message says what ran."""

@@ -189,6 +189,31 @@ def test_precompute_replaces_only_its_own_output_and_only_when_complete(tmp_path
     assert run(empty)["num_samples"] == 3 and (empty / "index.json").is_file()
 
 
+def test_precompute_reports_an_encoder_failure_as_such(tmp_path, monkeypatch, capsys):
+    """A RuntimeError of the encoders (out of memory, say) while the output folder is being written is a
+    failed computation (exit 1, one line naming the shard), not "could not write folder"; nothing is left."""
+    from attnqat.cli import main
+    from attnqat.train import precompute as pre
+
+    (tmp_path / "d.jsonl").write_text("".join(f'{{"prompt": "clip {i}"}}\n' for i in range(3)))
+    real, calls = pre.encode_prompts, []
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) > 1:  # the second shard
+            raise RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pre, "encode_prompts", flaky)
+    rc = main(["precompute", "--prompts", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "data"),
+               "--max-length", "8", "--shard-size", "2", "--batch-size", "2", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert "failed: encoding shard-00001.safetensors failed (CUDA out of memory. Tried" in err[0]
+    assert "could not write" not in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
+
+
 def test_precompute_then_flow_and_mix(tmp_path):
     import imageio.v3 as iio
     import numpy as np

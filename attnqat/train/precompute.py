@@ -136,6 +136,7 @@ def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool
     a failed or interrupted run never leaves a half-written dataset there. An earlier precompute output at
     ``out`` (its index.json and shards, nothing else) is replaced only then; any other non-empty folder is
     refused."""
+    from attnqat.errors import ComputeError
     from attnqat.outputs import replace_dir_atomically, write_dir_atomically
 
     from .data import INDEX, is_precompute_output, write_index, write_shard
@@ -163,15 +164,19 @@ def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool
         shards, latent_shape = [], None
         for s in range(0, len(records), shard_size):
             chunk = records[s:s + shard_size]
-            embeds = torch.cat([encode_prompts(tok, enc, [r["prompt"] for r in chunk[i:i + batch_size]], max_length,
-                                               device) for i in range(0, len(chunk), batch_size)])
-            tensors = {"prompt_embeds": embeds}
-            if videos:
-                lat = torch.stack([encode_video(vae, read_video(r["video"], frames, height, width), device)
-                                   for r in chunk])
-                tensors["latents"] = lat
-                latent_shape = list(lat.shape[1:])
             name = f"shard-{len(shards):05d}.safetensors"
+            try:  # a RuntimeError here is the encoders' (e.g. out of memory), not the folder's being written
+                embeds = torch.cat([encode_prompts(tok, enc, [r["prompt"] for r in chunk[i:i + batch_size]],
+                                                   max_length, device) for i in range(0, len(chunk), batch_size)])
+                tensors = {"prompt_embeds": embeds}
+                if videos:
+                    lat = torch.stack([encode_video(vae, read_video(r["video"], frames, height, width), device)
+                                       for r in chunk])
+                    tensors["latents"] = lat
+                    latent_shape = list(lat.shape[1:])
+            except RuntimeError as e:
+                raise ComputeError(f"encoding {name} failed ({' '.join(str(e).split())}); "
+                                   f"nothing was written to {str(out)!r}") from e
             write_shard(tmp / name, tensors, metadata={"prompts": json.dumps([r["prompt"] for r in chunk])})
             shards.append({"file": name, "num": len(chunk)})
             log(f"attnqat precompute: {name}: {len(chunk)} samples")
