@@ -373,3 +373,33 @@ def test_cli_reports_non_finite_training_in_one_line(tmp_path, monkeypatch, caps
                  *[a for o in NF for a in ("--set", o)]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "step 2: non-finite loss nan" in err[0] and "last good checkpoint is none" in err[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_teacher_cast_copy_equals_deepcopy_then_cast(dtype):
+    """objectives.cast_copy: the same module as copy.deepcopy(m).to(dtype), every parameter and buffer bit for
+    bit, in dtype, with the same requires_grad; independent of the original (a new tensor per parameter, and
+    a parameter shared by two modules stays shared in the copy)."""
+    import copy
+
+    from attnqat.pipelines import build_tiny_transformer
+    from attnqat.train.objectives import cast_copy
+
+    m = build_tiny_transformer().float()
+    m.proj_out.weight.requires_grad_(False)
+    m.extra, m.other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    m.other.weight = m.extra.weight  # a parameter shared by two modules
+    m.twin = m.extra  # a module reached twice
+    want = copy.deepcopy(m).to(dtype)
+    got = cast_copy(m, dtype)
+    a, b = dict(got.named_parameters()), dict(want.named_parameters())
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype == dtype and torch.equal(a[k], b[k]) and a[k].requires_grad == b[k].requires_grad
+        assert a[k].data_ptr() != dict(m.named_parameters())[k].data_ptr()
+    bufs_a, bufs_b = dict(got.named_buffers()), dict(want.named_buffers())
+    assert bufs_a.keys() == bufs_b.keys() and all(torch.equal(bufs_a[k], bufs_b[k]) for k in bufs_a)
+    assert got.twin is got.extra and got.extra is not m.extra and got.other.weight is got.extra.weight
+    with torch.no_grad():
+        got.proj_out.weight.add_(1.0)
+    assert not torch.equal(m.proj_out.weight.to(dtype), got.proj_out.weight)
