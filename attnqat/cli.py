@@ -25,7 +25,7 @@ import importlib
 import os
 import sys
 
-from .errors import ComputeError, NonFiniteOutputError, OutputWriteError
+from .errors import ComputeError, NonFiniteOutputError, OutputWriteError, one_line
 
 # name -> (module, one-line help, argument check run before the module's main or None). The check of
 # precompute lives in attnqat.checks while attnqat/train is being changed in another branch.
@@ -47,11 +47,6 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
 # what to install).
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError)
 RUN_ERRORS = (OutputWriteError, NonFiniteOutputError, ComputeError)
-
-
-def one_line(text: str) -> str:
-    """``text`` as one line (a value with a newline in it must not split an error message)."""
-    return " ".join(text.split("\n")).strip()
 
 
 class OneLineParser(argparse.ArgumentParser):

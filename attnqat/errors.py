@@ -5,7 +5,7 @@ and exits with status 1 (status 2 is for mistakes in the arguments, see :mod:`at
 """
 from __future__ import annotations
 
-__all__ = ["OutputWriteError", "NonFiniteOutputError", "GenerationCancelled", "ComputeError"]
+__all__ = ["OutputWriteError", "NonFiniteOutputError", "GenerationCancelled", "ComputeError", "one_line"]
 
 
 class OutputWriteError(OSError):
@@ -24,3 +24,8 @@ class GenerationCancelled(RuntimeError):
 class ComputeError(Exception):
     """A model computation failed part way (out of memory, a device error): not an output that could not be
     written, even when it happened while one was being written. The message says what ran."""
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line (a value with a newline in it must not split an error message)."""
+    return " ".join(text.split("\n")).strip()

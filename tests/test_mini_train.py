@@ -347,7 +347,7 @@ def test_warm_start_continues_from_an_exported_build_and_counts_the_chain(tmp_pa
         with pytest.raises(SystemExit):
             main(["--out", str(second if "exists" in message else tmp_path / "c"), "--stage", "init", *argv])
         assert message in capsys.readouterr().err
-    assert not (tmp_path / "c" / "model").exists()
+    assert not (tmp_path / "c").exists()  # refused before --out is created
 
 
 def test_compiled_blocks_train_like_eager_ones(mini_folder, tmp_path):

@@ -12,8 +12,8 @@ in a **pool** per video size that is partly refreshed every step (``pool`` clips
 a step): each clip is seen about ``batch_size / refresh`` times on average instead of once. With
 ``refresh_every: K`` the new clips come ``refresh * K`` at a time every K-th step of a size: a 33-frame
 VAE encode costs about the same for 4 clips as for 16 (H100: 87 ms; launch-bound), so fewer, larger
-refreshes cost less per clip. What a pool holds is a function of (seed, step) alone, so a resumed run rebuilds the very pool
-the uninterrupted run had, and batches stay identical. ``pool: 0`` encodes every sample fresh.
+refreshes cost less per clip. What a pool holds is a function of (seed, step) alone, so a resumed run
+rebuilds the very pool the uninterrupted run had, and batches stay identical. ``pool: 0`` encodes every sample fresh.
 
 Video sizes: ``sizes`` lists (frames, height, width); the step's size cycles through a pattern built
 from the integer ``size_weights`` (weights [2, 1] give sizes 0, 0, 1, 0, 0, 1, ...).

@@ -339,15 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         p.error(f"--out {out} is a file")
-    out.mkdir(parents=True, exist_ok=True)
-    stages = STAGES if args.stage == "all" else (args.stage,)
-    if args.from_folder is not None:
+    if args.from_folder is not None:  # refused before anything is created
         if (out / "model" / "model_index.json").is_file():
             p.error(f"--from: {out / 'model'} exists already; a warm start begins in a new --out")
         try:
             read_card(Path(args.from_folder))
         except ValueError as e:
             p.error(str(e))
+    out.mkdir(parents=True, exist_ok=True)
+    stages = STAGES if args.stage == "all" else (args.stage,)
     if ("init" in stages or "vae" in stages) and not (out / "model" / "model_index.json").is_file():
         stage_init(out, args.vae, args.from_folder)
     if "vae" in stages:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from attnqat.errors import ComputeError, one_line
+
 HELP = "encode prompts (and videos) into safetensors shards for `attnqat train`"
 
 
@@ -110,7 +112,7 @@ def read_video(path: str, frames: int, height: int, width: int) -> torch.Tensor:
     try:
         arr = np.stack([f for _, f in zip(range(frames), iio.imiter(path))])
     except (OSError, RuntimeError, ValueError) as e:  # a ValueError: not an output write failure
-        raise ValueError(f"video {path!r}: cannot read it as a video ({' '.join(str(e).split())})") from None
+        raise ValueError(f"video {path!r}: cannot read it as a video ({one_line(str(e))})") from None
     if len(arr) < frames:
         raise ValueError(f"video {path!r} has {len(arr)} frames; --frames {frames} needs at least that many")
     x = torch.from_numpy(arr[..., :3]).float().permute(0, 3, 1, 2) / 127.5 - 1  # (T, 3, H, W)
@@ -136,7 +138,6 @@ def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool
     a failed or interrupted run never leaves a half-written dataset there. An earlier precompute output at
     ``out`` (its index.json and shards, nothing else) is replaced only then; any other non-empty folder is
     refused."""
-    from attnqat.errors import ComputeError
     from attnqat.outputs import replace_dir_atomically, write_dir_atomically
 
     from .data import INDEX, is_precompute_output, write_index, write_shard
@@ -175,7 +176,7 @@ def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool
                     tensors["latents"] = lat
                     latent_shape = list(lat.shape[1:])
             except RuntimeError as e:
-                raise ComputeError(f"encoding {name} failed ({' '.join(str(e).split())}); "
+                raise ComputeError(f"encoding {name} failed ({one_line(str(e))}); "
                                    f"nothing was written to {str(out)!r}") from e
             write_shard(tmp / name, tensors, metadata={"prompts": json.dumps([r["prompt"] for r in chunk])})
             shards.append({"file": name, "num": len(chunk)})
