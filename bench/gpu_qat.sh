@@ -22,11 +22,15 @@ MODEL=${MODEL:-runs/mini/mini}
 DEVICE=${DEVICE:-cuda}
 DOCS=${DOCS:-docs}
 W=runs/mini_qat
-RUNS="flow distill_output pbwd_normalized dropin bf16_control"
+# RUNS (environment) picks and orders them; PARALLEL=1 runs them side by side (a 9M-parameter model's step is
+# launch-bound: one GPU holds several), else one after another.
+RUNS=${RUNS:-"flow distill_output pbwd_normalized dropin bf16_control"}
 
 overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
   case $1 in
     flow) ;;
+    flow_lr5e-5) echo "train.lr=5e-5" ;;
+    flow_attention) echo "train.trainable=attention" ;;
     distill_output) echo "objective.type=distill objective.target=output" ;;
     pbwd_normalized) echo "attention.options.p_bwd=normalized" ;;
     dropin) echo "attention.mode=attn_qat_dropin" ;;
@@ -68,8 +72,14 @@ case "${1:-}" in
   _all)
     for name in $RUNS; do
       echo "=== $name ($(date +%T))"
-      train_one "$name" "$2" || echo "=== $name failed"
+      if [ "${PARALLEL:-0}" = 1 ]; then
+        mkdir -p $W/$name; (train_one "$name" "$2" > $W/$name.out 2>&1 || echo "=== $name failed") &
+        sleep 5  # stagger the starts: each compiles and fills its pool
+      else
+        train_one "$name" "$2" || echo "=== $name failed"
+      fi
     done
+    wait
     echo "=== done ($(date +%T))"
     ;;
   wait)
@@ -87,14 +97,32 @@ case "${1:-}" in
     add qat_pbwd_norm pbwd_normalized attn_qat
     add qat_dropin dropin attn_qat
     add ctrl_fp4 bf16_control attn_qat
+    add qat_lr5e-5 flow_lr5e-5 attn_qat
+    add qat_attention flow_attention attn_qat
     add ctrl_bf16 bf16_control bf16
     args+=(--variant nvfp4_first2=nvfp4 --bf16-steps nvfp4_first2=0,1)
     has_weights flow && args+=(--variant "qat_first2=attn_qat:$W/flow" --bf16-steps qat_first2=0,1)
     python3 bench/quality.py --device "$DEVICE" --model "$MODEL" --docs "$DOCS" --out $W/quality "${args[@]}" \
       ${QUALITY_ARGS:-} 2>&1 \
-      | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$\|^ *$" | tee "$OUT/quality.log" | tail -n 30
-    cp -r $W/quality "$OUT/" 2>/dev/null
-    cp "$DOCS"/quality.md "$DOCS"/quality.png "$DOCS"/quality.json "$OUT/" 2>/dev/null
+      | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$\|^ *$" | tee "$OUT/quality.log" | tail -n 40
+    # the fine-tuned transformers of SHIP (environment), bf16, in 15 MB parts (a file back is at most 16 MiB)
+    mkdir -p /tmp/qat_weights
+    for name in ${SHIP:-flow flow_attention distill_output}; do
+      python3 - "$W/$name" "/tmp/qat_weights/$name.safetensors" <<'PY' || echo "no weights of $name packed"
+import sys
+import torch
+from safetensors.torch import load_file, save_file
+from attnqat.pipelines.loading import _checkpoint_files  # the lookup attnqat quality uses
+files = _checkpoint_files(sys.argv[1])
+state = {}
+for f in files:
+    state.update(load_file(f))
+save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, sys.argv[2])
+print(f"packed {sys.argv[1]} from {files[0]}")
+PY
+    done
+    tar -C /tmp -cf /tmp/qat_weights.tar qat_weights && split -b 15M /tmp/qat_weights.tar "$OUT/qat_weights.tar.part-"
+    tar -cf "$OUT/quality.tar" $W/quality "$DOCS"/quality.md "$DOCS"/quality.png "$DOCS"/quality.json 2>/dev/null
     ;;
   *)
     echo "usage: bash bench/gpu_qat.sh start MINUTES | wait SECONDS | report | stop"; exit 2
@@ -103,7 +131,8 @@ esac
 [ "${1:-}" = _all ] && exit 0
 tr '\r' '\n' < $W/train.log 2>/dev/null | grep -v "it/s\]$\|s/it\]$\|^ *$" | tail -n 8
 for name in $RUNS; do
-  [ -f $W/$name/log.csv ] && { echo "$name: $(tail -n 1 $W/$name/log.csv)"; mkdir -p "$OUT/$name"; cp $W/$name/log.csv "$OUT/$name/"; }
+  [ -f $W/$name/log.csv ] && echo "$name: $(tail -n 1 $W/$name/log.csv)"
 done
-cp $W/train.log "$OUT/qat_train.log" 2>/dev/null
+# one file back (a call brings back at most 8): every run's log.csv and output, the driver's log
+tar -cf "$OUT/qat_logs.tar" $W/train.log $W/*.out $W/*/log.csv 2>/dev/null
 exit 0
