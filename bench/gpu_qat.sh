@@ -13,10 +13,12 @@
 #     QUALITY_ARGS="--size 5x32x32 --steps 2 --prompts 2 --clips 2" bash bench/gpu_qat.sh start 0.1
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-if [ -d .whl ] && [ "${1:-}" != _all ]; then  # _all inherits PYTHONPATH from start
+# the wheels once a machine: installing again while a run imports from /tmp/site breaks that run
+if [ -d .whl ] && [ ! -d /tmp/site/diffusers ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+    || exit 1
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 MODEL=${MODEL:-runs/mini/mini}
 DEVICE=${DEVICE:-cuda}
