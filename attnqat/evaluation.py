@@ -134,7 +134,8 @@ def flow_metrics(transformer, variants: list[Variant], x0: torch.Tensor, embeds:
     weights. ``bf16_sigmas``: label -> indices of ``sigmas`` evaluated with bf16 attention (precision-schedule
     rows, :func:`bf16_sigma_indices`). ``progress``: a tqdm-like object, ``update(1)`` after each variant."""
     weights = weights or _Weights(transformer)
-    dtype = next(transformer.parameters()).dtype
+    # the dtype of the input projection: diffusers keeps some modules (norms, the time embedding) in fp32
+    dtype = transformer.patch_embedding.weight.dtype if hasattr(transformer, "patch_embedding") else transformer.dtype
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn((len(sigmas),) + tuple(x0.shape), generator=g).to(x0.device)
     ref, out = None, {}
