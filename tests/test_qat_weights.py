@@ -223,6 +223,135 @@ def test_export_command_writes_and_reports(tiny_qat, tmp_path, capsys):
     assert read_qat_weights(out).trained == "a test"
 
 
+# ---------------------------------------------------------------------------------------------- generate
+@pytest.fixture
+def spy_generation(monkeypatch):
+    """The transformer's weights at each generation (CPU copies), in order."""
+    from attnqat.pipelines import generate
+
+    seen = []
+    original = generate.generate_video
+
+    def spy(pipe, *a, **kw):
+        seen.append({k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()})
+        return original(pipe, *a, **kw)
+
+    monkeypatch.setattr(generate, "generate_video", spy)
+    return seen
+
+
+def _expected(shipped, qat: bool) -> dict[str, torch.Tensor]:
+    _, tuned, base = shipped
+    return {k: tuned[k].to(BF16).float() if qat and _attention(k) else v for k, v in base.items()}
+
+
+def _same(state: dict, want: dict) -> bool:
+    return set(state) == set(want) and all(torch.equal(state[k], want[k]) for k in want)
+
+
+def test_generate_attn_qat_on_mini_runs_the_shipped_weights_and_says_so(installed, spy_generation, tmp_path, capsys):
+    path = installed[0] / mini.MINI_QAT_WEIGHTS
+    assert main(["generate", "--prompt", "a red ball", "--mode", "attn_qat", *SMALL,
+                 "--out", str(tmp_path / "v.mp4")]) == 0
+    err = capsys.readouterr().err
+    assert f"weights      shipped QAT fine-tune {path}\n" in err
+    assert _same(spy_generation[0], _expected(installed, qat=True))
+    # the shipped folder given as a path is mini too
+    assert main(["generate", "--prompt", "a red ball", "--model", str(installed[0]), "--mode", "attn_qat", *SMALL,
+                 "--out", str(tmp_path / "w.mp4")]) == 0
+    assert f"weights      shipped QAT fine-tune {path}\n" in capsys.readouterr().err
+    assert _same(spy_generation[1], _expected(installed, qat=True))
+
+
+def test_generate_runs_the_base_weights_with_qat_checkpoint_none_and_in_other_modes(installed, spy_generation,
+                                                                                      tmp_path, capsys):
+    assert main(["generate", "--prompt", "p", "--mode", "attn_qat", "--qat-checkpoint", "none", *SMALL,
+                 "--out", str(tmp_path / "v.mp4")]) == 0
+    assert "weights      base weights (--qat-checkpoint none)\n" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "p", "--mode", "nvfp4", *SMALL, "--out", str(tmp_path / "w.mp4")]) == 0
+    err = capsys.readouterr().err
+    assert "weights " not in err and "QAT" not in err
+    assert all(_same(s, _expected(installed, qat=False)) for s in spy_generation) and len(spy_generation) == 2
+
+
+def test_generate_without_shipped_weights_says_it_runs_the_base(monkeypatch, mini_base, tmp_path, capsys):
+    monkeypatch.setattr(mini, "MINI_DIR", mini_base)
+    assert main(["generate", "--prompt", "p", "--mode", "attn_qat", *SMALL, "--out", str(tmp_path / "v.mp4")]) == 0
+    assert "weights      base weights (no QAT fine-tune installed)\n" in capsys.readouterr().err
+
+
+def test_generate_refuses_shipped_weights_of_another_base_in_one_line(installed, monkeypatch, tmp_path, capsys):
+    """Shipped QAT weights made for other base weights than the folder's transformer (here: a fingerprint of
+    nothing) stop the run with one line that names the way out; --qat-checkpoint none still runs."""
+    folder = tmp_path / "mini"
+    shutil.copytree(installed[0], folder)
+    tensors = load_file(str(folder / mini.MINI_QAT_WEIGHTS))
+    (folder / mini.MINI_QAT_WEIGHTS).write_bytes(_serialize(tensors, "0" * 64, "for another base"))
+    monkeypatch.setattr(mini, "MINI_DIR", folder)
+    assert main(["generate", "--prompt", "p", "--mode", "attn_qat", *SMALL, "--out", str(tmp_path / "v.mp4")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "were made for other base weights (base fingerprint 000000000000" in err[0], err
+    assert "--qat-checkpoint none" in err[0]
+    assert main(["generate", "--prompt", "p", "--mode", "attn_qat", "--qat-checkpoint", "none", *SMALL,
+                 "--out", str(tmp_path / "v.mp4")]) == 0
+
+
+# ---------------------------------------------------------------------------------------------- the demo
+def _demo_runs(engine, tmp_path):
+    return engine.run("a red ball", modes=["attn_qat", "nvfp4"], height=32, width=32, frames=5, steps=1, seed=0,
+                      out_dir=tmp_path)
+
+
+def test_demo_attn_qat_column_runs_the_shipped_weights_and_the_others_the_base(installed, spy_generation, tmp_path):
+    from attnqat.demo import DemoEngine
+
+    engine = DemoEngine.load(device="cpu", dtype="fp32")
+    assert engine.model == "mini" and engine.qat_shipped
+    assert engine.label("attn_qat") == "Attn-QAT (shipped QAT fine-tune attn_qat.safetensors)"
+    runs = _demo_runs(engine, tmp_path)
+    assert [r.mode for r in runs] == ["bf16", "attn_qat", "nvfp4"]
+    assert [_same(s, _expected(installed, qat=True)) for s in spy_generation] == [False, True, False]
+    assert [_same(s, _expected(installed, qat=False)) for s in spy_generation] == [True, False, True]
+    assert runs[1].label == "Attn-QAT (shipped QAT fine-tune attn_qat.safetensors)"
+
+
+def test_demo_explicit_checkpoint_wins_and_none_opts_out(installed, tiny_qat, tmp_path):
+    from attnqat.demo import NO_CHECKPOINT_LABEL, DemoEngine
+
+    folder, tuned, _ = installed
+    explicit = folder.parent / "finetune.safetensors"  # the full fine-tune the shipped file was exported from
+    engine = DemoEngine.load(device="cpu", dtype="fp32", qat_checkpoint=str(explicit))
+    assert not engine.qat_shipped and engine.label("attn_qat") == "Attn-QAT (QAT checkpoint finetune.safetensors)"
+    assert torch.equal(engine._weights["qat"]["proj_out.weight"], tuned["proj_out.weight"])  # the full file's
+    plain = DemoEngine.load(device="cpu", dtype="fp32", qat_checkpoint="none")
+    assert plain.qat_checkpoint is None and plain.label("attn_qat") == NO_CHECKPOINT_LABEL
+
+
+def test_app_checks_and_names_the_shipped_weights(installed, tmp_path):
+    pytest.importorskip("gradio", reason="the demo needs gradio: pip install -e '.[app]'")
+    import importlib.util
+
+    import socket
+
+    import gradio as gr
+
+    from attnqat.demo import DemoEngine, demo_modes
+
+    spec = importlib.util.spec_from_file_location("attnqat_app_qatw", ROOT / "app.py")
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    with socket.socket() as s:  # a free port, for check_args
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = app.parse_args(["--port", str(port), "--qat-checkpoint", "none"])
+    assert app.check_args(args)[0] == ["bf16", *[m for m in demo_modes() if m != "bf16"]]  # "none" is no path
+    engine = DemoEngine.load(device="cpu", dtype="fp32")
+    demo = app.build_demo(engine, ["bf16", "attn_qat"], str(tmp_path))
+    text = " ".join(str(b.value) for b in demo.blocks.values() if isinstance(b, gr.Markdown))
+    assert "runs the QAT fine-tune shipped with the model (`attn_qat.safetensors`)" in text
+    assert "--qat-checkpoint none" in text
+
+
 # ------------------------------------------------------------------------------------------- quality
 def test_quality_variant_takes_qat_weights(tiny_qat):
     from attnqat.pipelines import build_tiny_transformer

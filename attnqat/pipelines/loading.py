@@ -13,7 +13,8 @@ from .tiny import build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny", "is_mini",
-           "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint"]
+           "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
+           "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
 
 #: The real model this project targets; also the example in error messages.
 DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
@@ -215,6 +216,34 @@ def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
         raise FileNotFoundError(f"QAT checkpoint folder {str(p)!r} holds no .safetensors file (nor an attnqat "
                                 f"train run's final/ or checkpoints/step-N/)")
     return files
+
+
+#: ``--qat-checkpoint none``: the base weights, even where a QAT fine-tune ships with the model.
+NO_QAT_CHECKPOINT = "none"
+
+
+def choose_qat_checkpoint(model: str, given: str | None, mode: str) -> tuple[str | None, str | None]:
+    """The QAT checkpoint a run of attention ``mode`` on ``model`` loads (None: the base weights), and what to
+    say about its weights (None: nothing to say). ``given``: --qat-checkpoint.
+
+    - ``none``: the base weights;
+    - another path: that checkpoint, in any mode;
+    - nothing, in mode ``attn_qat``: the QAT fine-tune shipped with ``model`` (mini's
+      :data:`~attnqat.pipelines.mini.MINI_QAT_WEIGHTS`) where one is installed, else the base weights;
+    - nothing, in another mode: the base weights (QAT weights are for attn_qat attention).
+    """
+    from .mini import is_shipped_mini, shipped_qat_weights
+
+    if given is not None and given.strip().lower() == NO_QAT_CHECKPOINT:
+        return None, f"base weights (--qat-checkpoint {NO_QAT_CHECKPOINT})"
+    if given is not None:
+        return given, f"QAT checkpoint {given}"
+    if mode != "attn_qat":
+        return None, None
+    shipped = shipped_qat_weights(model)
+    if shipped is not None:
+        return str(shipped), f"shipped QAT fine-tune {shipped}"
+    return None, f"base weights ({'no QAT fine-tune installed' if is_shipped_mini(model) else 'no --qat-checkpoint'})"
 
 
 def checkpoint_weights_path(path: str | os.PathLike) -> str:

@@ -36,7 +36,8 @@ from pathlib import Path
 MINI_DIR = Path(__file__).resolve().parent.parent / "models" / "mini"
 
 #: The QAT fine-tune shipped beside mini's folder (``MINI_DIR / MINI_QAT_WEIGHTS``): only the transformer tensors
-#: it changed, in bf16 (:mod:`attnqat.pipelines.qat_weights`).
+#: it changed, in bf16 (:mod:`attnqat.pipelines.qat_weights`). ``attnqat generate --mode attn_qat`` on mini and the
+#: demo's Attn-QAT column run on it unless --qat-checkpoint names other weights (or ``none``).
 MINI_QAT_WEIGHTS = "attn_qat.safetensors"
 
 #: The model ``attnqat generate``, ``app.py`` (the demo) and ``attnqat quality`` use when --model is not given.
@@ -97,6 +98,23 @@ def is_mini(model: str) -> bool:
 def mini_installed() -> bool:
     """Whether this installation holds mini's weights (``MINI_DIR/model_index.json``)."""
     return (MINI_DIR / "model_index.json").is_file()
+
+
+def is_shipped_mini(model: str) -> bool:
+    """``mini``, or the shipped folder (:data:`MINI_DIR`) given as a path."""
+    if is_mini(model):
+        return True
+    try:
+        return Path(model).expanduser().resolve() == MINI_DIR.resolve()
+    except (OSError, ValueError, RuntimeError):  # a name no path can have, a symlink loop
+        return False
+
+
+def shipped_qat_weights(model: str) -> Path | None:
+    """The QAT fine-tune installed with ``model`` (``MINI_DIR / MINI_QAT_WEIGHTS`` for the shipped mini, when
+    that file is there), else None."""
+    path = MINI_DIR / MINI_QAT_WEIGHTS
+    return path if is_shipped_mini(model) and path.is_file() else None
 
 
 def default_model() -> str:
