@@ -7,7 +7,8 @@ Attn-QAT and (optionally) naive NVFP4 attention; each video with its time and fi
     python app.py --model ./Wan2.1-T2V-1.3B-Diffusers --qat-checkpoint qat.safetensors --port 7860
 
 The pipeline is loaded once; each mode only swaps attention processors (and, with a QAT
-checkpoint, the transformer's weights for Attn-QAT: see :mod:`attnqat.demo`). Requests are queued
+checkpoint, the transformer's weights for Attn-QAT: see :mod:`attnqat.demo`; on mini the default is the
+QAT fine-tune shipped with it, where installed). Requests are queued
 one at a time, so one GPU is never oversubscribed; each column appears as soon as its mode is done,
 with denoising progress per mode, and Cancel stops a request at its next denoising step. Every
 argument is checked (port free, paths writable, ...) before the model loads: a mistake is one line
@@ -44,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    f"package, offline, runs on CPU; without its weights installed '{FALLBACK_MODEL}', with a note), "
                    "'tiny' (offline, RANDOM weights) or a local diffusers-format Wan 2.1 T2V folder / hub id")
     p.add_argument("--qat-checkpoint", metavar="PATH", help="transformer weights from Attn-QAT fine-tuning, used by "
-                   "the Attn-QAT column (without it, that column is plain FP4 attention, labelled so)")
+                   "the Attn-QAT column (default: for mini, the QAT fine-tune shipped with it where installed; "
+                   "'none', or another model without it: that column is plain FP4 attention, labelled so)")
     p.add_argument("--modes", help="comma-separated attention modes to offer (default: bf16,sage3,attn_qat,nvfp4, "
                    "those registered)")
     p.add_argument("--port", type=int, default=7860, help="port, 1 to 65535, free (default: 7860)")
@@ -101,11 +103,12 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], Path | None]:
     """Every argument, before the model loads. Return: (the modes to offer, --out-dir as a path)."""
     from attnqat.checks import check_device, check_output_dir, check_text, show
     from attnqat.demo import demo_modes
-    from attnqat.pipelines.loading import check_model, check_qat_checkpoint
+    from attnqat.pipelines.loading import check_model, check_qat_checkpoint, choose_qat_checkpoint
 
     check_model(args.model)
-    if args.qat_checkpoint is not None:
-        check_qat_checkpoint(args.qat_checkpoint)
+    qat_checkpoint, _ = choose_qat_checkpoint(args.model, args.qat_checkpoint, "attn_qat")
+    if qat_checkpoint is not None:
+        check_qat_checkpoint(qat_checkpoint)
     names = None
     if args.modes is not None:
         names = [m.strip() for m in check_text("--modes", args.modes).split(",")]
@@ -295,6 +298,10 @@ def build_demo(engine, modes: list[str], out_root: str | Path):
         if "attn_qat" in modes and not engine.qat_checkpoint:
             notes.append("No `--qat-checkpoint` given: the Attn-QAT column is plain FP4 attention "
                          "(no QAT checkpoint).")
+        elif "attn_qat" in modes and engine.qat_shipped:
+            notes.append(f"The Attn-QAT column runs the QAT fine-tune shipped with the model "
+                         f"(`{Path(engine.qat_checkpoint).name}`); start the app with `--qat-checkpoint none` for "
+                         f"plain FP4 attention on the base weights.")
         if "sage3" not in modes:
             notes.append("SageAttention3 (mode `sage3`) is not registered in this attnqat build.")
         if on_cpu:

@@ -38,9 +38,10 @@ and pruning deletes only what a marker lists, in folders the app named and marke
 user's, or a file someone added, is never deleted.
 
 Weights: the pipeline is loaded once; switching modes only swaps attention processors
-(:func:`~attnqat.pipelines.patch_attention`). With a QAT checkpoint, Attn-QAT runs on the QAT weights
-and every other mode on the base weights: both weight sets are kept as CPU state dicts and copied
-into the one transformer with ``load_state_dict`` when the mode needs the other set. The trade-off:
+(:func:`~attnqat.pipelines.patch_attention`). With a QAT checkpoint (by default, for mini, the QAT
+fine-tune shipped with it), Attn-QAT runs on the QAT weights and every other mode on the base weights:
+both weight sets are kept as CPU state dicts and copied into the one transformer with
+``load_state_dict`` when the mode needs the other set. The trade-off:
 two extra copies of the transformer's weights in host memory (1.3B in bf16: 2 x 2.6 GiB; 14B: 2 x 28 GiB)
 and one host-to-device copy per swap, instead of a second transformer in GPU memory.
 """
@@ -124,9 +125,13 @@ def demo_modes(modes=None) -> list[str]:
     return ["bf16"] + [m for m in out if m != "bf16"]
 
 
-def mode_label(mode: str, qat_checkpoint: str | None = None) -> str:
+def mode_label(mode: str, qat_checkpoint: str | None = None, shipped: bool = False) -> str:
+    """A column's title; the Attn-QAT column's says which weights it runs on (``shipped``: ``qat_checkpoint``
+    is the QAT fine-tune installed with the model)."""
     if mode == "attn_qat":
-        return f"Attn-QAT (QAT checkpoint {Path(qat_checkpoint).name})" if qat_checkpoint else NO_CHECKPOINT_LABEL
+        if not qat_checkpoint:
+            return NO_CHECKPOINT_LABEL
+        return f"Attn-QAT ({'shipped QAT fine-tune' if shipped else 'QAT checkpoint'} {Path(qat_checkpoint).name})"
     return MODE_LABELS.get(mode, mode)
 
 
@@ -298,9 +303,9 @@ class DemoEngine:
     """
 
     def __init__(self, pipe, *, model: str, device: torch.device, dtype: torch.dtype,
-                 qat_checkpoint: str | None = None, guidance: float = 5.0):
+                 qat_checkpoint: str | None = None, qat_shipped: bool = False, guidance: float = 5.0):
         self.pipe, self.model, self.device, self.dtype = pipe, model, device, dtype
-        self.qat_checkpoint, self.guidance = qat_checkpoint, guidance
+        self.qat_checkpoint, self.qat_shipped, self.guidance = qat_checkpoint, qat_shipped, guidance
         self._lock = threading.Lock()
         self._weights = {"base": self._snapshot()}
         self._live = "base"
@@ -321,14 +326,18 @@ class DemoEngine:
         :func:`~attnqat.pipelines.mini.default_model` ("mini"; "tiny" where its weights are not
         installed); ``device`` to cuda if available; ``dtype`` ("bf16", "fp16", "fp32") to bf16 on GPU
         and under the Triton interpreter (the FP4 kernels take 16-bit inputs), else fp32 (CPU runs each
-        mode's PyTorch reference)."""
+        mode's PyTorch reference). ``qat_checkpoint``: the Attn-QAT column's weights, as
+        :func:`~attnqat.pipelines.loading.choose_qat_checkpoint` picks them for attn_qat (None: the QAT
+        fine-tune shipped with mini where installed, else the base weights; "none": the base weights)."""
         from attnqat.checks import check_device
         from attnqat.kernels import backend_info
         from attnqat.pipelines import load_pipeline
         from attnqat.pipelines.generate import DTYPE_NAMES, default_model, model_defaults, torch_dtype
+        from attnqat.pipelines.loading import choose_qat_checkpoint
 
         if model is None:
             model = default_model()
+        chosen, _ = choose_qat_checkpoint(model, qat_checkpoint, "attn_qat")
         dev = check_device("--device", device)
         if dtype is None:
             dtype = "bf16" if dev.type == "cuda" or backend_info(dev)["interpreter"] else "fp32"
@@ -337,8 +346,8 @@ class DemoEngine:
         defaults = model_defaults(model, dev)
         pipe = load_pipeline(model, dtype=torch_dtype(dtype), device=dev, flow_shift=defaults["flow_shift"])
         pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, model=model, device=dev, dtype=torch_dtype(dtype), qat_checkpoint=qat_checkpoint,
-                   guidance=defaults["guidance"])
+        return cls(pipe, model=model, device=dev, dtype=torch_dtype(dtype), qat_checkpoint=chosen,
+                   qat_shipped=qat_checkpoint is None and chosen is not None, guidance=defaults["guidance"])
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.pipe.transformer.state_dict().items()}
@@ -349,7 +358,7 @@ class DemoEngine:
             self._live = name
 
     def label(self, mode: str) -> str:
-        return mode_label(mode, self.qat_checkpoint)
+        return mode_label(mode, self.qat_checkpoint, self.qat_shipped)
 
     def run(self, prompt: str, *, modes: list[str], height: int, width: int, frames: int, steps: int,
             seed: int, out_dir: str | Path, progress=None, on_run=None, cancel: threading.Event | None = None,

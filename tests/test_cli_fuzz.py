@@ -1,5 +1,5 @@
-"""Hostile values for every flag of ``attnqat generate``, ``attnqat precompute`` and ``app.py``:
-each must end in exit status 2 with exactly one line on stderr (no traceback, nothing on stdout),
+"""Hostile values for every flag of ``attnqat generate``, ``attnqat precompute``, ``attnqat export-qat`` and
+``app.py``: each must end in exit status 2 with exactly one line on stderr (no traceback, nothing on stdout),
 before any model loads, leaving no file behind and everything that existed as it was.
 
 The commands run in-process (``attnqat.cli.main`` / ``app.main``) for speed; loading a model is
@@ -151,6 +151,36 @@ def test_precompute_refuses_hostile_values(world, capsys, no_model_loads):
         err = _refused(capsys, cli_main, base + extra, world)
         assert err.startswith("attnqat precompute: error: "), (extra, err)
     assert len(cases) >= 55
+
+
+# ----------------------------------------------------------------------------------- attnqat export-qat
+EXPORT = {
+    "--from": ["", "{w}/missing.safetensors", "{w}/empty", "{w}/a-file", SURROGATE, LONG_NAME],
+    "--model": ["", " ", "{w}/a-file", "{w}/empty", "{w}/missing/m", JUNK, SURROGATE],
+    "--out": ["", "{w}", "{w}/full", "{w}/a-file/q.safetensors", "{w}/q.txt", "/sys/q.safetensors",
+              SURROGATE + ".safetensors", LONG_NAME + ".safetensors"],
+    "--trained": ["", " ", SURROGATE, "a\x00b", "x" * 201],
+}
+
+
+def test_export_qat_refuses_hostile_values(world, capsys, monkeypatch):
+    import attnqat.pipelines.loading as loading
+    from safetensors.torch import save_file
+
+    from attnqat.pipelines import build_tiny_transformer
+
+    def boom(*a, **kw):
+        raise AssertionError("a model started loading: a hostile value passed validation")
+
+    monkeypatch.setattr(loading, "load_transformer", boom)
+    save_file(build_tiny_transformer().state_dict(), str(world / "ft.safetensors"))
+    base = ["export-qat", "--from", str(world / "ft.safetensors"), "--model", "tiny", "--out",
+            str(world / "new.safetensors")]
+    cases = [[flag, v.format(w=world)] for flag, v in _cases(EXPORT)] + [["--nope"], ["--out"]]
+    for extra in cases:
+        err = _refused(capsys, cli_main, base + extra, world)
+        assert err.startswith("attnqat export-qat: error: "), (extra, err)
+    assert len(cases) >= 28
 
 
 # --------------------------------------------------------------------------------------------- app.py

@@ -10,7 +10,9 @@ The default --model mini is attnqat's own small Wan 2.1-architecture model, ship
 on the procedural corpus, so it draws coloured shapes moving over simple backgrounds, offline, on a CPU
 (33 frames of 128x128 in 20 steps). An installation without mini's weights (a checkout from before they
 were committed) runs --model tiny instead and says so in one line. tiny is built in code with RANDOM
-weights (its video is noise-like): it checks the whole pipeline in seconds, for tests. For Wan 2.1
+weights (its video is noise-like): it checks the whole pipeline in seconds, for tests. With --mode
+attn_qat, mini runs on the QAT fine-tune shipped beside it (attnqat/models/mini/attn_qat.safetensors, where
+installed; --qat-checkpoint none for the base weights), and the summary's 'weights' line says which. For Wan 2.1
 itself pass a diffusers-format Wan 2.1 T2V folder, e.g. one made by
   huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir ./Wan2.1-T2V-1.3B-Diffusers
 
@@ -48,7 +50,7 @@ from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
 # DEFAULT_MODEL ("mini") and default_model(): the switch of the --model default, in one place (mini.py).
-from .mini import DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, default_model  # noqa: F401
+from .mini import DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model  # noqa: F401
 
 # torch and diffusers are imported where they are used, so `attnqat generate --help` stays fast.
 
@@ -150,7 +152,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--high-precision-mode", metavar="MODE", help="the mode of those steps and blocks: bf16 "
                    "(default) or sagebwd; needs --high-precision-steps or --high-precision-blocks")
     g.add_argument("--qat-checkpoint", metavar="PATH", help="transformer weights to load (a .safetensors file or "
-                   "a folder of them, e.g. from attnqat's QAT fine-tuning); must match --model's architecture")
+                   "a folder of them, e.g. from attnqat's QAT fine-tuning, or QAT weights from `attnqat export-qat`); "
+                   "must match --model's architecture. Default: with --mode attn_qat on mini, the QAT fine-tune "
+                   f"shipped with it ({MINI_QAT_WEIGHTS}, where installed), else the base weights; 'none': the base "
+                   "weights. The summary's 'weights' line says which ran")
 
     g = p.add_argument_group("output (checked before anything loads; written to a temporary name, then renamed)")
     g.add_argument("--out", default="video.mp4", help="output video path ending in .mp4 (or .m4v, .mov, .mkv); an "
@@ -232,7 +237,8 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     loads. The limits and their reasons are :data:`attnqat.checks.LIMITS`."""
     from attnqat.kernels import available_modes
 
-    from .loading import check_model, check_qat_checkpoint, model_num_blocks, model_transformer_config
+    from .loading import (check_model, check_qat_checkpoint, choose_qat_checkpoint, model_num_blocks,
+                          model_transformer_config)
 
     args.model_note = None
     if args.model is None:
@@ -271,6 +277,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--offload needs a CUDA device (it moves models between CPU and GPU)")
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
+    args.qat_checkpoint, args.weights_note = choose_qat_checkpoint(args.model, args.qat_checkpoint, args.mode)
     if args.qat_checkpoint is not None:
         check_qat_checkpoint(args.qat_checkpoint)
     return args
@@ -691,10 +698,11 @@ def _summary(args: argparse.Namespace, pipe, result: GenerationResult, total: fl
         "",
         f"model        {args.model}" + ("  (RANDOM weights: not a real video model)" if tiny else "")
         + ("  (attnqat's small model, trained on its procedural corpus: coloured shapes over simple backgrounds)"
-           if is_mini_model(args.model) else "")
-        + (f" + {args.qat_checkpoint}" if args.qat_checkpoint else ""),
+           if is_mini_model(args.model) else ""),
         f"attention    {args.mode} on {_describe_layers(args.layers, len(pipe.transformer.blocks))}",
     ]
+    if getattr(args, "weights_note", None):
+        lines.append(f"weights      {args.weights_note}")
     if schedule is not None:
         lines.append(f"precision    {schedule.describe(args.steps, len(pipe.transformer.blocks))}"
                      + ("" if schedule.empty else f"; {args.mode} elsewhere"))

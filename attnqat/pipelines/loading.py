@@ -13,7 +13,8 @@ from .tiny import build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny", "is_mini",
-           "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint"]
+           "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
+           "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
 
 #: The real model this project targets; also the example in error messages.
 DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
@@ -208,11 +209,41 @@ def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
         latest = _latest_step_weights(p / "checkpoints")
         if latest is not None:
             return [latest]
-    files = sorted(p.glob("*.safetensors")) or sorted(p.glob("transformer/*.safetensors"))
+    # a diffusers model folder's weights are its transformer/'s, not QAT weights shipped beside them (mini's)
+    files = [] if (p / "model_index.json").is_file() else sorted(p.glob("*.safetensors"))
+    files = files or sorted(p.glob("transformer/*.safetensors"))
     if not files:
         raise FileNotFoundError(f"QAT checkpoint folder {str(p)!r} holds no .safetensors file (nor an attnqat "
                                 f"train run's final/ or checkpoints/step-N/)")
     return files
+
+
+#: ``--qat-checkpoint none``: the base weights, even where a QAT fine-tune ships with the model.
+NO_QAT_CHECKPOINT = "none"
+
+
+def choose_qat_checkpoint(model: str, given: str | None, mode: str) -> tuple[str | None, str | None]:
+    """The QAT checkpoint a run of attention ``mode`` on ``model`` loads (None: the base weights), and what to
+    say about its weights (None: nothing to say). ``given``: --qat-checkpoint.
+
+    - ``none``: the base weights;
+    - another path: that checkpoint, in any mode;
+    - nothing, in mode ``attn_qat``: the QAT fine-tune shipped with ``model`` (mini's
+      :data:`~attnqat.pipelines.mini.MINI_QAT_WEIGHTS`) where one is installed, else the base weights;
+    - nothing, in another mode: the base weights (QAT weights are for attn_qat attention).
+    """
+    from .mini import is_shipped_mini, shipped_qat_weights
+
+    if given is not None and given.strip().lower() == NO_QAT_CHECKPOINT:
+        return None, f"base weights (--qat-checkpoint {NO_QAT_CHECKPOINT})"
+    if given is not None:
+        return given, f"QAT checkpoint {given}"
+    if mode != "attn_qat":
+        return None, None
+    shipped = shipped_qat_weights(model)
+    if shipped is not None:
+        return str(shipped), f"shipped QAT fine-tune {shipped}"
+    return None, f"base weights ({'no QAT fine-tune installed' if is_shipped_mini(model) else 'no --qat-checkpoint'})"
 
 
 def checkpoint_weights_path(path: str | os.PathLike) -> str:
@@ -257,13 +288,24 @@ def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The state dict (CPU tensors, as stored) of a QAT checkpoint, checked against ``transformer`` (which
-    is not changed): every key present, no extra key, every shape equal; otherwise
-    :class:`CheckpointMismatchError` says what differs. ``path``: as :func:`load_qat_checkpoint` takes."""
-    state = _read_state_dict(path)
+def _qat_weights_file(path: str | os.PathLike) -> Path | None:
+    """The QAT weights file (:mod:`.qat_weights`: a subset of the weights, recognised by its metadata) that
+    ``path`` names, or None when its files are a plain state dict."""
+    from .qat_weights import is_qat_weights
+
+    files = _checkpoint_files(path)
+    subsets = [f for f in files if is_qat_weights(f)]
+    if subsets and len(files) > 1:
+        raise CheckpointMismatchError(f"QAT checkpoint {str(path)!r} mixes a QAT weights file ({subsets[0].name}) "
+                                      f"with {len(files) - 1} other safetensors files; pass the one file itself")
+    return subsets[0] if subsets else None
+
+
+def _check_keys(transformer: torch.nn.Module, path, state: dict, *, subset: bool = False) -> None:
+    """:class:`CheckpointMismatchError` unless ``state``'s keys and shapes are ``transformer``'s (all of them;
+    with ``subset``, some of them)."""
     own = transformer.state_dict()
-    missing = sorted(set(own) - set(state))
+    missing = [] if subset else sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
                     for k in set(own) & set(state) if state[k].shape != own[k].shape)
@@ -275,21 +317,62 @@ def read_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -
                  f"{len(shapes)} shape mismatches ({few(shapes)})" if shapes else ""]
         arch = getattr(getattr(transformer, "config", None), "num_layers", None)
         raise CheckpointMismatchError(
-            f"QAT checkpoint {str(path)!r} does not match this transformer"
+            f"{'QAT weights' if subset else 'QAT checkpoint'} {str(path)!r} "
+            f"{'do' if subset else 'does'} not match this transformer"
             f"{f' ({arch} blocks)' if arch is not None else ''}: " + "; ".join(p for p in parts if p)
             + ". Was it trained on another model? Pass the --model it was trained from.")
+
+
+def _read_subset(transformer: torch.nn.Module, file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the QAT weights ``file``, checked against ``transformer``: known keys, equal shapes, and
+    ``transformer``'s current weights are the base the file was made for (its fingerprint)."""
+    from .qat_weights import read_qat_weights, weights_fingerprint
+
+    weights = read_qat_weights(file)
+    _check_keys(transformer, file, weights.tensors, subset=True)
+    own = weights_fingerprint(transformer.state_dict())
+    if own != weights.base:
+        raise CheckpointMismatchError(
+            f"QAT weights {str(file)!r} were made for other base weights (base fingerprint {weights.base[:12]}, "
+            f"this transformer's {own[:12]}): they apply only over the model they were exported from; load that "
+            f"--model, or pass --qat-checkpoint none to run the base weights")
+    return weights.tensors
+
+
+def read_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The state dict (CPU tensors, as stored) of a QAT checkpoint, checked against ``transformer`` (which
+    is not changed): every key present, no extra key, every shape equal; otherwise
+    :class:`CheckpointMismatchError` says what differs. ``path``: as :func:`load_qat_checkpoint` takes.
+
+    A QAT weights file (:mod:`attnqat.pipelines.qat_weights`: only the tensors a fine-tune changed) gives
+    ``transformer``'s current weights (CPU copies) with its tensors in their place, once its keys and shapes
+    fit and ``transformer`` holds the base weights it was made for (otherwise
+    :class:`CheckpointMismatchError`)."""
+    subset = _qat_weights_file(path)
+    if subset is not None:
+        base = {k: v.detach().to("cpu", copy=True) for k, v in transformer.state_dict().items()}
+        return {**base, **_read_subset(transformer, subset)}
+    state = _read_state_dict(path)
+    _check_keys(transformer, path, state)
     return state
 
 
 def load_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     """Load transformer weights (a QAT fine-tune) from a safetensors file, a folder of shards, an
     ``attnqat train`` checkpoint folder (``OUTPUT/checkpoints/step-N``, ``OUTPUT/final``) or run folder
-    (``OUTPUT``: its final/, else its newest complete checkpoint), or a diffusers model folder.
+    (``OUTPUT``: its final/, else its newest complete checkpoint), a diffusers model folder, or a QAT
+    weights file (:mod:`attnqat.pipelines.qat_weights`, e.g. the ``attn_qat.safetensors`` shipped with mini).
 
-    The checkpoint must be a full state dict of this architecture: every key present, no extra key,
-    every shape equal; otherwise :class:`CheckpointMismatchError` says what differs (and nothing is
-    loaded). Values are cast to each parameter's dtype and device. Attention processors are kept.
+    A checkpoint must be a full state dict of this architecture: every key present, no extra key, every
+    shape equal; otherwise :class:`CheckpointMismatchError` says what differs (and nothing is loaded). A QAT
+    weights file holds some of the keys, with their shapes, and only loads over the base weights it was
+    made for: its tensors replace those weights, the others stay. Values are cast to each parameter's
+    dtype and device. Attention processors are kept.
     Return: ``transformer``.
     """
+    subset = _qat_weights_file(path)
+    if subset is not None:
+        transformer.load_state_dict(_read_subset(transformer, subset), strict=False)  # the others are the base
+        return transformer
     transformer.load_state_dict(read_qat_checkpoint(transformer, path), strict=True)
     return transformer

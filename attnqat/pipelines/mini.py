@@ -35,6 +35,11 @@ from pathlib import Path
 #: Where the shipped weights live (package data).
 MINI_DIR = Path(__file__).resolve().parent.parent / "models" / "mini"
 
+#: The QAT fine-tune shipped beside mini's folder (``MINI_DIR / MINI_QAT_WEIGHTS``): only the transformer tensors
+#: it changed, in bf16 (:mod:`attnqat.pipelines.qat_weights`). ``attnqat generate --mode attn_qat`` on mini and the
+#: demo's Attn-QAT column run on it unless --qat-checkpoint names other weights (or ``none``).
+MINI_QAT_WEIGHTS = "attn_qat.safetensors"
+
 #: The model ``attnqat generate``, ``app.py`` (the demo) and ``attnqat quality`` use when --model is not given.
 DEFAULT_MODEL = "mini"
 #: What ``generate`` and ``app.py`` run instead of :data:`DEFAULT_MODEL` while THIS installation has no mini
@@ -81,6 +86,9 @@ _SEED_TEXT_ENCODER, _SEED_VAE, _SEED_TRANSFORMER = 10, 11, 12
 #: Size limits of the shipped folder: the repository stays light.
 MAX_FILE_BYTES = 15 * 2 ** 20
 MAX_FOLDER_BYTES = 24 * 10 ** 6
+#: ... and of the QAT weights beside it (:data:`MINI_QAT_WEIGHTS`), not counted in MAX_FOLDER_BYTES: a folder of
+#: 22.7 MB leaves no room for them, and mini's attention tensors alone are ~4 MB.
+MAX_QAT_WEIGHTS_BYTES = 12 * 10 ** 6
 
 
 def is_mini(model: str) -> bool:
@@ -90,6 +98,23 @@ def is_mini(model: str) -> bool:
 def mini_installed() -> bool:
     """Whether this installation holds mini's weights (``MINI_DIR/model_index.json``)."""
     return (MINI_DIR / "model_index.json").is_file()
+
+
+def is_shipped_mini(model: str) -> bool:
+    """``mini``, or the shipped folder (:data:`MINI_DIR`) given as a path."""
+    if is_mini(model):
+        return True
+    try:
+        return Path(model).expanduser().resolve() == MINI_DIR.resolve()
+    except (OSError, ValueError, RuntimeError):  # a name no path can have, a symlink loop
+        return False
+
+
+def shipped_qat_weights(model: str) -> Path | None:
+    """The QAT fine-tune installed with ``model`` (``MINI_DIR / MINI_QAT_WEIGHTS`` for the shipped mini, when
+    that file is there), else None."""
+    path = MINI_DIR / MINI_QAT_WEIGHTS
+    return path if is_shipped_mini(model) and path.is_file() else None
 
 
 def default_model() -> str:
@@ -210,10 +235,15 @@ def save_pipeline_folder(pipe, folder: str | os.PathLike, *, transformer_dtype=N
 
 
 def check_folder_size(folder: str | os.PathLike) -> int:
-    """Total bytes of ``folder``; ValueError when a file or the total is over the shipped limits."""
+    """Total bytes of ``folder`` (the QAT weights beside the model, :data:`MINI_QAT_WEIGHTS`, not counted: they
+    have their own limit); ValueError when a file or the total is over the shipped limits."""
+    qat = Path(folder) / MINI_QAT_WEIGHTS
+    if qat.is_file() and qat.stat().st_size > MAX_QAT_WEIGHTS_BYTES:
+        raise ValueError(f"{qat} is {qat.stat().st_size / 1e6:.1f} MB, over the {MAX_QAT_WEIGHTS_BYTES / 1e6:g} MB "
+                         f"limit of shipped QAT weights")
     total = 0
     for p in Path(folder).rglob("*"):
-        if p.is_file():
+        if p.is_file() and p != qat:
             size = p.stat().st_size
             if size > MAX_FILE_BYTES:
                 raise ValueError(f"{p} is {size / 2 ** 20:.1f} MiB, over the {MAX_FILE_BYTES / 2 ** 20:.0f} MiB "

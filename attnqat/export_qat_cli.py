@@ -1,0 +1,66 @@
+"""Write the tensors a QAT fine-tune changed as a small QAT weights file that ships beside its base model.
+
+  attnqat export-qat --from runs/mini_qat/flow_attention --out attnqat/models/mini/attn_qat.safetensors
+  attnqat export-qat --model ./my-wan-folder --from runs/qat --out my_qat.safetensors
+
+--from is the fine-tune as `attnqat train` wrote it (a run folder: its final/, else its newest complete
+checkpoint; a checkpoint folder; a .safetensors file or a folder of shards); --model is the base it was
+fine-tuned from (default: mini). The file holds only the tensors whose bf16 values differ from the base's,
+in bf16, with the base's fingerprint in its metadata (attnqat.pipelines.qat_weights), so it loads only over
+that base: `attnqat generate --mode attn_qat --qat-checkpoint FILE`, `app.py --qat-checkpoint FILE`,
+`attnqat quality --variant qat=attn_qat:FILE`. Written to mini's folder (the first example), it is what
+`attnqat generate --mode attn_qat` and the demo's Attn-QAT column run on mini by default.
+
+Refused, with nothing written: a fine-tune whose keys or shapes are not the base's, one equal to the base in
+bf16, and a file over 12 MB (the limit of a shipped file: a fine-tune of the attention only,
+`--set train.trainable=attention`, changes ~4 MB of mini's 18 MB). The file is written under a temporary
+name and renamed into place once it reads back.
+"""
+from __future__ import annotations
+
+import argparse
+
+from attnqat.checks import check_output_file, check_text
+from attnqat.errors import one_line
+from attnqat.pipelines.mini import DEFAULT_MODEL
+
+# torch and diffusers are imported where they are used, so `attnqat export-qat --help` stays fast.
+
+HELP = "write the tensors a QAT fine-tune changed (bf16, at most 12 MB) as QAT weights that ship beside its base"
+MAX_TRAINED_CHARS = 200  # the metadata's one line on how the weights were trained
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from", dest="finetune", required=True, metavar="PATH",
+                   help="the QAT fine-tune: an `attnqat train` run or checkpoint folder, a .safetensors file or a "
+                        "folder of shards")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"the base model it was fine-tuned from (default: "
+                   f"{DEFAULT_MODEL}): mini, tiny or a diffusers-format Wan 2.1 folder")
+    p.add_argument("--out", required=True, metavar="FILE", help="the QAT weights file to write, ending in "
+                   ".safetensors (the one mini ships: attnqat/models/mini/attn_qat.safetensors); an existing file is "
+                   "replaced only once the new one reads back")
+    p.add_argument("--trained", metavar="TEXT", help="one line on how the weights were trained, stored in the "
+                   f"file's metadata (at most {MAX_TRAINED_CHARS} characters; default: the --from and --model "
+                   "given)")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every argument, before any model loads (the fine-tune's files: their headers only)."""
+    from attnqat.pipelines.loading import check_model, check_qat_checkpoint
+
+    check_qat_checkpoint(args.finetune, flag="--from")
+    check_model(args.model)
+    check_output_file("--out", args.out, (".safetensors",))
+    if args.trained is not None:
+        args.trained = one_line(check_text("--trained", args.trained, max_chars=MAX_TRAINED_CHARS))
+
+
+def main(args: argparse.Namespace) -> int:
+    from attnqat.pipelines.qat_weights import export_qat_weights
+
+    check_arguments(args)
+    written = export_qat_weights(args.finetune, args.model, args.out, trained=args.trained)
+    size = written.path.stat().st_size
+    print(f"wrote {written.path}: {len(written.tensors)} tensors that differ from {args.model}'s in bf16 "
+          f"({size / 1e6:.2f} MB); base fingerprint {written.base[:12]}; trained: {written.trained}")
+    return 0
