@@ -227,9 +227,11 @@ def default_fp4_reference(variants: list[Variant]) -> str | None:
 
 
 def add_gap_closed(rows: dict[str, dict], fp4: str, bf16: str) -> None:
-    """Add ``gap_closed_loss`` (on ``flow_loss``) and ``gap_closed_acc`` (on ``acc_all``) to every row:
-    :func:`gap_closed` with the rows ``fp4`` and ``bf16`` as the two ends (None where undefined)."""
-    for key, metric in (("gap_closed_loss", "flow_loss"), ("gap_closed_acc", "acc_all")):
+    """Add ``gap_closed_loss`` (on ``flow_loss``), ``gap_closed_velocity`` (on ``velocity_distance``: the bf16
+    end is 0 there, so it is 1 - distance / FP4's distance) and ``gap_closed_acc`` (on ``acc_all``) to every
+    row: :func:`gap_closed` with the rows ``fp4`` and ``bf16`` as the two ends (None where undefined)."""
+    for key, metric in (("gap_closed_loss", "flow_loss"), ("gap_closed_velocity", "velocity_distance"),
+                        ("gap_closed_acc", "acc_all")):
         lo, hi = rows[fp4].get(metric), rows[bf16].get(metric)
         for row in rows.values():
             x = row.get(metric)

@@ -273,7 +273,7 @@ def format_table(result: dict) -> str:
     """The markdown table of an :func:`attnqat.evaluation.evaluate` result (as table.json holds it)."""
     refs = result["references"]
     head = ("| row | attention | weights | flow loss | velocity dist. | colour | shape | motion | all | PSNR (dB) "
-            "| SSIM | gap closed (loss) | gap closed (acc.) |")
+            "| SSIM | gap closed (loss) | gap closed (velocity) | gap closed (acc.) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     by_label = {v["label"]: v for v in result["variants"]}
     for label in result["order"]:
@@ -291,7 +291,8 @@ def format_table(result: dict) -> str:
             name, attention, weights, _fmt(row.get("flow_loss"), ".4f"), _fmt(row.get("velocity_distance"), ".3g"),
             pct(row.get("acc_colour")), pct(row.get("acc_shape")), pct(row.get("acc_motion")), pct(row.get("acc_all")),
             "ref" if ref else _fmt(row.get("psnr"), ".1f"), "ref" if ref else _fmt(row.get("ssim"), ".3f"),
-            _fmt(row.get("gap_closed_loss"), ".2f"), _fmt(row.get("gap_closed_acc"), ".2f")]) + " |")
+            _fmt(row.get("gap_closed_loss"), ".2f"), _fmt(row.get("gap_closed_velocity"), ".2f"),
+            _fmt(row.get("gap_closed_acc"), ".2f")]) + " |")
     f, h, w = result["size"]
     notes = [f"Model `{result['model']}`; {len(result['prompts'])} held-out prompts and {result['clips']} held-out "
              f"clips at {f}x{h}x{w}; {result['steps']} steps, guidance {result['guidance']:g}, seed {result['seed']}, "

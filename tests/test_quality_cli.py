@@ -84,6 +84,10 @@ def test_outputs_exist_parse_and_agree(run):
     assert ref["velocity_distance"] == 0 and ref["psnr"] is None and ref["ssim"] is None
     assert "| ref | ref |" in md.splitlines()[2]
     assert rows["nvfp4"]["gap_closed_loss"] == 0 and ref["gap_closed_loss"] == 1
+    # velocity: the bf16 end is distance 0, so the gap closed is 1 - distance / nvfp4's distance
+    assert rows["nvfp4"]["gap_closed_velocity"] == 0 and ref["gap_closed_velocity"] == 1
+    assert rows["moved"]["gap_closed_velocity"] == pytest.approx(
+        1 - rows["moved"]["velocity_distance"] / rows["nvfp4"]["velocity_distance"])
     for label in order[1:]:
         r = rows[label]
         assert r["nonfinite_videos"] == 0
