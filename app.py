@@ -2,7 +2,7 @@
 Attn-QAT and (optionally) naive NVFP4 attention; each video with its time and fidelity to BF16.
 
     pip install -e ".[app]"
-    python app.py                                   # the shipped mini model (tiny, with a note, until it ships)
+    python app.py                                   # the shipped mini model
     python app.py --model tiny                      # RANDOM weights: the mechanics in a second per mode
     python app.py --model ./Wan2.1-T2V-1.3B-Diffusers --qat-checkpoint qat.safetensors --port 7860
 
