@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clips", type=int, default=16)
     p.add_argument("--size", default="33x128x128")
     p.add_argument("--subset", action="append", default=[], metavar="NAME=REGEX")
+    p.add_argument("--only", action="store_true", help="score only the --subset ones, not the built-in subsets")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from attnqat.train.config import CorpusConfig
     from attnqat.train.corpus_source import CorpusSource
 
-    subsets = dict(SUBSETS)
+    subsets = {} if args.only else dict(SUBSETS)
     for item in args.subset:
         name, _, regex = item.partition("=")
         subsets[name] = regex
