@@ -250,6 +250,20 @@ def check_variants(variants: list[Variant]) -> None:
         raise ValueError(f"variant labels must be unique; repeated: {', '.join(dup)}")
 
 
+def held_out_clips(pipe, clips: int, *, size, corpus_seed: int = 0, batch: int = 8) -> dict[str, torch.Tensor]:
+    """The first ``clips`` clips of the corpus's held-out split at ``size`` (frames, height, width), encoded by
+    ``pipe``'s VAE and text encoder as ``attnqat train`` (``data.source: corpus``) encodes training clips:
+    ``{"x0": latents, "embeds": prompt embeddings}`` on ``pipe``'s device."""
+    from attnqat.train.config import CorpusConfig
+    from attnqat.train.corpus_source import CorpusSource
+
+    source = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae,
+                                          CorpusConfig(seed=corpus_seed, sizes=[list(size)], pool=0,
+                                                       encode_batch=batch),
+                                          text_len=512, device=pipe._execution_device)
+    return source.held_out(clips)
+
+
 def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 32, size=(33, 256, 256),
              steps: int = 25, guidance: float = 5.0, seed: int = 0, batch: int = 8, corpus_seed: int = 0,
              fp4_reference: str | None = None, bf16_reference: str | None = None, keep_videos: bool = False,
@@ -270,8 +284,6 @@ def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 3
     "detections": {label: [...]}, settings...}``, plus ``"videos": {label: uint8 array}`` if ``keep_videos``.
     """
     from attnqat.quality import detect, score, ssim
-    from attnqat.train.config import CorpusConfig
-    from attnqat.train.corpus_source import CorpusSource
 
     check_variants(variants)
     labels = [v.label for v in variants]
@@ -281,12 +293,7 @@ def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 3
         if label is not None and label not in labels:
             raise ValueError(f"{flag} {label!r} is not a variant label ({', '.join(labels)})")
     frames, height, width = size
-    device = pipe._execution_device
-    source = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae,
-                                          CorpusConfig(seed=corpus_seed, sizes=[list(size)], pool=0,
-                                                       encode_batch=batch),
-                                          text_len=512, device=device)
-    data = source.held_out(clips)
+    data = held_out_clips(pipe, clips, size=size, corpus_seed=corpus_seed, batch=batch)
     log(f"flow metrics on {clips} held-out clips at sigmas {EVAL_SIGMAS}")
     weights = _Weights(pipe.transformer)
     bf16_sigmas = {v.label: bf16_sigma_indices(v, pipe.scheduler, steps) for v in variants}

@@ -106,7 +106,6 @@ case "$1" in
     python3 -m attnqat.train.mini --out $W --stage init 2>&1 | grep -v Writing
     python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" --vae-batch "${VAE_BATCH:-16}" 2>&1 \
       | grep -v Warn
-    vae=runs/mini_vae_out; rm -rf $vae; mkdir -p $vae/model && cp -r $W/model/vae $vae/model/ && cp $W/timings.json $vae/
     shift 2; train_transformer "$@"
     exit 0
     ;;

@@ -43,12 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from attnqat.evaluation import Variant, _Weights, add_gap_closed, flow_metrics
+    from attnqat.evaluation import Variant, _Weights, add_gap_closed, flow_metrics, held_out_clips
     from attnqat.pipelines import load_pipeline
     from attnqat.pipelines.loading import read_qat_checkpoint
+    from attnqat.pipelines.qat_weights import changed_tensors
     from attnqat.quality_cli import parse_size
-    from attnqat.train.config import CorpusConfig
-    from attnqat.train.corpus_source import CorpusSource
 
     subsets = {} if args.only else dict(SUBSETS)
     for item in args.subset:
@@ -57,14 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pipe = load_pipeline(args.model, dtype=dtype, device=device)
-    size = parse_size(args.size)
-    source = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae,
-                                          CorpusConfig(seed=0, sizes=[list(size)], pool=0, encode_batch=8),
-                                          text_len=512, device=device)
-    data = source.held_out(args.clips)
+    data = held_out_clips(pipe, args.clips, size=parse_size(args.size))
     base = {k: v.detach().cpu().clone() for k, v in pipe.transformer.state_dict().items()}
     tuned = read_qat_checkpoint(pipe.transformer, args.qat)
-    changed = {k for k in base if not torch.equal(base[k].to(torch.bfloat16), tuned[k].cpu().to(torch.bfloat16))}
+    changed = set(changed_tensors(tuned, base))
     variants = [Variant("bf16"), Variant("nvfp4", "nvfp4"), Variant("whole fine-tune", args.mode, tuned)]
     sizes = {"whole fine-tune": sum(base[k].numel() * 2 for k in changed)}
     for name, regex in subsets.items():

@@ -25,19 +25,14 @@ pytestmark = [
 
 
 def test_shipped_qat_weights_recover_part_of_the_fp4_gap_on_held_out_clips():
-    from attnqat.evaluation import Variant, _Weights, flow_metrics
+    from attnqat.evaluation import Variant, _Weights, flow_metrics, held_out_clips
     from attnqat.pipelines import load_pipeline
     from attnqat.pipelines.loading import read_qat_checkpoint
-    from attnqat.train.config import CorpusConfig
-    from attnqat.train.corpus_source import CorpusSource
 
     pipe = load_pipeline("mini", dtype=torch.float32, device="cpu")
     # 33x128x128 is a size mini trained at (576 self-attention tokens); the held-out split holds attribute
     # combinations training never showed, and the noise is fixed, so every row sees the same inputs
-    source = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae,
-                                          CorpusConfig(seed=0, sizes=[[33, 128, 128]], pool=0, encode_batch=4),
-                                          text_len=512, device="cpu")
-    data = source.held_out(4)
+    data = held_out_clips(pipe, 4, size=(33, 128, 128), batch=4)
     qat = read_qat_checkpoint(pipe.transformer, QAT_WEIGHTS)
     variants = [Variant("bf16"), Variant("nvfp4", "nvfp4"), Variant("qat", "attn_qat", qat)]
     rows = flow_metrics(pipe.transformer, variants, data["x0"], data["embeds"], batch=4,
