@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {v.label} | {size_text} | {r['flow_loss']:.5f} | {r.get('velocity_distance', 0):.3g} | "
               f"{r.get('gap_closed_loss', float('nan')):.2f} | {r.get('gap_closed_velocity', float('nan')):.2f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "sizes": sizes}, indent=1))
+        from attnqat.outputs import write_file_atomically
+
+        text = json.dumps({"rows": rows, "sizes": sizes}, indent=1)
+        write_file_atomically(Path(args.json), lambda tmp: tmp.write_text(text))
     return 0
 
 
