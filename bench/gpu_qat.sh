@@ -7,7 +7,8 @@
 #   bash bench/gpu_qat.sh stop            # end the background runs (their checkpoints stay)
 # A run that reaches its minutes saves a checkpoint and stops (no final/: attnqat quality takes the newest
 # checkpoint); `start` again continues each run from there for MINUTES more.
-# Knobs (environment): MODEL (runs/mini/mini), EXTRA (more --set values for every run, space-separated), DEVICE
+# Knobs (environment): MODEL (runs/mini/mini), EXTRA (more --set values for every run, space-separated; a run's own
+# switches override them), DROPIN_STEPS (a step cap for the drop-in ablation), SHIP (the runs packed), DEVICE
 # (cuda), QUALITY_ARGS (more attnqat quality options), DOCS (docs: where bench/quality.py writes). A CPU smoke run:
 #   MODEL=/tmp/m DEVICE=cpu DOCS=/tmp/d EXTRA="data.corpus.sizes=[[5,32,32]] data.corpus.size_weights=null ..." \
 #     QUALITY_ARGS="--size 5x32x32 --steps 2 --prompts 2 --clips 2" bash bench/gpu_qat.sh start 0.1
@@ -23,26 +24,28 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 MODEL=${MODEL:-runs/mini/mini}
 DEVICE=${DEVICE:-cuda}
 DOCS=${DOCS:-docs}
-W=runs/mini_qat
+W=${W:-runs/mini_qat}  # where the runs go
 # RUNS (environment) picks and orders them; PARALLEL=1 runs them side by side (a 9M-parameter model's step is
 # launch-bound: one GPU holds several), else one after another.
 RUNS=${RUNS:-"flow distill_output pbwd_normalized dropin bf16_control"}
 
-overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
+overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header); they come after EXTRA's
   case $1 in
     flow) ;;
-    flow_lr5e-5) echo "train.lr=5e-5" ;;
+    flow_lr2e-5) echo "train.lr=2e-5" ;;
+    flow_lr1e-4) echo "train.lr=1e-4" ;;
     flow_attention) echo "train.trainable=attention" ;;
     distill_output) echo "objective.type=distill objective.target=output" ;;
     pbwd_normalized) echo "attention.options.p_bwd=normalized" ;;
-    dropin) echo "attention.mode=attn_qat_dropin" ;;
+    # DROPIN_STEPS: the drop-in ablation diverges (docs/quality.md); a cap leaves the GPU to the others
+    dropin) echo "attention.mode=attn_qat_dropin ${DROPIN_STEPS:+train.max_steps=$DROPIN_STEPS}" ;;
     bf16_control) echo "attention.mode=bf16" ;;
   esac
 }
 
 train_one() {  # NAME MINUTES: train(..., time_limit) as python -m attnqat.train.mini does (resumes its checkpoint)
   set -f  # EXTRA's [[5,32,32]] is a value, not a file pattern
-  python3 - "$MODEL" "$W/$1" "$2" $(overrides "$1") ${EXTRA:-} <<'PY'
+  python3 - "$MODEL" "$W/$1" "$2" ${EXTRA:-} $(overrides "$1") <<'PY'
 import sys
 from attnqat.train import load_config, train
 model, out, minutes, *sets = sys.argv[1:]
@@ -99,16 +102,17 @@ case "${1:-}" in
     add qat_pbwd_norm pbwd_normalized attn_qat
     add qat_dropin dropin attn_qat
     add ctrl_fp4 bf16_control attn_qat
-    add qat_lr5e-5 flow_lr5e-5 attn_qat
+    add qat_lr2e-5 flow_lr2e-5 attn_qat
+    add qat_lr1e-4 flow_lr1e-4 attn_qat
     add qat_attention flow_attention attn_qat
     add ctrl_bf16 bf16_control bf16
     args+=(--variant nvfp4_first2=nvfp4 --bf16-steps nvfp4_first2=0,1)
     has_weights flow && args+=(--variant "qat_first2=attn_qat:$W/flow" --bf16-steps qat_first2=0,1)
     python3 bench/quality.py --device "$DEVICE" --model "$MODEL" --docs "$DOCS" --out $W/quality "${args[@]}" \
       ${QUALITY_ARGS:-} 2>&1 \
-      | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$\|^ *$" | tee "$OUT/quality.log" | tail -n 40
+      | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v "it/s\]$\|s/it\]$\|^ *$" | tee "$OUT/quality.log" | tail -n 40
     # the fine-tuned transformers of SHIP (environment), bf16, in 15 MB parts (a file back is at most 16 MiB)
-    mkdir -p /tmp/qat_weights
+    rm -rf /tmp/qat_weights /tmp/qat_weights.tar; mkdir -p /tmp/qat_weights  # this report's runs only
     for name in ${SHIP:-flow flow_attention distill_output}; do
       python3 - "$W/$name" "/tmp/qat_weights/$name.safetensors" <<'PY' || echo "no weights of $name packed"
 import sys

@@ -3,9 +3,11 @@ embedding), the transformer's forward + backward, and the optimizer + EMA, each 
 synchronised around it, at each training size of configs/mini.yaml.
 
     python bench/profile_mini_step.py --out runs/mini [--steps 30] [--set KEY=VALUE ...] [--json FILE]
+    python bench/profile_mini_step.py --config configs/mini_qat.yaml --model attnqat/models/mini [--set ...]
 
 OUT is a `python -m attnqat.train.mini` working folder (its model/ is used; nothing is written there:
-the run goes to a temporary folder). The numbers are per step, medians over --steps steps after a warm-up.
+the run goes to a temporary folder). With --config, that training config (e.g. the QAT fine-tune's) on
+--model instead. The numbers are per step, medians over --steps steps after a warm-up.
 """
 from __future__ import annotations
 
@@ -29,18 +31,25 @@ def _timed(fn, sync):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="a mini build folder (holds model/)")
+    p.add_argument("--out", help="a mini build folder (holds model/)")
+    p.add_argument("--config", help="a training config to profile instead of configs/mini.yaml (needs --model)")
+    p.add_argument("--model", help="with --config: the model folder it trains")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override configs/mini.yaml")
     p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args(argv)
+    if (args.config is None) == (args.out is None) or (args.config is not None) != (args.model is not None):
+        p.error("give --out, or --config with --model")
+    from attnqat.train.config import load_config
     from attnqat.train.loop import Trainer
     from attnqat.train.mini import transformer_config
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = transformer_config(Path(args.out), [f"output_dir={tmp}/run", "data.held_out=0", *args.set])
+        run = [f"output_dir={tmp}/run", "data.held_out=0", *args.set]
+        cfg = (load_config(args.config, [f"model={args.model}", *run]) if args.config
+               else transformer_config(Path(args.out), run))
         trainer = Trainer(cfg)
         acc, src = trainer.accelerator, trainer.corpus
         params = [p for p in trainer.student.parameters() if p.requires_grad]
@@ -88,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "batch_size": cfg.data.batch_size, "refresh": cfg.data.corpus.refresh,
               "per_step_s": {k: {n: statistics.median(v) for n, v in r.items()} for k, r in rows.items()},
-              "refresh_parts_s": parts, "overrides": args.set}
+              "refresh_parts_s": parts, "config": args.config or "configs/mini.yaml", "overrides": args.set}
     for key, r in result["per_step_s"].items():
         total = sum(r.values())
         print(f"{key}: step {total * 1e3:.1f} ms = " + ", ".join(f"{n} {v * 1e3:.1f}" for n, v in r.items())

@@ -249,7 +249,7 @@ def test_mini_qat_config_and_every_driver_run_validate():
         assert f"{name})" in driver and all(s in driver for s in sets), name
         cfg = load_config(ROOT / "configs" / "mini_qat.yaml", sets)
         validate(cfg, transformer_config=dict(MINI_TRANSFORMER_CONFIG), device_type="cuda")
-        assert cfg.data.source == "corpus" and cfg.train.max_steps == 1500 and 1e-5 <= cfg.train.lr <= 3e-5
+        assert cfg.data.source == "corpus" and cfg.train.max_steps == 4000 and 1e-5 <= cfg.train.lr <= 1e-4
     assert load_config(ROOT / "configs" / "mini_qat.yaml", runs["pbwd_normalized"]).attention.options == \
         {"p_bwd": "normalized"}
     assert load_config(ROOT / "configs" / "mini_qat.yaml").objective.type == "flow"
