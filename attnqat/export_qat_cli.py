@@ -6,14 +6,16 @@
 --from is the fine-tune as `attnqat train` wrote it (a run folder: its final/, else its newest complete
 checkpoint; a checkpoint folder; a .safetensors file or a folder of shards); --model is the base it was
 fine-tuned from (default: mini). The file holds only the tensors whose bf16 values differ from the base's,
-in bf16, with the base's fingerprint in its metadata (attnqat.pipelines.qat_weights), so it loads only over
-that base: `attnqat generate --mode attn_qat --qat-checkpoint FILE`, `app.py --qat-checkpoint FILE`,
+with the base's fingerprint in its metadata (attnqat.pipelines.qat_weights), so it loads only over that base.
+--storage auto (the default) stores their values in bf16 where that fits in 12 MB, else their changes from
+the base in FP8 with a scale per row (fp8-delta: ~9 MB for a fine-tune of all of mini's weights, whose
+changes are a few percent of the weights: the FP8 error is ~1% of the change). It loads with `attnqat generate --mode attn_qat --qat-checkpoint FILE`, `app.py --qat-checkpoint FILE`,
 `attnqat quality --variant qat=attn_qat:FILE`. Written to mini's folder (the first example), it is what
 `attnqat generate --mode attn_qat` and the demo's Attn-QAT column run on mini by default.
 
 Refused, with nothing written: a fine-tune whose keys or shapes are not the base's, one equal to the base in
-bf16, and a file over 12 MB (the limit of a shipped file: a fine-tune of the attention only,
-`--set train.trainable=attention`, changes ~4 MB of mini's 18 MB). The file is written under a temporary
+bf16, and a file over 12 MB (the limit of a shipped file: mini's 18 MB in bf16 ship as fp8-delta; a fine-tune
+of the attention only, `--set train.trainable=attention`, changes ~4 MB in bf16). The file is written under a temporary
 name and renamed into place once it reads back.
 """
 from __future__ import annotations
@@ -26,7 +28,8 @@ from attnqat.pipelines.mini import DEFAULT_MODEL
 
 # torch and diffusers are imported where they are used, so `attnqat export-qat --help` stays fast.
 
-HELP = "write the tensors a QAT fine-tune changed (bf16, at most 12 MB) as QAT weights that ship beside its base"
+HELP = ("write the tensors a QAT fine-tune changed (bf16, or their changes in FP8; at most 12 MB) as QAT weights "
+        "that ship beside its base")
 MAX_TRAINED_CHARS = 200  # the metadata's one line on how the weights were trained
 
 
@@ -39,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="the QAT weights file to write, ending in "
                    ".safetensors (the one mini ships: attnqat/models/mini/attn_qat.safetensors); an existing file is "
                    "replaced only once the new one reads back")
+    p.add_argument("--storage", choices=("auto", "subset", "fp8-delta"), default="auto",
+                   help="subset: the changed tensors' values in bf16; fp8-delta: their changes from the base in FP8 "
+                        "with a scale per row (about half the size); auto (default): subset where it fits in 12 MB")
     p.add_argument("--trained", metavar="TEXT", help="one line on how the weights were trained, stored in the "
                    f"file's metadata (at most {MAX_TRAINED_CHARS} characters; default: the --from and --model "
                    "given)")
@@ -59,8 +65,8 @@ def main(args: argparse.Namespace) -> int:
     from attnqat.pipelines.qat_weights import export_qat_weights
 
     check_arguments(args)
-    written = export_qat_weights(args.finetune, args.model, args.out, trained=args.trained)
+    written = export_qat_weights(args.finetune, args.model, args.out, trained=args.trained, storage=args.storage)
     size = written.path.stat().st_size
-    print(f"wrote {written.path}: {len(written.tensors)} tensors that differ from {args.model}'s in bf16 "
-          f"({size / 1e6:.2f} MB); base fingerprint {written.base[:12]}; trained: {written.trained}")
+    print(f"wrote {written.path}: {len(written.tensors)} tensors that differ from {args.model}'s in bf16, as "
+          f"{written.storage} ({size / 1e6:.2f} MB); base fingerprint {written.base[:12]}; trained: {written.trained}")
     return 0

@@ -194,12 +194,71 @@ def test_export_refuses_a_full_finetune_over_12_mb_in_one_line_and_writes_nothin
     _finetune(_base_state(mini_base), tmp_path / "full.safetensors", change=lambda k: True)
     out = tmp_path / "out" / "attn_qat.safetensors"
     assert main(["export-qat", "--from", str(tmp_path / "full.safetensors"), "--model", str(mini_base),
-                 "--out", str(out)]) == 2
+                 "--out", str(out), "--storage", "subset"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not diffusers' shard bar
     assert len(err) == 1 and err[0].startswith("attnqat export-qat: error: QAT weights of"), err
-    assert "would be 18.2 MB (" in err[0] and "over the 12 MB limit of a shipped file" in err[0], err
-    assert "train.trainable=attention" in err[0]
+    assert "would be 18.2 MB as subset (" in err[0] and "over the 12 MB limit of a shipped file" in err[0], err
+    assert "train.trainable=attention" in err[0] and "fp8-delta" in err[0]
     assert not out.parent.exists()
+
+
+def _fp8_round_bound(delta: torch.Tensor) -> torch.Tensor:
+    """Per element, the most that storing ``delta`` (2+ dims) as float8_e4m3fn with a per-row scale s (the row's
+    largest |change| maps to 448) may move it: half a step of e4m3 at the value (3 mantissa bits: |x| 2^-4 for
+    normals, 2^-10 s below 2^-6 s), plus fp32 slack."""
+    rows = delta.reshape(delta.shape[0], -1)
+    s = rows.abs().amax(1, keepdim=True) / 448
+    return (rows.abs() * 2 ** -4 + s * 2 ** -10 + 1e-7 * (1 + rows.abs())).reshape(delta.shape)
+
+
+def test_a_full_finetune_ships_as_fp8_changes_that_load_within_fp8_rounding(mini_base, tmp_path, poison):
+    """A fine-tune of every weight (18 MB in bf16) is stored as its changes in FP8 (auto), under 12 MB; loading
+    adds them to the base: every weight within FP8 rounding of the change, the change's error ~1% of it."""
+    base = _base_state(mini_base)
+    tuned = _finetune(base, tmp_path / "full.safetensors", change=lambda k: True)
+    out = export_qat_weights(tmp_path / "full.safetensors", str(mini_base), tmp_path / "q.safetensors",
+                             trained="full test fine-tune")
+    assert out.storage == "fp8-delta" and 8e6 < out.path.stat().st_size <= MAX_BYTES, out.path.stat().st_size
+    with safe_open(str(out.path), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["tensors"] == "fp8-delta" and meta["dtype"] == "float8_e4m3fn"
+    assert set(out.tensors) == set(base)
+    transformer = load_transformer(str(mini_base), dtype=torch.float32)
+    load_qat_checkpoint(transformer, out.path)
+    errors, sizes = 0.0, 0.0
+    for name, value in transformer.state_dict().items():
+        delta = tuned[name] - base[name]
+        got = value - base[name]
+        if delta.ndim >= 2:
+            assert out.tensors[name].dtype == torch.float8_e4m3fn
+            assert ((got - delta).abs() <= _fp8_round_bound(delta)).all(), name
+        else:  # biases and norms: the change in bf16
+            assert torch.allclose(got, delta.to(BF16).float(), rtol=0, atol=1e-6 * (1 + base[name].abs().max())), name
+        errors += float((got - delta).square().sum())
+        sizes += float(delta.square().sum())
+    assert (errors / sizes) ** 0.5 < 0.03  # e4m3's RMS rounding error is ~1.5% of a Gaussian change
+    # the same file through read_qat_checkpoint (what attnqat quality uses): the same values
+    fresh = load_transformer(str(mini_base), dtype=torch.float32)
+    full = read_qat_checkpoint(fresh, out.path)
+    assert all(torch.equal(full[k], v) for k, v in transformer.state_dict().items())
+
+
+def test_fp8_changes_files_that_are_malformed_are_refused(mini_base, tmp_path):
+    base = _base_state(mini_base)
+    _finetune(base, tmp_path / "full.safetensors", change=lambda k: True)
+    out = export_qat_weights(tmp_path / "full.safetensors", str(mini_base), tmp_path / "q.safetensors")
+    stored = load_file(str(out.path))
+    with safe_open(str(out.path), framework="pt") as f:
+        meta = f.metadata()
+    name = "blocks.0.attn1.to_q.weight"
+    for broken, why in [({k: v for k, v in stored.items() if k != "scale:" + name}, f"{name}'s scale is missing"),
+                        (dict(stored, **{name: stored[name].float()}), f"{name} is torch.float32, not float8"),
+                        (dict(stored, **{"scale:nothing": torch.ones(3)}), "scales without an FP8 tensor")]:
+        save_file(broken, str(tmp_path / "bad.safetensors"), metadata=meta)
+        transformer = load_transformer(str(mini_base), dtype=torch.float32)
+        with pytest.raises(CheckpointMismatchError, match="are malformed: .*" + why.replace("(", r"\(")):
+            load_qat_checkpoint(transformer, tmp_path / "bad.safetensors")
+        assert all(torch.equal(v, base[k]) for k, v in transformer.state_dict().items())  # nothing loaded
 
 
 def test_export_refuses_another_architecture_and_an_unchanged_finetune(mini_base, tiny_qat, tmp_path, capsys):

@@ -336,7 +336,7 @@ def _read_subset(transformer: torch.nn.Module, file: Path) -> dict[str, torch.Te
             f"QAT weights {str(file)!r} were made for other base weights (base fingerprint {weights.base[:12]}, "
             f"this transformer's {own[:12]}): they apply only over the model they were exported from; load that "
             f"--model, or pass --qat-checkpoint none to run the base weights")
-    return weights.tensors
+    return weights.values(transformer.state_dict())
 
 
 def read_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -6,16 +6,24 @@ So a *QAT weights* file holds a SUBSET of a transformer's state dict, and names 
 to. The shipped one is ``attnqat/models/mini/attn_qat.safetensors``
 (:data:`attnqat.pipelines.mini.MINI_QAT_WEIGHTS`).
 
-Format: a safetensors file (nothing in it is ever unpickled); tensors in bf16 under their state-dict
-names; the header's metadata (strings) says what it is:
+A fine-tune of every weight does not fit in bf16 (18 MB); its *changes* do in FP8: a fine-tune moves each
+weight by a few percent of its size, so the change stored in float8 e4m3 with one scale per row
+(``fp8-delta``, ~9 MB for mini) carries an error of ~1% of the change, a tenth of what bf16 rounding of the
+weights themselves costs. Loading adds the decoded change to the base weights (in fp32).
+
+Format: a safetensors file (nothing in it is ever unpickled); tensors under their state-dict names; the
+header's metadata (strings) says what it is:
 
 ==========  ===========================================================================================
 ``format``  ``attnqat-qat-weights``: the only way a file is recognised as QAT weights (a file without it
             is a full state dict, loaded with the strict rules of
             :func:`~attnqat.pipelines.loading.read_qat_checkpoint`)
-``tensors`` ``subset``
+``tensors`` ``subset``: the changed tensors' new values, in bf16; or ``fp8-delta``: their changes
+            (new - base), in float8_e4m3fn for tensors of 2 or more dimensions, each with its per-row scale
+            (float32, one per index of the first dimension) stored as ``scale:NAME``, and in bf16 for the
+            others (biases, norms)
 ``base``    :func:`weights_fingerprint` of the base transformer's weights; loading refuses other weights
-``dtype``   ``bfloat16``
+``dtype``   ``bfloat16`` (``subset``) or ``float8_e4m3fn`` (``fp8-delta``)
 ``trained`` one line on how the weights were trained
 ==========  ===========================================================================================
 
@@ -37,10 +45,16 @@ from attnqat.errors import one_line
 from .loading import CheckpointMismatchError
 from .mini import MAX_QAT_WEIGHTS_BYTES
 
-__all__ = ["FORMAT", "MAX_BYTES", "QatWeights", "weights_fingerprint", "is_qat_weights", "read_qat_weights",
-           "changed_tensors", "export_qat_weights"]
+__all__ = ["FORMAT", "MAX_BYTES", "STORAGES", "QatWeights", "weights_fingerprint", "is_qat_weights",
+           "read_qat_weights", "changed_tensors", "export_qat_weights"]
 
 FORMAT = "attnqat-qat-weights"
+#: How a file stores the changed tensors (its metadata's ``tensors``): their values in bf16, or their changes in FP8.
+STORAGES = ("subset", "fp8-delta")
+_STORAGE_DTYPE = {"subset": "bfloat16", "fp8-delta": "float8_e4m3fn"}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+SCALE_PREFIX = "scale:"  # fp8-delta: the per-row scale of tensor NAME is stored as scale:NAME
 #: The size limit of a QAT weights file: what the package ships beside a model (MB = 10^6 bytes).
 MAX_BYTES = MAX_QAT_WEIGHTS_BYTES
 DTYPE = torch.bfloat16  # the dtype the models ship in, and the one "changed" is judged in
@@ -52,12 +66,28 @@ TINY = 2.0 ** -14
 
 @dataclass
 class QatWeights:
-    """A read QAT weights file: its tensors (CPU, bf16) and metadata."""
+    """A read QAT weights file: its tensors as stored (CPU; ``subset``: the new values in bf16; ``fp8-delta``:
+    the changes, FP8 or bf16, with ``scales``) under their state-dict names, and its metadata."""
 
     path: Path
     tensors: dict[str, torch.Tensor]
     base: str
     trained: str
+    storage: str = "subset"
+    scales: dict[str, torch.Tensor] | None = None
+
+    def values(self, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The new values of the file's tensors, given the ``base`` state dict they apply over (only its keys
+        that the file holds are read): ``subset``: the stored values; ``fp8-delta``: base + decoded change, fp32."""
+        if self.storage == "subset":
+            return dict(self.tensors)
+        out = {}
+        for name, change in self.tensors.items():
+            delta = change.float()
+            if name in self.scales:  # one scale per row (index of the first dimension)
+                delta = delta * self.scales[name].view(-1, *([1] * (delta.ndim - 1)))
+            out[name] = base[name].detach().to("cpu", torch.float32) + delta
+        return out
 
 
 def weights_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
@@ -96,12 +126,40 @@ def read_qat_weights(path: str | os.PathLike) -> QatWeights:
     from safetensors.torch import load_file
 
     meta = _metadata(path)
-    want = {"format": FORMAT, "tensors": "subset"}
-    wrong = {k: meta.get(k) for k, v in want.items() if meta.get(k) != v}
-    if wrong or not meta.get("base"):
+    storage = meta.get("tensors")
+    if meta.get("format") != FORMAT or storage not in STORAGES or not meta.get("base"):
         raise CheckpointMismatchError(f"{str(path)!r} is not a QAT weights file of this attnqat version: its "
-                                      f"metadata has {wrong or {'base': None}}, expected {want} and a base")
-    return QatWeights(Path(path), load_file(str(path)), meta["base"], meta.get("trained", ""))
+                                      f"metadata has format {meta.get('format')!r}, tensors {storage!r}, base "
+                                      f"{meta.get('base')!r}; expected {FORMAT!r}, one of {STORAGES} and a base")
+    stored = load_file(str(path))
+    scales = {k[len(SCALE_PREFIX):]: v for k, v in stored.items() if k.startswith(SCALE_PREFIX)}
+    tensors = {k: v for k, v in stored.items() if not k.startswith(SCALE_PREFIX)}
+    _check_stored(path, storage, tensors, scales)
+    return QatWeights(Path(path), tensors, meta["base"], meta.get("trained", ""), storage,
+                      scales if storage == "fp8-delta" else None)
+
+
+def _check_stored(path, storage: str, tensors: dict, scales: dict) -> None:
+    """:class:`CheckpointMismatchError` unless the stored tensors are what ``storage`` says: bf16 values; or
+    FP8 changes of 2+ dimensions each with a float32 scale per row, and bf16 changes of the others."""
+    bad = []
+    for name, t in tensors.items():
+        if storage == "subset" or t.ndim < 2:
+            if t.dtype != DTYPE:
+                bad.append(f"{name} is {t.dtype}, not bfloat16")
+        elif t.dtype != FP8:
+            bad.append(f"{name} is {t.dtype}, not float8_e4m3fn")
+        else:
+            s = scales.get(name)
+            if s is None or s.dtype != torch.float32 or tuple(s.shape) != (t.shape[0],):
+                bad.append(f"{name}'s scale is {'missing' if s is None else f'{s.dtype} {tuple(s.shape)}'}, not "
+                           f"float32 ({t.shape[0]},)")
+    orphans = sorted(set(scales) - {k for k, t in tensors.items() if t.dtype == FP8})
+    if storage == "subset" and scales or orphans:
+        bad.append(f"scales without an FP8 tensor: {', '.join(SCALE_PREFIX + k for k in sorted(orphans or scales))}")
+    if bad:
+        raise CheckpointMismatchError(f"QAT weights {str(path)!r} ({storage}) are malformed: " + "; ".join(bad[:3])
+                                      + (f" ({len(bad)} problems in all)" if len(bad) > 3 else ""))
 
 
 def changed_tensors(tuned: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -116,18 +174,39 @@ def changed_tensors(tuned: Mapping[str, torch.Tensor], base: Mapping[str, torch.
     return out
 
 
-def _serialize(tensors: dict[str, torch.Tensor], base: str, trained: str) -> bytes:
+def fp8_changes(tuned: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``fp8-delta`` tensors of the fine-tuned values ``tuned`` (some keys of ``base``): each change
+    (tuned - base, in fp32) of 2+ dimensions as float8_e4m3fn with a float32 scale per row (the row's largest
+    change maps to 448; stored as ``scale:NAME``), the others' changes in bf16."""
+    out = {}
+    for name, value in tuned.items():
+        delta = value.detach().to("cpu", torch.float32) - base[name].detach().to("cpu", torch.float32)
+        if delta.ndim < 2:
+            out[name] = delta.to(DTYPE)
+            continue
+        rows = delta.reshape(delta.shape[0], -1)
+        # an all-zero row keeps a positive scale (its changes stay 0, never 0/0)
+        scale = (rows.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        scaled = (rows / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)  # rounding of x/s may exceed 448 by an ulp
+        out[name] = scaled.to(FP8).reshape(delta.shape).contiguous()
+        out[SCALE_PREFIX + name] = scale.contiguous()
+    return out
+
+
+def _serialize(tensors: dict[str, torch.Tensor], base: str, trained: str, storage: str = "subset") -> bytes:
     from safetensors.torch import save
 
-    return save(tensors, metadata={"format": FORMAT, "tensors": "subset", "base": base, "dtype": "bfloat16",
-                                   "trained": trained})
+    return save(tensors, metadata={"format": FORMAT, "tensors": storage, "base": base,
+                                   "dtype": _STORAGE_DTYPE[storage], "trained": trained})
 
 
 def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.PathLike, *,
-                       trained: str | None = None) -> QatWeights:
+                       trained: str | None = None, storage: str = "auto") -> QatWeights:
     """Write the QAT weights file ``out``: the tensors of the fine-tune ``finetune`` (a safetensors file, a
     folder of shards, an ``attnqat train`` run or checkpoint folder) that differ from the transformer of
-    ``model`` (the base it was fine-tuned from: ``mini``, ``tiny`` or a diffusers folder), in bf16.
+    ``model`` (the base it was fine-tuned from: ``mini``, ``tiny`` or a diffusers folder) in bf16.
+    ``storage``: ``subset`` (their values in bf16), ``fp8-delta`` (their changes in FP8, module docstring) or
+    ``auto`` (``subset`` where it fits in :data:`MAX_BYTES`, else ``fp8-delta``).
 
     Refused (ValueError, nothing written): a fine-tune whose keys or shapes differ from the base's
     (:class:`CheckpointMismatchError`), one equal to the base, a file over :data:`MAX_BYTES`. The file is
@@ -138,26 +217,37 @@ def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.Pa
 
     from .loading import checkpoint_weights_path, load_transformer, read_qat_checkpoint
 
-    base = load_transformer(model, dtype=DTYPE)
+    if storage not in ("auto", *STORAGES):
+        raise ValueError(f"storage must be 'auto' or one of {STORAGES}, got {storage!r}")
+    # fp32: an fp8-delta is the change from the base as the model holds it (a bf16 folder's values, exactly)
+    base = load_transformer(model, dtype=torch.float32)
     base_state = base.state_dict()
-    changed = changed_tensors(read_qat_checkpoint(base, finetune), base_state)
+    tuned = read_qat_checkpoint(base, finetune)
+    changed = changed_tensors(tuned, base_state)
     source = checkpoint_weights_path(finetune)
     if not changed:
         raise ValueError(f"the fine-tune {source!r} equals the base model {model!r} in bf16: no tensor changed, "
                          f"nothing to write (was it fine-tuned from another model?)")
     if trained is None:  # the paths as given (a run folder's name says more than its final/transformer.safetensors)
         trained = one_line(f"attnqat QAT fine-tune {finetune} of {model}")
-    data = _serialize(changed, weights_fingerprint(base_state), trained)
+    fingerprint = weights_fingerprint(base_state)
+    data = _serialize(changed, fingerprint, trained) if storage != "fp8-delta" else b""
+    if storage == "fp8-delta" or (storage == "auto" and len(data) > MAX_BYTES):
+        storage = "fp8-delta"
+        data = _serialize(fp8_changes({k: tuned[k] for k in changed}, base_state), fingerprint, trained, storage)
+    else:
+        storage = "subset"
     if len(data) > MAX_BYTES:
-        raise ValueError(f"QAT weights of {source!r} would be {len(data) / 1e6:.1f} MB "
+        raise ValueError(f"QAT weights of {source!r} would be {len(data) / 1e6:.1f} MB as {storage} "
                          f"({_describe(changed, base_state)}), over the {MAX_BYTES / 1e6:g} MB limit of a shipped "
-                         f"file; fine-tune the attention only (--set train.trainable=attention), or load the "
-                         f"fine-tune itself with --qat-checkpoint")
+                         f"file; fine-tune fewer weights (e.g. --set train.trainable=attention), store them as "
+                         f"fp8-delta, or load the fine-tune itself with --qat-checkpoint")
 
     def verify(tmp: Path) -> None:
         back = read_qat_weights(tmp)
-        if set(back.tensors) != set(changed):
-            raise OSError(f"{tmp} does not read back: {len(back.tensors)} tensors instead of {len(changed)}")
+        if set(back.tensors) != set(changed) or back.storage != storage:
+            raise OSError(f"{tmp} does not read back: {len(back.tensors)} tensors ({back.storage}) instead of "
+                          f"{len(changed)} ({storage})")
 
     write_file_atomically(out, lambda tmp: tmp.write_bytes(data), verify)
     return read_qat_weights(out)
