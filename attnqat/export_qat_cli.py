@@ -1,6 +1,6 @@
 """Write the tensors a QAT fine-tune changed as a small QAT weights file that ships beside its base model.
 
-  attnqat export-qat --from runs/mini_qat/flow_attention --out attnqat/models/mini/attn_qat.safetensors
+  attnqat export-qat --from runs/mini_qat/distill_output --out attnqat/models/mini/attn_qat.safetensors
   attnqat export-qat --model ./my-wan-folder --from runs/qat --out my_qat.safetensors
 
 --from is the fine-tune as `attnqat train` wrote it (a run folder: its final/, else its newest complete
