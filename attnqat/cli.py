@@ -41,8 +41,8 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
                 "measure each attention mode's (and fine-tune's) flow loss, prompt following and PSNR/SSIM to bf16",
                 None),
     "export-qat": ("attnqat.export_qat_cli",
-                   "write the tensors a QAT fine-tune changed (bf16, at most 12 MB) as QAT weights that ship beside "
-                   "its base", None),
+                   "write the tensors a QAT fine-tune changed (bf16, or their changes in FP8; at most 12 MB) as QAT "
+                   "weights that ship beside its base", None),
 }
 
 # ValueError covers argument validation and attnqat's own refusals; FileNotFoundError covers
