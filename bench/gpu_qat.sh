@@ -117,14 +117,11 @@ case "${1:-}" in
       python3 - "$W/$name" "/tmp/qat_weights/$name.safetensors" <<'PY' || echo "no weights of $name packed"
 import sys
 import torch
-from safetensors.torch import load_file, save_file
-from attnqat.pipelines.loading import _checkpoint_files  # the lookup attnqat quality uses
-files = _checkpoint_files(sys.argv[1])
-state = {}
-for f in files:
-    state.update(load_file(f))
+from safetensors.torch import save_file
+from attnqat.pipelines.loading import _read_state_dict, checkpoint_weights_path  # the lookup attnqat quality uses
+state = _read_state_dict(sys.argv[1])
 save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, sys.argv[2])
-print(f"packed {sys.argv[1]} from {files[0]}")
+print(f"packed {sys.argv[1]} from {checkpoint_weights_path(sys.argv[1])}")
 PY
     done
     tar -C /tmp -cf /tmp/qat_weights.tar qat_weights && split -b 15M /tmp/qat_weights.tar "$OUT/qat_weights.tar.part-"

@@ -36,7 +36,7 @@ from pathlib import Path
 MINI_DIR = Path(__file__).resolve().parent.parent / "models" / "mini"
 
 #: The QAT fine-tune shipped beside mini's folder (``MINI_DIR / MINI_QAT_WEIGHTS``): only the transformer tensors
-#: it changed, in bf16 (:mod:`attnqat.pipelines.qat_weights`). ``attnqat generate --mode attn_qat`` on mini and the
+#: it changed, as bf16 values or FP8 changes (:mod:`attnqat.pipelines.qat_weights`). ``attnqat generate --mode attn_qat`` on mini and the
 #: demo's Attn-QAT column run on it unless --qat-checkpoint names other weights (or ``none``).
 MINI_QAT_WEIGHTS = "attn_qat.safetensors"
 

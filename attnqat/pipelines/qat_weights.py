@@ -155,7 +155,7 @@ def _check_stored(path, storage: str, tensors: dict, scales: dict) -> None:
                 bad.append(f"{name}'s scale is {'missing' if s is None else f'{s.dtype} {tuple(s.shape)}'}, not "
                            f"float32 ({t.shape[0]},)")
     orphans = sorted(set(scales) - {k for k, t in tensors.items() if t.dtype == FP8})
-    if storage == "subset" and scales or orphans:
+    if (storage == "subset" and scales) or orphans:
         bad.append(f"scales without an FP8 tensor: {', '.join(SCALE_PREFIX + k for k in sorted(orphans or scales))}")
     if bad:
         raise CheckpointMismatchError(f"QAT weights {str(path)!r} ({storage}) are malformed: " + "; ".join(bad[:3])
@@ -231,13 +231,12 @@ def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.Pa
     if trained is None:  # the paths as given (a run folder's name says more than its final/transformer.safetensors)
         trained = one_line(f"attnqat QAT fine-tune {finetune} of {model}")
     fingerprint = weights_fingerprint(base_state)
-    data = _serialize(changed, fingerprint, trained) if storage != "fp8-delta" else b""
-    if storage == "fp8-delta" or (storage == "auto" and len(data) > MAX_BYTES):
-        storage = "fp8-delta"
-        data = _serialize(fp8_changes({k: tuned[k] for k in changed}, base_state), fingerprint, trained, storage)
+    for storage in STORAGES if storage == "auto" else (storage,):  # auto: the first that fits
+        tensors = changed if storage == "subset" else fp8_changes({k: tuned[k] for k in changed}, base_state)
+        data = _serialize(tensors, fingerprint, trained, storage)
+        if len(data) <= MAX_BYTES:
+            break
     else:
-        storage = "subset"
-    if len(data) > MAX_BYTES:
         raise ValueError(f"QAT weights of {source!r} would be {len(data) / 1e6:.1f} MB as {storage} "
                          f"({_describe(changed, base_state)}), over the {MAX_BYTES / 1e6:g} MB limit of a shipped "
                          f"file; fine-tune fewer weights (e.g. --set train.trainable=attention), store them as "
