@@ -29,6 +29,8 @@ W=${W:-runs/mini_qat}  # where the runs go
 # launch-bound: one GPU holds several), else one after another.
 RUNS=${RUNS:-"flow distill_output pbwd_normalized dropin bf16_control"}
 
+cosine() { echo "train.lr_schedule=cosine train.max_steps=${COS_STEPS:-1500}"; }
+
 overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header); they come after EXTRA's
   case $1 in
     flow) ;;
@@ -40,6 +42,12 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     # DROPIN_STEPS: the drop-in ablation diverges (docs/quality.md); a cap leaves the GPU to the others
     dropin) echo "attention.mode=attn_qat_dropin ${DROPIN_STEPS:+train.max_steps=$DROPIN_STEPS}" ;;
     bf16_control) echo "attention.mode=bf16" ;;
+    # the cosine round: the learning rate decays to 0 at COS_STEPS (distillation flattens at a constant rate)
+    distill_cos) echo "objective.type=distill objective.target=output $(cosine)" ;;
+    distill_cos_1e-4) echo "objective.type=distill objective.target=output train.lr=1e-4 $(cosine)" ;;
+    features_cos) echo "objective.type=distill objective.target=features $(cosine)" ;;
+    mix_cos) echo "objective.type=mix objective.target=output objective.flow_weight=0.1 $(cosine)" ;;
+    bf16_control_cos) echo "attention.mode=bf16 $(cosine)" ;;
   esac
 }
 
@@ -106,6 +114,14 @@ case "${1:-}" in
     add qat_lr1e-4 flow_lr1e-4 attn_qat
     add qat_attention flow_attention attn_qat
     add ctrl_bf16 bf16_control bf16
+    add qat_distill_cos distill_cos attn_qat
+    add qat_distill_cos_1e-4 distill_cos_1e-4 attn_qat
+    add qat_features_cos features_cos attn_qat
+    add qat_mix_cos mix_cos attn_qat
+    add ctrl_cos_fp4 bf16_control_cos attn_qat
+    add ctrl_cos_bf16 bf16_control_cos bf16
+    # the QAT weights that ship with mini, as a user loads them (FP8 changes over the base)
+    [ -f "$MODEL/attn_qat.safetensors" ] && args+=(--variant "shipped=attn_qat:$MODEL/attn_qat.safetensors")
     args+=(--variant nvfp4_first2=nvfp4 --bf16-steps nvfp4_first2=0,1)
     has_weights flow && args+=(--variant "qat_first2=attn_qat:$W/flow" --bf16-steps qat_first2=0,1)
     python3 bench/quality.py --device "$DEVICE" --model "$MODEL" --docs "$DOCS" --out $W/quality "${args[@]}" \
