@@ -58,12 +58,13 @@ def _run_kernel(q, k, v, do, **kw):
     return o.detach(), q.grad, k.grad, v.grad
 
 
-def _run_reference(q, k, v, do, *, causal=False, smooth_q=False, smooth_k=True):
+def _run_reference(q, k, v, do, *, causal=False, smooth_q=False, smooth_k=True, pv="int8", bwd="int8"):
     cfg = S.launch_configs(q.shape[-1])
     o, lse = R.sagebwd_forward_ref(q, k, v, causal=causal, smooth_q=smooth_q, smooth_k=smooth_k,
-                                   block_n=cfg["fwd"].block_n)
+                                   block_n=cfg["fwd"].block_n, pv=pv)
     grads = R.sagebwd_backward_ref(q, k, v, o.to(q.dtype), do, lse, causal=causal, smooth_q=smooth_q,
-                                   smooth_k=smooth_k, block_m1=cfg["dkdv"].block_m, block_n2=cfg["dq"].block_n)
+                                   smooth_k=smooth_k, block_m1=cfg["dkdv"].block_m, block_n2=cfg["dq"].block_n,
+                                   bwd=bwd)
     return (o, *grads)
 
 
@@ -104,12 +105,11 @@ CASES = [  # (lq, lk, causal, head_dim, dtype, smooth_q)
 ]
 
 
-@pytest.mark.parametrize("lq,lk,causal,d,dtype,smooth_q", CASES)
-def test_kernel_matches_reference(lq, lk, causal, d, dtype, smooth_q, device, poison):
-    q, k, v, do = _inputs(1, 2, lq, lk, d, dtype, device, k_offset=1.0, seed=lq + lk + d)
-    got = _run_kernel(q, k, v, do, causal=causal, smooth_q=smooth_q)
-    ref = _run_reference(q, k, v, do, causal=causal, smooth_q=smooth_q)
+def _check_against_reference(q, k, v, do, *, causal, smooth_q, pv="int8", bwd="int8", seed=None):
+    got = _run_kernel(q, k, v, do, causal=causal, smooth_q=smooth_q, pv=pv, bwd=bwd)
+    ref = _run_reference(q, k, v, do, causal=causal, smooth_q=smooth_q, pv=pv, bwd=bwd)
     exact = _exact(q, k, v, do, causal=causal)
+    dtype, (lq, lk) = q.dtype, (q.shape[2], k.shape[2])
     tol = 2e-3 if dtype == torch.float16 else 8e-3  # the output dtype's rounding
     for name, g, r, e in zip(("o", "dq", "dk", "dv"), got, ref, exact):
         assert g.dtype == dtype and g.shape == r.shape, name
@@ -120,12 +120,47 @@ def test_kernel_matches_reference(lq, lk, causal, d, dtype, smooth_q, device, po
         assert (got[2][:, :, lq:] == 0).all() and (got[3][:, :, lq:] == 0).all()
 
 
-def test_row_major_operand_path(device, poison, monkeypatch):
+@pytest.mark.parametrize("lq,lk,causal,d,dtype,smooth_q", CASES)
+def test_kernel_matches_reference(lq, lk, causal, d, dtype, smooth_q, device, poison):
+    q, k, v, do = _inputs(1, 2, lq, lk, d, dtype, device, k_offset=1.0, seed=lq + lk + d)
+    _check_against_reference(q, k, v, do, causal=causal, smooth_q=smooth_q)
+
+
+# Speed variants (pv: forward P V; bwd: backward dV, dQ, dK): each against the reference with the same
+# option, on fresh random inputs (the conftest seed) and poisoned outputs. The interpreter runs them exactly
+# where it matters: e4m3 rounding by arithmetic (EXACT_FP8), the 16-bit matmuls in fp32 (as the reference).
+VARIANTS = [("fp8", "int8"), ("bf16", "int8"), ("int8", "fp8"), ("int8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16"),
+            ("fp8", "bf16")]
+
+
+@pytest.mark.parametrize("pv,bwd", VARIANTS)
+@pytest.mark.parametrize("lq,lk,causal,d,dtype,smooth_q", [CASES[1], CASES[2]])
+def test_variant_matches_reference(pv, bwd, lq, lk, causal, d, dtype, smooth_q, device, poison):
+    q, k, v, do = _inputs(1, 2, lq, lk, d, dtype, device, k_offset=1.0, seed=torch.randint(1 << 30, ()).item())
+    _check_against_reference(q, k, v, do, causal=causal, smooth_q=smooth_q, pv=pv, bwd=bwd)
+
+
+def test_e4m3_rounding_is_nearest_even(device):
+    """e4m3 codes (pv/bwd "fp8") at exact ties, in the subnormal range and at saturation, as torch's cast
+    rounds them (the interpreter's own cast would round ties away from zero)."""
+    vals = torch.tensor([448.0, 1.0625, 1.1875, -17.0, 19.0, 2.5, 0.0029296875, 2.0 ** -10, 3 * 2.0 ** -11,
+                         -0.3, 13.0, 232.0, 440.0, 0.0, 1.0 - 2.0 ** -24, 0.01171875])
+    x = torch.zeros(1, 1, 128, 64)
+    x[0, 0, 0, :len(vals)] = vals  # amax 448 -> scale exactly 1
+    x[0, 0, 1:] = torch.randn(127, 64) * torch.logspace(-4, 2, 64)  # every binade, subnormals included
+    xq, _, s = S.quantize_int8_rows(x.to(device), 128, fp8=True)
+    assert s.flatten().tolist() == [1.0]
+    assert torch.equal(xq.float().cpu(), x.to(torch.float8_e4m3fn).float())
+    assert torch.equal(xq.float().cpu(), R.block_fake_quant_ref(x, 128, fmt="fp8"))
+
+
+@pytest.mark.parametrize("pv,bwd", [("int8", "int8"), ("fp8", "fp8")])
+def test_row_major_operand_path(pv, bwd, device, poison, monkeypatch):
     """ATTNQAT_SAGEBWD_KMAJOR=0 (row-major 8-bit B operands) computes the same function."""
     q, k, v, do = _inputs(1, 2, 80, 144, 64, torch.float16, device, k_offset=1.0, seed=5)
-    a = _run_kernel(q, k, v, do, causal=True)
+    a = _run_kernel(q, k, v, do, causal=True, pv=pv, bwd=bwd)
     monkeypatch.setenv("ATTNQAT_SAGEBWD_KMAJOR", "0")
-    b = _run_kernel(q, k, v, do, causal=True)
+    b = _run_kernel(q, k, v, do, causal=True, pv=pv, bwd=bwd)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -249,6 +284,8 @@ def test_input_validation(device):
     q = torch.randn(1, 1, 16, 64, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="pv"):
         sagebwd_attention(q, q, q, pv="int4")
+    with pytest.raises(ValueError, match="bwd"):
+        sagebwd_attention(q, q, q, bwd="int4")
     with pytest.raises(ValueError, match="dtype"):
         sagebwd_attention(q.float(), q.float(), q.float())
 

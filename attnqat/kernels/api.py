@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import KERNEL_DTYPES, P_BWD_CHOICES, PV_MODES, SUPPORTED_HEAD_DIMS, check_qkv, interpreting
+from ._common import BWD_MODES, KERNEL_DTYPES, P_BWD_CHOICES, PV_MODES, SUPPORTED_HEAD_DIMS, check_qkv, interpreting
 
 
 @dataclass(frozen=True)
@@ -238,31 +238,34 @@ register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision F
 register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
                    False, *_plain("sage3", "sage3", "sage3_attention", "sage3_attention_ref")))
 
-# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv.
+# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv, bwd.
 def _sagebwd_options(options: dict) -> None:
     if options:
-        raise ValueError(f"attention mode 'sagebwd' takes options smooth_k, smooth_q, pv; got {sorted(options)}")
+        raise ValueError(f"attention mode 'sagebwd' takes options smooth_k, smooth_q, pv, bwd; got {sorted(options)}")
 
 
-def _sagebwd_kernel(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False, pv="int8", **options):
+def _sagebwd_kernel(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False, pv="int8", bwd="int8",
+                    **options):
     from .sagebwd import sagebwd_attention
 
     _sagebwd_options(options)
-    return sagebwd_attention(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q, pv=pv)
+    return sagebwd_attention(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q, pv=pv,
+                             bwd=bwd)
 
 
-def _sagebwd_reference(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False, pv="int8", **options):
+def _sagebwd_reference(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False, pv="int8", bwd="int8",
+                       **options):
     from .reference import sagebwd_attention_ref
 
     _sagebwd_options(options)
-    if pv != "int8":
-        raise ValueError(f"attention mode 'sagebwd': the reference path implements pv='int8' only, got {pv!r}")
-    return sagebwd_attention_ref(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q)
+    return sagebwd_attention_ref(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q,
+                                 pv=pv, bwd=bwd)
 
 
 register_mode(Mode("sagebwd", "trainable INT8 attention: six of seven matmuls in INT8, dP in 16-bit (SageBwd)",
                    True, _sagebwd_kernel, _sagebwd_reference,
-                   options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", PV_MODES))))
+                   options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", PV_MODES),
+                            ("bwd", BWD_MODES))))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .formats import (E2M1_GRID, LOG2E, NVFP4_BLOCK as BLOCK, P_SCALE, SAGE3_Q_BLOCK, SAGEBWD_K_BLOCK,
+from .formats import (E2M1_GRID, E4M3_MAX, LOG2E, NVFP4_BLOCK as BLOCK, P_SCALE, SAGE3_Q_BLOCK, SAGEBWD_K_BLOCK,
                       SAGEBWD_Q_BLOCK)
 
 # ---------------------------------------------------------------------------------------------------
@@ -291,19 +291,40 @@ def int8_round_ref(y: torch.Tensor) -> torch.Tensor:
 def int8_fake_quant_ref(x: torch.Tensor, block_rows: int, block_cols: int | None = None) -> torch.Tensor:
     """psi(x) * s over (block_rows x block_cols) tiles of the last two dims (whole rows when
     ``block_cols`` is None): s = max(max|x|, 1e-30) / 127, codes round(x / s) in float32."""
+    return block_fake_quant_ref(x, block_rows, block_cols, fmt="int8")
+
+
+def e4m3_round_ref(y: torch.Tensor) -> torch.Tensor:
+    """y rounded to e4m3 (round-to-nearest-even, saturating at 448) by torch's own float8 cast."""
+    return y.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def block_fake_quant_ref(x: torch.Tensor, block_rows: int, block_cols: int | None = None,
+                         fmt: str = "int8") -> torch.Tensor:
+    """8-bit fake quantization over (block_rows x block_cols) tiles of the last two dims (whole rows when
+    ``block_cols`` is None), one float32 scale per tile. ``fmt="int8"``: s = max(max|x|, 1e-30) / 127, codes
+    round(x / s) half away from zero (psi); ``fmt="fp8"``: s = max(max|x|, 1e-30) / 448, codes e4m3(x / s)."""
     x = x.float()
     r, c = x.shape[-2:]
     bc = c if block_cols is None else block_cols
     pr, pc = (-r) % block_rows, (-c) % bc
     xp = torch.nn.functional.pad(x, (0, pc, 0, pr))
     t = xp.reshape(*x.shape[:-2], (r + pr) // block_rows, block_rows, (c + pc) // bc, bc)
-    s = t.abs().amax(dim=(-3, -1), keepdim=True).clamp_min(1e-30) / 127.0
-    return (int8_round_ref(t / s) * s).reshape(xp.shape)[..., :r, :c]
+    amax = t.abs().amax(dim=(-3, -1), keepdim=True).clamp_min(1e-30)
+    if fmt == "int8":
+        s = amax / 127.0
+        codes = int8_round_ref(t / s)
+    elif fmt == "fp8":
+        s = amax / E4M3_MAX
+        codes = e4m3_round_ref(t / s)
+    else:
+        raise ValueError(f"block_fake_quant_ref: fmt {fmt!r} not in ('int8', 'fp8')")
+    return (codes * s).reshape(xp.shape)[..., :r, :c]
 
 
 def _sagebwd_logits_ref(q, k, scale, causal, smooth_k, smooth_q):
-    """S in log2 units from psi(Q_s), psi(K_s) (+ the Q-smoothing bias); also returns the
-    dequantized Q_s, K_s and mean(Q) (or None)."""
+    """S in log2 units from psi(Q_s), psi(K_s) (+ the Q-smoothing bias); also returns the unquantized
+    Q_s, K_s and mean(Q) (or None)."""
     qf, kf = q.float(), k.float()
     ks = kf - kf.mean(dim=-2, keepdim=True) if smooth_k else kf
     qmean = qf.mean(dim=-2, keepdim=True) if smooth_q else None
@@ -315,21 +336,29 @@ def _sagebwd_logits_ref(q, k, scale, causal, smooth_k, smooth_q):
         s = s + (qmean @ ks.transpose(-1, -2)) * (scale * LOG2E)
     if causal:
         s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    return s, qd, kd, qmean
+    return s, qs, ks, qmean
+
+
+SAGEBWD_PRECISIONS = ("int8", "fp8", "bf16")  # the pv and bwd options (bf16: unquantized, float32 here)
 
 
 def sagebwd_forward_ref(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False,
-                        block_n: int = 64):
+                        block_n: int = 64, pv: str = "int8"):
     """SageBwd forward (SPEC §4), tile by tile over ``block_n`` keys (the kernel's BLOCK_N).
 
-    Per tile j with running max m_j: e = exp2(S_j - rowmax(S_j)), psi(P~_j) = floor(127 e + 1/2) with
-    row scale exp2(rowmax(S_j) - m_j) / 127; l sums the unquantized P~.
+    Per tile j with running max m_j: e = exp2(S_j - rowmax(S_j)) and c = exp2(rowmax(S_j) - m_j); l sums the
+    unquantized P~ = c e. The P~ V matmul per ``pv``: ``"int8"`` psi(P~_j) = floor(127 e + 1/2) with row scale
+    c / 127 and psi(V) per 64 rows; ``"fp8"`` e4m3(448 e) with row scale c / 448 and V in e4m3 per 64 rows
+    (s = max / 448); ``"bf16"`` c e V unquantized (float32 here; the kernel rounds P~ to 16 bits).
     Return:
         o: (B, H, Lq, D) float32; lse: (B, H, Lq) float32, m + log2(l) (log2 units).
     """
+    if pv not in SAGEBWD_PRECISIONS:
+        raise ValueError(f"sagebwd_forward_ref: pv {pv!r} not in {SAGEBWD_PRECISIONS}")
     scale = _scale(q, sm_scale)
     s, _, _, _ = _sagebwd_logits_ref(q, k, scale, causal, smooth_k, smooth_q)
-    vd = int8_fake_quant_ref(v, SAGEBWD_K_BLOCK)
+    vd = v.float() if pv == "bf16" else block_fake_quant_ref(v, SAGEBWD_K_BLOCK, fmt=pv)
+    code_max = {"int8": 127.0, "fp8": E4M3_MAX, "bf16": 1.0}[pv]
     shape = q.shape[:-1]
     m = torch.full(shape, float("-inf"), device=q.device)
     l = torch.zeros(shape, device=q.device)
@@ -341,51 +370,67 @@ def sagebwd_forward_ref(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, 
         e = torch.exp2(s_j - torch.where(rowmax == float("-inf"), 0.0, rowmax)[..., None])
         c = torch.exp2(rowmax - m_new)
         alpha = torch.exp2(m - m_new).nan_to_num(0.0)  # first tile: 2^(-inf - m_new) = 0
-        p_codes = torch.floor(e * 127.0 + 0.5)
+        if pv == "int8":
+            p_codes = torch.floor(e * 127.0 + 0.5)
+        elif pv == "fp8":
+            p_codes = e4m3_round_ref(e * E4M3_MAX)
+        else:
+            p_codes = e
         l = alpha * l + e.sum(-1) * c
-        o = alpha[..., None] * o + (p_codes @ vd[..., j:j + block_n, :]) * (c / 127.0)[..., None]
+        o = alpha[..., None] * o + (p_codes @ vd[..., j:j + block_n, :]) * (c / code_max)[..., None]
         m = m_new
     return o / l[..., None], m + torch.log2(l)
 
 
 def sagebwd_backward_ref(q, k, v, o, do, lse, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False,
-                         block_m1: int = 64, block_n2: int = 64):
-    """SageBwd backward (SPEC §4) from the forward's ``o`` and ``lse``: INT8 S recompute, dV, dQ, dK;
-    dP = dO V^T unquantized. P and dS for dV / dK are quantized per block of one key x ``block_m1``
-    queries (the kernel's BLOCK_M1), dS for dQ per one query x ``block_n2`` keys (BLOCK_N2), dO per
-    128 rows. Returns float32 (dq, dk, dv)."""
+                         block_m1: int = 64, block_n2: int = 64, bwd: str = "int8"):
+    """SageBwd backward (SPEC §4) from the forward's ``o`` and ``lse``: INT8 S recompute; dP = dO V^T
+    unquantized; dV, dQ, dK per ``bwd``. ``"int8"`` (SPEC) and ``"fp8"`` (e4m3, s = max / 448) quantize with
+    the same blocks: P and dS for dV / dK per one key x ``block_m1`` queries (the kernel's BLOCK_M1), dS for
+    dQ per one query x ``block_n2`` keys (BLOCK_N2), dO and Q_s per 128 rows, K_s per 64 rows. ``"bf16"``
+    multiplies the unquantized P, dS with the caller's dO, Q, K (float32 here). Returns float32 (dq, dk, dv)."""
+    if bwd not in SAGEBWD_PRECISIONS:
+        raise ValueError(f"sagebwd_backward_ref: bwd {bwd!r} not in {SAGEBWD_PRECISIONS}")
     scale = _scale(q, sm_scale)
-    s, qd, kd, qmean = _sagebwd_logits_ref(q, k, scale, causal, smooth_k, smooth_q)
+    s, qs, ks, qmean = _sagebwd_logits_ref(q, k, scale, causal, smooth_k, smooth_q)
     dof = do.float()
     p = torch.exp2(s - lse[..., None])
     delta = (dof * o.float()).sum(-1, keepdim=True)
     ds = p * (dof @ v.float().transpose(-1, -2) - delta)
-    dv = int8_fake_quant_ref(p, block_m1, 1).transpose(-1, -2) @ int8_fake_quant_ref(dof, SAGEBWD_Q_BLOCK)
-    dk = int8_fake_quant_ref(ds, block_m1, 1).transpose(-1, -2) @ qd
+    if bwd == "bf16":  # FlashAttention's gradient matmuls: dS^T Q needs no Q-smoothing term
+        return ds @ k.float() * scale, ds.transpose(-1, -2) @ q.float() * scale, p.transpose(-1, -2) @ dof
+
+    def fq(x, rows, cols=None):
+        return block_fake_quant_ref(x, rows, cols, fmt=bwd)
+
+    dv = fq(p, block_m1, 1).transpose(-1, -2) @ fq(dof, SAGEBWD_Q_BLOCK)
+    dk = fq(ds, block_m1, 1).transpose(-1, -2) @ fq(qs, SAGEBWD_Q_BLOCK)
     if smooth_q:  # dS^T Q = dS^T Q_s + (dS^T 1) mean(Q)^T
         dk = dk + ds.sum(dim=-2)[..., None] * qmean
-    dq = int8_fake_quant_ref(ds, 1, block_n2) @ kd
+    dq = fq(ds, 1, block_n2) @ fq(ks, SAGEBWD_K_BLOCK)
     return dq * scale, dk * scale, dv
 
 
 class _SageBwdRef(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal, smooth_k, smooth_q):
+    def forward(ctx, q, k, v, sm_scale, causal, smooth_k, smooth_q, pv, bwd):
         o, lse = sagebwd_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k,
-                                     smooth_q=smooth_q)
+                                     smooth_q=smooth_q, pv=pv)
         o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = dict(sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q)
+        ctx.args = dict(sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q, bwd=bwd)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = sagebwd_backward_ref(q, k, v, o, do, lse, **ctx.args)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
-def sagebwd_attention_ref(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False):
+def sagebwd_attention_ref(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False, pv="int8",
+                          bwd="int8"):
     """Differentiable SageBwd on plain PyTorch (any device, any float dtype): the reference forward
-    and, through autograd, the reference backward. Returns q's dtype."""
-    return _SageBwdRef.apply(q, k, v, sm_scale, causal, smooth_k, smooth_q)
+    and, through autograd, the reference backward, with the kernel's ``pv`` and ``bwd`` options (GPU tiles).
+    Returns q's dtype."""
+    return _SageBwdRef.apply(q, k, v, sm_scale, causal, smooth_k, smooth_q, pv, bwd)

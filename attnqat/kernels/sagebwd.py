@@ -23,25 +23,32 @@ Layout of this file follows Triton's fused-attention tutorial: ``@triton.jit`` p
 (``_quant_rows``, ``_attn_fwd_inner``, ``_attn_fwd``, ``_attn_bwd_preprocess``, ``_attn_bwd_dkdv``,
 ``_attn_bwd_dq``) -> :class:`_SageBwdAttention` (autograd) -> :func:`sagebwd_attention`.
 
-Interpreter notes (tests run with ``TRITON_INTERPRET=1``): INT8 ``tl.dot`` is exact there, a bf16
-``tl.dot`` is not, and float->bf16 casts round wrongly. So the one 16-bit matmul (dP) takes its
-operand dtype from the launcher (fp32 under the interpreter), outputs go to fp32 buffers under the
-interpreter and are cast by torch, and all rounding to int8 is explicit fp32 arithmetic.
+Interpreter notes (tests run with ``TRITON_INTERPRET=1``): INT8 and FP8 ``tl.dot`` are exact there, a bf16
+``tl.dot`` is not, and float->bf16/fp8 casts round wrongly (fp8: ties away from zero, subnormals off). So the
+16-bit matmuls take their operand dtype from the launcher (fp32 under the interpreter), outputs go to fp32
+buffers under the interpreter and are cast by torch, all rounding to int8 is explicit fp32 arithmetic, and
+rounding to e4m3 is too when ``EXACT_FP8`` (the interpreter; the GPU's cast is the same RNE, saturating).
 
-Matmul precisions actually used, per ``pv`` option (``"int8"`` is the SPEC default):
+Matmul precisions actually used, per ``pv`` (forward P V) and ``bwd`` (backward dV, dQ, dK) option
+(``"int8"`` for both is the SPEC default):
 
-    =============  ======  ======  ==========
-    matmul         int8    fp8     bf16
-    =============  ======  ======  ==========
-    fwd QK^T       int8    int8    int8
-    fwd PV         int8    e4m3    bf16/fp16 (P unquantized, V original)
-    bwd S, dV,     int8    int8    int8
-    dQ, dK
-    bwd dP         16-bit  16-bit  16-bit
-    =============  ======  ======  ==========
+    ==============  ======  ======  =========================================
+    matmul          int8    fp8     bf16
+    ==============  ======  ======  =========================================
+    fwd QK^T        int8    int8    int8                  (any pv)
+    fwd PV  (pv)    int8    e4m3    16-bit: P~ unquantized, V original
+    bwd S           int8    int8    int8                  (any bwd: the saved psi(Q), psi(K))
+    bwd dP          16-bit  16-bit  16-bit                (any bwd)
+    bwd dV  (bwd)   int8    e4m3    16-bit: P unquantized, dO original
+    bwd dQ  (bwd)   int8    e4m3    16-bit: dS unquantized, K original
+    bwd dK  (bwd)   int8    e4m3    16-bit: dS unquantized, Q original
+    ==============  ======  ======  =========================================
 
-``"fp8"`` and ``"bf16"`` exist to measure the forward PV alternative of SPEC §6 on the GPU; the
-interpreter cannot run ``"fp8"`` exactly (its fp8 casts round wrongly).
+e4m3 uses the same blocks as int8 with s = max|X| / 448 (P and dS per row of the left operand; dO, Q_s
+per 128 rows; K_s, V per 64 rows): ``bwd="fp8"`` keeps e4m3 copies of Q_s and K_s (K-major) beside the
+int8 ones that the S recompute needs. ``bwd="bf16"`` keeps the caller's Q and K instead (the three
+gradient matmuls are then FlashAttention's). The 8-bit options exist for speed: an int8 ``tl.dot`` whose
+left operand is made in registers is Triton 3.6's slow path on Hopper (SPEC §6), e4m3 may not be.
 """
 from __future__ import annotations
 
@@ -51,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import PV_MODES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config
+from ._common import BWD_MODES, PV_MODES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config
 from .formats import LOG2E, SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -70,28 +77,76 @@ def _round_half_away(y):
 
 
 @triton.jit
-def _quant_tile(x):
-    """psi(x) of a whole 2-D fp32 tile: (int8 tile, fp32 scale). A NaN or inf in the tile makes the scale NaN:
-    int8 codes cannot hold it, and max and the floor's maximum ignore NaN (SPEC §1: it must propagate)."""
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    s = (tl.maximum(amax, 1e-30) + tl.sum(tl.sum(x * 0.0, axis=1), axis=0)) / 127.0  # 1e-30: SCALE_FLOOR
-    return _round_half_away(x / s).to(tl.int8), s
+def _round_e4m3(y):
+    """y rounded to the nearest e4m3 value, ties to even, saturating at 448, in exact fp32 arithmetic (the
+    interpreter's cast rounds ties away from zero and flushes subnormals). e4m3 has 3 mantissa bits: in the
+    binade [2^e, 2^(e+1)) the step is 2^(e-3), and below the smallest normal 2^-6 the step stays 2^-9."""
+    a = tl.minimum(tl.abs(y), 448.0)  # 448: FP8_MAX
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # the binade's exponent (a >= 0)
+    step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): biased exponent e - 3 + 127
+    r = a / step  # exact: a power-of-two division
+    f = tl.floor(r)
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    up = (r - f > 0.5) | ((r - f == 0.5) & (odd == 1.0))
+    out = (f + tl.where(up, 1.0, 0.0)) * step
+    return tl.where(y < 0.0, -out, out)
 
 
 @triton.jit
-def _quant_tile_rows(x):
-    """psi(x) with one scale per row of a 2-D fp32 tile: (int8 tile, fp32 scales (rows,)). A per-row
-    scale of the left operand factors out of the matmul, and a row max stays inside a warp's quad
-    (shuffles), where a whole-tile max needs a shared-memory round trip and a barrier per tile. A row holding
-    NaN or inf gets a NaN scale (+ sum(x * 0): 0, or NaN), as in _quant_tile."""
-    s = (tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) + tl.sum(x * 0.0, axis=1)) / 127.0  # 1e-30: SCALE_FLOOR
-    return _round_half_away(x / s[:, None]).to(tl.int8), s
+def _to_fp8(y, EXACT_FP8: tl.constexpr):
+    """y as e4m3 (RNE, saturating). On the GPU that is the cast itself (cvt.rn.satfinite); under the
+    interpreter (EXACT_FP8) y is rounded by arithmetic first, so the cast only meets exact e4m3 values."""
+    if EXACT_FP8:
+        y = _round_e4m3(y)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_tile(x, FP8: tl.constexpr, EXACT_FP8: tl.constexpr):
+    """psi(x) of a whole 2-D fp32 tile: (int8 tile, fp32 scale), or e4m3 codes with s = amax / 448 (FP8).
+    A NaN or inf in the tile makes the scale NaN: int8 codes cannot hold it, and max and the floor's
+    maximum ignore NaN (SPEC §1: it must propagate)."""
+    amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-30)  # 1e-30: SCALE_FLOOR
+    amax += tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
+    if FP8:
+        s = amax / 448.0  # 448: FP8_MAX
+        xq = _to_fp8(x / s, EXACT_FP8)
+    else:
+        s = amax / 127.0
+        xq = _round_half_away(x / s).to(tl.int8)
+    return xq, s
+
+
+@triton.jit
+def _quant_tile_rows(x, FP8: tl.constexpr, EXACT_FP8: tl.constexpr):
+    """psi(x) with one scale per row of a 2-D fp32 tile: (int8 tile, fp32 scales (rows,)), or e4m3 codes
+    with s = row amax / 448 (FP8). A per-row scale of the left operand factors out of the matmul, and a row
+    max stays inside a warp's quad (shuffles), where a whole-tile max needs a shared-memory round trip and a
+    barrier per tile. A row holding NaN or inf gets a NaN scale (+ sum(x * 0): 0, or NaN), as in _quant_tile."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) + tl.sum(x * 0.0, axis=1)  # 1e-30: SCALE_FLOOR
+    if FP8:
+        s = amax / 448.0
+        xq = _to_fp8(x / s[:, None], EXACT_FP8)
+    else:
+        s = amax / 127.0
+        xq = _round_half_away(x / s[:, None]).to(tl.int8)
+    return xq, s
+
+
+@triton.jit
+def _dot8(a, b, FP8: tl.constexpr):
+    """An 8-bit matmul accumulated exactly-ish: int8 x int8 -> int32 (exact) or e4m3 x e4m3 -> fp32."""
+    if FP8:
+        c = tl.dot(a, b)
+    else:
+        c = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+    return c
 
 
 @triton.jit
 def _quant_rows(X, MEAN, XQ, XQT, XS, L, n_blocks,
                 BLK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, FP8: tl.constexpr,
-                ROW: tl.constexpr, COL: tl.constexpr):
+                EXACT_FP8: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr):
     """Quantize one BLK-row block of a contiguous (B*H, L, D) tensor, minus its per-(b, h) channel
     mean when HAS_MEAN (smoothing). int8 with s = amax / 127, or e4m3 with s = amax / 448 (FP8).
     Writes XQ as (B*H, L, D) when ROW and XQT as (B*H, D, L) when COL: Hopper's 8-bit wgmma reads
@@ -105,12 +160,7 @@ def _quant_rows(X, MEAN, XQ, XQT, XS, L, n_blocks,
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_MEAN:
         x = tl.where(mask, x - tl.load(MEAN + bh * HEAD_DIM + cols)[None, :], 0.0)
-    if FP8:
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        s = tl.maximum(amax, 1e-30) / 448.0  # 448: FP8_MAX
-        xq = (x / s).to(tl.float8e4nv)
-    else:
-        xq, s = _quant_tile(x)
+    xq, s = _quant_tile(x, FP8, EXACT_FP8)
     if ROW:
         tl.store(XQ + offs, xq, mask=mask)
     if COL:
@@ -131,7 +181,8 @@ def _load_kv8(X8, base, offs_n, offs_d, n_ok, L, HEAD_DIM: tl.constexpr, KMAJOR:
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base, offs_m, lo, hi, Lk,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KBLK: tl.constexpr,
-                    CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, PV: tl.constexpr, KMAJOR: tl.constexpr):
+                    CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, PV: tl.constexpr, KMAJOR: tl.constexpr,
+                    EXACT_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Key tiles [lo, hi) of one query block. CAUSAL_MASK: constexpr so tiles wholly below the
     diagonal skip the compare; ragged key tails are masked through ``colterm`` (-inf) instead."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -160,13 +211,13 @@ def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, 
             sv = tl.load(SV + ks_base + start_n // KBLK)
             acc += tl.dot(p8, v, out_dtype=tl.int32).to(tl.float32) * (c * (sv / 127.0))[:, None]
         elif PV == 1:  # fp8 e4m3: P~ / s = 448 e, s = c / 448
-            p8 = (e * 448.0).to(tl.float8e4nv)
+            p8 = _to_fp8(e * 448.0, EXACT_FP8)
             v = _load_kv8(V8, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, KMAJOR).to(tl.float8e4nv, bitcast=True)
             sv = tl.load(SV + ks_base + start_n // KBLK)
             acc += tl.dot(p8, v) * (c * (sv / 448.0))[:, None]
-        else:  # 16-bit: V8 is the original V, P~ = e * c unquantized
+        else:  # 16-bit (fp32 under the interpreter): V8 is the original V, P~ = e * c unquantized
             v = tl.load(V8 + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            acc += tl.dot((e * c[:, None]).to(v.dtype), v)
+            acc += tl.dot((e * c[:, None]).to(DOT_DTYPE), v.to(DOT_DTYPE))
         m_i = m_new
     return acc, l_i, m_i
 
@@ -175,7 +226,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, 
 def _attn_fwd(Q8, K8, V8, SQ, SK, SV, BIAS, Out, LSE, Lq, Lk, qk_scale, nq_blocks, nk_blocks,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
               QBLK: tl.constexpr, KBLK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-              PV: tl.constexpr, KMAJOR: tl.constexpr):
+              PV: tl.constexpr, KMAJOR: tl.constexpr, EXACT_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """One program per (BLOCK_M query rows, batch*head). Writes O (Out's dtype) and the log2-domain
     log-sum-exp LSE = m + log2(l) that the backward recomputes P with."""
     tl.static_assert(KBLK % BLOCK_N == 0)  # one K (and V) scale per key tile
@@ -197,11 +248,12 @@ def _attn_fwd(Q8, K8, V8, SQ, SK, SV, BIAS, Out, LSE, Lq, Lk, qk_scale, nq_block
     else:
         hi_full = Lk
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base, offs_m,
-                                    0, hi_full, Lk, BLOCK_N, HEAD_DIM, KBLK, False, HAS_BIAS, PV, KMAJOR)
+                                    0, hi_full, Lk, BLOCK_N, HEAD_DIM, KBLK, False, HAS_BIAS, PV, KMAJOR,
+                                    EXACT_FP8, DOT_DTYPE)
     if CAUSAL:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base,
                                         offs_m, hi_full, tl.minimum(start_m + BLOCK_M, Lk), Lk,
-                                        BLOCK_N, HEAD_DIM, KBLK, True, HAS_BIAS, PV, KMAJOR)
+                                        BLOCK_N, HEAD_DIM, KBLK, True, HAS_BIAS, PV, KMAJOR, EXACT_FP8, DOT_DTYPE)
     o = acc / l_i[:, None]
     tl.store(LSE + bh * Lq + offs_m, m_i + tl.log2(l_i), mask=m_ok)
     tl.store(Out + bh * Lq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
@@ -210,8 +262,10 @@ def _attn_fwd(Q8, K8, V8, SQ, SK, SV, BIAS, Out, LSE, Lq, Lk, qk_scale, nq_block
 
 @triton.jit
 def _attn_bwd_preprocess(O, DO, DELTA, DO8, SDO, Lq, n_blocks,
-                         BLK: tl.constexpr, HEAD_DIM: tl.constexpr, KMAJOR: tl.constexpr):
-    """Delta = rowsum(dO * O), and psi(dO) per BLK-row block (used by dV = P^T dO)."""
+                         BLK: tl.constexpr, HEAD_DIM: tl.constexpr, KMAJOR: tl.constexpr, BWD: tl.constexpr,
+                         EXACT_FP8: tl.constexpr):
+    """Delta = rowsum(dO * O), and psi(dO) per BLK-row block (used by dV = P^T dO) unless BWD == 2
+    (16-bit dV reads dO itself): int8 codes (BWD 0) or e4m3 codes with s = amax / 448 (BWD 1)."""
     blk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = blk * BLK + tl.arange(0, BLK)
@@ -221,20 +275,21 @@ def _attn_bwd_preprocess(O, DO, DELTA, DO8, SDO, Lq, n_blocks,
     o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(DELTA + bh * Lq + rows, tl.sum(o * do, 1), mask=rows < Lq)
-    do8, s = _quant_tile(do)
-    if KMAJOR:  # (B*H, D, Lq): dV = P^T dO reduces over Lq
-        tl.store(DO8 + bh * Lq * HEAD_DIM + cols[None, :] * Lq + rows[:, None], do8, mask=mask)
-    else:
-        tl.store(DO8 + offs, do8, mask=mask)
-    tl.store(SDO + bh * n_blocks + blk, s)
+    if BWD != 2:
+        do8, s = _quant_tile(do, BWD == 1, EXACT_FP8)
+        if KMAJOR:  # (B*H, D, Lq): dV = P^T dO reduces over Lq
+            tl.store(DO8 + bh * Lq * HEAD_DIM + cols[None, :] * Lq + rows[:, None], do8, mask=mask)
+        else:
+            tl.store(DO8 + offs, do8, mask=mask)
+        tl.store(SDO + bh * n_blocks + blk, s)
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, Q8T, SQ, DO, DO8, SDO, LSE, DELTA,
+def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, QB, SQ, SQB, DO, DOB, SDO, LSE, DELTA,
                          q_base, qs_base, offs_n, lo, hi, Lq,
                          BLOCK_M1: tl.constexpr, HEAD_DIM: tl.constexpr, QBLK: tl.constexpr,
                          CAUSAL_MASK: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                         KMAJOR: tl.constexpr):
+                         KMAJOR: tl.constexpr, BWD: tl.constexpr, EXACT_FP8: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M1):
         offs_m = start_m + tl.arange(0, BLOCK_M1)
@@ -246,35 +301,57 @@ def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, Q8T, SQ,
             sT = tl.where(offs_m[None, :] >= offs_n[:, None], sT, float("-inf"))
         lse = tl.load(LSE + q_base // HEAD_DIM + offs_m, mask=m_ok, other=float("inf"))  # inf: P = 0 past Lq
         pT = tl.exp2(sT - lse[None, :])
-        # dV += psi(P)^T psi(dO)
-        p8, sp = _quant_tile_rows(pT)  # one scale per key over the BLOCK_M1 queries
-        do8 = _load_kv8(DO8, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, KMAJOR)
-        sdo = tl.load(SDO + qs_base + start_m // QBLK)
-        dv += tl.dot(p8, do8, out_dtype=tl.int32).to(tl.float32) * (sp * sdo)[:, None]
-        # dP^T = V dO^T in 16-bit: the one matmul SageBwd keeps out of INT8
-        doT = tl.load(DO + q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=m_ok[None, :], other=0.0)
-        dpT = tl.dot(v, doT.to(DOT_DTYPE))
         delta = tl.load(DELTA + q_base // HEAD_DIM + offs_m, mask=m_ok, other=0.0)
+        if BWD == 2:  # dV += P^T dO, 16-bit; dO is loaded once, and transposed for dP as in the tutorial
+            do = tl.load(DO + q_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=m_ok[:, None],
+                         other=0.0).to(DOT_DTYPE)
+            dv += tl.dot(pT.to(DOT_DTYPE), do)
+            dpT = tl.dot(v, tl.trans(do))
+        else:  # dV += psi(P)^T psi(dO), int8 or e4m3
+            p8, sp = _quant_tile_rows(pT, BWD == 1, EXACT_FP8)  # one scale per key over the BLOCK_M1 queries
+            do8 = _load_kv8(DOB, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, KMAJOR)
+            if BWD == 1:
+                do8 = do8.to(tl.float8e4nv, bitcast=True)
+            sdo = tl.load(SDO + qs_base + start_m // QBLK)
+            dv += _dot8(p8, do8, BWD == 1) * (sp * sdo)[:, None]
+            # dP^T = V dO^T in 16-bit: the one matmul SageBwd keeps out of 8 bits
+            doT = tl.load(DO + q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=m_ok[None, :], other=0.0)
+            dpT = tl.dot(v, doT.to(DOT_DTYPE))
         dsT = pT * (dpT - delta[None, :])
         if SMOOTH_Q:
             colsum += tl.sum(dsT, 1)
-        # dK += psi(dS)^T psi(Q)
-        ds8, sds = _quant_tile_rows(dsT)
-        if KMAJOR:
-            q8 = _load_kv8(Q8T, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, True)
-        else:
-            q8 = tl.trans(qT)
-        dk += tl.dot(ds8, q8, out_dtype=tl.int32).to(tl.float32) * (sds * sq)[:, None]
+        if BWD == 2:  # dK += dS^T Q with the caller's Q: no Q-smoothing correction
+            qb = tl.load(QB + q_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+            dk += tl.dot(dsT.to(DOT_DTYPE), qb.to(DOT_DTYPE))
+        else:  # dK += psi(dS)^T psi(Q_s)
+            ds8, sds = _quant_tile_rows(dsT, BWD == 1, EXACT_FP8)
+            if KMAJOR:
+                qb = _load_kv8(QB, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, True)
+            elif BWD == 1:
+                qb = _load_kv8(QB, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, False)
+            else:
+                qb = tl.trans(qT)
+            if BWD == 1:
+                qb = qb.to(tl.float8e4nv, bitcast=True)
+                sqb = tl.load(SQB + qs_base + start_m // QBLK)
+            else:
+                sqb = sq
+            dk += _dot8(ds8, qb, BWD == 1) * (sds * sqb)[:, None]
     return dk, dv, colsum
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q8, Q8T, K8, V, SQ, SK, BIAS, QMEAN, DO, DO8, SDO, LSE, DELTA, DK, DV,
+def _attn_bwd_dkdv(Q8, QB, K8, V, SQ, SQB, SK, BIAS, QMEAN, DO, DOB, SDO, LSE, DELTA, DK, DV,
                    Lq, Lk, qk_scale, sm_scale, nq_blocks, nk_blocks,
                    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, HEAD_DIM: tl.constexpr,
                    QBLK: tl.constexpr, KBLK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, KMAJOR: tl.constexpr):
-    """One program per (BLOCK_N1 keys, batch*head): dK and dV of those keys, looping over queries."""
+                   DOT_DTYPE: tl.constexpr, KMAJOR: tl.constexpr, BWD: tl.constexpr, EXACT_FP8: tl.constexpr,
+                   DK_MEAN_TERM: tl.constexpr):
+    """One program per (BLOCK_N1 keys, batch*head): dK and dV of those keys, looping over queries.
+
+    dK's B operand QB is psi(Q_s): int8 (BWD 0; K-major copy, or Q8 itself when not KMAJOR) or e4m3 (BWD 1,
+    scales SQB), or the caller's Q (BWD 2). dV's DOB is psi(dO) (BWD 0, 1; scales SDO); BWD 2 reads DO.
+    DK_MEAN_TERM: Q-smoothing with a quantized Q_s operand adds (dS^T 1) mean(Q)^T."""
     tl.static_assert(QBLK % BLOCK_M1 == 0)
     tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)  # causal: the diagonal starts on a tile boundary
     start_n = tl.program_id(0) * BLOCK_N1
@@ -296,26 +373,27 @@ def _attn_bwd_dkdv(Q8, Q8T, K8, V, SQ, SK, BIAS, QMEAN, DO, DO8, SDO, LSE, DELTA
     qs_base = bh * nq_blocks
     if CAUSAL:  # queries >= start_n see these keys; the first BLOCK_N1 of them straddle the diagonal
         lo_full = start_n + BLOCK_N1
-        dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, Q8T, SQ, DO, DO8, SDO,
-                                              LSE, DELTA, q_base, qs_base, offs_n, start_n,
+        dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, QB, SQ, SQB, DO, DOB,
+                                              SDO, LSE, DELTA, q_base, qs_base, offs_n, start_n,
                                               tl.minimum(lo_full, Lq), Lq, BLOCK_M1, HEAD_DIM, QBLK,
-                                              True, HAS_BIAS, DOT_DTYPE, KMAJOR)
+                                              True, DK_MEAN_TERM, DOT_DTYPE, KMAJOR, BWD, EXACT_FP8)
     else:
         lo_full = 0
-    dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, Q8T, SQ, DO, DO8, SDO,
-                                          LSE, DELTA, q_base, qs_base, offs_n, lo_full, Lq, Lq,
-                                          BLOCK_M1, HEAD_DIM, QBLK, False, HAS_BIAS, DOT_DTYPE, KMAJOR)
-    if HAS_BIAS:  # Q-smoothing: dK = dS^T Q_s + (dS^T 1) mean(Q)^T
+    dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, QB, SQ, SQB, DO, DOB,
+                                          SDO, LSE, DELTA, q_base, qs_base, offs_n, lo_full, Lq, Lq,
+                                          BLOCK_M1, HEAD_DIM, QBLK, False, DK_MEAN_TERM, DOT_DTYPE, KMAJOR, BWD,
+                                          EXACT_FP8)
+    if DK_MEAN_TERM:  # Q-smoothing: dK = dS^T Q_s + (dS^T 1) mean(Q)^T
         dk += colsum[:, None] * tl.load(QMEAN + bh * HEAD_DIM + offs_d)[None, :]
     tl.store(DK + kv_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok[:, None])
     tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, K8T, V, SK, BIAS, kv_base, ks_base, offs_m, lo, hi,
-                       Lk, BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr, KBLK: tl.constexpr,
+def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BIAS, kv_base, ks_base, offs_m,
+                       lo, hi, Lk, BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr, KBLK: tl.constexpr,
                        CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       KMAJOR: tl.constexpr):
+                       KMAJOR: tl.constexpr, BWD: tl.constexpr, EXACT_FP8: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N2):
         offs_n = start_n + tl.arange(0, BLOCK_N2)
@@ -332,21 +410,34 @@ def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, K8T, V, SK, BIAS, 
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, vT.to(DOT_DTYPE))  # 16-bit dP = dO V^T
         ds = p * (dp - delta[:, None])
-        ds8, sds = _quant_tile_rows(ds)  # dQ += psi(dS) psi(K_s): rows of dS sum to 0, so K_s is exact
-        if KMAJOR:
-            k8 = _load_kv8(K8T, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, True)
-        else:
-            k8 = tl.trans(kT)
-        dq += tl.dot(ds8, k8, out_dtype=tl.int32).to(tl.float32) * (sds * sk)[:, None]
+        if BWD == 2:  # dQ += dS K, 16-bit, with the caller's K (dS K = dS K_s: rows of dS sum to 0)
+            kb = tl.load(KB + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            dq += tl.dot(ds.to(DOT_DTYPE), kb.to(DOT_DTYPE))
+        else:  # dQ += psi(dS) psi(K_s): rows of dS sum to 0, so K_s is exact
+            ds8, sds = _quant_tile_rows(ds, BWD == 1, EXACT_FP8)
+            if KMAJOR:
+                kb = _load_kv8(KB, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, True)
+            elif BWD == 1:
+                kb = _load_kv8(KB, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, False)
+            else:
+                kb = tl.trans(kT)
+            if BWD == 1:
+                kb = kb.to(tl.float8e4nv, bitcast=True)
+                skb = tl.load(SKB + ks_base + start_n // KBLK)
+            else:
+                skb = sk
+            dq += _dot8(ds8, kb, BWD == 1) * (sds * skb)[:, None]
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq(Q8, K8, K8T, V, SQ, SK, BIAS, DO, LSE, DELTA, DQ, Lq, Lk, qk_scale, sm_scale, nq_blocks,
+def _attn_bwd_dq(Q8, K8, KB, V, SQ, SK, SKB, BIAS, DO, LSE, DELTA, DQ, Lq, Lk, qk_scale, sm_scale, nq_blocks,
                  nk_blocks, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr,
                  QBLK: tl.constexpr, KBLK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, KMAJOR: tl.constexpr):
-    """One program per (BLOCK_M2 queries, batch*head): dQ of those queries, looping over keys."""
+                 DOT_DTYPE: tl.constexpr, KMAJOR: tl.constexpr, BWD: tl.constexpr, EXACT_FP8: tl.constexpr):
+    """One program per (BLOCK_M2 queries, batch*head): dQ of those queries, looping over keys. dQ's B
+    operand KB is psi(K_s): int8 (BWD 0; K-major copy, or K8 itself when not KMAJOR) or e4m3 (BWD 1, scales
+    SKB), or the caller's K (BWD 2)."""
     tl.static_assert(KBLK % BLOCK_N2 == 0)
     tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
     start_m = tl.program_id(0) * BLOCK_M2
@@ -367,12 +458,13 @@ def _attn_bwd_dq(Q8, K8, K8T, V, SQ, SK, BIAS, DO, LSE, DELTA, DQ, Lq, Lk, qk_sc
         hi_full = tl.minimum(start_m, Lk)
     else:
         hi_full = Lk
-    dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, K8T, V, SK, BIAS, kv_base, ks_base, offs_m,
-                            0, hi_full, Lk, BLOCK_N2, HEAD_DIM, KBLK, False, HAS_BIAS, DOT_DTYPE, KMAJOR)
+    dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BIAS, kv_base, ks_base, offs_m,
+                            0, hi_full, Lk, BLOCK_N2, HEAD_DIM, KBLK, False, HAS_BIAS, DOT_DTYPE, KMAJOR, BWD,
+                            EXACT_FP8)
     if CAUSAL:
-        dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, K8T, V, SK, BIAS, kv_base, ks_base,
+        dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BIAS, kv_base, ks_base,
                                 offs_m, hi_full, tl.minimum(start_m + BLOCK_M2, Lk), Lk, BLOCK_N2, HEAD_DIM, KBLK,
-                                True, HAS_BIAS, DOT_DTYPE, KMAJOR)
+                                True, HAS_BIAS, DOT_DTYPE, KMAJOR, BWD, EXACT_FP8)
     tl.store(DQ + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
 
 
@@ -460,8 +552,29 @@ def quantize_int8_rows(x: torch.Tensor, block: int, mean: torch.Tensor | None = 
     xqt = _empty(b, h, d, n, dtype=dt, device=x.device) if col else None
     s = _empty(b, h, nb, dtype=torch.float32, device=x.device)
     _quant_rows[(nb, b * h)](x, mean if mean is not None else s, xq if row else xqt, xqt if col else xq, s, n, nb,
-                             BLK=block, HEAD_DIM=d, HAS_MEAN=mean is not None, FP8=fp8, ROW=row, COL=col)
+                             BLK=block, HEAD_DIM=d, HAS_MEAN=mean is not None, FP8=fp8, EXACT_FP8=interpreting(),
+                             ROW=row, COL=col)
     return xq, xqt, s
+
+
+def _dot_dtype(x: torch.Tensor):
+    """Operand dtype of the 16-bit matmuls: x's, or fp32 under the interpreter (its bf16 dot is wrong)."""
+    if interpreting():
+        return tl.float32
+    return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+
+
+def _gradient_operand(x: torch.Tensor, x8: torch.Tensor, x8t: torch.Tensor | None, sx: torch.Tensor, block: int,
+                      mean: torch.Tensor | None, bwd: str, km: bool):
+    """The right operand of dQ = dS K (x = K) or dK = dS^T Q (x = Q) and its block scales, per ``bwd``:
+    int8: the forward's psi(x_s) (its K-major copy when ``km``); fp8: e4m3 codes of x_s with s = amax / 448
+    per ``block`` rows, as int8 bits (masked loads need an integer 'other'); bf16: x itself."""
+    if bwd == "int8":
+        return (x8t if km else x8), sx
+    if bwd == "fp8":
+        xq, xqt, s = quantize_int8_rows(x, block, mean, fp8=True, row=not km, col=km)
+        return (xqt if km else xq).view(torch.int8), s
+    return x, sx  # bf16: sx unused
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -471,7 +584,7 @@ def quantize_int8_rows(x: torch.Tensor, block: int, mean: torch.Tensor | None = 
 
 class _SageBwdAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal, smooth_k, smooth_q, pv):
+    def forward(ctx, q, k, v, sm_scale, causal, smooth_k, smooth_q, pv, bwd):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, h, lq, d = q.shape
         lk = k.shape[2]
@@ -481,8 +594,10 @@ class _SageBwdAttention(torch.autograd.Function):
         kmean = k.mean(dim=2, dtype=torch.float32).contiguous() if smooth_k else None
         qmean = q.mean(dim=2, dtype=torch.float32).contiguous() if smooth_q else None
         km = kmajor()
-        q8, q8t, sq = quantize_int8_rows(q, Q_BLOCK, qmean, col=km)
-        k8, k8t, sk = quantize_int8_rows(k, K_BLOCK, kmean, col=km)
+        training = any(ctx.needs_input_grad[:3])
+        col8 = km and training and bwd == "int8"  # the K-major int8 copies serve only the int8 dQ and dK
+        q8, q8t, sq = quantize_int8_rows(q, Q_BLOCK, qmean, col=col8)
+        k8, k8t, sk = quantize_int8_rows(k, K_BLOCK, kmean, col=col8)
         pv_code = PV_MODES.index(pv)
         if pv_code < 2:
             v8, v8t, sv = quantize_int8_rows(v, K_BLOCK, fp8=pv_code == 1, row=not km, col=km)
@@ -501,65 +616,76 @@ class _SageBwdAttention(torch.autograd.Function):
                 q8, k8, v8, sq, sk, sv, bias if bias is not None else sk, o, lse, lq, lk, qk_scale,
                 sq.shape[-1], sk.shape[-1], BLOCK_M=f.block_m, BLOCK_N=f.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
                 KBLK=K_BLOCK, CAUSAL=causal, HAS_BIAS=bias is not None, PV=pv_code, KMAJOR=km and pv_code < 2,
-                num_warps=f.num_warps, num_stages=f.num_stages)
+                EXACT_FP8=interp, DOT_DTYPE=_dot_dtype(q), num_warps=f.num_warps, num_stages=f.num_stages)
 
         launch_fitting(launch, cfg["fwd"], ("sagebwd forward", q.device, d, causal, pv_code, km, smooth_q),
                        step_down(cfg["fwd"], keep="n"))
         o = o.to(q.dtype)
-        ctx.save_for_backward(q8, q8t, k8, k8t, v, sq, sk, bias, qmean, o, lse)
-        ctx.sm_scale, ctx.causal, ctx.cfg, ctx.kmajor = sm_scale, causal, cfg, km
+        if training:
+            qb, sqb = _gradient_operand(q, q8, q8t, sq, Q_BLOCK, qmean, bwd, km)
+            kb, skb = _gradient_operand(k, k8, k8t, sk, K_BLOCK, kmean, bwd, km)
+        else:
+            qb = sqb = kb = skb = None
+        ctx.save_for_backward(q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse)
+        ctx.sm_scale, ctx.causal, ctx.cfg, ctx.kmajor, ctx.bwd = sm_scale, causal, cfg, km, bwd
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q8, q8t, k8, k8t, v, sq, sk, bias, qmean, o, lse = ctx.saved_tensors
+        q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse = ctx.saved_tensors
         km = ctx.kmajor
+        bwd_code = BWD_MODES.index(ctx.bwd)
         do = do.contiguous()
         b, h, lq, d = o.shape
         lk = k8.shape[2]
         interp = interpreting()
         cfg = ctx.cfg
         qk_scale = ctx.sm_scale * LOG2E
-        dot_dtype = tl.float32 if interp else (tl.bfloat16 if o.dtype == torch.bfloat16 else tl.float16)
+        dot_dtype = _dot_dtype(o)
         nq = triton.cdiv(lq, Q_BLOCK)
         delta = _empty(b, h, lq, dtype=torch.float32, device=o.device)
-        do8 = _empty(b, h, d, lq, dtype=torch.int8, device=o.device) if km else _empty(do.shape, dtype=torch.int8,
-                                                                                         device=o.device)
-        sdo = _empty(b, h, nq, dtype=torch.float32, device=o.device)
-        _attn_bwd_preprocess[(nq, b * h)](o, do, delta, do8, sdo, lq, nq, BLK=Q_BLOCK, HEAD_DIM=d, KMAJOR=km)
+        if bwd_code < 2:  # psi(dO): int8 or e4m3 codes, K-major for dV = P^T dO when km
+            shape = (b, h, d, lq) if km else do.shape
+            do8 = _empty(shape, dtype=torch.float8_e4m3fn if bwd_code == 1 else torch.int8, device=o.device)
+            sdo = _empty(b, h, nq, dtype=torch.float32, device=o.device)
+        else:  # 16-bit dV reads dO itself
+            do8 = sdo = delta  # unused
+        _attn_bwd_preprocess[(nq, b * h)](o, do, delta, do8, sdo, lq, nq, BLK=Q_BLOCK, HEAD_DIM=d, KMAJOR=km,
+                                          BWD=bwd_code, EXACT_FP8=interp)
+        dob = do8.view(torch.int8) if bwd_code < 2 else do
         gdt = torch.float32 if interp else o.dtype
         dq = _empty(b, h, lq, d, dtype=gdt, device=o.device)
         dk = _empty(b, h, lk, d, dtype=gdt, device=o.device)
         dv = _empty(b, h, lk, d, dtype=gdt, device=o.device)
         has_bias = bias is not None
-        variant = (o.device, d, ctx.causal, km, has_bias)
+        variant = (o.device, d, ctx.causal, km, has_bias, bwd_code)
 
         def launch_dkdv(kv):
             _attn_bwd_dkdv[(triton.cdiv(lk, kv.block_n), b * h)](
-                q8, q8t if km else q8, k8, v, sq, sk, bias if has_bias else sk, qmean if has_bias else sk, do, do8,
-                sdo, lse, delta,
-                dk, dv, lq, lk, qk_scale, ctx.sm_scale, nq, sk.shape[-1],
+                q8, qb, k8, v, sq, sqb, sk, bias if has_bias else sk, qmean if has_bias else sk, do, dob,
+                sdo, lse, delta, dk, dv, lq, lk, qk_scale, ctx.sm_scale, nq, sk.shape[-1],
                 BLOCK_M1=kv.block_m, BLOCK_N1=kv.block_n, HEAD_DIM=d, QBLK=Q_BLOCK, KBLK=K_BLOCK,
-                CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km,
+                CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km, BWD=bwd_code,
+                EXACT_FP8=interp, DK_MEAN_TERM=has_bias and bwd_code < 2,
                 num_warps=kv.num_warps, num_stages=kv.num_stages)
 
         def launch_dq(c):
             _attn_bwd_dq[(triton.cdiv(lq, c.block_m), b * h)](
-                q8, k8, k8t if km else k8, v, sq, sk, bias if has_bias else sk, do, lse, delta, dq, lq, lk, qk_scale,
+                q8, k8, kb, v, sq, sk, skb, bias if has_bias else sk, do, lse, delta, dq, lq, lk, qk_scale,
                 ctx.sm_scale, nq, sk.shape[-1], BLOCK_M2=c.block_m, BLOCK_N2=c.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
-                KBLK=K_BLOCK, CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km,
-                num_warps=c.num_warps, num_stages=c.num_stages)
+                KBLK=K_BLOCK, CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km, BWD=bwd_code,
+                EXACT_FP8=interp, num_warps=c.num_warps, num_stages=c.num_stages)
 
         launch_fitting(launch_dkdv, cfg["dkdv"], ("sagebwd backward (dK/dV)", *variant),
                        step_down(cfg["dkdv"], keep="m"))
         launch_fitting(launch_dq, cfg["dq"], ("sagebwd backward (dQ)", *variant), step_down(cfg["dq"], keep="n"))
         dt = o.dtype
-        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None
+        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None
 
 
 def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                       causal: bool = False, smooth_k: bool = True, smooth_q: bool = False,
-                      pv: str = "int8") -> torch.Tensor:
+                      pv: str = "int8", bwd: str = "int8") -> torch.Tensor:
     """SageBwd attention (SPEC §4): INT8 forward and backward, trainable.
 
     Arguments:
@@ -571,16 +697,18 @@ def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_s
         smooth_k: subtract the per-(batch, head) channel mean of K before quantizing (default on: it
             removes K's shared offset at no cost in accuracy or in the backward).
         smooth_q: also smooth Q (off by default; costs a per-key bias and a rank-1 dK correction).
-        pv: precision of the forward P V: ``"int8"`` (SPEC, default), ``"fp8"`` (e4m3 P and V, GPU
-            only) or ``"bf16"`` (unquantized P and V; for measurements).
+        pv: precision of the forward P V: ``"int8"`` (SPEC, default), ``"fp8"`` (e4m3 P~ and V, same blocks,
+            s = max / 448) or ``"bf16"`` (unquantized P~ and V in the input dtype).
+        bwd: precision of the backward's dV = P^T dO, dQ = dS K, dK = dS^T Q: ``"int8"`` (SPEC, default),
+            ``"fp8"`` (e4m3 with the int8 blocks and s = max / 448) or ``"bf16"`` (P, dS unquantized; dO, Q, K
+            the caller's; the input dtype). The S recompute stays INT8 and dP 16-bit in every option.
     Return:
         (batch, nheads, seqlen_q, head_dim) in q's dtype. The backward returns dq, dk, dv in q's dtype.
     """
     check_qkv(q, k, v, name="sagebwd_attention", sm_scale=sm_scale, causal=causal)
     if pv not in PV_MODES:
         raise ValueError(f"sagebwd_attention: pv {pv!r} not in {PV_MODES}")
-    if pv != "int8" and interpreting():
-        raise ValueError(f"sagebwd_attention: pv={pv!r} needs a GPU (the interpreter's fp8/bf16 casts and "
-                         "bf16 dots are wrong)")
+    if bwd not in BWD_MODES:
+        raise ValueError(f"sagebwd_attention: bwd {bwd!r} not in {BWD_MODES}")
     return _SageBwdAttention.apply(q, k, v, default_scale(q.shape[-1], sm_scale), bool(causal),
-                                   bool(smooth_k), bool(smooth_q), pv)
+                                   bool(smooth_k), bool(smooth_q), pv, bwd)
