@@ -58,7 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BWD_MODES, PV_MODES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config
+from ._common import (BWD_MODES, PV_MODES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting,
+                      pinned_config)
 from .formats import LOG2E, SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -584,7 +585,7 @@ def _gradient_operand(x: torch.Tensor, x8: torch.Tensor, x8t: torch.Tensor | Non
 
 class _SageBwdAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal, smooth_k, smooth_q, pv, bwd):
+    def forward(ctx, q, k, v, sm_scale, causal, smooth_k, smooth_q, pv, bwd, training):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, h, lq, d = q.shape
         lk = k.shape[2]
@@ -594,7 +595,6 @@ class _SageBwdAttention(torch.autograd.Function):
         kmean = k.mean(dim=2, dtype=torch.float32).contiguous() if smooth_k else None
         qmean = q.mean(dim=2, dtype=torch.float32).contiguous() if smooth_q else None
         km = kmajor()
-        training = any(ctx.needs_input_grad[:3])
         col8 = km and training and bwd == "int8"  # the K-major int8 copies serve only the int8 dQ and dK
         q8, q8t, sq = quantize_int8_rows(q, Q_BLOCK, qmean, col=col8)
         k8, k8t, sk = quantize_int8_rows(k, K_BLOCK, kmean, col=col8)
@@ -680,7 +680,7 @@ class _SageBwdAttention(torch.autograd.Function):
                        step_down(cfg["dkdv"], keep="m"))
         launch_fitting(launch_dq, cfg["dq"], ("sagebwd backward (dQ)", *variant), step_down(cfg["dq"], keep="n"))
         dt = o.dtype
-        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None
+        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None, None
 
 
 def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -710,5 +710,8 @@ def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_s
         raise ValueError(f"sagebwd_attention: pv {pv!r} not in {PV_MODES}")
     if bwd not in BWD_MODES:
         raise ValueError(f"sagebwd_attention: bwd {bwd!r} not in {BWD_MODES}")
+    # training: whether a backward can follow (the backward-only operands are skipped otherwise; inside
+    # forward, ctx.needs_input_grad does not see torch.no_grad)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return _SageBwdAttention.apply(q, k, v, default_scale(q.shape[-1], sm_scale), bool(causal),
-                                   bool(smooth_k), bool(smooth_q), pv, bwd)
+                                   bool(smooth_k), bool(smooth_q), pv, bwd, training)
