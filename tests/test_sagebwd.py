@@ -176,6 +176,26 @@ def test_backward_reuses_int8_q_and_k(device):
                    for t in saved)
 
 
+@pytest.mark.parametrize("bwd", ["int8", "fp8", "bf16"])
+def test_inference_forward_skips_backward_operands(bwd, device, poison):
+    """Without grad the forward makes no backward-only operands (K-major int8 or e4m3 copies of Q, K) and
+    returns the training forward's output; with grad, bwd="bf16" keeps the caller's Q and K for dQ and dK."""
+    q, k, v, _ = _inputs(1, 2, 96, 80, 64, torch.float16, device, k_offset=1.0, seed=7)
+    calls = []
+    real = S.quantize_int8_rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(S, "quantize_int8_rows", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        with torch.no_grad():
+            o_inf = sagebwd_attention(q.requires_grad_(True), k, v, bwd=bwd)
+        assert calls == [{"col": False}, {"col": False}, {"fp8": False, "row": False, "col": True}]
+        calls.clear()
+        o_train = sagebwd_attention(q, k, v, bwd=bwd)
+        assert len(calls) == 3 + 2 * (bwd == "fp8")
+    assert torch.equal(o_inf, o_train.detach())
+    saved = [t for t in o_train.grad_fn.saved_tensors if t is not None]
+    assert any(t is q for t in saved) == (bwd == "bf16") and any(t is k for t in saved) == (bwd == "bf16")
+
+
 class _SharedMemoryLimit:
     """Stands in for a kernel (``kernel[grid](...)``) on a GPU with little shared memory: launches with more
     than one pipeline stage raise Triton's OutOfResources, as loading a kernel that needs too much does."""
