@@ -88,6 +88,10 @@ def run(lengths, heads=40, head_dim=128, batch=1, sweep=False):
             def sagebwd_fwd_bwd():
                 attention(q, k, v, mode="sagebwd").backward(do)
             res["sagebwd_fwdbwd"] = bench_ms(sagebwd_fwd_bwd)
+
+            def sagebwd_16bit_fwd_bwd():  # INT8 QK^T and S recompute only; PV, dV, dQ, dK in bf16 (docs/sagebwd.md)
+                attention(q, k, v, mode="sagebwd", pv="bf16", bwd="bf16").backward(do)
+            res["sagebwd_16bit_fwdbwd"] = bench_ms(sagebwd_16bit_fwd_bwd)
         res["tflops"] = {k_: (flops_f * (3.5 if "fwdbwd" in k_ else 2.5 if k_.endswith("_bwd") else 1.0)) / (ms * 1e9)
                          for k_, ms in res.items() if isinstance(ms, float)}
         rows.append(res)
@@ -137,10 +141,12 @@ def markdown(rows, env) -> str:
             f"{r['attn_qat_train_fwd']:.2f} ms ({r['attn_qat_train_fwd'] / c:.2f}x) | {cb:.2f} ms | "
             f"{r['flash_fwdbwd']:.2f} ms ({r['flash_fwdbwd'] / cb:.2f}x) | "
             f"{r['attn_qat_fwdbwd']:.2f} ms ({r['attn_qat_fwdbwd'] / cb:.2f}x) |")
-    extra = [k_ for k_ in ("nvfp4_infer", "sage3_infer", "sagebwd_infer", "sagebwd_fwdbwd") if k_ in rows[0]]
+    extra = [k_ for k_ in ("nvfp4_infer", "sage3_infer", "sagebwd_infer", "sagebwd_fwdbwd",
+                                   "sagebwd_16bit_fwdbwd") if k_ in rows[0]]
     if extra:
         lines += ["", "Every mode's inference forward (no grad) through `attnqat.kernels.attention`, and SageBwd "
-                  "training, same run (ratio to cuDNN fwd, or cuDNN fwd+bwd for `sagebwd_fwdbwd`):", "",
+                  "training, same run (ratio to cuDNN fwd, or cuDNN fwd+bwd for `*_fwdbwd`; `sagebwd_16bit`: "
+                  "`pv=\"bf16\", bwd=\"bf16\"`, INT8 only in QK^T and its recompute):", "",
                   "| L | " + " | ".join(extra) + " |", "|---|" + "---|" * len(extra)]
         for r in rows:
             cells = [f"{r[k_]:.2f} ms ({r[k_] / (r['cudnn_fwdbwd'] if k_.endswith('fwdbwd') else r['cudnn_fwd']):.2f}x)"

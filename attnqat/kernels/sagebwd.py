@@ -481,16 +481,28 @@ _GPU_CONFIGS = {  # (fwd, dkdv, dq) for head_dim 64 / 128 on Hopper
     64: (LaunchConfig(128, 64, 4, 3), LaunchConfig(64, 128, 8, 2), LaunchConfig(128, 64, 8, 2)),
     128: (LaunchConfig(128, 64, 8, 3), LaunchConfig(64, 128, 8, 2), LaunchConfig(128, 64, 8, 2)),
 }
+# 16-bit matmuls (pv="bf16" for the forward, bwd="bf16" for dK/dV and dQ) have no quantization block to keep and
+# want smaller tiles: measured on an H100 at (1, 40, 32760, 128), bench/sagebwd_variants.py (docs/sagebwd.md):
+# fwd 45.6 -> 39.2 ms with 4 warps; fwd+bwd 222 -> 212 ms (dK/dV 32x64, 4 stages) and 211 ms (dQ 128x32).
+_GPU_CONFIGS_16BIT = {
+    64: _GPU_CONFIGS[64],  # not measured at head_dim 64: the 8-bit tiles
+    128: (LaunchConfig(128, 64, 4, 3), LaunchConfig(32, 64, 4, 4), LaunchConfig(128, 32, 4, 3)),
+}
 # Interpreter: small tiles so the odd test sizes cross several tiles and both causal loop phases.
 _INTERP_CONFIGS = (LaunchConfig(64, 32), LaunchConfig(32, 64), LaunchConfig(64, 32))
 _ENV = ("ATTNQAT_SAGEBWD_FWD_CONFIG", "ATTNQAT_SAGEBWD_DKDV_CONFIG", "ATTNQAT_SAGEBWD_DQ_CONFIG")
 
 
-def launch_configs(head_dim: int) -> dict[str, LaunchConfig]:
-    """The tiles the next launch will use: ``{"fwd": .., "dkdv": .., "dq": ..}``. Each can be pinned
+def launch_configs(head_dim: int, pv: str = "int8", bwd: str = "int8") -> dict[str, LaunchConfig]:
+    """The tiles the next launch will use: ``{"fwd": .., "dkdv": .., "dq": ..}`` (the 16-bit ones for
+    ``pv="bf16"`` / ``bwd="bf16"``). Each can be pinned
     with ``ATTNQAT_SAGEBWD_{FWD,DKDV,DQ}_CONFIG="BLOCK_M,BLOCK_N[,WARPS[,STAGES]]"`` (for dK/dV the
     first number is BLOCK_M1 (queries), the second BLOCK_N1 (keys))."""
-    base = _INTERP_CONFIGS if interpreting() else _GPU_CONFIGS[head_dim]
+    if interpreting():
+        base = _INTERP_CONFIGS
+    else:
+        eight, sixteen = _GPU_CONFIGS[head_dim], _GPU_CONFIGS_16BIT[head_dim]
+        base = (sixteen if pv == "bf16" else eight)[:1] + (sixteen if bwd == "bf16" else eight)[1:]
     out = {}
     for name, cfg, env in zip(("fwd", "dkdv", "dq"), base, _ENV):
         out[name] = pinned_config(env) or cfg
@@ -590,7 +602,7 @@ class _SageBwdAttention(torch.autograd.Function):
         b, h, lq, d = q.shape
         lk = k.shape[2]
         interp = interpreting()
-        cfg = launch_configs(d)
+        cfg = launch_configs(d, pv, bwd)
         qk_scale = sm_scale * LOG2E  # exponents in log2 units: exp(x) = exp2(x * log2(e))
         kmean = k.mean(dim=2, dtype=torch.float32).contiguous() if smooth_k else None
         qmean = q.mean(dim=2, dtype=torch.float32).contiguous() if smooth_q else None
