@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--json", type=pathlib.Path, default=None)
     ap.add_argument("--fused-dq", action="store_true",
                     help="only the backward: two kernels vs dQ fused into the dK/dV kernel (fp32 atomics), per config")
+    ap.add_argument("--round2", action="store_true",
+                    help="issue 15's candidates: more forward tiles (inference, D=128), dK/dV stages, dQ tiles")
     ap.add_argument("--forward", action="store_true",
                     help="only the forward: configs x head dims, inference and training, beside cuDNN SDPA")
     args = ap.parse_args()
@@ -53,7 +55,9 @@ def main():
     def saved():  # what the backward reads: the training forward's outputs
         return attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=True)
 
-    if args.forward:
+    if args.round2:
+        round2_sweep(res, q, k, v, do, sc, saved())
+    elif args.forward:
         forward_sweep(res, q, k, v, sc)
     elif args.fused_dq:  # only the backward, as its --help says
         fused_dq_sweep(res, q, k, v, do, sc, saved())
@@ -82,6 +86,30 @@ def forward_sweep(res, q, k, v, sc):
             qd, kd, vd = (t[..., :d] for t in (q, k, v))
             record(res, f"fwd {cfg} d={d} train={train}", lambda: attn_qat_forward(
                 qd, kd, vd, sm_scale=sc, causal=False, training=train, config=c))
+
+
+def round2_sweep(res, q, k, v, do, sc, saved):
+    """Tiles not in the first sweeps, beside cuDNN: the inference forward (the FP4 floor is 1.25x cuDNN), the
+    dK/dV kernel's pipeline depth, and the dQ kernel's tiles (no phi there: SageBwd's 16-bit dQ liked 128x32)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    o, o_aux, m, l, (qf, kf, vf) = saved
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        record(res, "cudnn fwd", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    for cfg in [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3),
+                (128, 256, 8, 2), (256, 128, 16, 2), (128, 64, 8, 4)]:
+        c = LaunchConfig(*cfg)
+        record(res, f"fwd infer {cfg}", lambda: attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=False,
+                                                                 config=c))
+    dq_fixed = LaunchConfig(128, 64, 8, 3)
+    for cfg in [(32, 64, 4, 3), (32, 64, 4, 4), (32, 64, 4, 2), (32, 128, 4, 4), (64, 64, 4, 4)]:
+        c = LaunchConfig(*cfg)
+        record(res, f"bwd dkdv={cfg}", lambda: attn_qat_backward(
+            do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False, config=c, config_dq=dq_fixed))
+    dkdv_fixed = LaunchConfig(32, 64, 4, 3)
+    for cfg in [(128, 32, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)]:
+        c = LaunchConfig(*cfg)
+        record(res, f"bwd dq={cfg}", lambda: attn_qat_backward(
+            do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False, config=dkdv_fixed, config_dq=c))
 
 
 def fused_dq_sweep(res, q, k, v, do, sc, saved):
