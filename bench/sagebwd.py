@@ -122,6 +122,25 @@ def sweep_configs(shape=(1, 40, 32760, 128, False), warmup=10, rep=30) -> list[d
     return out
 
 
+def accuracy_inputs(dist: str, shape, device) -> tuple[torch.Tensor, ...]:
+    """q, k, v, dO in bf16 for one input distribution: "gaussian", "student_t3" (raw, the stress case) or
+    "student_t3_qknorm" (per-token RMSNorm on Q and K, as in Wan); K gets a shared per-channel offset, which
+    K-smoothing removes. Seeded: every script that compares options sees the same inputs."""
+    b, h, n, d = shape
+    g = torch.Generator().manual_seed(1)
+    if dist == "gaussian":
+        q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+    else:
+        torch.manual_seed(1)
+        t = torch.distributions.StudentT(3.0)
+        q, k, v = (t.sample((b, h, n, d)) for _ in range(3))
+        if dist.endswith("qknorm"):
+            q, k = (F.rms_norm(x, (d,)) for x in (q, k))
+    k = k + 2.0 * torch.randn(d, generator=g)
+    do = torch.randn(b, h, n, d, generator=g)
+    return tuple(x.to(device, torch.bfloat16) for x in (q, k, v, do))
+
+
 def accuracy(shapes=((1, 4, 2048, 128), (1, 4, 2048, 64)), device="cuda", variants=("int8",)) -> list[dict]:
     """Cos-sim of O, dQ, dK, dV against exact fp32 attention on Gaussian, Student-t(3) and
     Student-t(3) inputs with per-token RMSNorm on Q and K (QK-norm, as in Wan)."""
@@ -130,18 +149,7 @@ def accuracy(shapes=((1, 4, 2048, 128), (1, 4, 2048, 64)), device="cuda", varian
         for dist in ("gaussian", "student_t3", "student_t3_qknorm"):
             for causal in (False, True):
                 for pv in variants:
-                    g = torch.Generator().manual_seed(1)
-                    if dist == "gaussian":
-                        q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
-                    else:
-                        torch.manual_seed(1)
-                        t = torch.distributions.StudentT(3.0)
-                        q, k, v = (t.sample((b, h, n, d)) for _ in range(3))
-                        if dist.endswith("qknorm"):
-                            q, k = (F.rms_norm(x, (d,)) for x in (q, k))
-                    k = k + 2.0 * torch.randn(d, generator=g)  # shared key offset, removed by K-smoothing
-                    do = torch.randn(b, h, n, d, generator=g)
-                    q, k, v, do = (x.to(device, torch.bfloat16) for x in (q, k, v, do))
+                    q, k, v, do = accuracy_inputs(dist, (b, h, n, d), device)
                     exact_o = R.attention_fp32(q, k, v, causal=causal)
                     exact = (exact_o, *R.attention_bwd_fp32(q, k, v, exact_o, do, causal=causal))
                     qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))

@@ -72,24 +72,11 @@ def _big_inputs():
 
 def _acc_inputs(dist):
     """Inputs and exact fp32 outputs/gradients for one distribution (bench/sagebwd.py's recipe)."""
-    import torch
-    import torch.nn.functional as F
-
     from attnqat.kernels import reference as R
+    from bench.sagebwd import accuracy_inputs
 
     if dist not in _CACHE:
-        b, h, n, d = ACC
-        g = torch.Generator().manual_seed(1)
-        if dist == "gaussian":
-            q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
-        else:
-            torch.manual_seed(1)
-            t = torch.distributions.StudentT(3.0)
-            q, k, v = (t.sample((b, h, n, d)) for _ in range(3))
-            q, k = (F.rms_norm(x, (d,)) for x in (q, k))
-        k = k + 2.0 * torch.randn(d, generator=g)  # shared key offset, removed by K-smoothing
-        do = torch.randn(b, h, n, d, generator=g)
-        q, k, v, do = (x.to(DEVICE, torch.bfloat16) for x in (q, k, v, do))
+        q, k, v, do = accuracy_inputs(dist, ACC, DEVICE)
         o = R.attention_fp32(q, k, v)
         _CACHE[dist] = ((q, k, v, do), (o, *R.attention_bwd_fp32(q, k, v, o, do)))
     return _CACHE[dist]

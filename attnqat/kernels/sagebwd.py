@@ -286,6 +286,36 @@ def _attn_bwd_preprocess(O, DO, DELTA, DO8, SDO, Lq, n_blocks,
 
 
 @triton.jit
+def _grad_mma(acc, ds, XB, SXB, x_base, xs_base, offs, ok, L, start, x8T, sx, HEAD_DIM: tl.constexpr,
+              XBLK: tl.constexpr, DOT_DTYPE: tl.constexpr, KMAJOR: tl.constexpr, BWD: tl.constexpr,
+              EXACT_FP8: tl.constexpr):
+    """acc += dS X, the backward's two gradient matmuls (dK = dS^T Q in the dK/dV kernel, whose dS is already
+    transposed; dQ = dS K in the dQ kernel). X's rows ``offs`` (``ok``: inside L) start at ``start``.
+    BWD 2: 16-bit, X = XB, the caller's Q or K. Else psi(dS) psi(X) (1: e4m3, 0: int8) with one scale per row of
+    dS: X8 from XB (K-major int8 or e4m3 copy; e4m3 scales in SXB per XBLK rows) or, int8 row-major, the
+    transposed tile ``x8T`` the S recompute loaded, with its scale ``sx``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    if BWD == 2:
+        xb = tl.load(XB + x_base + offs[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.dot(ds.to(DOT_DTYPE), xb.to(DOT_DTYPE))
+    else:
+        ds8, sds = _quant_tile_rows(ds, BWD == 1, EXACT_FP8)
+        if KMAJOR:
+            xb = _load_kv8(XB, x_base, offs, offs_d, ok, L, HEAD_DIM, True)
+        elif BWD == 1:
+            xb = _load_kv8(XB, x_base, offs, offs_d, ok, L, HEAD_DIM, False)
+        else:
+            xb = tl.trans(x8T)
+        if BWD == 1:
+            xb = xb.to(tl.float8e4nv, bitcast=True)
+            sxb = tl.load(SXB + xs_base + start // XBLK)
+        else:
+            sxb = sx
+        acc += _dot8(ds8, xb, BWD == 1) * (sds * sxb)[:, None]
+    return acc
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, QB, SQ, SQB, DO, DOB, SDO, LSE, DELTA,
                          q_base, qs_base, offs_n, lo, hi, Lq,
                          BLOCK_M1: tl.constexpr, HEAD_DIM: tl.constexpr, QBLK: tl.constexpr,
@@ -321,23 +351,9 @@ def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, QB, SQ, 
         dsT = pT * (dpT - delta[None, :])
         if SMOOTH_Q:
             colsum += tl.sum(dsT, 1)
-        if BWD == 2:  # dK += dS^T Q with the caller's Q: no Q-smoothing correction
-            qb = tl.load(QB + q_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-            dk += tl.dot(dsT.to(DOT_DTYPE), qb.to(DOT_DTYPE))
-        else:  # dK += psi(dS)^T psi(Q_s)
-            ds8, sds = _quant_tile_rows(dsT, BWD == 1, EXACT_FP8)
-            if KMAJOR:
-                qb = _load_kv8(QB, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, True)
-            elif BWD == 1:
-                qb = _load_kv8(QB, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, False)
-            else:
-                qb = tl.trans(qT)
-            if BWD == 1:
-                qb = qb.to(tl.float8e4nv, bitcast=True)
-                sqb = tl.load(SQB + qs_base + start_m // QBLK)
-            else:
-                sqb = sq
-            dk += _dot8(ds8, qb, BWD == 1) * (sds * sqb)[:, None]
+        # dK += dS^T Q (bf16: the caller's Q, so no Q-smoothing correction) or psi(dS)^T psi(Q_s)
+        dk = _grad_mma(dk, dsT, QB, SQB, q_base, qs_base, offs_m, m_ok, Lq, start_m, qT, sq, HEAD_DIM, QBLK,
+                       DOT_DTYPE, KMAJOR, BWD, EXACT_FP8)
     return dk, dv, colsum
 
 
@@ -411,23 +427,9 @@ def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BI
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, vT.to(DOT_DTYPE))  # 16-bit dP = dO V^T
         ds = p * (dp - delta[:, None])
-        if BWD == 2:  # dQ += dS K, 16-bit, with the caller's K (dS K = dS K_s: rows of dS sum to 0)
-            kb = tl.load(KB + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            dq += tl.dot(ds.to(DOT_DTYPE), kb.to(DOT_DTYPE))
-        else:  # dQ += psi(dS) psi(K_s): rows of dS sum to 0, so K_s is exact
-            ds8, sds = _quant_tile_rows(ds, BWD == 1, EXACT_FP8)
-            if KMAJOR:
-                kb = _load_kv8(KB, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, True)
-            elif BWD == 1:
-                kb = _load_kv8(KB, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, False)
-            else:
-                kb = tl.trans(kT)
-            if BWD == 1:
-                kb = kb.to(tl.float8e4nv, bitcast=True)
-                skb = tl.load(SKB + ks_base + start_n // KBLK)
-            else:
-                skb = sk
-            dq += _dot8(ds8, kb, BWD == 1) * (sds * skb)[:, None]
+        # dQ += dS K (bf16: the caller's K) or psi(dS) psi(K_s): rows of dS sum to 0, so dS K = dS K_s
+        dq = _grad_mma(dq, ds, KB, SKB, kv_base, ks_base, offs_n, n_ok, Lk, start_n, kT, sk, HEAD_DIM, KBLK,
+                       DOT_DTYPE, KMAJOR, BWD, EXACT_FP8)
     return dq
 
 
