@@ -350,7 +350,8 @@ class DemoEngine:
                    qat_shipped=qat_checkpoint is None and chosen is not None, guidance=defaults["guidance"])
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.pipe.transformer.state_dict().items()}
+        from attnqat.pipelines.loading import cpu_state_dict
+        return cpu_state_dict(self.pipe.transformer)
 
     def _use_weights(self, name: str) -> None:
         if self._live != name:

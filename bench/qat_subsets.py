@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from attnqat.evaluation import Variant, _Weights, add_gap_closed, flow_metrics, held_out_clips
     from attnqat.pipelines import load_pipeline
-    from attnqat.pipelines.loading import read_qat_checkpoint
+    from attnqat.pipelines.loading import cpu_state_dict, read_qat_checkpoint
     from attnqat.pipelines.qat_weights import changed_tensors
     from attnqat.quality_cli import parse_size
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pipe = load_pipeline(args.model, dtype=dtype, device=device)
     data = held_out_clips(pipe, args.clips, size=parse_size(args.size))
-    base = {k: v.detach().cpu().clone() for k, v in pipe.transformer.state_dict().items()}
+    base = cpu_state_dict(pipe.transformer)
     tuned = read_qat_checkpoint(pipe.transformer, args.qat)
     changed = set(changed_tensors(tuned, base))
     variants = [Variant("bf16"), Variant("nvfp4", "nvfp4"), Variant("whole fine-tune", args.mode, tuned)]

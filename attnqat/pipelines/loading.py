@@ -339,6 +339,12 @@ def _read_subset(transformer: torch.nn.Module, file: Path) -> dict[str, torch.Te
     return weights.values(transformer.state_dict())
 
 
+def cpu_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of ``module``'s state dict, detached: weights kept aside to load back later (the demo's
+    columns, a QAT weights file applied over the base, bench/qat_subsets.py's subsets)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
 def read_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The state dict (CPU tensors, as stored) of a QAT checkpoint, checked against ``transformer`` (which
     is not changed): every key present, no extra key, every shape equal; otherwise
@@ -350,8 +356,7 @@ def read_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -
     :class:`CheckpointMismatchError`)."""
     subset = _qat_weights_file(path)
     if subset is not None:
-        base = {k: v.detach().to("cpu", copy=True) for k, v in transformer.state_dict().items()}
-        return {**base, **_read_subset(transformer, subset)}
+        return {**cpu_state_dict(transformer), **_read_subset(transformer, subset)}
     state = _read_state_dict(path)
     _check_keys(transformer, path, state)
     return state
