@@ -123,7 +123,7 @@ def samples(args) -> dict:
         truth = _read(render(corpus.spec(i), frames=f, height=h, width=w)[0], min(h, w))
         rows.append(dict(prompt=prompt, asked=attrs["motion"], sample=r, truth=truth))
         print(f"{prompt[:78]:78s} {attrs['motion']:8s} {str(r['motion']):8s} {r['displacement']:.3f} {r['path']:.3f} "
-              f"{r['area_ratio']:5.2f}      | {truth['displacement']:.3f} ({truth['motion']})")
+              f"{r['area_ratio']:5.2f}      | {truth['displacement']:.3f} ({truth['motion']})", flush=True)
     swaps = []
     base = "a {c} {s} moves {m} over a plain grey background"
     for seed, (c, s) in enumerate((("red", "circle"), ("yellow", "square"), ("blue", "heart"))[:args.swaps]):
@@ -132,15 +132,20 @@ def samples(args) -> dict:
             r = _read(gen(prompt, 100 + seed), min(h, w))
             swaps.append(dict(prompt=prompt, seed=100 + seed, asked=m, sample=r))
             print(f"{prompt[:78]:78s} {m:8s} {str(r['motion']):8s} {r['displacement']:.3f} {r['path']:.3f} "
-                  f"{r['area_ratio']:5.2f}  dxdy {r['dxdy']}")
+                  f"{r['area_ratio']:5.2f}  dxdy {r['dxdy']}", flush=True)
+
+    def med(xs):
+        xs = list(xs)
+        return st.median(xs) if xs else None
+
     directional = [x for x in rows if x["asked"] not in ("grow", "shrink")]
     summary = dict(
-        held_out_motion=sum(x["sample"]["motion"] == x["asked"] for x in rows) / len(rows),
-        sample_displacement_median=st.median(x["sample"]["displacement"] for x in directional),
-        truth_displacement_median=st.median(x["truth"]["displacement"] for x in directional),
-        sample_path_median=st.median(x["sample"]["path"] for x in rows),
-        truth_path_median=st.median(x["truth"]["path"] for x in rows),
-        swap_motion=sum(x["sample"]["motion"] == x["asked"] for x in swaps) / len(swaps),
+        held_out_motion=sum(x["sample"]["motion"] == x["asked"] for x in rows) / max(1, len(rows)),
+        sample_displacement_median=med(x["sample"]["displacement"] for x in directional),
+        truth_displacement_median=med(x["truth"]["displacement"] for x in directional),
+        sample_path_median=med(x["sample"]["path"] for x in rows),
+        truth_path_median=med(x["truth"]["path"] for x in rows),
+        swap_motion=sum(x["sample"]["motion"] == x["asked"] for x in swaps) / max(1, len(swaps)),
     )
     print(json.dumps(summary, indent=1))
     return dict(rows=rows, swaps=swaps, summary=summary)
