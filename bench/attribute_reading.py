@@ -21,8 +21,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pathlib
+import sys
 
 import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up", "up-left": "down-right",
             "down-right": "up-left", "up-right": "down-left", "down-left": "up-right", "grow": "shrink",
@@ -106,21 +110,10 @@ def main() -> None:
     p.add_argument("--splits", default="train,held_out")
     p.add_argument("--json", help="write the per-split summaries here")
     args = p.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    from diffusers import AutoencoderKLWan, WanPipeline
+    sys.path.insert(0, str(ROOT))
+    from bench.prompt_reading import load_model_and_corpus
 
-    from attnqat.pipelines.loading import load_qat_checkpoint
-    from attnqat.train.config import CorpusConfig
-    from attnqat.train.corpus_source import CorpusSource
-
-    f, h, w = (int(x) for x in args.size.split("x"))
-    vae = AutoencoderKLWan.from_pretrained(args.model, subfolder="vae", torch_dtype=torch.float32)
-    pipe = WanPipeline.from_pretrained(args.model, vae=vae, torch_dtype=torch.float32)
-    if args.weights:
-        load_qat_checkpoint(pipe.transformer, args.weights)
-    src = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae, CorpusConfig(sizes=[[f, h, w]]),
-                                      text_len=args.text_len, device="cpu")
-    transformer = pipe.transformer.eval()
+    transformer, src = load_model_and_corpus(args.model, args.weights, args.size, args.text_len)
     sigmas = [float(s) for s in args.sigmas.split(",")]
     report = {}
     print(f"{args.model} {args.weights or ''} {args.size}, {args.clips} clips a split; ratio = loss / own caption's; "
@@ -136,10 +129,10 @@ def main() -> None:
                 cells = "  ".join(f"{row[c + '/right']:.3f} ({row[c + ' pick']:4.0%})" for c in CONDITIONS[1:])
                 print(f"{split:9s} {group:10s} {sigma:5.2f}  {row['right']:.4f}  {cells}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"model": args.model, "weights": args.weights, "size": args.size, "clips": args.clips,
-                       "report": {s: {g: {str(k): v for k, v in r.items()} for g, r in d.items()}
-                                  for s, d in report.items()}}, fh, indent=1)
+        from attnqat.outputs import write_file_atomically
+        doc = {"model": args.model, "weights": args.weights, "size": args.size, "clips": args.clips,
+               "report": {s: {g: {str(k): v for k, v in r.items()} for g, r in d.items()} for s, d in report.items()}}
+        write_file_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(doc, indent=1)))
 
 
 if __name__ == "__main__":

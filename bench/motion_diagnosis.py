@@ -164,8 +164,8 @@ def main() -> None:
     args = p.parse_args()
     res = scale(args) if args.what == "scale" else samples(args)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1, default=str)
+        from attnqat.outputs import write_file_atomically
+        write_file_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(res, indent=1, default=str)))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,26 @@ import argparse
 import torch
 
 
+def load_model_and_corpus(model: str, weights: str | None, size: str, text_len: int):
+    """(transformer in eval mode, CorpusSource of clips of ``size`` "FxHxW") on the CPU in fp32, from a diffusers Wan
+    folder, with ``weights`` (an attnqat train run or checkpoint) loaded over its transformer if given; clips are
+    encoded by the model's own VAE and text encoder (bench/attribute_reading.py shares this)."""
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    from attnqat.pipelines.loading import load_qat_checkpoint
+    from attnqat.train.config import CorpusConfig
+    from attnqat.train.corpus_source import CorpusSource
+
+    f, h, w = (int(x) for x in size.split("x"))
+    vae = AutoencoderKLWan.from_pretrained(model, subfolder="vae", torch_dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(model, vae=vae, torch_dtype=torch.float32)
+    if weights:
+        load_qat_checkpoint(pipe.transformer, weights)
+    src = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae, CorpusConfig(sizes=[[f, h, w]]),
+                                      text_len=text_len, device="cpu")
+    return pipe.transformer.eval(), src
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a diffusers Wan folder (e.g. runs/mini/mini)")
@@ -23,20 +43,7 @@ def main() -> None:
     p.add_argument("--clips", type=int, default=32)
     p.add_argument("--sigmas", default="0.6,0.9")
     args = p.parse_args()
-    from diffusers import AutoencoderKLWan, WanPipeline
-
-    from attnqat.pipelines.loading import load_qat_checkpoint
-    from attnqat.train.config import CorpusConfig
-    from attnqat.train.corpus_source import CorpusSource
-
-    f, h, w = (int(x) for x in args.size.split("x"))
-    vae = AutoencoderKLWan.from_pretrained(args.model, subfolder="vae", torch_dtype=torch.float32)
-    pipe = WanPipeline.from_pretrained(args.model, vae=vae, torch_dtype=torch.float32)
-    if args.weights:
-        load_qat_checkpoint(pipe.transformer, args.weights)
-    src = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae, CorpusConfig(sizes=[[f, h, w]]),
-                                      text_len=args.text_len, device="cpu")
-    transformer = pipe.transformer.eval()
+    transformer, src = load_model_and_corpus(args.model, args.weights, args.size, args.text_len)
     print("split     sigma  right   wrong   empty   wrong/right")
     for split in ("train", "held_out"):
         first = 10 ** 6 if split == "train" else 0
