@@ -11,8 +11,6 @@ import torch
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 P_BWD_CHOICES = ("final_max", "normalized")  # attn_qat's p_bwd option (SPEC §2)
-PV_MODES = ("int8", "fp8", "bf16")  # sagebwd's pv option: precision of the forward P V
-BWD_MODES = ("int8", "fp8", "bf16")  # sagebwd's bwd option: precision of the backward's dV, dQ, dK
 
 
 def interpreting() -> bool:

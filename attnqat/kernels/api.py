@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import BWD_MODES, KERNEL_DTYPES, P_BWD_CHOICES, PV_MODES, SUPPORTED_HEAD_DIMS, check_qkv, interpreting
+from ._common import KERNEL_DTYPES, P_BWD_CHOICES, SUPPORTED_HEAD_DIMS, check_qkv, interpreting
+from .formats import SAGEBWD_PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -264,8 +265,8 @@ def _sagebwd_reference(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, s
 
 register_mode(Mode("sagebwd", "trainable INT8 attention: six of seven matmuls in INT8, dP in 16-bit (SageBwd)",
                    True, _sagebwd_kernel, _sagebwd_reference,
-                   options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", PV_MODES),
-                            ("bwd", BWD_MODES))))
+                   options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", SAGEBWD_PRECISIONS),
+                            ("bwd", SAGEBWD_PRECISIONS))))
 
 
 # ---------------------------------------------------------------------------------------------------

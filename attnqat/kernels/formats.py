@@ -17,3 +17,5 @@ SAGE3_Q_BLOCK = 128  # SPEC §3: Q is smoothed per block of 128 query rows
 
 SAGEBWD_Q_BLOCK = 128  # SPEC §4: psi(Q) and psi(dO) share one scale per 128 rows
 SAGEBWD_K_BLOCK = 64   # SPEC §4: psi(K) and psi(V) share one scale per 64 rows
+# SageBwd's pv (forward P V) and bwd (backward dV, dQ, dK) options; a kernel's PV / BWD constexpr is the index
+SAGEBWD_PRECISIONS = ("int8", "fp8", "bf16")

@@ -16,7 +16,7 @@ import math
 import torch
 
 from .formats import (E2M1_GRID, E4M3_MAX, LOG2E, NVFP4_BLOCK as BLOCK, P_SCALE, SAGE3_Q_BLOCK, SAGEBWD_K_BLOCK,
-                      SAGEBWD_Q_BLOCK)
+                      SAGEBWD_PRECISIONS, SAGEBWD_Q_BLOCK)
 
 # ---------------------------------------------------------------------------------------------------
 # NVFP4 (SPEC §1)
@@ -337,9 +337,6 @@ def _sagebwd_logits_ref(q, k, scale, causal, smooth_k, smooth_q):
     if causal:
         s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
     return s, qs, ks, qmean
-
-
-SAGEBWD_PRECISIONS = ("int8", "fp8", "bf16")  # the pv and bwd options (bf16: unquantized, float32 here)
 
 
 def sagebwd_forward_ref(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False,

@@ -58,9 +58,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BWD_MODES, PV_MODES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting,
-                      pinned_config)
-from .formats import LOG2E, SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
+from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config
+from .formats import LOG2E, SAGEBWD_PRECISIONS  # the pv / bwd options, in the order of the PV / BWD constexprs
+from .formats import SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_FLOOR = 1e-30  # s = max(amax, 1e-30) / 127: an all-zero block quantizes to zeros, not NaN
@@ -612,7 +612,7 @@ class _SageBwdAttention(torch.autograd.Function):
         col8 = km and training and bwd == "int8"  # the K-major int8 copies serve only the int8 dQ and dK
         q8, q8t, sq = quantize_int8_rows(q, Q_BLOCK, qmean, col=col8)
         k8, k8t, sk = quantize_int8_rows(k, K_BLOCK, kmean, col=col8)
-        pv_code = PV_MODES.index(pv)
+        pv_code = SAGEBWD_PRECISIONS.index(pv)
         if pv_code < 2:
             v8, v8t, sv = quantize_int8_rows(v, K_BLOCK, fp8=pv_code == 1, row=not km, col=km)
             v8 = (v8t if km else v8).view(torch.int8)  # fp8 codes travel as int8 bits (masked loads need an 'other')
@@ -648,7 +648,7 @@ class _SageBwdAttention(torch.autograd.Function):
     def backward(ctx, do):
         q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse = ctx.saved_tensors
         km = ctx.kmajor
-        bwd_code = BWD_MODES.index(ctx.bwd)
+        bwd_code = SAGEBWD_PRECISIONS.index(ctx.bwd)
         do = do.contiguous()
         b, h, lq, d = o.shape
         lk = k8.shape[2]
@@ -720,10 +720,10 @@ def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_s
         (batch, nheads, seqlen_q, head_dim) in q's dtype. The backward returns dq, dk, dv in q's dtype.
     """
     check_qkv(q, k, v, name="sagebwd_attention", sm_scale=sm_scale, causal=causal)
-    if pv not in PV_MODES:
-        raise ValueError(f"sagebwd_attention: pv {pv!r} not in {PV_MODES}")
-    if bwd not in BWD_MODES:
-        raise ValueError(f"sagebwd_attention: bwd {bwd!r} not in {BWD_MODES}")
+    if pv not in SAGEBWD_PRECISIONS:
+        raise ValueError(f"sagebwd_attention: pv {pv!r} not in {SAGEBWD_PRECISIONS}")
+    if bwd not in SAGEBWD_PRECISIONS:
+        raise ValueError(f"sagebwd_attention: bwd {bwd!r} not in {SAGEBWD_PRECISIONS}")
     # training: whether a backward can follow (the backward-only operands are skipped otherwise; inside
     # forward, ctx.needs_input_grad does not see torch.no_grad)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
