@@ -681,8 +681,8 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     ``config`` is the dK/dV kernel's (BLOCK_M: queries per step, BLOCK_N: keys per program),
     ``config_dq`` the dQ kernel's; ``quant_p=False`` drops phi(P) (benchmarks, the drop-in ablation).
     ``fused_dq``: dQ from the dK/dV kernel's S recompute by fp32 atomics instead of a second kernel (default:
-    ATTNQAT_BWD_FUSED_DQ=1; off otherwise: 7-20% slower than two kernels on an H100, docs/kernels.md). Its sums run in another order, so dQ
-    differs from the two-kernel dQ by fp32 rounding.
+    ATTNQAT_BWD_FUSED_DQ=1; off otherwise: 6-53% slower than two kernels per tile on an H100, docs/kernels.md).
+    Its sums run in another order, so dQ differs from the two-kernel dQ by fp32 rounding.
     """
     if fused_dq is None:
         fused_dq = os.environ.get("ATTNQAT_BWD_FUSED_DQ") == "1"
