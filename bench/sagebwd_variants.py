@@ -338,6 +338,7 @@ def main(argv=None):
 
     import torch
 
+    from attnqat.outputs import write_file_atomically
     from bench._report import environment
 
     if not torch.cuda.is_available():
@@ -353,10 +354,10 @@ def main(argv=None):
     for i, it in enumerate(items):
         it["id"] = i
 
-    def save(rows, phase):
-        out_file.write_text(json.dumps({"env": env, "phase": phase, "shape": BIG, "accuracy_shape": ACC,
-                                        "paper_cosines": PAPER_COSINES, "rows": _with_ratios(rows),
-                                        "worker_log": log}, indent=1))
+    def save(rows, phase):  # under a temporary name, then renamed: a run cut off keeps the last whole file
+        doc = {"env": env, "phase": phase, "shape": BIG, "accuracy_shape": ACC, "paper_cosines": PAPER_COSINES,
+               "rows": _with_ratios(rows), "worker_log": log}
+        write_file_atomically(out_file, lambda tmp: tmp.write_text(json.dumps(doc, indent=1)))
 
     rows = run_items(items, deadline, log)
     save(rows, "variants")
