@@ -2,6 +2,7 @@
 
     python bench/tune_attn_qat.py [--L 32760] [--heads 40]
     python bench/tune_attn_qat.py --fused-dq      # the backward: two kernels vs dQ fused by atomics, per config
+    python bench/tune_attn_qat.py --bwd-phi       # the dK/dV kernel's phi: former vs from S, per layout and tile
 
 Prints the median time of: the forward with/without P quantization and O' per config; the backward
 (with/without phi) per dK/dV config; the dQ kernel per config. The chosen
@@ -10,20 +11,24 @@ defaults in attnqat/kernels/attn_qat.py come from this table (docs/kernels.md re
 import argparse
 import itertools
 import json
+import os
 import pathlib
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from attnqat.kernels._common import LaunchConfig  # noqa: E402
-from attnqat.kernels.attn_qat import attn_qat_backward, attn_qat_forward  # noqa: E402
+from attnqat.kernels.attn_qat import BWD_CONFIG_GPU, attn_qat_backward, attn_qat_forward  # noqa: E402
+from attnqat.outputs import write_file_atomically  # noqa: E402
 from bench._report import bench_ms  # noqa: E402
 
 
-def safe(fn):
+def safe(fn, warmup=5, rep=30):
+    """Median ms of ``fn`` (warm-up and repetitions in ms, as triton.testing.do_bench), or the error's first line."""
     try:
-        return round(bench_ms(fn, 5, 30), 2)
+        return round(bench_ms(fn, warmup, rep), 2)
     except Exception as e:  # a config that does not fit: report it, keep going
         return "err: " + str(e).splitlines()[0][:60]
 
@@ -45,7 +50,14 @@ def main():
                     help="issue 15's candidates: more forward tiles (inference, D=128), dK/dV stages, dQ tiles")
     ap.add_argument("--forward", action="store_true",
                     help="only the forward: configs x head dims, inference and training, beside cuDNN SDPA")
+    ap.add_argument("--bwd-phi", action="store_true",
+                    help="only the backward: the dK/dV kernel's former phi vs phi from S, per layout and tile, with "
+                         "QUANT_P=False beside, and cuDNN fwd+bwd; JSON to --json or $OUT/bwd_phi.json")
+    ap.add_argument("--budget", type=float, default=270.0,
+                    help="--bwd-phi: seconds after which the rows not yet run are skipped (one GPU call < 5 min)")
     args = ap.parse_args()
+    if args.bwd_phi and args.json is None and os.environ.get("OUT"):
+        args.json = pathlib.Path(os.environ["OUT"]) / "bwd_phi.json"
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, args.heads, args.L, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
@@ -55,7 +67,9 @@ def main():
     def saved():  # what the backward reads: the training forward's outputs
         return attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=True)
 
-    if args.round2:
+    if args.bwd_phi:
+        bwd_phi_sweep(res, q, k, v, do, sc, saved(), args.json, time.monotonic() + args.budget)
+    elif args.round2:
         round2_sweep(res, q, k, v, do, sc, saved())
     elif args.forward:
         forward_sweep(res, q, k, v, sc)
@@ -70,7 +84,7 @@ def main():
                     q, k, v, sm_scale=sc, causal=False, training=train, quant_p=quant, config=c))
         backward_sweep(res, q, k, v, do, sc, saved())
     if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+        write_file_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(res, indent=1)))
 
 
 def forward_sweep(res, q, k, v, sc):
@@ -126,6 +140,58 @@ def fused_dq_sweep(res, q, k, v, do, sc, saved):
         c = LaunchConfig(*cfg)
         record(res, f"bwd dkdv={cfg} fused_dq={fused}", lambda: attn_qat_backward(
             do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False, config=c, fused_dq=fused))
+
+
+def bwd_phi_sweep(res, q, k, v, do, sc, saved, json_path, deadline):
+    """The dK/dV kernel's phi(P) (attn_qat_backward's phi_from_s, transposed): the former fake_quant_tile on P~
+    (transposed layout only) vs phi from S (block maxima of S, packed rounding) in both layouts, and QUANT_P=False
+    to price phi, at each layout's default tile and nearby ones; the dQ kernel at its default. Beside each time,
+    the relative error of dk and dv to the former phi at the default tile (bf16 outputs: ~1e-3 from the order of
+    the fp32 sums where the tiles differ; a wrong store or mask would show as O(1)). The JSON is rewritten after
+    every row, so a run cut short keeps what it measured."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    o, o_aux, m, l, (qf, kf, vf) = saved
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def keep(key, value):
+        res[key] = value
+        print(f"{key}: {value}", flush=True)
+        if json_path:
+            write_file_atomically(json_path, lambda tmp: tmp.write_text(json.dumps(res, indent=1)))
+
+    def bwd(cfg, **kw):
+        return attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False,
+                                 config=LaunchConfig(*cfg), **kw)
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        keep("cudnn fwd+bwd", safe(lambda: torch.nn.functional.scaled_dot_product_attention(*leaves).backward(do),
+                                   100, 800))
+    t_default = tuple(BWD_CONFIG_GPU[True][128].__dict__.values())
+    u_default = tuple(BWD_CONFIG_GPU[False][128].__dict__.values())
+    try:  # the reference of the rel_err columns
+        base = bwd(t_default, transposed=True, phi_from_s=False)
+    except Exception as e:
+        keep("former phi at the default tile", "err: " + str(e).splitlines()[0][:80])
+        base = None
+    rows = [("former phi", t_default, dict(transposed=True, phi_from_s=False))]
+    for tile in (t_default, (32, 64, 4, 4), (64, 64, 4, 3)):
+        rows += [("phi from S", tile, dict(transposed=True)), ("no phi", tile, dict(transposed=True, quant_p=False))]
+    for tile in (u_default, (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)):
+        rows += [("phi from S", tile, dict(transposed=False)), ("no phi", tile, dict(transposed=False, quant_p=False))]
+    rows += [("former phi", tile, dict(transposed=True, phi_from_s=False)) for tile in ((32, 64, 4, 4), (64, 64, 4, 3))]
+    for name, tile, kw in rows:
+        key = f"bwd {name} {'transposed' if kw['transposed'] else 'untransposed'} dkdv={tile}"
+        if time.monotonic() > deadline:
+            keep(key, "skipped: --budget spent")
+            continue
+        try:
+            _, dk, dv = bwd(tile, **kw)
+            errs = ([round(((a.double() - b.double()).norm() / b.double().norm()).item(), 5)
+                     for a, b in ((dk, base[1]), (dv, base[2]))] if base and kw.get("quant_p", True) else None)
+        except Exception as e:  # a config that does not compile or fit: report it, keep going
+            keep(key, "err: " + str(e).splitlines()[0][:80])
+            continue
+        keep(key, {"ms": safe(lambda: bwd(tile, **kw), 100, 800), "rel_err_dk_dv": errs})  # ~4 runs of ~200 ms
 
 
 def backward_sweep(res, q, k, v, do, sc, saved):

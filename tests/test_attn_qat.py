@@ -1,4 +1,9 @@
 """Attn-QAT fused kernels (SPEC §2) vs the PyTorch reference, and SPEC §2's two properties."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import triton
@@ -293,3 +298,85 @@ def test_gpu_fused_dq_equals_two_kernels(L, causal, poison):
                                     fused_dq=f) for f in (False, True))
     assert rel_err(fused[0], two[0]) < 1e-3
     assert torch.equal(fused[1], two[1]) and torch.equal(fused[2], two[2])
+
+
+@pytest.mark.parametrize("lq,lk,causal,p_bwd,dtype,tile", [
+    (97, 150, False, "final_max", torch.bfloat16, (32, 64)), (130, 130, True, "final_max", torch.float16, (16, 128)),
+    (70, 200, True, "normalized", torch.bfloat16, (32, 64)), (150, 90, False, "normalized", torch.float16, (32, 64))])
+def test_backward_phi_from_s_equals_fake_quant_tile(lq, lk, causal, p_bwd, dtype, tile, poison):
+    """The dK/dV kernel's phi done as the forward does it (PHI_FROM_S: block maxima of S before the exp2, packed
+    rounding), in both layouts (TRANSPOSED; untransposed, K and V are loaded and dK, dV stored in _key_order),
+    gives the fp32 dk, dv of the former fake_quant_tile path bit for bit at the same tiles; so do FUSED_DQ and,
+    without phi, the two layouts. Fresh inputs with ragged lengths (none a multiple of the tile), causal, both P
+    variants, bf16 and fp16; outputs poisoned. Inputs are drawn away from rounding ties: where y = P~/s is
+    exactly a tie, the packed rounding rounds up (as the forward's does), fake_quant_tile to even (SPEC §1
+    allows either; about 1e-7 of the elements on random inputs)."""
+    q, k, v = qkv_away_from_ties(1, 2, lq, lk, 64, causal=causal, sm_scale=0.125, backward=p_bwd, dtype=dtype)
+    do = torch.randn(1, 2, lq, 64).to(dtype)
+    o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=0.125, causal=causal, training=True)
+
+    def grads(**kw):  # k as fp32: dk, dv come back as the kernel's fp32 work buffers, not rounded by torch
+        return attn_qat_backward(do, q, k.float(), qf, kf, vf, o_aux, m, l, sm_scale=0.125, causal=causal,
+                                 p_bwd=p_bwd, config=LaunchConfig(*tile), **kw)[1:]
+
+    old = grads(transposed=True, phi_from_s=False)
+    assert old[0].dtype == torch.float32 and torch.isfinite(old[0]).all() and torch.isfinite(old[1]).all()
+    for kw in (dict(transposed=True), dict(transposed=False), dict(transposed=False, fused_dq=True)):
+        new = grads(**kw)
+        assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1]), kw
+    plain = grads(transposed=True, quant_p=False)
+    assert all(torch.equal(a, b) for a, b in zip(grads(transposed=False, quant_p=False), plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_backward_phi_from_s_matches_the_former_phi(causal, poison):
+    """Compiled, at the default tiles of each layout: phi from S against the former phi (transposed default).
+    dq is the same kernel's; dk, dv agree to the order of the fp32 sums where the tiles differ, and to the rare
+    exact rounding tie (rounded up by the packed rounding, to even by fake_quant_tile)."""
+    q, k, v = qkv(1, 2, 3000, 3000, 128, device="cuda")
+    do = torch.randn_like(q)
+    o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=128 ** -0.5, causal=causal, training=True)
+
+    def grads(**kw):
+        return attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=128 ** -0.5, causal=causal, **kw)
+
+    old = grads(transposed=True, phi_from_s=False)
+    for transposed in (True, False):
+        new = grads(transposed=transposed)
+        assert torch.equal(new[0], old[0])
+        assert rel_err(new[1], old[1]) < 1e-3 and rel_err(new[2], old[2]) < 1e-3, transposed
+
+
+COMPILE_BACKWARD = """
+import json, re
+from attnqat.kernels.attn_qat import BWD_CONFIG_GPU, compile_backward
+out = {}
+for transposed in (True, False):
+    for d in (64, 128):
+        for fused in (False, True):
+            kern = compile_backward(90, BWD_CONFIG_GPU[transposed][d], HEAD_DIM=d, CAUSAL=True, TRANSPOSED=transposed,
+                                    FUSED_DQ=fused)
+            ptx = kern.asm["ptx"]
+            out[f"{transposed} {d} {fused}"] = {"shared": kern.metadata.shared,
+                                                "reductions": len(re.findall(r"shfl\\.sync\\.bfly", ptx)),
+                                                "packed": len(re.findall(r"cvt\\.rz\\.bf16x2\\.f32", ptx))}
+print(json.dumps(out))
+"""
+
+
+def test_backward_compiles_for_hopper():
+    """The dK/dV kernel with phi from S compiles for sm_90 in both layouts at their default tiles (causal, both
+    head dims, with and without FUSED_DQ) and fits an H100's 227 KB of shared memory; it rounds P in packed
+    16-bit arithmetic, and untransposed, with the keys in _key_order, P's 16-key blocks need no cross-lane
+    reduction (no butterfly shuffles), as in the forward. A compile only, outside the interpreter, in a
+    subprocess."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COMPILE_BACKWARD], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    for key, got in out.items():
+        assert got["shared"] <= 227 * 1024 and got["packed"] > 0, (key, got)
+        if key.startswith("False"):
+            assert got["reductions"] == 0, (key, got)

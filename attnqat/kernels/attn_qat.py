@@ -366,56 +366,133 @@ def _attn_bwd_preprocess(OAux, DO, Delta, stride_dob, stride_doh, stride_dol, H,
 
 
 @triton.jit
+def _key_blocks(x, TRANSPOSED: tl.constexpr):
+    """A 2-D tile of S or P viewed so that its 16-key quantization blocks have axes of their own, a pure
+    relabelling of the MMA accumulator's registers (no data moves). Keys x queries (TRANSPOSED, keys in their
+    natural order): (keys/16, 16, queries), a block's keys on axis 1. Queries x keys with the keys in
+    _key_order: (queries, keys/64, 8, 4, 2) as in the forward, axes 1 and 3 naming the block, 2 and 4 its keys."""
+    if TRANSPOSED:
+        return tl.reshape(x, (x.shape[0] // 16, 16, x.shape[1]))
+    else:
+        return tl.reshape(x, (x.shape[0], x.shape[1] // 64, 8, 4, 2))
+
+
+@triton.jit
+def _key_block_max(xb, TRANSPOSED: tl.constexpr):
+    """Each 16-key block's max in a _key_blocks view, the block's own axes kept (size 1), so it broadcasts."""
+    if TRANSPOSED:
+        return tl.max(xb, axis=1, keep_dims=True)
+    else:
+        return tl.max(tl.max(xb, axis=4, keep_dims=True), axis=2, keep_dims=True)
+
+
+@triton.jit
+def _per_query(x, TRANSPOSED: tl.constexpr):
+    """A (BLOCK_M,) per-query vector shaped to broadcast against a _key_blocks view."""
+    if TRANSPOSED:
+        return x[None, None, :]
+    else:
+        return x[:, None, None, None, None]
+
+
+@triton.jit
+def _phi_blocks(p, amax, IEEE: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr):
+    """phi(p) for p >= 0 in a _key_blocks view, given each block's max ``amax`` (broadcastable), in the dot's
+    dtype (fp32 under the interpreter). The numbers of fake_quant_tile(EXACT_DIV=False, NONNEG=True): scale
+    s = e4m3(amax * (1/6)), y = p * (1/s); then _round_p's packed rounding, which differs from
+    fake_quant_tile's only where y is exactly a rounding tie (it rounds up there, like the forward)."""
+    sc = _e4m3(amax * (1.0 / 6.0), FP8_CAST)
+    inv = tl.where(sc > 0.0, 1.0 / tl.where(sc > 0.0, sc, 1.0), 0.0)  # a block whose scale is 0 quantizes to 0
+    return _round_p(p * inv, tl.broadcast_to(sc, p.shape), IEEE, FP16)
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, lo, hi, stride_dol,
                          LQ, LK, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                          CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, QUANT_P: tl.constexpr,
-                         IEEE: tl.constexpr, FUSED_DQ: tl.constexpr):
-    """Query blocks [lo, hi) for one key block. S and P are held transposed (keys x queries), so P^T
-    and dS^T feed the MMAs directly and phi runs along axis 0 (measured faster than the untransposed
-    layout: docs/kernels.md). MASK (constexpr): only ragged blocks and the causal diagonal pay for it.
-    FUSED_DQ: also dQ += dS K^F from this S recompute, added atomically into an fp32 buffer (five MMAs per
-    tile pair instead of seven over the two kernels; the price is the atomic traffic)."""
+                         IEEE: tl.constexpr, FUSED_DQ: tl.constexpr, TRANSPOSED: tl.constexpr,
+                         PHI_FROM_S: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr):
+    """Query blocks [lo, hi) for one key block. MASK (constexpr): only ragged blocks and the causal diagonal pay
+    for it. FUSED_DQ: also dQ += dS K^F from this S recompute, added atomically into an fp32 buffer (five MMAs
+    per tile pair instead of seven over the two kernels; the price is the atomic traffic).
+
+    TRANSPOSED (constexpr, two layouts to time against each other): S held as keys x queries, so P^T and dS^T
+    come out of the MMA as dV's and dK's left operands, but a 16-key block of P spans 8 lanes (shuffles, and
+    every lane repeats the block's scale arithmetic); or as queries x keys with the keys in _key_order, as in
+    the forward, so every block lies in one thread, and P^T, dS^T pass through shared memory to their MMAs.
+    PHI_FROM_S (constexpr): phi as the forward does it (_phi_blocks: block maxima taken on S before the exp2,
+    packed rounding); False keeps the former fake_quant_tile on P~ (transposed only), to test and time against.
+    """
     offs_d = tl.arange(0, HEAD_DIM)
     dot_ty = k.dtype
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
+        # Q^F (its transpose when TRANSPOSED); padded query rows read as 0 and need no mask further on:
+        # their dO and D are 0, so they add nothing to dK, dV
+        q = _load_keys(q_base, offs_m, offs_d, LQ, HEAD_DIM, MASK, TRANSPOSED)
         if MASK:
             row_ok = offs_m < LQ
             m = tl.load(M + bh * LQ + offs_m, mask=row_ok, other=0.0)
             inv_l = 1.0 / tl.load(Lsum + bh * LQ + offs_m, mask=row_ok, other=1.0)
             delta = tl.load(Delta + bh * LQ + offs_m, mask=row_ok, other=0.0)
             do = tl.load(do_base + offs_m[:, None] * stride_dol + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            qt = tl.load(q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=row_ok[None, :], other=0.0)
         else:
             m = tl.load(M + bh * LQ + offs_m)
             inv_l = 1.0 / tl.load(Lsum + bh * LQ + offs_m)
             delta = tl.load(Delta + bh * LQ + offs_m)
             do = tl.load(do_base + offs_m[:, None] * stride_dol + offs_d[None, :])
-            qt = tl.load(q_base + offs_m[None, :] * HEAD_DIM + offs_d[:, None])
         do = do.to(dot_ty)
-        st = _dot(k, qt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
-        if MASK:
-            # Padded query rows need no mask (their dO and D are 0, so they add nothing to dK, dV), but
-            # padded keys do: they would enter the 16-key quantization blocks of real keys.
-            valid = offs_n[:, None] < LK
-            if CAUSAL:
-                valid = valid & (offs_n[:, None] <= offs_m[None, :])
-            st = tl.where(valid, st, float("-inf"))
-        pt_tilde = tl.math.exp2(st * qk_scale - (m[None, :] - 11.392317422778761))  # P~^T = 2688 * 2^(S - m)
-        pt = pt_tilde * inv_l[None, :]
-        if not QUANT_P:
-            pft = pt
-        elif P_NORMALIZED:
-            pft = fake_quant_tile(pt, BLOCK_N, BLOCK_M, 0, False, False, True)
+        # Padded keys are masked: they would enter the 16-key quantization blocks of real keys.
+        if TRANSPOSED:
+            s = _dot(k, q, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+            if MASK:
+                valid = offs_n[:, None] < LK
+                if CAUSAL:
+                    valid = valid & (offs_n[:, None] <= offs_m[None, :])
+                s = tl.where(valid, s, float("-inf"))
         else:
-            pft = fake_quant_tile(pt_tilde, BLOCK_N, BLOCK_M, 0, False, False, True) * inv_l[None, :]
-        dv = _dot(pft.to(dot_ty), do, dv, IEEE)
-        dpt = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
-        dst = pt * (dpt - delta[None, :])
-        dk = _dot(dst.to(dot_ty), tl.trans(qt), dk, IEEE)
+            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+            if MASK:
+                valid = offs_n[None, :] < LK
+                if CAUSAL:
+                    valid = valid & (offs_n[None, :] <= offs_m[:, None])
+                s = tl.where(valid, s, float("-inf"))
+        sb = _key_blocks(s, TRANSPOSED)
+        base = _per_query(m - 11.392317422778761, TRANSPOSED)  # P~ = 2688 * 2^(S - m) = 2^(S - base)
+        inv_lb = _per_query(inv_l, TRANSPOSED)
+        p_tilde = tl.math.exp2(sb * qk_scale - base)
+        p = p_tilde * inv_lb  # P = P~ / l, unquantized (dS)
+        if not QUANT_P:
+            pf = p
+        elif PHI_FROM_S:
+            # exp2 and the FMA before it are monotone, so a block's max P~ is exp2 of its max S, bit for bit:
+            # one exp2 per block, and the scale's arithmetic need not wait for the elements' exp2
+            amax = tl.math.exp2(_key_block_max(sb, TRANSPOSED) * qk_scale - base)
+            if P_NORMALIZED:
+                pf = _phi_blocks(p, amax * inv_lb, IEEE, FP16, FP8_CAST)  # rounding is monotone too
+            else:
+                pf = _phi_blocks(p_tilde, amax, IEEE, FP16, FP8_CAST).to(tl.float32) * inv_lb
+        else:
+            tl.static_assert(TRANSPOSED)  # fake_quant_tile's blocks are 16 consecutive rows: natural key order
+            if P_NORMALIZED:
+                pf = fake_quant_tile(tl.reshape(p, s.shape), BLOCK_N, BLOCK_M, 0, False, False, True)
+            else:
+                pf = fake_quant_tile(tl.reshape(p_tilde, s.shape), BLOCK_N, BLOCK_M, 0, False, False, True) * inv_lb
+        pf = tl.reshape(pf, s.shape).to(dot_ty)
+        p = tl.reshape(p, s.shape)
+        if TRANSPOSED:
+            dv = _dot(pf, do, dv, IEEE)
+            ds = p * (_dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE) - delta[None, :])
+            dk = _dot(ds.to(dot_ty), tl.trans(q), dk, IEEE)
+        else:
+            dv = _dot(tl.trans(pf), do, dv, IEEE)
+            ds = p * (_dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) - delta[:, None])
+            dk = _dot(tl.trans(ds.to(dot_ty)), q, dk, IEEE)
         if FUSED_DQ:
-            dq = _dot(tl.trans(dst.to(dot_ty)), k, tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), IEEE)
+            if TRANSPOSED:
+                ds = tl.trans(ds)
+            dq = _dot(ds.to(dot_ty), k, tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), IEEE)
             dq_ptrs = dq_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
             if MASK:
                 tl.atomic_add(dq_ptrs, dq, mask=(offs_m < LQ)[:, None], sem="relaxed")
@@ -431,18 +508,24 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV, DQAcc,
                    H, LQ, LK, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, IEEE: tl.constexpr, QUANT_P: tl.constexpr,
-                   FUSED_DQ: tl.constexpr = False):
+                   FUSED_DQ: tl.constexpr = False, TRANSPOSED: tl.constexpr = True, PHI_FROM_S: tl.constexpr = True,
+                   FP16: tl.constexpr = False, FP8_CAST: tl.constexpr = False):
     """One key block per program, looping over query blocks: dV = P^F^T dO, dK = dS^T Q^F * scale.
     QUANT_P=False drops phi (benchmarks use it to price the quantization). FUSED_DQ: also dS K^F into DQAcc
-    ((B*H, LQ, HEAD_DIM) fp32, zeroed; unscaled), and no dQ kernel runs."""
-    tl.static_assert(BLOCK_N % 16 == 0)
+    ((B*H, LQ, HEAD_DIM) fp32, zeroed; unscaled), and no dQ kernel runs. TRANSPOSED, PHI_FROM_S: see
+    _attn_bwd_dkdv_inner. The program owns its keys, so their order is free: K, V are loaded, and dK, dV
+    stored, in the order whose 16-key blocks the layout keeps together (_key_order unless TRANSPOSED)."""
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
-    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if TRANSPOSED:
+        tl.static_assert(BLOCK_N % 16 == 0)
+        offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        tl.static_assert(BLOCK_N % 64 == 0)  # _key_order: each lane holds whole 16-key blocks
+        offs_n = start_n * BLOCK_N + _key_order(BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_mask = offs_n[:, None] < LK
-    k = tl.load(KF + bh * LK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(VF + bh * LK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = _load_keys(KF + bh * LK * HEAD_DIM, offs_n, offs_d, LK, HEAD_DIM, True, False)
+    v = _load_keys(VF + bh * LK * HEAD_DIM, offs_n, offs_d, LK, HEAD_DIM, True, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     q_base = QF + bh * LQ * HEAD_DIM
@@ -460,16 +543,16 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV, DQAcc,
     full_hi = tl.maximum(mid, (LQ // BLOCK_M) * BLOCK_M)
     dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, lo, mid, stride_dol,
                                   LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, P_NORMALIZED,
-                                  QUANT_P, IEEE, FUSED_DQ)
+                                  QUANT_P, IEEE, FUSED_DQ, TRANSPOSED, PHI_FROM_S, FP16, FP8_CAST)
     dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, mid, full_hi,
                                   stride_dol, LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
-                                  P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ)
+                                  P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ, TRANSPOSED, PHI_FROM_S, FP16, FP8_CAST)
     dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, full_hi, LQ,
                                   stride_dol, LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
-                                  P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ)
+                                  P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ, TRANSPOSED, PHI_FROM_S, FP16, FP8_CAST)
     out = (bh // H) * stride_kb + (bh % H) * stride_kh + offs_n[:, None] * stride_kl + offs_d[None, :]
-    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < LK)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < LK)
 
 
 @triton.jit
@@ -545,27 +628,39 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
 # head_dim 64, 128x64/8 (32.5 ms vs 38.1 for 128x128).
 FWD_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 128, 8, 3)}
 FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}  # 70.9 vs 72.5 ms
-# Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program): 32x64, S held
-# transposed (266 ms for the whole backward; the untransposed layout's best was 292 ms). dQ: 128x64.
-BWD_CONFIG_GPU = {64: LaunchConfig(32, 64, 4, 3), 128: LaunchConfig(32, 64, 4, 3)}
+# Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program), per layout (TRANSPOSED, see
+# _attn_bwd_dkdv_inner). S transposed: 32x64 (266 ms for the whole backward with the former phi; the
+# untransposed layout's best was 292 ms then, with its phi's blocks across lanes). Untransposed, keys in
+# _key_order: 128x64/8 warps, untimed, chosen by compiling for sm_90 (Triton 3.9): the one tile tried that
+# does not spill (7 spill stores; 64x64/4: 131, 64x128/8: 394, 128x128/8: 319, 128x64/4: 623; head_dim 64:
+# none). BWD_TRANSPOSED picks the default layout, ATTNQAT_BWD_TRANSPOSED=0/1 overrides it. dQ: 128x64.
+BWD_CONFIG_GPU = {True: {64: LaunchConfig(32, 64, 4, 3), 128: LaunchConfig(32, 64, 4, 3)},
+                  False: {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}}
+BWD_TRANSPOSED = True
 DQ_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}
-# Interpreter: small tiles keep numpy arrays small; the result does not depend on them. The forward's
-# BLOCK_N is at least 64 (see _key_order).
+# Interpreter: small tiles keep numpy arrays small; the result does not depend on them. Kernels whose keys
+# are in _key_order (the forward, the untransposed dK/dV kernel) need BLOCK_N >= 64.
 CONFIG_INTERPRET = LaunchConfig(32, 32, 4, 1)
-FWD_CONFIG_INTERPRET = LaunchConfig(32, 64, 4, 1)
+CONFIG_INTERPRET_64 = LaunchConfig(32, 64, 4, 1)
 
 
 def fwd_config(head_dim: int, training: bool) -> LaunchConfig:
     if interpreting():
-        return pinned_config("ATTNQAT_FWD_CONFIG") or FWD_CONFIG_INTERPRET
+        return pinned_config("ATTNQAT_FWD_CONFIG") or CONFIG_INTERPRET_64
     table = FWD_TRAIN_CONFIG_GPU if training else FWD_CONFIG_GPU
     return pinned_config("ATTNQAT_FWD_CONFIG") or table[head_dim]
 
 
-def bwd_config(head_dim: int) -> LaunchConfig:
+def bwd_transposed() -> bool:
+    """The dK/dV kernel's default layout: BWD_TRANSPOSED, unless ATTNQAT_BWD_TRANSPOSED=0 or 1 says otherwise."""
+    env = os.environ.get("ATTNQAT_BWD_TRANSPOSED", "")
+    return BWD_TRANSPOSED if env == "" else env != "0"
+
+
+def bwd_config(head_dim: int, transposed: bool) -> LaunchConfig:
     if interpreting():
-        return pinned_config("ATTNQAT_BWD_CONFIG") or CONFIG_INTERPRET
-    return pinned_config("ATTNQAT_BWD_CONFIG") or BWD_CONFIG_GPU[head_dim]
+        return pinned_config("ATTNQAT_BWD_CONFIG") or (CONFIG_INTERPRET if transposed else CONFIG_INTERPRET_64)
+    return pinned_config("ATTNQAT_BWD_CONFIG") or BWD_CONFIG_GPU[transposed][head_dim]
 
 
 def dq_config(head_dim: int) -> LaunchConfig:
@@ -608,6 +703,17 @@ def compile_forward(arch: int, cfg: LaunchConfig, **constexprs):
                  FP8_CAST=arch >= 89, **constexprs)
     return compile_for(_attn_fwd, arch, types={**ptrs, "qk_scale": "fp32"}, constexprs=const, aligned=tuple(ptrs),
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def compile_backward(arch: int, cfg: LaunchConfig, **constexprs):
+    """Compile the dK/dV kernel (bf16, phi of P~ with the final max) for sm_<arch> without a GPU; ``constexprs``
+    set HEAD_DIM, CAUSAL and TRANSPOSED, and may set its other flags (default: QUANT_P, PHI_FROM_S, no FUSED_DQ)."""
+    ptrs = {**dict.fromkeys(("QF", "KF", "VF", "DO", "DK", "DV"), "*bf16"),
+            **dict.fromkeys(("M", "Lsum", "Delta", "DQAcc"), "*fp32")}
+    const = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "P_NORMALIZED": False, "IEEE": False, "QUANT_P": True,
+             "FUSED_DQ": False, "PHI_FROM_S": True, "FP16": False, "FP8_CAST": arch >= 89, **constexprs}
+    return compile_for(_attn_bwd_dkdv, arch, types={**ptrs, "qk_scale": "fp32", "sm_scale": "fp32"},
+                       constexprs=const, aligned=tuple(ptrs), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -675,7 +781,8 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
 
 def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, causal: bool,
                       p_bwd: str = "final_max", config: LaunchConfig | None = None,
-                      config_dq: LaunchConfig | None = None, quant_p: bool = True, fused_dq: bool | None = None):
+                      config_dq: LaunchConfig | None = None, quant_p: bool = True, fused_dq: bool | None = None,
+                      transposed: bool | None = None, phi_from_s: bool = True):
     """Launch the backward. Returns (dq, dk, dv) in the layouts and dtype of q and k.
 
     ``config`` is the dK/dV kernel's (BLOCK_M: queries per step, BLOCK_N: keys per program),
@@ -683,12 +790,19 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     ``fused_dq``: dQ from the dK/dV kernel's S recompute by fp32 atomics instead of a second kernel (default:
     ATTNQAT_BWD_FUSED_DQ=1; off otherwise: 6-53% slower than two kernels per tile on an H100, docs/kernels.md).
     Its sums run in another order, so dQ differs from the two-kernel dQ by fp32 rounding.
+    ``transposed``: the dK/dV kernel's layout (TRANSPOSED, see _attn_bwd_dkdv_inner; default: bwd_transposed()),
+    ``phi_from_s=False``: its former phi (fake_quant_tile on P~, transposed only), kept to time and test against.
+    Neither changes a number: dk, dv are the same bit for bit at the same tiles (tested under the interpreter).
     """
     if fused_dq is None:
         fused_dq = os.environ.get("ATTNQAT_BWD_FUSED_DQ") == "1"
+    if transposed is None:
+        transposed = bwd_transposed()
+    if not (phi_from_s or transposed):
+        raise ValueError("attn_qat_backward: phi_from_s=False (the former phi) needs transposed=True")
     b, h, lq, d = qf.shape
     lk = kf.shape[2]
-    cfg = config or bwd_config(d)
+    cfg = config or bwd_config(d, transposed)
     cfg_dq = config_dq or dq_config(d)
     wdt = work_dtype(q.dtype)
     if do.stride(-1) != 1:
@@ -700,12 +814,17 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     dk = _empty_like_layout(k, wdt)
     dv = torch.empty_like(dk)  # same layout as dk: one set of strides for both stores
     dq_acc = torch.zeros(b, h, lq, d, device=q.device, dtype=torch.float32) if fused_dq else dk
-    _attn_bwd_dkdv[(triton.cdiv(lk, cfg.block_n), b * h)](
-        qf, kf, vf, do, m, l, delta, dk, dv, dq_acc, do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
-        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, IEEE=interpreting(),
-        P_NORMALIZED=(p_bwd == "normalized"), QUANT_P=quant_p, FUSED_DQ=fused_dq,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def launch_dkdv(c):  # the untransposed layout's 128x64/8/3 needs 150 KB: launch_fitting steps down
+        _attn_bwd_dkdv[(triton.cdiv(lk, c.block_n), b * h)](
+            qf, kf, vf, do, m, l, delta, dk, dv, dq_acc, do.stride(0), do.stride(1), do.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
+            HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal, IEEE=interpreting(),
+            P_NORMALIZED=(p_bwd == "normalized"), QUANT_P=quant_p, FUSED_DQ=fused_dq, TRANSPOSED=transposed,
+            PHI_FROM_S=phi_from_s, FP16=q.dtype == torch.float16, FP8_CAST=fp8_cast(q.device),
+            num_warps=c.num_warps, num_stages=c.num_stages)
+
+    launch_fitting(launch_dkdv, cfg, ("attn_qat backward (dK/dV)", q.device, d, transposed, fused_dq))
     if fused_dq:
         dq.copy_(dq_acc.mul_(sm_scale))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype)
