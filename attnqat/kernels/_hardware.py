@@ -46,12 +46,13 @@ def compile_for(kernel, arch: int, *, types: dict[str, str], constexprs: dict, a
     kernel (``.asm["ptx"]``, ``.metadata.shared`` etc.).
 
     ``types``: Triton type of each argument that is not an i32 (``"*bf16"``, ``"fp32"``, ...); ``constexprs``:
-    the value of each constexpr argument; ``aligned``: pointer arguments to declare 16-byte aligned, as torch
+    the value of each constexpr argument (one left out takes its default, as at a launch); ``aligned``: pointer arguments to declare 16-byte aligned, as torch
     allocates them and a launch specialises (without it loads are not vectorised, so not pipelined, and the
     compile is not the one a GPU runs)."""
     from triton.backends.compiler import GPUTarget
 
     names = kernel.arg_names
+    constexprs = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, attrs=attrs,
