@@ -174,11 +174,12 @@ def bwd_phi_sweep(res, q, k, v, do, sc, saved, json_path, deadline):
         keep("former phi at the default tile", "err: " + str(e).splitlines()[0][:80])
         base = None
     rows = [("former phi", t_default, dict(transposed=True, phi_from_s=False))]
-    for tile in (t_default, (32, 64, 4, 4), (64, 64, 4, 3)):
+    for tile in dict.fromkeys((t_default, (32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 3))):  # defaults first, once
         rows += [("phi from S", tile, dict(transposed=True)), ("no phi", tile, dict(transposed=True, quant_p=False))]
-    for tile in (u_default, (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)):
+    for tile in dict.fromkeys((u_default, (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2))):
         rows += [("phi from S", tile, dict(transposed=False)), ("no phi", tile, dict(transposed=False, quant_p=False))]
-    rows += [("former phi", tile, dict(transposed=True, phi_from_s=False)) for tile in ((32, 64, 4, 4), (64, 64, 4, 3))]
+    rows += [("former phi", tile, dict(transposed=True, phi_from_s=False))
+             for tile in dict.fromkeys(((32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 3))) if tile != t_default]
     for name, tile, kw in rows:
         key = f"bwd {name} {'transposed' if kw['transposed'] else 'untransposed'} dkdv={tile}"
         if time.monotonic() > deadline:

@@ -629,14 +629,16 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
 FWD_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 128, 8, 3)}
 FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}  # 70.9 vs 72.5 ms
 # Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program), per layout (TRANSPOSED, see
-# _attn_bwd_dkdv_inner). S transposed: 32x64 (266 ms for the whole backward with the former phi; the
-# untransposed layout's best was 292 ms then, with its phi's blocks across lanes). Untransposed, keys in
-# _key_order: 128x64/8 warps, untimed, chosen by compiling for sm_90 (Triton 3.9): the one tile tried that
-# does not spill (7 spill stores; 64x64/4: 131, 64x128/8: 394, 128x128/8: 319, 128x64/4: 623; head_dim 64:
-# none). BWD_TRANSPOSED picks the default layout, ATTNQAT_BWD_TRANSPOSED=0/1 overrides it. dQ: 128x64.
-BWD_CONFIG_GPU = {True: {64: LaunchConfig(32, 64, 4, 3), 128: LaunchConfig(32, 64, 4, 3)},
-                  False: {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}}
-BWD_TRANSPOSED = True
+# _attn_bwd_dkdv_inner). Measured on an H200 at (1, 40, 32760, 128), the whole backward with phi from S
+# (bench/tune_attn_qat.py --bwd-phi, 2026-11-24; cuDNN fwd+bwd 140.9 ms): untransposed 128x64/8/2 168.7 ms
+# (3 stages need 243 KB of shared memory: more than Hopper's 227), 64x64/4/3 180.1, 128x128/8/2 272.8;
+# transposed 32x64/4/4 181.1, 32x64/4/3 191.3 (the former phi there: 218.4). Compiled for sm_90 (Triton 3.9),
+# untransposed 128x64/8 is the one tile that does not spill (7 spill stores; 64x128/8: 394, 128x128/8: 319).
+# BWD_TRANSPOSED picks the layout per head_dim: untransposed where it was timed (128), transposed at 64, untimed
+# (ATTNQAT_BWD_TRANSPOSED=0/1 overrides both). dQ: 128x64.
+BWD_CONFIG_GPU = {True: {64: LaunchConfig(32, 64, 4, 4), 128: LaunchConfig(32, 64, 4, 4)},
+                  False: {64: LaunchConfig(128, 64, 8, 2), 128: LaunchConfig(128, 64, 8, 2)}}
+BWD_TRANSPOSED = {64: True, 128: False}
 DQ_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}
 # Interpreter: small tiles keep numpy arrays small; the result does not depend on them. Kernels whose keys
 # are in _key_order (the forward, the untransposed dK/dV kernel) need BLOCK_N >= 64.
@@ -651,10 +653,11 @@ def fwd_config(head_dim: int, training: bool) -> LaunchConfig:
     return pinned_config("ATTNQAT_FWD_CONFIG") or table[head_dim]
 
 
-def bwd_transposed() -> bool:
-    """The dK/dV kernel's default layout: BWD_TRANSPOSED, unless ATTNQAT_BWD_TRANSPOSED=0 or 1 says otherwise."""
+def bwd_transposed(head_dim: int) -> bool:
+    """The dK/dV kernel's default layout at ``head_dim``: BWD_TRANSPOSED, unless ATTNQAT_BWD_TRANSPOSED=0 or 1
+    says otherwise."""
     env = os.environ.get("ATTNQAT_BWD_TRANSPOSED", "")
-    return BWD_TRANSPOSED if env == "" else env != "0"
+    return BWD_TRANSPOSED.get(head_dim, True) if env == "" else env != "0"
 
 
 def bwd_config(head_dim: int, transposed: bool) -> LaunchConfig:
@@ -790,17 +793,17 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     ``fused_dq``: dQ from the dK/dV kernel's S recompute by fp32 atomics instead of a second kernel (default:
     ATTNQAT_BWD_FUSED_DQ=1; off otherwise: 6-53% slower than two kernels per tile on an H100, docs/kernels.md).
     Its sums run in another order, so dQ differs from the two-kernel dQ by fp32 rounding.
-    ``transposed``: the dK/dV kernel's layout (TRANSPOSED, see _attn_bwd_dkdv_inner; default: bwd_transposed()),
+    ``transposed``: the dK/dV kernel's layout (TRANSPOSED, see _attn_bwd_dkdv_inner; default: bwd_transposed(head_dim)),
     ``phi_from_s=False``: its former phi (fake_quant_tile on P~, transposed only), kept to time and test against.
     Neither changes a number: dk, dv are the same bit for bit at the same tiles (tested under the interpreter).
     """
     if fused_dq is None:
         fused_dq = os.environ.get("ATTNQAT_BWD_FUSED_DQ") == "1"
+    b, h, lq, d = qf.shape
     if transposed is None:
-        transposed = bwd_transposed()
+        transposed = bwd_transposed(d)
     if not (phi_from_s or transposed):
         raise ValueError("attn_qat_backward: phi_from_s=False (the former phi) needs transposed=True")
-    b, h, lq, d = qf.shape
     lk = kf.shape[2]
     cfg = config or bwd_config(d, transposed)
     cfg_dq = config_dq or dq_config(d)
