@@ -4,6 +4,7 @@
 #   bash bench/gpu_qat.sh start MINUTES   # the five fine-tunes, one after another in the background, MINUTES each
 #   bash bench/gpu_qat.sh wait SECONDS    # let them run; progress to stdout, logs to $OUT
 #   bash bench/gpu_qat.sh report          # wait for the last one; attnqat quality on every row -> docs/quality.*, $OUT
+#   bash bench/gpu_qat.sh ship            # SHIP's runs exported as shipped files, scored beside the base rows
 #   bash bench/gpu_qat.sh stop            # end the background runs (their checkpoints stay)
 # A run that reaches its minutes saves a checkpoint and stops (no final/: attnqat quality takes the newest
 # checkpoint); `start` again continues each run from there for MINUTES more.
@@ -143,8 +144,23 @@ PY
     tar -C /tmp -cf /tmp/qat_weights.tar qat_weights && split -b 15M /tmp/qat_weights.tar "$OUT/qat_weights.tar.part-"
     tar -cf "$OUT/quality.tar" $W/quality "$DOCS"/quality.md "$DOCS"/quality.png "$DOCS"/quality.json 2>/dev/null
     ;;
+  ship)
+    # SHIP's runs as the files that would ship (attnqat export-qat: fp8-delta where bf16 is over 12 MB), scored
+    # as a user loads them beside the base rows; the files come back in $OUT (a new base needs new QAT weights)
+    while running; do sleep 10; done
+    mkdir -p $W/ship; args=()
+    for name in ${SHIP:?the runs to export, e.g. SHIP=distill_output}; do
+      python3 -m attnqat export-qat --model "$MODEL" --from "$W/$name" --out "$W/ship/$name.safetensors" 2>&1 | tail -n 2 \
+        && [ -f "$W/ship/$name.safetensors" ] && args+=(--variant "ship_$name=attn_qat:$W/ship/$name.safetensors")
+    done
+    python3 bench/quality.py --device "$DEVICE" --model "$MODEL" --docs "$DOCS" --out $W/quality "${args[@]}" \
+      ${QUALITY_ARGS:-} 2>&1 \
+      | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v "it/s\]$\|s/it\]$\|^ *$" | tee "$OUT/quality.log" | tail -n 40
+    cp $W/ship/*.safetensors "$OUT/" 2>/dev/null
+    tar -cf "$OUT/quality.tar" $W/quality "$DOCS"/quality.md "$DOCS"/quality.png "$DOCS"/quality.json 2>/dev/null
+    ;;
   *)
-    echo "usage: bash bench/gpu_qat.sh start MINUTES | wait SECONDS | report | stop"; exit 2
+    echo "usage: bash bench/gpu_qat.sh start MINUTES | wait SECONDS | report | ship | stop"; exit 2
     ;;
 esac
 [ "${1:-}" = _all ] && exit 0
