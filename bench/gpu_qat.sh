@@ -150,7 +150,9 @@ PY
     while running; do sleep 10; done
     mkdir -p $W/ship; args=()
     for name in ${SHIP:?the runs to export, e.g. SHIP=distill_output}; do
-      python3 -m attnqat export-qat --model "$MODEL" --from "$W/$name" --out "$W/ship/$name.safetensors" 2>&1 | tail -n 2 \
+      python3 -m attnqat export-qat --model "$MODEL" --from "$W/$name" --out "$W/ship/$name.safetensors" \
+        --trained "attn_qat fine-tune '$name' (configs/mini_qat.yaml, bench/gpu_qat.sh: $(overrides "$name")${EXTRA:+ $EXTRA})" \
+        2>&1 | tail -n 2 \
         && [ -f "$W/ship/$name.safetensors" ] && args+=(--variant "ship_$name=attn_qat:$W/ship/$name.safetensors")
     done
     python3 bench/quality.py --device "$DEVICE" --model "$MODEL" --docs "$DOCS" --out $W/quality "${args[@]}" \
