@@ -1,5 +1,7 @@
+import importlib.util
 import os
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,6 +78,14 @@ def poison(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: _fill(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _fill(empty_like(*a, **kw)))
+
+
+def load_script(path: Path, name: str):
+    """Import a file that is not in a package (app.py, bench/*.py, scripts/*.py) as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -14,6 +14,7 @@ import torch
 from attnqat.demo import (DEMO_MODES, NO_CHECKPOINT_LABEL, DemoEngine, demo_modes, difference_strip, heat_colors,
                           heat_scale, psnr, ssim, validate_request)
 from attnqat.kernels import available_modes
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 gradio_client = pytest.importorskip("gradio_client", reason="the demo needs gradio: pip install -e '.[app]'")
@@ -24,14 +25,7 @@ H, W, FRAMES, STEPS = 32, 48, 5, 2
 OPTIONAL = [m for m in demo_modes() if m != "bf16"]  # sage3 included once it is registered
 
 
-def _spec(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-browser_check = _spec("browser_check", ROOT / "scripts" / "browser_check.py")
+browser_check = load_script(ROOT / "scripts" / "browser_check.py", "browser_check")
 
 
 def _read_mp4(path):
@@ -265,7 +259,7 @@ class _FlakyEngine:
 
 
 def test_app_reports_out_of_memory_and_keeps_serving(tmp_path):
-    app = _spec("attnqat_app", ROOT / "app.py")
+    app = load_script(ROOT / "app.py", "attnqat_app")
     demo = app.build_demo(_FlakyEngine(), ["bf16", *OPTIONAL], str(tmp_path))
     port = browser_check.free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, allowed_paths=[str(tmp_path)],
@@ -345,7 +339,7 @@ def test_validate_request_caps_the_work_of_a_request(change, message):
 
 @pytest.fixture(scope="module")
 def app_module():
-    return _spec("attnqat_app_module", ROOT / "app.py")
+    return load_script(ROOT / "app.py", "attnqat_app_module")
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,15 @@
 """bench/attribute_reading.py: the changed captions differ from the clip's own in one attribute only."""
-import importlib.util
 import pathlib
 import random
 
 from attnqat.corpus import Corpus, parse_prompt
+from conftest import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_attribute_reading", ROOT / "bench" / "attribute_reading.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / "attribute_reading.py", "bench_attribute_reading")
 
 
 def test_changed_captions_name_one_other_attribute():

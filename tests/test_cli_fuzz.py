@@ -5,7 +5,6 @@ before any model loads, leaving no file behind and everything that existed as it
 The commands run in-process (``attnqat.cli.main`` / ``app.main``) for speed; loading a model is
 patched to fail the test, so a value that slips through validation shows as a failure, not as a
 slow generation. Read-only places are real ones (/sys refuses new files even to root)."""
-import importlib.util
 import os
 import socket
 import stat
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from attnqat.cli import main as cli_main
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = str(10 ** 12)
@@ -186,10 +186,7 @@ def test_export_qat_refuses_hostile_values(world, capsys, monkeypatch):
 # --------------------------------------------------------------------------------------------- app.py
 @pytest.fixture(scope="module")
 def app():
-    spec = importlib.util.spec_from_file_location("attnqat_app_fuzz", ROOT / "app.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "app.py", "attnqat_app_fuzz")
 
 
 @pytest.fixture

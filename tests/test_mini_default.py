@@ -20,6 +20,7 @@ import torch
 
 from attnqat.cli import main
 from attnqat.pipelines import mini
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--device", "cpu"]
@@ -131,12 +132,7 @@ def test_app_default_model_and_note(installed, monkeypatch, tmp_path):
 
 
 def _app():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("attnqat_app_minidef", ROOT / "app.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "app.py", "attnqat_app_minidef")
 
 
 # ----------------------------------------------------------------------------- loading through the folder

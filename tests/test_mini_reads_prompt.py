@@ -8,7 +8,6 @@ measurement (bench/attribute_reading.py) on a few random held-out clips with fre
 Skipped where mini's weights are not installed."""
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from attnqat.pipelines.mini import MINI_DIR
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,10 +27,7 @@ pytestmark = [
 
 
 def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / f"{name}.py", f"bench_{name}")
 
 
 def test_shipped_mini_pays_for_the_opposite_motion_word_near_pure_noise():

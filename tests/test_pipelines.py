@@ -15,6 +15,7 @@ from attnqat.pipelines import (AttentionTimer, AttnQATProcessor, CheckpointMisma
                                load_pipeline, load_qat_checkpoint, patch_attention, patched_attention,
                                unpatch_attention)
 from attnqat.kernels import attention
+from conftest import load_script
 
 # Quantized modes: NVFP4 ones, and SageBwd's INT8. Their Triton kernels (run by the interpreter here)
 # take bf16/fp16, so these tests use the tiny model in bf16 against the unpatched bf16 model.
@@ -275,14 +276,10 @@ def test_missing_models_say_how_to_download(tmp_path):
 
 
 def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
-    import importlib.util
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "e2e.py"
-    spec = importlib.util.spec_from_file_location("bench_e2e", path)
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+    e2e = load_script(Path(__file__).resolve().parents[1] / "bench" / "e2e.py", "bench_e2e")
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n## End-to-end: Wan 2.1 14B transformer step\n\nold\n"
                     "\n## Later\n\nkeep me too\n")

@@ -23,6 +23,7 @@ from attnqat.pipelines.loading import (CheckpointMismatchError, load_qat_checkpo
                                        read_qat_checkpoint)
 from attnqat.pipelines.qat_weights import (FORMAT, MAX_BYTES, _serialize, export_qat_weights, read_qat_weights,
                                            weights_fingerprint)
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--device", "cpu"]
@@ -388,7 +389,6 @@ def test_demo_explicit_checkpoint_wins_and_none_opts_out(installed, tiny_qat, tm
 
 def test_app_checks_and_names_the_shipped_weights(installed, tmp_path):
     pytest.importorskip("gradio", reason="the demo needs gradio: pip install -e '.[app]'")
-    import importlib.util
 
     import socket
 
@@ -396,9 +396,7 @@ def test_app_checks_and_names_the_shipped_weights(installed, tmp_path):
 
     from attnqat.demo import DemoEngine, demo_modes
 
-    spec = importlib.util.spec_from_file_location("attnqat_app_qatw", ROOT / "app.py")
-    app = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(app)
+    app = load_script(ROOT / "app.py", "attnqat_app_qatw")
     with socket.socket() as s:  # a free port, for check_args
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from attnqat.cli import main as cli_main
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--model", "tiny", "--size", "5x32x32", "--steps", "2", "--prompts", "2", "--clips", "2", "--batch", "2",
@@ -219,11 +220,7 @@ def test_help_imports_no_torch():
 
 
 def test_bench_writes_the_docs_section_and_picture(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "bench" / "quality.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script(ROOT / "bench" / "quality.py", "bench_quality")
     docs = tmp_path / "docs"
     rc = bench.main([*SMALL, "--base-modes", "bf16", "--prompts", "1", "--clips", "1", "--out", str(tmp_path / "q"),
                      "--docs", str(docs)])

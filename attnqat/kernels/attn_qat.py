@@ -818,7 +818,7 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     dv = torch.empty_like(dk)  # same layout as dk: one set of strides for both stores
     dq_acc = torch.zeros(b, h, lq, d, device=q.device, dtype=torch.float32) if fused_dq else dk
 
-    def launch_dkdv(c):  # the untransposed layout's 128x64/8/3 needs 150 KB: launch_fitting steps down
+    def launch_dkdv(c):  # a tile that does not fit the GPU's shared memory: launch_fitting steps down
         _attn_bwd_dkdv[(triton.cdiv(lk, c.block_n), b * h)](
             qf, kf, vf, do, m, l, delta, dk, dv, dq_acc, do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
