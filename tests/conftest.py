@@ -1,5 +1,8 @@
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -86,6 +89,16 @@ def load_script(path: Path, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def compiled_outside_interpreter(code: str, timeout: int) -> dict:
+    """Run ``code`` (a script that compiles kernels for some GPU arch and prints one JSON line last) in a fresh
+    Python without TRITON_INTERPRET, so Triton compiles instead of interpreting; its JSON, or the test fails
+    with the script's stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,8 +1,4 @@
 """Attn-QAT fused kernels (SPEC §2) vs the PyTorch reference, and SPEC §2's two properties."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +9,7 @@ from attnqat.kernels import reference as R
 from attnqat.kernels.nvfp4 import E2M1_GRID
 from attnqat.kernels._common import LaunchConfig
 from attnqat.kernels.attn_qat import _round_p, attn_qat_attention, attn_qat_backward, attn_qat_forward
-from conftest import cos_sim, fp4_rounding_ties, rel_err
+from conftest import compiled_outside_interpreter, cos_sim, fp4_rounding_ties, rel_err
 
 # (B, H, Lq, Lk, D, causal): ragged lengths, Lq != Lk both ways, both head dims
 SHAPES = [(1, 2, 97, 97, 64, False), (2, 1, 80, 144, 128, False), (1, 2, 70, 70, 64, True),
@@ -371,11 +367,7 @@ def test_backward_compiles_for_hopper():
     16-bit arithmetic, and untransposed, with the keys in _key_order, P's 16-key blocks need no cross-lane
     reduction (no butterfly shuffles), as in the forward. A compile only, outside the interpreter, in a
     subprocess."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE_BACKWARD], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = compiled_outside_interpreter(COMPILE_BACKWARD, timeout=900)
     for key, got in out.items():
         assert got["shared"] <= 227 * 1024 and got["packed"] > 0, (key, got)
         if key.startswith("False"):

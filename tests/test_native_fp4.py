@@ -2,10 +2,6 @@
 tl.dot_scaled, and the choice of path. No Blackwell GPU runs here: the interpreter checks the numerics of
 the same kernel (its _dot_fp4 decodes the storage), and a compile for sm_100/sm_120 checks that the
 forward lowers to the block-scaled MMA instructions."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +11,7 @@ from attnqat.kernels import reference as R
 from attnqat.kernels.attn_qat import attn_qat_forward, native_fp4
 from attnqat.kernels.nvfp4 import quantize_heads
 from attnqat.kernels.sage3 import sage3_forward
-from conftest import rel_err
+from conftest import compiled_outside_interpreter, rel_err
 
 
 @pytest.fixture
@@ -116,10 +112,7 @@ def test_forward_compiles_to_blackwell_block_scaled_mma():
     sm_100 (tcgen05 kind::mxf4nvf4) and sm_120 (mma.sync kind::mxf4nvf4), and the forward fits the 99 KB of
     shared memory of consumer GPUs (sm_120 natively with the tuned tiles, sm_86 emulated after one step
     down). A compile only, outside the interpreter, in a subprocess."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = compiled_outside_interpreter(COMPILE, timeout=600)
     for arch in ("100", "120"):
         assert out[arch]["form"] in (1, 2), out
         assert any("kind::mxf4nvf4" in m and "block_scale" in m for m in out[arch]["mma"]), out
