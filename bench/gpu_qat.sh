@@ -73,6 +73,12 @@ has_weights() {  # a run folder attnqat quality can read
 
 running() { [ -f $W/pid ] && kill -0 "$(cat $W/pid)" 2>/dev/null; }
 
+score() {  # attnqat quality (bench/quality.py) on the base rows and the --variant rows given; table, picture, log -> $OUT
+  python3 bench/quality.py --device "$DEVICE" --model "$MODEL" --docs "$DOCS" --out $W/quality "$@" ${QUALITY_ARGS:-} 2>&1 \
+    | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v "it/s\]$\|s/it\]$\|^ *$" | tee "$OUT/quality.log" | tail -n 40
+  tar -cf "$OUT/quality.tar" $W/quality "$DOCS"/quality.md "$DOCS"/quality.png "$DOCS"/quality.json 2>/dev/null
+}
+
 case "${1:-}" in
   start)
     [ -f "$MODEL/model_index.json" ] || { echo "no trained mini at $MODEL (bash bench/gpu_mini.sh first)"; exit 1; }
@@ -125,9 +131,7 @@ case "${1:-}" in
     [ -f "$MODEL/attn_qat.safetensors" ] && args+=(--variant "shipped=attn_qat:$MODEL/attn_qat.safetensors")
     args+=(--variant nvfp4_first2=nvfp4 --bf16-steps nvfp4_first2=0,1)
     has_weights flow && args+=(--variant "qat_first2=attn_qat:$W/flow" --bf16-steps qat_first2=0,1)
-    python3 bench/quality.py --device "$DEVICE" --model "$MODEL" --docs "$DOCS" --out $W/quality "${args[@]}" \
-      ${QUALITY_ARGS:-} 2>&1 \
-      | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v "it/s\]$\|s/it\]$\|^ *$" | tee "$OUT/quality.log" | tail -n 40
+    score "${args[@]}"
     # the fine-tuned transformers of SHIP (environment), bf16, in 15 MB parts (a file back is at most 16 MiB)
     rm -rf /tmp/qat_weights /tmp/qat_weights.tar; mkdir -p /tmp/qat_weights  # this report's runs only
     for name in ${SHIP:-flow flow_attention distill_output}; do
@@ -142,7 +146,6 @@ print(f"packed {sys.argv[1]} from {checkpoint_weights_path(sys.argv[1])}")
 PY
     done
     tar -C /tmp -cf /tmp/qat_weights.tar qat_weights && split -b 15M /tmp/qat_weights.tar "$OUT/qat_weights.tar.part-"
-    tar -cf "$OUT/quality.tar" $W/quality "$DOCS"/quality.md "$DOCS"/quality.png "$DOCS"/quality.json 2>/dev/null
     ;;
   ship)
     # SHIP's runs as the files that would ship (attnqat export-qat: fp8-delta where bf16 is over 12 MB), scored
@@ -155,11 +158,8 @@ PY
         2>&1 | tail -n 2 \
         && [ -f "$W/ship/$name.safetensors" ] && args+=(--variant "ship_$name=attn_qat:$W/ship/$name.safetensors")
     done
-    python3 bench/quality.py --device "$DEVICE" --model "$MODEL" --docs "$DOCS" --out $W/quality "${args[@]}" \
-      ${QUALITY_ARGS:-} 2>&1 \
-      | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v "it/s\]$\|s/it\]$\|^ *$" | tee "$OUT/quality.log" | tail -n 40
+    score "${args[@]}"
     cp $W/ship/*.safetensors "$OUT/" 2>/dev/null
-    tar -cf "$OUT/quality.tar" $W/quality "$DOCS"/quality.md "$DOCS"/quality.png "$DOCS"/quality.json 2>/dev/null
     ;;
   *)
     echo "usage: bash bench/gpu_qat.sh start MINUTES | wait SECONDS | report | ship | stop"; exit 2
