@@ -310,7 +310,7 @@ def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 3
         dets = [detect(v) for v in vids]
         acc = score(dets, [t for _, t in truth])
         row = dict(flow[variant.label])
-        row.update({f"acc_{k}": acc[k] for k in ("colour", "shape", "motion", "all")})
+        row.update({f"acc_{k}": acc[k] for k in ("colour", "shape", "motion", "direction", "all")})
         row["nonfinite_videos"] = int((~finite).sum())
         if ref_videos is None:
             ref_videos = vids

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attnqat.corpus import COLOURS, SHAPES, shape_sdf
+from attnqat.corpus import COLOURS, MOTION_DIRECTIONS, SHAPES, shape_sdf
 
 __all__ = ["detect", "score", "psnr", "ssim", "degrade", "to_uint8_frames", "MIN_AREA_PIXELS", "MIN_TRAVEL",
            "GROW_MAX_TRAVEL", "GROW_MIN_RATIO"]
@@ -350,8 +350,9 @@ def score(videos_or_detections, truths) -> dict:
         videos_or_detections: a list of videos (anything :func:`detect` takes) or of its results.
         truths: a list of the same length of dicts like :func:`~attnqat.corpus.parse_prompt`'s;
             attributes that are None (or missing) are not scored.
-    Return: {"colour", "shape", "motion": accuracy in [0, 1] or None when never scored, "all": the
-    fraction of videos with every scored attribute right, "n": number of videos, and "counted":
+    Return: {"colour", "shape", "motion": accuracy in [0, 1] or None when never scored, "direction": the
+    motion accuracy over the prompts that ask for one of the eight directions (not grow / shrink), "all":
+    the fraction of videos with every scored attribute right, "n": number of videos, and "counted":
     {attribute: number scored}}.
     """
     items, truths = list(videos_or_detections), list(truths)
@@ -360,7 +361,7 @@ def score(videos_or_detections, truths) -> dict:
     if not items:
         raise ValueError("score needs at least one video, got none")
     keys = ("colour", "shape", "motion")
-    right, counted, all_right = dict.fromkeys(keys, 0), dict.fromkeys(keys, 0), 0
+    right, counted, all_right = dict.fromkeys(keys + ("direction",), 0), dict.fromkeys(keys + ("direction",), 0), 0
     for item, truth in zip(items, truths):
         det = item if isinstance(item, dict) else detect(item)
         ok = True
@@ -371,8 +372,11 @@ def score(videos_or_detections, truths) -> dict:
             hit = det.get(k) == truth[k]
             right[k] += hit
             ok &= hit
+            if k == "motion" and truth[k] in MOTION_DIRECTIONS:  # the direction bar's own subset
+                counted["direction"] += 1
+                right["direction"] += hit
         all_right += ok
-    out = {k: (right[k] / counted[k] if counted[k] else None) for k in keys}
+    out = {k: (right[k] / counted[k] if counted[k] else None) for k in right}
     out.update(all=all_right / len(items), n=len(items), counted=counted)
     return out
 

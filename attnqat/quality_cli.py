@@ -272,8 +272,8 @@ def _short_path(text: str, parts: int = 3) -> str:
 def format_table(result: dict) -> str:
     """The markdown table of an :func:`attnqat.evaluation.evaluate` result (as table.json holds it)."""
     refs = result["references"]
-    head = ("| row | attention | weights | flow loss | velocity dist. | colour | shape | motion | all | PSNR (dB) "
-            "| SSIM | gap closed (loss) | gap closed (velocity) | gap closed (acc.) |")
+    head = ("| row | attention | weights | flow loss | velocity dist. | colour | shape | motion | direction | all "
+            "| PSNR (dB) | SSIM | gap closed (loss) | gap closed (velocity) | gap closed (acc.) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     by_label = {v["label"]: v for v in result["variants"]}
     for label in result["order"]:
@@ -289,7 +289,8 @@ def format_table(result: dict) -> str:
         pct = lambda x: _fmt(None if x is None else 100 * x, ".0f") + ("%" if x is not None else "")  # noqa: E731
         lines.append("| " + " | ".join([
             name, attention, weights, _fmt(row.get("flow_loss"), ".4f"), _fmt(row.get("velocity_distance"), ".3g"),
-            pct(row.get("acc_colour")), pct(row.get("acc_shape")), pct(row.get("acc_motion")), pct(row.get("acc_all")),
+            pct(row.get("acc_colour")), pct(row.get("acc_shape")), pct(row.get("acc_motion")),
+            pct(row.get("acc_direction")), pct(row.get("acc_all")),
             "ref" if ref else _fmt(row.get("psnr"), ".1f"), "ref" if ref else _fmt(row.get("ssim"), ".3f"),
             _fmt(row.get("gap_closed_loss"), ".2f"), _fmt(row.get("gap_closed_velocity"), ".2f"),
             _fmt(row.get("gap_closed_acc"), ".2f")]) + " |")

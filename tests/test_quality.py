@@ -106,7 +106,13 @@ def test_score_counts_only_the_attributes_a_prompt_names():
     out = score(dets, truths)
     assert out["colour"] == 1.0 and out["shape"] == pytest.approx(2 / 3) and out["motion"] == 1.0
     assert out["all"] == pytest.approx(2 / 3) and out["n"] == 3
-    assert out["counted"] == {"colour": 3, "shape": 3, "motion": 1}
+    assert out["counted"] == {"colour": 3, "shape": 3, "motion": 1, "direction": 1}
+    # direction: the motion accuracy over the eight directions only (grow / shrink are motions, not directions)
+    dets = [dict(motion="left"), dict(motion="up"), dict(motion="shrink"), dict(motion="up")]
+    truths = [dict(motion="left"), dict(motion="up-left"), dict(motion="shrink"), dict(motion="grow")]
+    out = score(dets, truths)
+    assert out["motion"] == 0.5 and out["direction"] == 0.5 and out["counted"]["direction"] == 2
+    assert score(dets[2:], truths[2:])["direction"] is None  # no directional prompt: never scored
     video, captions, _ = Corpus(12).batch(0, 2, frames=9, height=64, width=64)
     assert score(list(video), [parse_prompt(c) for c in captions])["all"] == 1.0  # videos are detected
     with pytest.raises(ValueError, match="2 videos or detections but 1 truths"):

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from attnqat.cli import main as cli_main
+from attnqat.corpus import parse_prompt
+from attnqat.quality import score
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +96,10 @@ def test_outputs_exist_parse_and_agree(run):
         assert r["nonfinite_videos"] == 0
         assert 0 < r["psnr"] <= table["psnr_cap_db"] and -1 <= r["ssim"] <= 1, label
         assert all(0 <= r[f"acc_{k}"] <= 1 for k in ("colour", "shape", "motion", "all")), label
+        # the row's accuracies are score() of its saved detections against the prompts' truth
+        acc = score(table["detections"][label], [parse_prompt(text) for text in table["prompts"]])
+        assert [r[f"acc_{k}"] for k in ("colour", "shape", "motion", "direction", "all")] == [
+            acc[k] for k in ("colour", "shape", "motion", "direction", "all")], label
     # attn_qat's forward is nvfp4's: the same numbers, exactly
     for key in ("flow_loss", "velocity_distance", "psnr", "ssim", "acc_all"):
         assert rows["same"][key] == rows["nvfp4"][key], key
