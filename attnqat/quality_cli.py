@@ -14,7 +14,7 @@ checkpoint folder (OUTPUT/checkpoints/step-N) or OUTPUT/final. Nothing is unpick
 Columns, on the held-out attribute combinations of the procedural corpus (attnqat.corpus) with fixed seeds
 (docs/quality.md): the flow-matching loss on --clips held-out clips at fixed noise levels; the velocity
 distance |v - v_bf16|^2 / |v_bf16|^2 to the base model in bf16; prompt following (colour, shape, motion,
-all three) read by attnqat.quality.detect from --prompts generated videos; PSNR and SSIM of each video to
+direction: motion over the prompts naming one of the 8 directions, all three) read by attnqat.quality.detect from --prompts generated videos; PSNR and SSIM of each video to
 the bf16 video of the same seed (the bf16 row is the reference: "ref"); and the gap closed
 (FP4 - X) / (FP4 - bf16) on the loss and on the accuracy, between --fp4-reference (default: the base weights
 in nvfp4) and --bf16-reference (default: bf16).
