@@ -1,8 +1,10 @@
-"""The shipped ``mini`` reads its prompt's motion words, not only its colour (docs/mini.md, *Fifth build*).
+"""The shipped ``mini`` reads its prompt's motion words, not only its colour (docs/mini.md, *Fifth build*,
+*Sixth build*).
 
 At noise levels near the top, a video's trajectory cannot be seen in x_t, so only the caption can say where the
 object goes: a model that reads the direction pays more flow loss when the caption names the opposite motion.
-The fourth build did not (1.03x at sigma 0.97); the fifth does (1.61x on 32 held-out clips). This is that
+The fourth build did not (1.03x at sigma 0.97); the fifth did (1.61x on 32 held-out clips), the sixth
+does (1.96x). This is that
 measurement (bench/attribute_reading.py) on a few random held-out clips with fresh noise, at CI cost.
 
 Skipped where mini's weights are not installed."""
