@@ -1,4 +1,5 @@
-"""Swap the attention call of diffusers' Wan 2.1 transformer for :func:`attnqat.kernels.api.attention`.
+"""Wan 2.1's attention (diffusers' ``WanAttention``) with its attention call done by
+:func:`attnqat.kernels.api.attention`.
 
     patch_attention(pipe.transformer, "attn_qat")        # attn1 (self-attention) of every block
     patch_attention(pipe.transformer, "nvfp4", "all")    # attn1 and attn2 (cross-attention, 512 text tokens)
@@ -6,34 +7,40 @@
     patch_attention(pipe.transformer, "attn_qat", schedule=PrecisionSchedule(first=2, blocks=(0,)))
                                                          # bf16 in block 0 always, and on steps the
                                                          # schedule's callback switches (schedule.py)
-    unpatch_attention(pipe.transformer)                  # diffusers' own processors again
+    unpatch_attention(pipe.transformer)                  # the processors that were there before
 
-:class:`AttnQATProcessor` is diffusers' ``WanAttnProcessor`` with one change: where diffusers calls
-``dispatch_attention_fn(query, key, value, ...)`` on (B, L, H, D) tensors, it calls
-``attention(query.transpose(1, 2), ...)`` (views, no copies) and transposes back. Everything else
-(the Q/K/V projections, the Q/K RMSNorm, RoPE, the output projection, I2V's added K/V) is
-diffusers' own code, run unchanged: the processor runs ``WanAttnProcessor.__call__``'s code object
-with ``dispatch_attention_fn`` bound to this processor's attention in a private copy of its globals.
-diffusers' module is never modified, and two processors in different modes never share state.
+:class:`AttnQATProcessor` computes what diffusers' ``WanAttnProcessor`` computes, op for op (the Q/K/V
+projections, fused or not, the Q/K RMSNorm across heads, RoPE, I2V's added image K/V, the output
+projection), except the attention itself: diffusers calls ``dispatch_attention_fn`` on (B, L, H, D)
+tensors, this processor calls ``attention(query.transpose(1, 2), ...)`` (views, no copies). In ``bf16``
+mode its output equals diffusers' bit for bit; tests/test_processor.py checks that against diffusers' own
+processor on the same weights, so a change in diffusers shows up there. ``__call__`` is an ordinary
+method: ``torch.compile(transformer, fullgraph=True)`` traces it with the attention's custom ops inside
+the graph, and a processor deep-copies and pickles with the model.
 
 Processors hold no weights: patching, switching mode and unpatching change no parameter and no
-state-dict key, and switching mode costs nothing but creating a few small Python objects. A
-processor patched with a :class:`~attnqat.pipelines.schedule.PrecisionSchedule` also knows its
-high-precision mode; its ``high_precision`` flag (flipped per denoising step by the schedule's
-callback) picks which of its two modes the next call runs.
+state-dict key. A processor patched with a :class:`~attnqat.pipelines.schedule.PrecisionSchedule`
+also knows its high-precision mode; its ``high_precision`` flag (flipped per denoising step by the
+schedule's callback) picks which of its two modes the next call runs.
+
+diffusers' ways of choosing an attention backend (``model.set_attention_backend(...)``, the
+``attention_backend(...)`` context) pick among diffusers' own kernels; a patched layer runs attnqat's
+mode instead, so while one is in force a patched layer refuses to run (one ``ValueError`` line) rather
+than ignore it. Layers left unpatched follow them as usual.
 """
 from __future__ import annotations
 
 import time
-import types
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 import torch
+import torch.nn.functional as F
+from diffusers.models.attention_dispatch import DIFFUSERS_ATTN_BACKEND, AttentionBackendName, _AttentionBackendRegistry
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
-from attnqat.kernels.api import attention, available_modes
+from attnqat.kernels.api import attention, available_modes, check_options
 
 if TYPE_CHECKING:
     from .schedule import PrecisionSchedule
@@ -43,17 +50,17 @@ __all__ = ["AttnQATProcessor", "AttentionTimer", "patch_attention", "unpatch_att
 
 Layers = Union[Literal["self", "all"], Iterable[int]]
 
-# The name under which diffusers' WanAttnProcessor.__call__ looks up the attention function.
-_DISPATCH_NAME = "dispatch_attention_fn"
-if _DISPATCH_NAME not in WanAttnProcessor.__call__.__code__.co_names:  # pragma: no cover - depends on diffusers
-    import diffusers
+# Where patch_attention records, per patched layer, the processor it replaced and the one it put in
+# (an attribute of the transformer, so deepcopy and pickling carry it with the model).
+_PATCHED_ATTR = "_attnqat_patched"
 
-    raise ImportError(f"attnqat.pipelines expects diffusers' WanAttnProcessor.__call__ to call {_DISPATCH_NAME}() "
-                      f"(true in diffusers 0.33-0.42); diffusers {diffusers.__version__} does not. "
-                      f"Install a diffusers release in that range.")
+# The backend diffusers' dispatch uses when nothing chose one (its DIFFUSERS_ATTN_BACKEND environment
+# variable, "native" by default); any other active backend was chosen by attention_backend() or
+# set_attention_backend().
+_DEFAULT_BACKEND = AttentionBackendName(DIFFUSERS_ATTN_BACKEND)
 
-# Where patch_attention keeps the processors it replaced (an attribute of the transformer, not global).
-_ORIGINALS_ATTR = "_attnqat_original_processors"
+# Wan's I2V layers get [image tokens, 512 text tokens] as encoder_hidden_states (diffusers hard-codes it too).
+_TEXT_TOKENS = 512
 
 
 class AttentionTimer:
@@ -61,7 +68,8 @@ class AttentionTimer:
 
     On CUDA it records a pair of CUDA events around every call (no synchronisation while running;
     :meth:`total_seconds` synchronises once); on CPU it uses ``time.perf_counter``. Disabled
-    (``enabled = False``) it costs one attribute check per call.
+    (``enabled = False``) it costs one attribute check per call. It times eager runs only: under
+    ``torch.compile`` an enabled timer is refused (a compiled graph has no per-call timing points).
     """
 
     def __init__(self, enabled: bool = True):
@@ -100,21 +108,62 @@ class AttentionTimer:
         self._cpu_seconds = 0.0
         self.calls = 0
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles carry the time so far (CUDA events do not pickle: they are summed first)."""
+        self.total_seconds()
+        return dict(self.__dict__, _events=[])
+
+
+def _qkv_projections(attn: WanAttention, hidden_states: torch.Tensor,
+                     encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q from ``hidden_states``, K and V from ``encoder_hidden_states``; through the fused linears after
+    ``transformer.fuse_qkv_projections()`` (to_qkv in self-attention, to_kv in cross-attention)."""
+    if attn.fused_projections:
+        if not attn.is_cross_attention:
+            return attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        key, value = attn.to_kv(encoder_hidden_states).chunk(2, dim=-1)
+        return attn.to_q(hidden_states), key, value
+    return attn.to_q(hidden_states), attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
+
+
+def _added_kv_projections(attn: WanAttention, image_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """I2V's image K and V (fused into to_added_kv after ``fuse_qkv_projections()``)."""
+    if attn.fused_projections:
+        return attn.to_added_kv(image_states).chunk(2, dim=-1)
+    return attn.add_k_proj(image_states), attn.add_v_proj(image_states)
+
+
+def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's RoPE on (B, L, H, D): each pair (x1, x2) of head_dim rotated by its angle. The same ops in the
+    same order as diffusers' (products in the tables' dtype, float64 or float32, rounded once into x's
+    dtype), so bf16 mode stays bit-equal to diffusers."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]  # the tables hold each angle twice (pairs repeated)
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out
+
 
 class AttnQATProcessor(WanAttnProcessor):
-    """diffusers' ``WanAttnProcessor`` with its attention call done by :func:`attnqat.kernels.api.attention`.
+    """Wan's attention processor with the attention call done by :func:`attnqat.kernels.api.attention`.
 
     Arguments:
         mode: an attention mode (see :func:`attnqat.kernels.available_modes`).
-        timer: optional :class:`AttentionTimer` that times every attention call of this processor.
+        timer: optional :class:`AttentionTimer` that times every attention call of this processor (eager only).
         high_precision_mode: the mode calls run in while ``high_precision`` is True (set per denoising
             step by :class:`~attnqat.pipelines.schedule.PrecisionSwitch`); None: always ``mode``.
         options: mode-specific keywords passed to ``attention`` (e.g. ``p_bwd`` for ``attn_qat``); they
             belong to ``mode``: the high-precision mode runs without them.
 
-    Supported: what Wan 2.1 text-to-video uses (no attention mask, no dropout, diffusers' default attention
-    backend), and context parallelism (``transformer.enable_parallelism``: Ulysses for every mode, ring for
-    inference; see :mod:`attnqat.pipelines.context_parallel`); anything else is refused by name.
+    Called as diffusers calls any Wan processor: ``processor(attn, hidden_states, encoder_hidden_states,
+    attention_mask, rotary_emb)`` with (batch, seqlen, dim) states; returns (batch, seqlen, dim).
+
+    Supported: what Wan 2.1 text-to-video and image-to-video use (no attention mask), and context
+    parallelism (``transformer.enable_parallelism``: Ulysses for every mode, ring for inference; see
+    :mod:`attnqat.pipelines.context_parallel`). An attention mask or a diffusers attention backend
+    (see the module docstring) is refused by name.
     """
 
     def __init__(self, mode: str, *, timer: AttentionTimer | None = None, high_precision_mode: str | None = None,
@@ -123,26 +172,81 @@ class AttnQATProcessor(WanAttnProcessor):
         for m in (mode, high_precision_mode):
             if m is not None and m not in available_modes():
                 raise ValueError(f"unknown attention mode {m!r}; available: {', '.join(available_modes())}")
+        check_options(mode, options)
         self.mode = mode
         self.high_precision_mode = high_precision_mode
         self.high_precision = False  # flipped per denoising step by a PrecisionSwitch
         self.timer = timer
         self.options = options
-        # diffusers' __call__, run as is, except that its global `dispatch_attention_fn` is ours.
-        base = WanAttnProcessor.__call__
-        scope = dict(base.__globals__)
-        scope[_DISPATCH_NAME] = self._dispatch
-        self._call = types.FunctionType(base.__code__, scope, base.__name__, base.__defaults__, base.__closure__)
-        self._call.__kwdefaults__ = base.__kwdefaults__
 
-    # Dynamo resolves the globals of an inlined function through its module, not through the private
-    # copy above, so it would trace diffusers' own dispatch. Run the processor outside the graph: under
-    # torch.compile each patched attention is one graph break; the rest of the transformer compiles.
-    @torch.compiler.disable
     def __call__(self, attn: WanAttention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        return self._call(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        if attention_mask is not None:
+            raise ValueError(f"`attention_mask` is not supported by AttnQATProcessor (mode {self.mode!r})")
+        backend = self._attention_backend or _AttentionBackendRegistry._active_backend
+        if backend != _DEFAULT_BACKEND:
+            raise ValueError(f"diffusers attention backend {AttentionBackendName(backend).value!r} is selected for this "
+                             f"layer (set_attention_backend() or attention_backend()), but it is patched to run "
+                             f"attnqat's {self.mode!r} attention: unpatch_attention() to use that backend, or select "
+                             f"{_DEFAULT_BACKEND.value!r} again (reset_attention_backend(), attention_backend("
+                             f"{_DEFAULT_BACKEND.value!r}))")
+        self_attention = encoder_hidden_states is None
+        image_states = None
+        if attn.add_k_proj is not None:  # I2V cross-attention: [image tokens, 512 text tokens]
+            split = encoder_hidden_states.shape[1] - _TEXT_TOKENS
+            image_states, encoder_hidden_states = encoder_hidden_states[:, :split], encoder_hidden_states[:, split:]
+        query, key, value = _qkv_projections(attn, hidden_states,
+                                             hidden_states if self_attention else encoder_hidden_states)
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query = _rotate(query, *rotary_emb)
+            key = _rotate(key, *rotary_emb)
+
+        # diffusers shards only self-attention over context-parallel ranks (cross-attention runs whole).
+        out = self._attend(query, key, value, self._parallel_config if self_attention else None)
+        if image_states is not None:
+            key_img, value_img = _added_kv_projections(attn, image_states)
+            key_img = attn.norm_added_k(key_img).unflatten(2, (attn.heads, -1))
+            out_img = self._attend(query, key_img, value_img.unflatten(2, (attn.heads, -1)), None)
+            out = out + out_img
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                parallel_config: Any) -> torch.Tensor:
+        """(B, L, H, D) query, key, value -> (B, L, H * D) in query's dtype, in the active mode."""
+        mode, options = self._active()
+        timer = self.timer
+        if timer is not None and timer.enabled:
+            if torch.compiler.is_compiling():
+                raise ValueError("an enabled AttentionTimer cannot time attention inside torch.compile: patch "
+                                 "without a timer, or with AttentionTimer(enabled=False)")
+            with timer.measure(query.device):
+                out = self._attention(query, key, value, mode, options, parallel_config)
+        else:
+            out = self._attention(query, key, value, mode, options, parallel_config)
+        return out.flatten(2, 3).type_as(query)
+
+    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mode: str, options: dict,
+                   parallel_config: Any) -> torch.Tensor:
+        """The attention call itself: (B, L, H, D) in and out."""
+        if parallel_config is not None:
+            if getattr(parallel_config, "context_parallel_config", None) is None:
+                raise ValueError("AttnQATProcessor supports context parallelism only (a `parallel_config` without "
+                                 "a context_parallel_config, e.g. tensor parallelism, is not supported)")
+            from .context_parallel import context_parallel_attention
+
+            return context_parallel_attention(query, key, value, mode, parallel_config=parallel_config, **options)
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if mode == "bf16":
+            # diffusers' own call (its native backend), so bf16 costs nothing diffusers does not. attention()'s bf16
+            # adds a non-finite marker for callers whose q or k may hold an inf (SDPA turns a -inf logit into a
+            # zero weight); here Q and K come out of RMSNorm across heads, which turns an inf into NaN, and NaN
+            # reaches the output through SDPA itself (tests/test_processor.py, test_inf_input_gives_nan_output).
+            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        return attention(q, k, v, mode, **options).transpose(1, 2)
 
     @property
     def active_mode(self) -> str:
@@ -154,40 +258,6 @@ class AttnQATProcessor(WanAttnProcessor):
         if self.high_precision and self.high_precision_mode:
             return self.high_precision_mode, {}
         return self.mode, self.options
-
-    def _dispatch(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                  scale: float | None = None, enable_gqa: bool = False,
-                  attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
-                  parallel_config: Any = None) -> torch.Tensor:
-        """Stands in for diffusers' ``dispatch_attention_fn``: (B, L, H, D) in, (B, L, H, D) out."""
-        if attn_mask is not None:
-            raise ValueError(f"`attn_mask` is not supported by AttnQATProcessor (mode {self.mode!r})")
-        if dropout_p:
-            raise ValueError(f"`dropout_p`={dropout_p} is not supported by AttnQATProcessor")
-        if enable_gqa:
-            raise ValueError("`enable_gqa` is not supported by AttnQATProcessor")
-        if attention_kwargs:
-            raise ValueError(f"`attention_kwargs` {sorted(attention_kwargs)} are not supported by AttnQATProcessor")
-        if backend is not None:
-            raise ValueError(f"a diffusers attention backend ({backend}) was set on a patched processor; "
-                             f"AttnQATProcessor runs attnqat's {self.mode!r} attention: call "
-                             f"unpatch_attention() before set_attention_backend()")
-        mode, options = self._active()
-        measured = self.timer.measure(query.device) if self.timer is not None else nullcontext()
-        if parallel_config is not None and getattr(parallel_config, "context_parallel_config", None) is not None:
-            from .context_parallel import context_parallel_attention
-
-            with measured:
-                return context_parallel_attention(query, key, value, mode, parallel_config=parallel_config,
-                                                  scale=scale, is_causal=is_causal, **options)
-        if parallel_config is not None:
-            raise ValueError("AttnQATProcessor supports context parallelism only (`parallel_config` without a "
-                             "context_parallel_config, e.g. tensor parallelism, is not supported)")
-        with measured:
-            out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mode,
-                            sm_scale=scale, causal=is_causal, **options)
-        return out.transpose(1, 2)  # (B, L, H, D) as diffusers expects; its caller does .type_as(query)
 
     def __repr__(self) -> str:
         opts = "".join(f", {k}={v!r}" for k, v in self.options.items())
@@ -226,12 +296,15 @@ def _block_of(name: str) -> int:
 
 
 def unpatch_attention(transformer: torch.nn.Module) -> None:
-    """Put back the processors that :func:`patch_attention` replaced (no-op on an unpatched model)."""
-    originals: dict[str, Any] = transformer.__dict__.pop(_ORIGINALS_ATTR, {})
-    for name, proc in originals.items():
+    """Undo :func:`patch_attention`: every layer that still holds the processor patching put in gets back the
+    processor it had before; a layer whose processor was replaced since (``set_processor``,
+    ``set_attn_processor``) keeps that one. A no-op on an unpatched model."""
+    patched: dict[str, tuple[Any, AttnQATProcessor]] = transformer.__dict__.pop(_PATCHED_ATTR, {})
+    for name, (original, ours) in patched.items():
         module = transformer.get_submodule(name)
-        _keep_parallel_config(module.get_processor(), proc)
-        module.set_processor(proc)
+        if module.get_processor() is ours:
+            _keep_parallel_config(ours, original)
+            module.set_processor(original)
 
 
 def _keep_parallel_config(old: Any, new: Any) -> None:
@@ -283,36 +356,43 @@ def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "s
         if outside:
             raise ValueError(f"high-precision blocks {outside} are not among the patched blocks "
                              f"{sorted(patched_blocks)}: select them in `layers` too")
-    unpatch_attention(transformer)
-    originals = {}
-    for name in names:
-        module = transformer.get_submodule(name)
-        originals[name] = module.get_processor()
+    new = {}
+    for name in names:  # built (and their options checked) before anything changes
         if _block_of(name) in high_blocks:  # high precision at every step; mode's options are not its
-            proc = AttnQATProcessor(high_mode, timer=timer, high_precision_mode=high_mode)
+            new[name] = AttnQATProcessor(high_mode, timer=timer, high_precision_mode=high_mode)
         else:
-            proc = AttnQATProcessor(mode, timer=timer, high_precision_mode=high_mode, **options)
-        _keep_parallel_config(originals[name], proc)
+            new[name] = AttnQATProcessor(mode, timer=timer, high_precision_mode=high_mode, **options)
+    unpatch_attention(transformer)
+    patched = {}
+    for name, proc in new.items():
+        module = transformer.get_submodule(name)
+        original = module.get_processor()
+        _keep_parallel_config(original, proc)
         module.set_processor(proc)
-    transformer.__dict__[_ORIGINALS_ATTR] = originals
+        patched[name] = (original, proc)
+    transformer.__dict__[_PATCHED_ATTR] = patched
     return names
 
 
 @contextmanager
 def patched_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "self",
                       **kwargs: Any) -> Iterator[list[str]]:
-    """``with patched_attention(transformer, "nvfp4"): ...``: patch, then restore the previous state."""
-    previous = {name: transformer.get_submodule(name).get_processor()
-                for name in transformer.__dict__.get(_ORIGINALS_ATTR, {})}
-    previous_originals = dict(transformer.__dict__.get(_ORIGINALS_ATTR, {}))
+    """``with patched_attention(transformer, "nvfp4"): ...``: patch, then :func:`unpatch_attention` and put an
+    earlier patch back on the layers that got their pre-patch processor back."""
+    previous: dict[str, tuple[Any, AttnQATProcessor]] = dict(transformer.__dict__.get(_PATCHED_ATTR, {}))
     try:
         yield patch_attention(transformer, mode, layers, **kwargs)
     finally:
         unpatch_attention(transformer)
-        for name, proc in previous.items():
-            transformer.get_submodule(name).set_processor(proc)
-        if previous_originals:
-            transformer.__dict__[_ORIGINALS_ATTR] = previous_originals
+        restored = {}
+        for name, (original, ours) in previous.items():
+            module = transformer.get_submodule(name)
+            if module.get_processor() is original:
+                _keep_parallel_config(original, ours)
+                module.set_processor(ours)
+                restored[name] = (original, ours)
+        if restored:
+            transformer.__dict__[_PATCHED_ATTR] = restored
 
 
 def attention_modes(transformer: torch.nn.Module) -> dict[str, str]:

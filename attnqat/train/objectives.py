@@ -40,12 +40,12 @@ class AutocastAttnProcessor(AttnQATProcessor):
     in bf16 anyway; the FP4 Triton kernels take only bf16/fp16. Casting here gives both the same inputs.
     """
 
-    def _dispatch(self, query, key, value, *args, **kwargs):
+    def _attention(self, query, key, value, *args, **kwargs):
         dev = query.device.type
         if query.dtype == torch.float32 and torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
             query, key, value = query.to(dt), key.to(dt), value.to(dt)
-        return super()._dispatch(query, key, value, *args, **kwargs)
+        return super()._attention(query, key, value, *args, **kwargs)
 
 
 def patch_for_training(transformer: torch.nn.Module, mode: str, layers="self", **options) -> list[str]:
