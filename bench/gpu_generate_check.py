@@ -12,7 +12,7 @@ for mode, compile_, offload in [("attn_qat", False, False), ("attn_qat", True, F
     if offload:
         pipe.enable_model_cpu_offload(device=dev)
     if compile_:
-        pipe.transformer.compile()
+        pipe.transformer.compile_repeated_blocks(fullgraph=True)  # as attnqat generate --compile
     pipe.set_progress_bar_config(disable=True)
     t = time.time()
     r = generate_video(pipe, "fox", negative_prompt="", height=64, width=64, frames=9, steps=4, guidance=5.0, seed=0, timer=timer, device=dev)

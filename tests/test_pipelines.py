@@ -292,6 +292,18 @@ def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
     assert res[0]["mode"] == "bf16" and res[0]["attention_calls_per_step"] == 4  # 2 blocks x (cond + uncond)
     assert 0 < res[0]["attention_s"] < res[0]["step_s"]
 
+    # --compile: diffusers' own processor first, every mode also under torch.compile(fullgraph=True)
+    assert e2e.main(["--tiny", "--modes", "bf16,diffusers", "--compile", "--compile-backend", "aot_eager",
+                     "--repeats", "1", "--docs", str(docs), "--json", str(tmp_path / "e2e.json")]) == 0
+    res = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    assert [r["mode"] for r in res] == ["diffusers", "bf16"]
+    assert res[0]["attention_calls_per_step"] == 0 and res[1]["attention_calls_per_step"] == 4
+    for r in res:
+        assert r["compiled_step_s"] > 0 and r["compiled_rel_err"] < 1e-5, r
+    text = docs.read_text()
+    assert "| mode | step (s) | × diffusers | compiled step (s) | compiled × diffusers |" in text
+    assert "| diffusers | " in text and "| bf16 | " in text and "(aot_eager)" in text
+
 
 def test_multigpu_benchmark_code_path_on_two_cpu_processes(tmp_path):
     """bench/multigpu.py under torchrun (2 gloo processes, tiny model): the 1-process and 2-process steps run in

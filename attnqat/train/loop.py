@@ -151,7 +151,7 @@ class Trainer:
             student.enable_gradient_checkpointing()
         if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are;
             for block in student.blocks:  # static shapes: one graph per video size (a corpus run has a few)
-                block.compile(dynamic=False)
+                block.compile(dynamic=False, fullgraph=True)  # the patched attention traces inside
         if self.sp.degree > 1:
             # the teacher too: its block features must be the same sequence shards as the student's, and a
             # whole-sequence teacher forward would cost every process N times its share
