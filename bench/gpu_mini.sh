@@ -103,9 +103,10 @@ case "$1" in
     sleep "$pause"
     ;;
   _build)
-    python3 -m attnqat.train.mini --out $W --stage init 2>&1 | grep -v Writing
-    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" --vae-batch "${VAE_BATCH:-16}" 2>&1 \
-      | grep -v Warn
+    # VAE_FROM (environment): a trained VAE folder to start the VAE from (a warm start) instead of an untrained one
+    python3 -m attnqat.train.mini --out $W --stage init ${VAE_FROM:+--vae "$VAE_FROM"} 2>&1 | grep -v Writing
+    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" --vae-batch "${VAE_BATCH:-16}" \
+      --vae-lr "${VAE_LR:-1e-3}" 2>&1 | grep -v Warn
     shift 2; train_transformer "$@"
     exit 0
     ;;
