@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ._common import refuse_double_backward
 from .formats import (E2M1_GRID, E4M3_MAX, LOG2E, NVFP4_BLOCK as BLOCK, P_SCALE, SAGE3_Q_BLOCK, SAGEBWD_K_BLOCK,
                       SAGEBWD_PRECISIONS, SAGEBWD_Q_BLOCK)
 
@@ -214,8 +215,9 @@ class _AttnQATRef(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o_saved, m, l = ctx.saved_tensors
         sm_scale, causal, p_bwd, dropin = ctx.args
+        refuse_double_backward("attn_qat_dropin" if dropin else "attn_qat")
+        q, k, v, o_saved, m, l = ctx.saved_tensors
         if dropin:
             dq, dk, dv = attention_bwd_fp32(q, k, v, o_saved, do, sm_scale=sm_scale, causal=causal)
         else:
@@ -420,6 +422,7 @@ class _SageBwdRef(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        refuse_double_backward("sagebwd")
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = sagebwd_backward_ref(q, k, v, o, do, lse, **ctx.args)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None

@@ -58,7 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config
+from ._common import (LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config,
+                      refuse_double_backward)
 from .formats import LOG2E, SAGEBWD_PRECISIONS  # the pv / bwd options, in the order of the PV / BWD constexprs
 from .formats import SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
 INT8_MAX = 127.0
@@ -646,6 +647,7 @@ class _SageBwdAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        refuse_double_backward("sagebwd")
         q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse = ctx.saved_tensors
         km = ctx.kmajor
         bwd_code = SAGEBWD_PRECISIONS.index(ctx.bwd)
