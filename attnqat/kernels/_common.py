@@ -73,16 +73,6 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, name: str, s
                          "attnqat.kernels.attention(), which runs the PyTorch reference on CPU")
 
 
-def refuse_double_backward(mode: str) -> None:
-    """Raise in an attention backward that runs with ``create_graph=True`` (grad mode is on inside a backward
-    exactly then). The backwards are hand-written, not traced from differentiable ops, so a graph built through
-    them would give wrong second-order gradients, or none at all where the saved tensors are quantized copies."""
-    if torch.is_grad_enabled():
-        raise NotImplementedError(f"attention mode {mode!r} has no second-order gradients (double backward): "
-                                  f"its backward is hand-written and not differentiable; take gradients through "
-                                  f"it without create_graph=True")
-
-
 def default_scale(head_dim: int, sm_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 

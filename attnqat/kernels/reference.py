@@ -15,7 +15,6 @@ import math
 
 import torch
 
-from ._common import refuse_double_backward
 from .formats import (E2M1_GRID, E4M3_MAX, LOG2E, NVFP4_BLOCK as BLOCK, P_SCALE, SAGE3_Q_BLOCK, SAGEBWD_K_BLOCK,
                       SAGEBWD_PRECISIONS, SAGEBWD_Q_BLOCK)
 
@@ -200,6 +199,16 @@ def forward_quantized_p_ref(q, k, v, *, sm_scale=None, causal=False, block_n: in
             for j in range(0, k.shape[-2], block_n))
     return torch.cat([t * torch.exp2(mj - m)[..., None] for t, mj in zip(tiles, maxes)], dim=-1) / l[..., None]
 
+
+def refuse_double_backward(mode: str) -> None:
+    """Raise in an attention backward (the references' and the kernels') that runs with ``create_graph=True``
+    (grad mode is on inside a backward exactly then). The backwards are hand-written, not traced from
+    differentiable ops, so a graph built through them would give wrong second-order gradients, or none at all
+    where the saved tensors are quantized copies."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(f"attention mode {mode!r} has no second-order gradients (double backward): "
+                                  f"its backward is hand-written and not differentiable; take gradients through "
+                                  f"it without create_graph=True")
 
 
 class _AttnQATRef(torch.autograd.Function):
