@@ -290,6 +290,7 @@ class _SlowEngine(_FlakyEngine):
         self.started, self.release = threading.Semaphore(0), threading.Event()
 
     def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, **kwargs):
+        self.calls += 1
         self.started.release()
         assert self.release.wait(120)
         return _gray_bf16_run(frames, height, width, out_dir)
@@ -328,10 +329,11 @@ def test_requests_line_is_bounded_in_all_and_per_client(tmp_path, capfd):
         line.waiting, line.per_client = 5, 2  # room in line, but this client has 2 requests there
         with pytest.raises(Exception, match="you have 2 requests in line already \\(at most 2 per client\\)"):
             client.predict(*args, api_name="/generate")
-        assert engine.calls == 0 and len(line) == 2  # the refused ones never ran nor stayed in line
+        assert engine.calls == 1 and len(line) == 2  # the refused ones never ran nor stayed in line
         engine.release.set()
         for job in (running, waiting):
             assert list(job.result(timeout=120)[-1]["modes"]) == ["bf16"]
+        assert engine.calls == 2
         _wait_until(lambda: len(line) == 0, "the line to empty")
     finally:
         engine.release.set()

@@ -78,7 +78,8 @@ def _resolve(model: str, subfolder: str | None = None) -> str:
 
 def check_model(model: str, flag: str = "--model") -> None:
     """Refuse a ``model`` value that cannot load, without loading anything: blank text, a missing
-    folder, a folder without model_index.json, a file. A hub id is checked when it loads."""
+    folder, a folder without model_index.json, a file, a folder :func:`check_model_folder` refuses (special
+    files, pickled weights, configs beyond bounds or unlike their weights). A hub id is checked when it loads."""
     from attnqat.checks import check_path_text, check_text
 
     check_text(flag, model)
