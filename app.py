@@ -8,8 +8,9 @@ Attn-QAT and (optionally) naive NVFP4 attention; each video with its time and fi
 
 The pipeline is loaded once; each mode only swaps attention processors (and, with a QAT
 checkpoint, the transformer's weights for Attn-QAT: see :mod:`attnqat.demo`; on mini the default is the
-QAT fine-tune shipped with it, where installed). Requests are queued
-one at a time, so one GPU is never oversubscribed; each column appears as soon as its mode is done,
+QAT fine-tune shipped with it, where installed). Requests generate
+one at a time, so one GPU is never oversubscribed, and the line of waiting ones is bounded, in all and per
+client (:class:`attnqat.demo.RequestLine`); each column appears as soon as its mode is done,
 with denoising progress per mode, and Cancel stops a request at its next denoising step. Every
 argument is checked (port free, paths writable, ...) before the model loads: a mistake is one line
 on stderr and exit status 2. The logic lives in :mod:`attnqat.demo`.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import math
@@ -153,9 +155,52 @@ METRICS_NOTE = ("The numbers measure the generated frames before video compressi
                 "the numbers were computed on.")
 
 
-def make_handler(engine, modes: list[str], out_root: str | Path):
+def _client(request) -> str:
+    """Who sent a request: the peer's address (through a proxy or --share's tunnel every visitor is that one
+    client, so the per-client cap then holds for all together)."""
+    client = getattr(request, "client", None)
+    return str(getattr(client, "host", None) or "unknown")
+
+
+def refusal(message: str, title: str, client: str | None = None):
+    """A ``gr.Error`` for the page, logged as one line on the server's stderr instead of a traceback
+    (``ATTNQAT_TRACEBACK=1`` keeps Gradio's traceback). A client sending bad requests adds one line each."""
+    import inspect
+    import os
+
+    import gradio as gr
+
+    from attnqat.errors import one_line
+
+    source = f" from {client}" if client else ""
+    print(f"app.py: {title.lower()}{source}: {one_line(message)[:500]}", file=sys.stderr, flush=True)
+    quiet = {} if os.environ.get("ATTNQAT_TRACEBACK") or "print_exception" not in inspect.signature(gr.Error).parameters \
+        else {"print_exception": False}
+    return gr.Error(message, title=title, **quiet)
+
+
+def check_selected(selected, modes: list[str]) -> list[str]:
+    """The page's mode checkboxes as sent (a list of offered mode names; nothing selected: empty or None)."""
+    from attnqat.checks import show
+
+    if selected is None:
+        return []
+    if not isinstance(selected, list) or not all(isinstance(m, str) for m in selected):
+        raise ValueError(f"the modes must be a list of mode names, got {show(selected)}")
+    unknown = [m for m in selected if m not in modes]
+    if unknown:
+        raise ValueError(f"mode {show(unknown[0])} is not offered here; offered: {', '.join(modes)}")
+    return selected
+
+
+def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
     """The page's generate function: an async generator that yields the outputs (per mode: video,
     metrics, strip, lossless frames; then the JSON summary) each time a mode is done.
+
+    Its inputs arrive as the client sent them (the event does not preprocess them), so a wrong type (a
+    seed of 1.5, a list as the prompt, true as a number of steps) is refused, never rounded or turned
+    into text. A valid request then joins ``line`` (:class:`~attnqat.demo.RequestLine`, one generation at a
+    time, bounded in all and per client) or is refused at once.
 
     The generation runs in a worker thread; its denoising progress is reported per mode through
     ``gr.Progress``. If the request is cancelled (the Cancel button, or the page closed), Gradio
@@ -164,24 +209,47 @@ def make_handler(engine, modes: list[str], out_root: str | Path):
     import gradio as gr
     import torch
 
-    from attnqat.demo import new_request_dir, validate_request
+    from attnqat.demo import RequestLine, new_request_dir, validate_request
     from attnqat.errors import GenerationCancelled
 
+    line = RequestLine() if line is None else line
+
     async def generate(prompt, seed, steps, height, width, frames, selected, high_precision_steps=0,
-                       progress=gr.Progress()):
-        selected = [m for m in (selected or []) if m in modes]
-        high_precision_steps = 0 if high_precision_steps is None else high_precision_steps
+                       request: gr.Request = None, progress=gr.Progress()):
+        client = _client(request)
+        high_precision_steps = 0 if high_precision_steps is None else high_precision_steps  # an emptied box
         try:
+            selected = check_selected(selected, modes)
             validate_request(model=engine.model, prompt=prompt, height=height, width=width, frames=frames,
                              steps=steps, seed=seed, modes=["bf16", *selected],
                              high_precision_steps=high_precision_steps)
         except ValueError as e:
-            raise gr.Error(str(e), title="Invalid input") from None
+            raise refusal(str(e), "Invalid input", client) from None
+        try:
+            ahead = line.join(client)
+        except ValueError as e:
+            raise refusal(str(e), "Busy", client) from None
+        try:
+            if ahead:
+                progress(0, desc=f"waiting in line: {ahead} request{'s' if ahead > 1 else ''} ahead")
+            async with line.turn(), contextlib.aclosing(_generate(
+                    prompt, seed, steps, height, width, frames, selected, high_precision_steps, client,
+                    progress)) as outputs:  # closed (its worker told to stop) with this one
+                async for out in outputs:
+                    yield out
+        finally:
+            line.leave(client)
+
+    # Gradio passes the request to a parameter annotated gr.Request; this module's annotations are strings
+    # (``from __future__ import annotations``) naming a local import, which Gradio cannot resolve.
+    generate.__annotations__["request"] = gr.Request
+
+    async def _generate(prompt, seed, steps, height, width, frames, selected, high_precision_steps, client, progress):
         try:
             out_dir = new_request_dir(out_root)
         except OSError as e:
-            raise gr.Error(f"could not create a folder for this request in {str(out_root)!r}: "
-                           f"{e.strerror or e}", title="Generation failed") from None
+            raise refusal(f"could not create a folder for this request in {str(out_root)!r}: "
+                          f"{e.strerror or e}", "Generation failed", client) from None
         run_modes = ["bf16", *[m for m in modes if m in selected]]
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -246,28 +314,30 @@ def make_handler(engine, modes: list[str], out_root: str | Path):
             return
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            raise gr.Error(f"Out of GPU memory at {int(height)}x{int(width)}, {int(frames)} frames: try a smaller "
-                           f"size or fewer frames.", title="Out of memory") from None
+            raise refusal(f"Out of GPU memory at {int(height)}x{int(width)}, {int(frames)} frames: try a smaller "
+                          f"size or fewer frames.", "Out of memory", client) from None
         except ValueError as e:
-            raise gr.Error(str(e), title="Invalid input") from None
+            raise refusal(str(e), "Invalid input", client) from None
         except gr.Error:
             raise
         except Exception as e:  # shown in the page; the server keeps serving the next request
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            raise gr.Error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                           title="Generation failed") from None
+            raise refusal(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", "Generation failed",
+                          client) from None
         finally:
             cancel.set()  # a cancelled or abandoned request stops at its next denoising step
 
     return generate
 
 
-def build_demo(engine, modes: list[str], out_root: str | Path):
+def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
+    """The page. ``line``: the :class:`~attnqat.demo.RequestLine` its requests join (default: a new one with
+    :data:`~attnqat.demo.LINE_WAITING` waiting, :data:`~attnqat.demo.PER_CLIENT` per client)."""
     import gradio as gr
 
-    from attnqat.demo import (MAX_PROMPT_CHARS, MAX_UPLOAD, SIZE_LIMITS, WORK_LIMITS, model_kind, page_defaults,
-                              request_work)
+    from attnqat.demo import (LINE_WAITING, MAX_PROMPT_CHARS, MAX_UPLOAD, PER_CLIENT, SIZE_LIMITS, WORK_LIMITS,
+                              model_kind, page_defaults, request_work)
     from attnqat.pipelines import TINY_NOTICE
     from attnqat.pipelines.mini import MINI_NOTICE
 
@@ -310,7 +380,8 @@ def build_demo(engine, modes: list[str], out_root: str | Path):
                      f"{request_work(**ref):,} pixel-frame-steps (as much as {ref['height']}×{ref['width']}, "
                      f"{ref['frames']} frames, {ref['steps']} steps in {ref['modes']} modes: {why}); prompts of "
                      f"up to {MAX_PROMPT_CHARS} characters; uploads up to {MAX_UPLOAD.upper()} (the page takes "
-                     "none). Cancel stops a request at its next denoising step.")
+                     f"none). One request generates at a time; at most {LINE_WAITING} wait, {PER_CLIENT} per visitor. "
+                     "Cancel stops a request at its next denoising step.")
         gr.Markdown("  \n".join(notes))
         with gr.Row():
             with gr.Column(scale=3):
@@ -344,11 +415,14 @@ def build_demo(engine, modes: list[str], out_root: str | Path):
                     outputs.append(gr.File(label=f"{label}: lossless frames (PNG, zip)", elem_id=f"frames-{m}"))
         with gr.Accordion("All metrics (JSON)", open=False):
             summary = gr.JSON(label="metrics (JSON)")
-        event = button.click(make_handler(engine, modes, out_root), [prompt, seed, steps, height, width, frames,
-                                                                     selected, high_steps], [*outputs, summary],
-                             api_name="generate")
+        # Every request reaches the handler at once (concurrency_limit None): its RequestLine lets one generate at a
+        # time, so one GPU is never oversubscribed, and refuses what is beyond its bounds with a reason. Gradio's
+        # own queue (max_size) only holds what arrives faster than the handler can refuse it.
+        event = button.click(make_handler(engine, modes, out_root, line), [prompt, seed, steps, height, width,
+                                                                           frames, selected, high_steps],
+                             [*outputs, summary], api_name="generate", preprocess=False, concurrency_limit=None)
         stop.click(None, None, None, cancels=[event], api_name=False, queue=False)
-    demo.queue(default_concurrency_limit=1)  # one generation at a time: one GPU is never oversubscribed
+    demo.queue(max_size=LINE_WAITING)
     return demo
 
 

@@ -3,6 +3,7 @@ swapping with a QAT checkpoint, the app served on localhost and driven through g
 real headless-Chromium check (skipped when Chromium or playwright is missing)."""
 import importlib.util
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -244,18 +245,23 @@ class _FlakyEngine:
 
     def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, progress=None, on_run=None,
             cancel=None, high_precision_steps=0):
-        from attnqat.demo import ModeRun
-        from attnqat.pipelines.generate import write_mp4
-
         self.calls += 1
         if self.calls == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
-        video = np.full((frames, height, width, 3), 128, np.uint8)
-        strip = Path(out_dir) / "bf16_strip.png"
-        imageio.imwrite(strip, difference_strip(None, video))
-        return [ModeRun(mode="bf16", label="BF16 (reference)", video=write_mp4(video, Path(out_dir) / "bf16.mp4"),
-                        strip=strip, frames=video, seconds=0.1, denoise_seconds=0.1, attention_seconds=None,
-                        psnr=None, ssim=None)]
+        return _gray_bf16_run(frames, height, width, out_dir)
+
+
+def _gray_bf16_run(frames, height, width, out_dir):
+    """What a stand-in engine's ``run`` returns: a gray bf16 video, written where the real one writes it."""
+    from attnqat.demo import ModeRun
+    from attnqat.pipelines.generate import write_mp4
+
+    video = np.full((frames, height, width, 3), 128, np.uint8)
+    strip = Path(out_dir) / "bf16_strip.png"
+    imageio.imwrite(strip, difference_strip(None, video))
+    return [ModeRun(mode="bf16", label="BF16 (reference)", video=write_mp4(video, Path(out_dir) / "bf16.mp4"),
+                    strip=strip, frames=video, seconds=0.1, denoise_seconds=0.1, attention_seconds=None,
+                    psnr=None, ssim=None)]
 
 
 def test_app_reports_out_of_memory_and_keeps_serving(tmp_path):
@@ -272,6 +278,91 @@ def test_app_reports_out_of_memory_and_keeps_serving(tmp_path):
         assert list(out[-1]["modes"]) == ["bf16"]
     finally:
         demo.close()
+
+
+class _SlowEngine(_FlakyEngine):
+    """Stands in for :class:`DemoEngine`: every request generates until the test releases it."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__()
+        self.started, self.release = threading.Semaphore(0), threading.Event()
+
+    def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, **kwargs):
+        self.calls += 1
+        self.started.release()
+        assert self.release.wait(120)
+        return _gray_bf16_run(frames, height, width, out_dir)
+
+
+def _wait_until(condition, what, timeout=60):
+    import time
+
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_requests_line_is_bounded_in_all_and_per_client(tmp_path, capfd):
+    """300 requests at the largest allowed work were all queued (hours of CPU): the line now lets one request
+    generate, at most `waiting` wait, at most `per_client` from one client; the rest are refused at once with a
+    reason, logged as one line each (no traceback), and the admitted ones still finish."""
+    from attnqat.demo import RequestLine
+
+    app = load_script(ROOT / "app.py", "attnqat_app_line")
+    engine, line = _SlowEngine(), RequestLine(waiting=1, per_client=5)
+    demo = app.build_demo(engine, ["bf16", *OPTIONAL], str(tmp_path), line=line)
+    port = browser_check.free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, allowed_paths=[str(tmp_path)],
+                quiet=True)
+    args = ["p", 1, STEPS, H, W, FRAMES, []]
+    try:
+        client = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
+        running = client.submit(*args, api_name="/generate")
+        assert engine.started.acquire(timeout=60)
+        waiting = client.submit(*args, api_name="/generate")
+        _wait_until(lambda: len(line) == 2, "the second request in line")
+        with pytest.raises(Exception, match="the demo is busy: 2 requests are in line"):
+            client.predict(*args, api_name="/generate")
+        line.waiting, line.per_client = 5, 2  # room in line, but this client has 2 requests there
+        with pytest.raises(Exception, match="you have 2 requests in line already \\(at most 2 per client\\)"):
+            client.predict(*args, api_name="/generate")
+        assert engine.calls == 1 and len(line) == 2  # the refused ones never ran nor stayed in line
+        engine.release.set()
+        for job in (running, waiting):
+            assert list(job.result(timeout=120)[-1]["modes"]) == ["bf16"]
+        assert engine.calls == 2
+        _wait_until(lambda: len(line) == 0, "the line to empty")
+    finally:
+        engine.release.set()
+        demo.close()
+    log = capfd.readouterr().err
+    assert "Traceback" not in log
+    refused = [x for x in log.splitlines() if x.startswith("app.py: busy from 127.0.0.1: ")]
+    assert len(refused) == 2, log[-2000:]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(seed=1.5), "seed must be a whole number, got 1.5"),
+    (dict(seed=None), "seed must be a whole number, got None"),
+    (dict(prompt=["a"]), "the prompt must be text, got \\['a'\\]"),
+    (dict(steps=True), "steps must be a whole number, got True"),
+    (dict(height="32"), "height must be a whole number, got '32'"),
+    (dict(selected="nvfp4"), "the modes must be a list of mode names, got 'nvfp4'"),
+    (dict(selected=["nope"]), "mode 'nope' is not offered here"),
+    (dict(selected=[1]), "the modes must be a list of mode names, got \\[1\\]"),
+])
+def test_app_api_refuses_wrong_types_instead_of_coercing(served, change, message):
+    """The API took seed 1.5 as 2 and the prompt ["a"] as the text "['a']": the values now reach the handler as
+    sent, and a wrong type is refused with one line to the client and one line in the server's log."""
+    client = gradio_client.Client(served.url, verbose=False)
+    with pytest.raises(Exception, match=message):
+        _predict(client, [], **change)
+    lines = [x for x in served.log.read_text().splitlines() if x.startswith("app.py: invalid input from 127.0.0.1: ")]
+    assert re.search(message, lines[-1]), lines[-3:]
+    assert "Traceback" not in served.log.read_text()
 
 
 # ---------------------------------------------------------------------------- nothing lost, nothing silent

@@ -311,6 +311,9 @@ def model_config(model: str) -> dict:
     except (OSError, ValueError) as e:  # a name too long for the file system, a NUL byte
         raise ValueError(f"model {_show(model)} is not a usable path ({getattr(e, 'strerror', None) or e})") from None
     if is_dir:
+        from attnqat.pipelines.model_folder import check_model_folder
+
+        check_model_folder(path, ("transformer",))  # bounds, types, its weights' blocks
         cfg = path / "transformer" / "config.json"
         if not cfg.is_file():
             cfg = path / "config.json"
