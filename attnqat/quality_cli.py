@@ -302,7 +302,53 @@ def format_table(result: dict) -> str:
              f"{result['psnr_cap_db']:g} dB (identical frames)."]
     if refs.get("fp4") is None:
         notes.append("No FP4 reference row (nvfp4 on the base weights): no gap closed.")
-    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n\n" + format_frames(result)
+
+
+def format_frames(result: dict) -> str:
+    """The per-frame table of an :func:`attnqat.evaluation.evaluate` result: each row's flow loss per latent
+    frame, PSNR to the bf16 videos per frame and the asked object's presence per frame, as first / middle /
+    end / worst, so that a collapse late in the clip shows even where the means above hide it."""
+    from attnqat.quality import LAST_FRAMES, curve_summary
+
+    refs = result["references"]
+    f = result["size"][0]
+    last = min(LAST_FRAMES, f)
+    head = (f"| row | flow loss per latent frame: first / middle / last | worst (latent frame) | PSNR (dB) per frame: "
+            f"first / middle / last {last} | worst (frame) | asked object in its colour: all frames / last {last} "
+            f"| worst (frame) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for label in result["order"]:
+        row = result["rows"][label]
+        cells = [f"**{label}**"]
+        loss = row.get("flow_loss_frames")
+        if loss:
+            c = curve_summary(loss, higher_is_better=False)
+            cells += [f"{c['first']:.4f} / {c['middle']:.4f} / {c['last']:.4f}", f"{c['worst']:.4f} ({c['worst_frame']})"]
+        else:
+            cells += ["—", "—"]
+        if label == refs["video"]:
+            cells += ["ref", "ref"]
+        elif row.get("psnr_frames"):
+            c = curve_summary(row["psnr_frames"], last=last)
+            cells += [f"{c['first']:.1f} / {c['middle']:.1f} / {c['last_mean']:.1f}", f"{c['worst']:.1f} ({c['worst_frame']})"]
+        else:
+            cells += ["—", "—"]
+        p = row.get("presence")
+        if p:
+            cells += [f"{100 * p['frames']:.0f}% / {100 * p['last']:.0f}%",
+                      f"{100 * p['per_frame'][p['worst_frame']]:.0f}% ({p['worst_frame']})"]
+        else:
+            cells += ["—", "—"]
+        lines.append("| " + " | ".join(cells) + " |")
+    latent = len(result["rows"][result["order"][0]].get("flow_loss_frames") or ())
+    note = (f"Frames counted from 0: {latent} latent frames (the VAE folds 4 video frames into one, the first "
+            f"alone), {f} video frames. PSNR: the mean over the videos of each frame's PSNR to the bf16 video; "
+            f"\"last {last}\": the mean of the last {last} frames. Asked object: the fraction of the videos in which "
+            f"attnqat.quality.detect_frames finds the object with the colour the prompt asked for, over all "
+            f"frames and over the last {last}; the lower of the two is the presence statistic (table.json: "
+            f"rows.*.presence.present).")
+    return "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def frame_grid(result: dict, videos: dict, *, prompts: int = 4, frames: int = 3):
