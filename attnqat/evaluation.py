@@ -13,7 +13,13 @@ For a list of variants, on the held-out attribute combinations of the procedural
   :func:`attnqat.quality.detect` against the prompt's attributes (``acc_all``: every attribute right);
 - **PSNR / SSIM** of each video to the bf16 video of the same prompt and seed (the reference row has none);
 - **gap closed** ``(FP4 - X) / (FP4 - bf16)`` on the flow loss and on ``acc_all``, against an FP4 reference
-  row (by default the base weights in nvfp4) and a bf16 reference row (by default the first row).
+  row (by default the base weights in nvfp4) and a bf16 reference row (by default the first row);
+- **per frame**, so that a video that falls apart late cannot hide in a mean: the flow loss, velocity distance
+  and gap closed per latent frame, PSNR / SSIM per video frame, and the asked object's presence in its asked
+  colour per frame (:func:`attnqat.quality.presence`).
+
+:func:`vae_round_trip` measures a VAE the same way: every frame of round trips of clips, PSNR over the whole
+frame and the object, and the detector's colour and shape reading.
 
 ``attnqat quality`` (:mod:`attnqat.quality_cli`) and ``bench/quality.py`` print and save the table.
 """
@@ -301,6 +307,9 @@ def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 3
         progress: a tqdm-like object, updated :func:`work_units` times.
     Return: ``{"rows": {label: {...}}, "order": [labels], "references": {...}, "prompts", "truth",
     "detections": {label: [...]}, settings...}``, plus ``"videos": {label: uint8 array}`` if ``keep_videos``.
+    Each row holds the averages and the per-frame curves (``flow_loss_frames``, ``velocity_distance_frames``,
+    ``gap_closed_*_frames`` per latent frame; ``psnr_frames``, ``ssim_frames`` and ``presence`` per video
+    frame); each detection the whole video's reading and ``colour_frames``, the colour read in each frame.
     """
     from attnqat.quality import detect, detect_frames, presence, score, ssim
 

@@ -33,6 +33,11 @@ The detector reads only pixels, never a spec. It relies on the corpus's one desi
 Measured accuracy: docs/corpus.md (``python bench/detector.py`` measures it); tests/test_quality.py
 asserts the bars.
 
+Per frame: :func:`detect_frames` reads the object's presence, colour and shape off each frame on its own
+(the same masks; a frame's own colour vote and shape match), :func:`presence` turns the readings of a set
+of videos into how often the asked object is there in the asked colour, frame by frame and over the last
+:data:`LAST_FRAMES` frames, and :func:`curve_summary` puts a per-frame curve in a few numbers.
+
 PSNR and SSIM (as the demo reports them), over the frames of two videos of one shape
 (frames, H, W, 3), uint8 or float in [0, 1]:
 

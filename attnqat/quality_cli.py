@@ -19,7 +19,12 @@ the bf16 video of the same seed (the bf16 row is the reference: "ref"); and the 
 (FP4 - X) / (FP4 - bf16) on the loss and on the accuracy, between --fp4-reference (default: the base weights
 in nvfp4) and --bf16-reference (default: bf16).
 
-Output: OUT/table.json (every number, the prompts, the detections), OUT/table.md (the table, also printed),
+Per frame too, so that a video that falls apart late cannot hide in a mean: the flow loss per latent frame,
+PSNR / SSIM per frame, and the share of videos showing the asked object in the asked colour at each frame
+(the presence statistic: the lower of that share over all frames and over the last 8).
+
+Output: OUT/table.json (every number and per-frame curve, the prompts, the detections), OUT/table.md (the
+table and the per-frame table, also printed),
 OUT/grid.png (first, middle and last frame of a few prompts, one row per variant). Each file is written to
 a temporary name and renamed. OUT must be new, empty, or an earlier `attnqat quality` output; --overwrite
 writes the three files into any other folder (nothing else in it is touched). Every argument, checkpoint

@@ -260,6 +260,9 @@ class _FlakyEngine:
     def label(self, mode):
         return DemoEngine.label(self, mode)
 
+    def vocabulary_note(self, prompt):
+        return DemoEngine.vocabulary_note(self, prompt)
+
     def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, progress=None, on_run=None,
             cancel=None, high_precision_steps=0):
         from attnqat.demo import ModeRun
