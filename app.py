@@ -136,6 +136,8 @@ def page_theme():
 
 
 def _fmt_metrics(run) -> str:
+    from attnqat.demo import psnr_frames_line
+
     lines = [f"**{run.label}**", f"time **{run.seconds:.2f} s** (denoising {run.denoise_seconds:.2f} s)"]
     if run.precision:
         lines.append(f"precision: {run.precision}")
@@ -144,13 +146,17 @@ def _fmt_metrics(run) -> str:
     else:
         p = "∞ (identical)" if math.isinf(run.psnr) else f"{run.psnr:.2f} dB"
         lines.append(f"PSNR (RGB) vs BF16 **{p}** · SSIM (luma) **{run.ssim:.4f}**")
+        if len(run.psnr_frames) > 1:
+            lines.append(psnr_frames_line(run.psnr_frames))
         lines.append(f"heat map: |difference| 0 to {run.heat_max:.0f} (of 255)")
     return "  \n".join(lines)
 
 
 METRICS_NOTE = ("The numbers measure the generated frames before video compression: PSNR over the R, G, B "
                 "values (0-255) of every pixel, SSIM (Gaussian 11x11 window, sigma 1.5) on the luma "
-                "Y = 0.299 R + 0.587 G + 0.114 B, both per frame and averaged over frames. The videos you see "
+                "Y = 0.299 R + 0.587 G + 0.114 B, both per frame and averaged over frames; under the averages, the "
+                "worst and the last frame's PSNR and every frame's as a sparkline (low to high within the video), "
+                "so a video that falls apart late shows it. The videos you see "
                 "are H.264 mp4s (lossy); download *lossless frames* under a column for the exact PNG frames "
                 "the numbers were computed on.")
 
@@ -251,6 +257,9 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
             raise refusal(f"could not create a folder for this request in {str(out_root)!r}: "
                           f"{e.strerror or e}", "Generation failed", client) from None
         run_modes = ["bf16", *[m for m in modes if m in selected]]
+        note = engine.vocabulary_note(prompt)  # mini: the prompt's words it does not know; it goes on
+        if note:
+            gr.Warning(note)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -273,7 +282,7 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
         summary = {"prompt": prompt, "seed": int(seed), "steps": int(steps), "height": int(height),
                    "width": int(width), "frames": int(frames), "high_precision_steps": int(high_precision_steps),
                    "model": engine.model,
-                   "qat_checkpoint": engine.qat_checkpoint, "modes": {}}
+                   "qat_checkpoint": engine.qat_checkpoint, "vocabulary_note": note, "modes": {}}
         shown: dict[str, object] = {}
 
         def outputs():
@@ -281,7 +290,8 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
             for m in modes:
                 r = shown.get(m)
                 if r is not None:
-                    out += [str(r.video), _fmt_metrics(r), str(r.strip),
+                    text = _fmt_metrics(r) + (f"  \n⚠ {note}" if note and m == "bf16" else "")
+                    out += [str(r.video), text, str(r.strip),
                             None if r.frames_zip is None else str(r.frames_zip)]
                 elif m in run_modes:
                     out += [None, f"**{engine.label(m)}**  \nwaiting", None, None]

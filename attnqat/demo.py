@@ -67,7 +67,8 @@ from attnqat.checks import check_text, check_video_size
 from attnqat.errors import GenerationCancelled
 from attnqat.outputs import write_file_atomically
 
-__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "difference_strip",
+__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "psnr_frames_line",
+           "difference_strip",
            "heat_colors", "heat_scale", "demo_modes", "mode_label", "validate_request", "request_work",
            "page_defaults", "new_request_dir", "prune_requests", "register_output", "WORK_LIMITS", "SIZE_LIMITS",
            "model_kind",
@@ -140,7 +141,32 @@ def mode_label(mode: str, qat_checkpoint: str | None = None, shipped: bool = Fal
 
 
 # ---------------------------------------------------------------------------------------------- metrics
-from attnqat.quality import _check_videos, psnr, ssim  # noqa: E402  (defined once, with the detector)
+from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # noqa: E402  (defined once, with the detector)
+
+_SPARK = "▁▂▃▄▅▆▇█"  # a per-frame curve in one line of text, lowest to highest
+
+
+def psnr_frames_line(per_frame: list[float]) -> str:
+    """One line on a video's PSNR per frame: the worst frame, the last frame and the curve as a sparkline
+    (lowest to highest of this video), e.g. ``per frame: worst 18.3 dB (frame 31), last 19.0 dB ▇▇▆▃▁``.
+    Identical frames (``inf``) show as ∞ and the top of the sparkline; a NaN frame as ``?``."""
+    v = np.asarray(per_frame, dtype=np.float64)
+    c = curve_summary(v)
+    finite = v[np.isfinite(v)]
+    lo, hi = (finite.min(), finite.max()) if len(finite) else (0.0, 0.0)
+
+    def bar(x: float) -> str:
+        if np.isnan(x):
+            return "?"
+        if np.isinf(x) or hi == lo:
+            return _SPARK[-1]
+        return _SPARK[int(round((x - lo) / (hi - lo) * (len(_SPARK) - 1)))]
+
+    def db(x: float) -> str:
+        return "∞" if np.isinf(x) else f"{x:.1f} dB"
+
+    return (f"per frame: worst {db(c['worst'])} (frame {c['worst_frame']}), last {db(c['last'])} "
+            + "".join(bar(x) for x in v))
 
 
 # A perceptual dark-to-bright colour scale (anchors of matplotlib's "inferno"), interpolated in numpy
@@ -416,6 +442,15 @@ class DemoEngine:
 
     def label(self, mode: str) -> str:
         return mode_label(mode, self.qat_checkpoint, self.qat_shipped)
+
+    def vocabulary_note(self, prompt: str) -> str | None:
+        """For mini, the line naming the prompt's words it does not know
+        (:func:`~attnqat.pipelines.mini.vocabulary_note`); None for other models or a prompt it knows."""
+        if model_kind(self.model) != "mini":
+            return None
+        from attnqat.pipelines.mini import vocabulary_note
+
+        return vocabulary_note(self.pipe.tokenizer, prompt)
 
     def run(self, prompt: str, *, modes: list[str], height: int, width: int, frames: int, steps: int,
             seed: int, out_dir: str | Path, progress=None, on_run=None, cancel: threading.Event | None = None,

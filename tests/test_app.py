@@ -71,6 +71,24 @@ def test_ssim_falls_with_noise_and_handles_frames_smaller_than_the_window():
     assert ssim(small, small)[0] == pytest.approx(1.0)
 
 
+def test_per_frame_psnr_line_names_the_worst_and_last_frame_and_draws_every_frame():
+    from attnqat.demo import psnr_frames_line
+
+    a = _video(5, (9, 16, 16, 3))
+    b = a.copy()
+    b[6:] = 255 - b[6:]  # the last three frames ruined, the first six untouched (infinite PSNR)
+    b[3, 0, 0, 0] ^= 1  # one frame off by one level in one value
+    per_frame = psnr(a, b)[1]
+    mse = ((a.astype(np.float64) - b) ** 2).reshape(9, -1).mean(1)
+    worst = int(np.argmax(mse))
+    line = psnr_frames_line(per_frame)
+    assert line.startswith(f"per frame: worst {10 * np.log10(255 ** 2 / mse[worst]):.1f} dB (frame {worst}), "
+                           f"last {10 * np.log10(255 ** 2 / mse[-1]):.1f} dB ")
+    bars = line.rsplit(" ", 1)[1]
+    assert len(bars) == 9 and bars[:3] == "███" and bars[3] == "█" and set(bars[6:]) <= set("▁▂")
+    assert psnr_frames_line([30.0, float("nan"), 20.0]).endswith(" █?▁")  # NaN in, NaN shown
+
+
 def test_metrics_refuse_mismatched_videos():
     with pytest.raises(ValueError, match="videos must both be"):
         psnr(_video(0), _video(0, (3, 24, 22, 3)))
@@ -201,7 +219,7 @@ def test_app_generates_every_mode_with_metrics(served_app):
         else:
             assert isinstance(m["psnr_db"], float) and 10 < m["psnr_db"] < 200, (mode, m)
             assert 0 < m["ssim"] <= 1 and len(m["ssim_per_frame"]) == FRAMES
-            assert "PSNR (RGB) vs BF16" in text and "SSIM (luma)" in text
+            assert "PSNR (RGB) vs BF16" in text and "SSIM (luma)" in text and "per frame: worst" in text
     assert "plain FP4 attention (no QAT checkpoint)" in summary["modes"].get("attn_qat", {"label": "plain FP4 attention (no QAT checkpoint)"})["label"]
 
 
@@ -242,6 +260,9 @@ class _FlakyEngine:
 
     def label(self, mode):
         return DemoEngine.label(self, mode)
+
+    def vocabulary_note(self, prompt):
+        return DemoEngine.vocabulary_note(self, prompt)
 
     def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, progress=None, on_run=None,
             cancel=None, high_precision_steps=0):
@@ -471,6 +492,8 @@ def test_handler_shows_each_column_when_done_with_step_progress_per_mode(tmp_pat
         assert all("denoising steps" in desc and unit == "steps" for _, desc, unit in progress.calls)
     final = yields[-1]
     assert set(final[-1]["modes"]) == {"bf16", *selected}
+    # only mini names the words it does not know; tiny reads bytes
+    assert final[-1]["vocabulary_note"] is None and tiny_engine.vocabulary_note("a cat playing piano") is None
 
 
 def test_handler_runs_fp4_columns_with_bf16_first_and_last_steps(tmp_path, app_module, tiny_engine):

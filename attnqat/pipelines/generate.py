@@ -635,6 +635,12 @@ def _generate(args: argparse.Namespace, t_start: float) -> int:
 
     pipe = load_pipeline(args.model, dtype=dtype, device=None if args.offload else device,
                          flow_shift=args.flow_shift)
+    if is_mini_model(args.model):  # mini reads its corpus's words only; any other word is <unk> to it
+        from .mini import vocabulary_note
+
+        note = vocabulary_note(pipe.tokenizer, args.prompt)
+        if note:
+            log(f"NOTE: {note}.")
     if args.qat_checkpoint:
         load_qat_checkpoint(pipe.transformer, args.qat_checkpoint)
     check_mode_runs(args.mode, pipe.transformer.config.attention_head_dim, device, dtype)
