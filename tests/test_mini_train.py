@@ -435,6 +435,7 @@ class _CorruptingVAE(torch.nn.Module):
     def __init__(self, start: int, shift: float):
         super().__init__()
         self.start, self.shift = start, shift
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # where the clips go: CPU, fp32
 
     def encode(self, video):
         from types import SimpleNamespace
@@ -451,28 +452,27 @@ class _CorruptingVAE(torch.nn.Module):
 
 def test_reconstruction_per_frame_shows_a_late_collapse_that_the_mean_hides():
     """reconstruction_per_frame against an independent per-frame PSNR (numpy): frames before the collapse are
-    perfect (capped), the collapsed ones at the PSNR of their error, objects measured on saturated pixels."""
+    exact (capped at 100 dB), the collapsed ones at the PSNR of their error; the detector still reads the
+    objects before it, and the mean alone stays high."""
     import numpy as np
 
     from attnqat.corpus import Corpus
-    from attnqat.train.mini import foreground_weights, reconstruction_per_frame
+    from attnqat.train.mini import reconstruction_per_frame
 
-    start, shift, size = 6, 0.2, (9, 32, 32)
-    got = reconstruction_per_frame(_CorruptingVAE(start, shift), clips=5, size=size, device="cpu")
+    start, shift, size = 6, 0.2, (9, 64, 64)
+    got = reconstruction_per_frame(_CorruptingVAE(start, shift), clips=3, size=size, device="cpu")
     c = Corpus(0, "held_out")
-    video = c.render([c.spec(j) for j in range(5)], frames=size[0], height=size[1], width=size[2]).numpy()
+    video = c.render([c.spec(j) for j in range(3)], frames=size[0], height=size[1], width=size[2]).double().numpy()
     recon = np.clip(video + np.where(np.arange(size[0])[None, None, :, None, None] >= start, shift, 0.0), -1, 1)
     mse = (((recon - video) / 2) ** 2).mean(axis=(1, 3, 4))  # (clips, frames)
-    want = 10 * np.log10(1 / np.maximum(mse, 1e-10))
+    want = np.minimum(10 * np.log10(1 / np.maximum(mse, 1e-30)), 100)
     np.testing.assert_allclose(got["frame_db"], want.mean(0), atol=0.01)
     np.testing.assert_allclose(got["worst_db"], want.min(0), atol=0.01)
     assert got["mean_db"] == pytest.approx(want.mean(), abs=0.01)
     assert min(got["frame_db"][:start]) == 100 and max(got["frame_db"][start:]) < 30  # the collapse, per frame
     assert got["mean_db"] > 60  # ... which the mean alone hides
-    obj = (foreground_weights(torch.from_numpy(video)) > 1).numpy()[:, 0]
-    err = (((recon - video) / 2) ** 2).mean(1)
-    want_obj = 10 * np.log10(obj.sum((0, 2, 3)) / np.maximum((err * obj).sum((0, 2, 3)), 1e-10))
-    np.testing.assert_allclose(got["object_db"][start:], want_obj[start:], atol=0.01)
+    assert min(got["object_db"][:start]) == 100 and max(got["object_db"][start:]) < 30
+    assert min(got["colour"][:start]) == 1.0 and len(got["colour"]) == len(got["shape"]) == size[0]
 
 
 @pytest.mark.parametrize("value, message", [("33x128", "expected FxHxW"), ("32x128x128", "4k\\+1"),
