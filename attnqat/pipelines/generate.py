@@ -2,7 +2,7 @@
 
   attnqat generate --prompt "a blue square moves up over a checkered background" --out square.mp4
   attnqat generate --prompt "a red ball slides left over a striped background" --mode attn_qat --out ball.mp4
-  attnqat generate --prompt "a corgi surfing a wave" --mode attn_qat --high-precision-steps first:2,last:1 \
+  attnqat generate --prompt "a corgi surfing a wave" --mode attn_qat --high-precision-steps first:2,last:1 \\
       --model ./Wan2.1-T2V-1.3B-Diffusers
 
 The default --model mini is attnqat's own small Wan 2.1-architecture model, shipped in the package
@@ -713,7 +713,7 @@ def _summary(args: argparse.Namespace, pipe, result: GenerationResult, total: fl
         lines.append(f"precision    {schedule.describe(args.steps, len(pipe.transformer.blocks))}"
                      + ("" if schedule.empty else f"; {args.mode} elsewhere"))
     lines += [
-        f"video        {args.frames} frames {args.height}x{args.width}, {args.steps} steps, guidance "
+        f"video        {args.frames} frames {args.height}x{args.width}, {args.steps} step{'s' if args.steps != 1 else ''}, guidance "
         f"{args.guidance}, seed {args.seed}, {args.dtype} on {device}" + (" (CPU offload)" if args.offload else ""),
     ]
     if args.launch is not None:
