@@ -148,7 +148,7 @@ def _fmt_metrics(run) -> str:
         lines.append(f"PSNR (RGB) vs BF16 **{p}** · SSIM (luma) **{run.ssim:.4f}**")
         if len(run.psnr_frames) > 1:
             lines.append(psnr_frames_line(run.psnr_frames))
-        lines.append(f"heat map: |difference| 0 to {run.heat_max:.0f} (of 255)")
+        lines.append(f"heat map: |difference| 0 to {min(run.heat_max, 255):.0f} (of 255)")
     return "  \n".join(lines)
 
 
@@ -362,37 +362,39 @@ def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
     # Gradio 6 takes the theme in launch() (launch_options); Gradio 5 in Blocks().
     theme = {} if _theme_in_launch() else {"theme": page_theme()}
     with gr.Blocks(title=TITLE, delete_cache=(3600, 3600), **theme) as demo:
-        gr.Markdown(f"# {TITLE}\nThe same prompt and seed, with the transformer's self-attention in each mode. "
-                    "Each video shows its generation time and its fidelity to the BF16 video: PSNR and SSIM, and "
-                    "a strip of its frames over a heat map of |difference| (one colour scale for all modes of a "
-                    "request, dark = equal). Columns appear as their mode finishes. *BF16 on the first/last k "
-                    "steps* runs those denoising steps of every other column in BF16 attention (a precision "
-                    f"schedule, as SageAttention3's authors recommend).\n\n{METRICS_NOTE}")
-        notes = [f"model `{engine.model}` on `{engine.device}` ({str(engine.dtype).replace('torch.', '')})"]
-        if kind == "tiny":
-            notes.append(f"**Note:** {TINY_NOTICE}. It shows the mechanics (the same seed, modes swapped, metrics), "
-                         "not video quality; start the app with `--model mini` (attnqat's own small model, when "
-                         "installed) or `--model <Wan 2.1 folder>` for real videos.")
-        elif kind == "mini":
-            notes.append(f"**Note:** {MINI_NOTICE}.")
-        if "attn_qat" in modes and not engine.qat_checkpoint:
-            notes.append("No `--qat-checkpoint` given: the Attn-QAT column is plain FP4 attention "
-                         "(no QAT checkpoint).")
-        elif "attn_qat" in modes and engine.qat_shipped:
-            notes.append(f"The Attn-QAT column runs the QAT fine-tune shipped with the model "
-                         f"(`{Path(engine.qat_checkpoint).name}`); start the app with `--qat-checkpoint none` for "
-                         f"plain FP4 attention on the base weights.")
-        if "sage3" not in modes:
-            notes.append("SageAttention3 (mode `sage3`) is not registered in this attnqat build.")
-        if on_cpu:
-            notes.append("Running on CPU: keep sizes small.")
-        notes.append(f"Limits of one request: height × width × frames × steps × modes at most "
-                     f"{request_work(**ref):,} pixel-frame-steps (as much as {ref['height']}×{ref['width']}, "
-                     f"{ref['frames']} frames, {ref['steps']} steps in {ref['modes']} modes: {why}); prompts of "
-                     f"up to {MAX_PROMPT_CHARS} characters; uploads up to {MAX_UPLOAD.upper()} (the page takes "
-                     f"none). One request generates at a time; at most {LINE_WAITING} wait, {PER_CLIENT} per visitor. "
-                     "Cancel stops a request at its next denoising step.")
-        gr.Markdown("  \n".join(notes))
+        gr.Markdown(f"# {TITLE}\nThe same prompt and seed, with the transformer's self-attention in each mode; "
+                    "each column's fidelity to the BF16 video under it.")
+        with gr.Accordion("About this demo: the metrics, the model, the limits", open=False):
+            gr.Markdown("Each video shows its generation time and its fidelity to the BF16 video: PSNR and SSIM, and "
+                        "a strip of its frames over a heat map of |difference| (one colour scale for all modes of a "
+                        "request, dark = equal). Columns appear as their mode finishes. *BF16 on the first/last k "
+                        "steps* runs those denoising steps of every other column in BF16 attention (a precision "
+                        f"schedule, as SageAttention3's authors recommend).\n\n{METRICS_NOTE}")
+            notes = [f"model `{engine.model}` on `{engine.device}` ({str(engine.dtype).replace('torch.', '')})"]
+            if kind == "tiny":
+                notes.append(f"**Note:** {TINY_NOTICE}. It shows the mechanics (the same seed, modes swapped, metrics), "
+                             "not video quality; start the app with `--model mini` (attnqat's own small model, when "
+                             "installed) or `--model <Wan 2.1 folder>` for real videos.")
+            elif kind == "mini":
+                notes.append(f"**Note:** {MINI_NOTICE}.")
+            if "attn_qat" in modes and not engine.qat_checkpoint:
+                notes.append("No `--qat-checkpoint` given: the Attn-QAT column is plain FP4 attention "
+                             "(no QAT checkpoint).")
+            elif "attn_qat" in modes and engine.qat_shipped:
+                notes.append(f"The Attn-QAT column runs the QAT fine-tune shipped with the model "
+                             f"(`{Path(engine.qat_checkpoint).name}`); start the app with `--qat-checkpoint none` for "
+                             f"plain FP4 attention on the base weights.")
+            if "sage3" not in modes:
+                notes.append("SageAttention3 (mode `sage3`) is not registered in this attnqat build.")
+            if on_cpu:
+                notes.append("Running on CPU: keep sizes small.")
+            notes.append(f"Limits of one request: height × width × frames × steps × modes at most "
+                         f"{request_work(**ref):,} pixel-frame-steps (as much as {ref['height']}×{ref['width']}, "
+                         f"{ref['frames']} frames, {ref['steps']} steps in {ref['modes']} modes: {why}); prompts of "
+                         f"up to {MAX_PROMPT_CHARS} characters; uploads up to {MAX_UPLOAD.upper()} (the page takes "
+                         f"none). One request generates at a time; at most {LINE_WAITING} wait, {PER_CLIENT} per visitor. "
+                         "Cancel stops a request at its next denoising step.")
+            gr.Markdown("  \n".join(notes))
         with gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", value=MINI_PROMPT if kind == "mini" else DEFAULT_PROMPT, lines=2,
