@@ -25,9 +25,12 @@ Before a command runs, torch's CPU thread count is capped to the CPUs the proces
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
 
 import errno
 
@@ -121,9 +124,30 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED
 
 
+@contextlib.contextmanager
+def _imports_uninterrupted():
+    """Hold a Ctrl-C that comes while the command's modules import (torch: seconds) until they have, then
+    raise it: an import cut part way leaves a module half-initialised (numpy then refuses to load again, and the
+    run ends in a misleading error), and some libraries' imports swallow the interrupt. Where SIGINT is not
+    Python's default handler (ignored in a background job, or the caller's own), it is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pending = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
+
+
 def _run(argv: list[str], command: str | None) -> int:
     try:
-        parser = build_parser(command)
+        with _imports_uninterrupted():
+            parser = build_parser(command)
     except ImportError as e:  # the selected command's optional dependency is missing
         if os.environ.get("ATTNQAT_TRACEBACK"):
             raise
@@ -133,10 +157,11 @@ def _run(argv: list[str], command: str | None) -> int:
     if extra:  # reported by the command's own parser, so the message names the command
         getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        _check(COMMANDS[args.command][2], args)
-        from .threads import limit_torch_threads
+        with _imports_uninterrupted():
+            _check(COMMANDS[args.command][2], args)
+            from .threads import limit_torch_threads
 
-        limit_torch_threads()
+            limit_torch_threads()
         return int(args._module.main(args) or 0)
     except OutputLockedError as e:
         if os.environ.get("ATTNQAT_TRACEBACK"):
