@@ -294,8 +294,8 @@ def model_inputs(flag: str, model: str) -> list[tuple[str, str]]:
     folder = Path(resolve_model(model)).expanduser()
     index = folder / "model_index.json"
     try:
-        names = [k for k in json.loads(index.read_text()) if not k.startswith("_")] if index.stat().st_size < 1 << 20 else []
-    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        names = [] if index.stat().st_size > 1 << 20 else [k for k in json.loads(index.read_text()) if k[:1] != "_"]
+    except (OSError, ValueError, TypeError, UnicodeDecodeError):  # not a model folder: nothing it loads
         return []
     return [(flag, str(index))] + [(flag, str(folder / n)) for n in names if (folder / n).is_dir()]
 

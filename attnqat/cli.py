@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import os
 import signal
 import sys
 import threading
-
-import errno
 
 from .errors import ComputeError, NonFiniteOutputError, OutputLockedError, OutputWriteError, one_line
 
@@ -184,6 +183,7 @@ def _run(argv: list[str], command: str | None) -> int:
         where = f" ({one_line(str(e.filename))})" if e.filename else ""
         print(f"attnqat {args.command}: failed: {one_line(e.strerror or str(e))}{where}", file=sys.stderr)
         return 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

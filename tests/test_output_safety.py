@@ -4,7 +4,6 @@ a set of result files is written (the old output whole, one line, exit 1, no tem
 that is (or is inside) an input, a YAML alias bomb, and Ctrl-C while a command still imports torch."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -14,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from attnqat.cli import main as cli_main
 
@@ -248,6 +246,13 @@ def test_export_qat_never_writes_over_its_fine_tune(tmp_path, monkeypatch, capsy
         line = _one_line(capsys.readouterr().err)
         assert line.startswith("attnqat export-qat: error: --out") and "--from" in line, line
     assert ft.read_bytes() == before
+    # a model folder's inputs are the files it loads from: the QAT weights mini ships may be written beside them
+    from attnqat.checks import check_not_input, model_inputs
+
+    mini = ROOT / "attnqat" / "models" / "mini"
+    check_not_input("--out", mini / "attn_qat.safetensors", model_inputs("--model", "mini"))
+    with pytest.raises(ValueError, match="is inside --model"):
+        check_not_input("--out", mini / "transformer" / "x.safetensors", model_inputs("--model", "mini"))
 
 
 def test_no_command_writes_over_or_into_what_it_reads(tmp_path, monkeypatch, capsys):
@@ -262,8 +267,8 @@ def test_no_command_writes_over_or_into_what_it_reads(tmp_path, monkeypatch, cap
     (tmp_path / "p.txt").write_text("a red ball\n")
     pre.precompute(str(tmp_path / "p.txt"), str(data), max_length=8, device="cpu", log=lambda msg: None)
     cases = {
-        "generate": ["generate", "--prompt", "a red ball", "--model", "tiny", "--mode", "attn_qat", "--qat-checkpoint", str(ckpt), "--out", str(ckpt / "v.mp4"),
-                     "--device", "cpu"],
+        "generate": ["generate", "--prompt", "a red ball", "--model", "tiny", "--mode", "attn_qat",
+                     "--qat-checkpoint", str(ckpt), "--out", str(ckpt / "v.mp4"), "--device", "cpu"],
         "quality": ["quality", "--model", "tiny", "--variant", f"qat=attn_qat:{ckpt}", "--out", str(ckpt / "q"),
                     "--device", "cpu"],
         "train": ["train", *TINY, "--set", f"data.path={data}", "--output-dir", str(data / "run")],

@@ -666,7 +666,8 @@ def check_request(cfg: TrainConfig, resume: str | None = None, stop_after: int |
         raise ValueError(f"--stop-after must be a step >= 1, got {stop_after!r}")
     out_dir = Path(cfg.output_dir)
     check_output_dir(out_dir)
-    check_not_input("output_dir", out_dir, [("data.path", cfg.data.path), ("--resume", resume if resume != "auto" else None)]
+    named_checkpoint = resume if resume != "auto" else None
+    check_not_input("output_dir", out_dir, [("data.path", cfg.data.path), ("--resume", named_checkpoint)]
                     + model_inputs("model", cfg.model))
     found = ck.run_artifacts(out_dir)
     if found and not resume and not overwrite and refuse_existing:

@@ -154,9 +154,8 @@ def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool
     with output_lock(folder, "attnqat precompute", log=log):
         remove_stale_temps(folder, is_partial_output, log=lambda msg: log(f"attnqat precompute: {msg}"))
         records = read_records(prompts_file, videos)
-        check_not_input("--out", out, [("--prompts", prompts_file)] + [("a video of --prompts", r.get("video"))
-                                                                      for r in records] + model_inputs("--model", model),
-                        holds_inputs_too=True)
+        inputs = [("--prompts", prompts_file)] + [("a video of --prompts", r.get("video")) for r in records]
+        check_not_input("--out", out, inputs + model_inputs("--model", model), holds_inputs_too=True)
         return _precompute(records, folder, out, model=model, videos=videos, max_length=max_length, height=height,
                            width=width, frames=frames, shard_size=shard_size, batch_size=batch_size, device=device,
                            log=log)
