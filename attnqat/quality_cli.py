@@ -43,8 +43,8 @@ import sys
 import time
 from pathlib import Path
 
-from attnqat.checks import (LIMITS, check_device, check_float, check_int, check_limited, check_output_dir,
-                            check_text, check_video_size, show)
+from attnqat.checks import (LIMITS, check_device, check_float, check_int, check_limited, check_not_input,
+                            check_output_dir, check_text, check_video_size, model_inputs, show)
 # DEFAULT_MODEL ("mini") is generate's default too; unlike generate, no fallback to tiny where mini's weights
 # are not installed (a table of random weights would mean nothing): `quality` then stops with mini_folder()'s
 # one-line error, which says how to build mini.
@@ -220,6 +220,8 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         if value is not None and value not in labels:
             raise ValueError(f"--{flag.replace('_', '-')} {show(value)} is not a row label (rows: {', '.join(labels)})")
     args.out = check_output_dir("--out", args.out, must_be_empty=not args.overwrite, reusable=is_our_output)
+    check_not_input("--out", args.out, [(f"--variant {label}", ckpt) for label, _, ckpt, _ in args.rows]
+                    + model_inputs("--model", args.model))
     return args
 
 
@@ -409,9 +411,10 @@ def frame_grid(result: dict, videos: dict, *, prompts: int = 4, frames: int = 3)
 
 
 def write_outputs(out: Path, result: dict, videos: dict, grid_prompts: int) -> list[Path]:
-    """table.json, table.md and grid.png into ``out``: a new folder is filled under a temporary name and
-    renamed; in an existing folder each file goes to a temporary name and is renamed over the old one."""
-    from attnqat.outputs import write_dir_atomically, write_file_atomically
+    """table.json, table.md and grid.png into ``out`` as one set: a new folder is filled under a temporary name
+    and renamed; in an existing folder the three are written under a temporary folder in it and renamed over
+    the old three only once all are written (:func:`attnqat.outputs.write_files_atomically`)."""
+    from attnqat.outputs import write_dir_atomically, write_files_atomically
 
     table = json.dumps(_finite_or_none(result), indent=1, allow_nan=False)
     markdown = format_table(result)
@@ -425,8 +428,7 @@ def write_outputs(out: Path, result: dict, videos: dict, grid_prompts: int) -> l
                 write(tmp / name)
         write_dir_atomically(out, write_all)
     else:
-        for name, write in writers.items():
-            write_file_atomically(out / name, write)
+        write_files_atomically(out, writers)
     return [out / name for name in FILES]
 
 
@@ -454,6 +456,13 @@ def load_variants(rows, transformer) -> tuple[list, dict]:
 def main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     args = resolve_settings(args)
+    from attnqat.locking import output_lock
+
+    with output_lock(args.out, "attnqat quality"):  # one run writes OUT at a time
+        return _measure(args, t_start)
+
+
+def _measure(args: argparse.Namespace, t_start: float) -> int:
     import torch
     from tqdm.auto import tqdm
 

@@ -5,6 +5,7 @@ lands between bf16 and FP4); an ``attnqat train`` run folder loads as a checkpoi
 one line and exit status 2 before any model loads; an output folder holding other files is refused."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -216,6 +217,33 @@ def test_an_earlier_output_is_rewritten_other_folders_are_refused(run, tmp_path,
     # ... unless --overwrite (which replaces only the three names)
     args = quality_cli.resolve_settings(_namespace(["quality", *SMALL, "--out", str(tmp_path), "--overwrite"]))
     assert args.out == tmp_path and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_on_a_full_disk_keeps_the_old_set_whole(run, tmp_path, capsys, monkeypatch):
+    """--overwrite into a folder holding an earlier set and a user's file; grid.png (written last) fails as on a
+    full disk: the old table.json, table.md and grid.png are all kept, one line, exit 1, nothing else left."""
+    import shutil
+
+    from PIL import Image
+
+    out = tmp_path / "out"
+    shutil.copytree(run[0], out)
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(self, fp, *a, **k):
+        Path(fp).write_bytes(b"\x89PNG")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Image.Image, "save", full_disk)
+    capsys.readouterr()
+    argv = ["quality", *SMALL, "--base-modes", "bf16", "--prompts", "1", "--clips", "1", "--out", str(out), "--overwrite"]
+    assert cli_main(argv) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("attnqat quality: failed:") and "No space left on device" in lines[-1]
+    assert "existing files were left unchanged" in lines[-1] and not any("Traceback" in x for x in lines)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def _namespace(argv):

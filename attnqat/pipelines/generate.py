@@ -45,7 +45,8 @@ import numpy as np
 
 from attnqat.checks import (SIZE_MULTIPLE,  # noqa: F401 - defined here before, still importable
                             TIME_STRIDE, VAE_SPATIAL_STRIDE, LIMITS, check_device, check_float, check_int,
-                            check_limited, check_output_dir, check_output_file, check_text, check_video_size, show)
+                            check_limited, check_not_input, check_output_dir, check_output_file, check_text, check_video_size,
+                            model_inputs, show)
 from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
@@ -367,6 +368,10 @@ def check_outputs(args: argparse.Namespace) -> argparse.Namespace:
         args.frames_dir = check_output_dir("--frames-dir", args.frames_dir, must_be_empty=True)
         if args.frames_dir.absolute() == args.out.absolute():
             raise ValueError("--frames-dir and --out are the same path")
+    inputs = [("--qat-checkpoint", args.qat_checkpoint)] + model_inputs("--model", args.model)
+    for flag, out in (("--out", args.out), ("--frames-dir", args.frames_dir)):
+        if out is not None:
+            check_not_input(flag, out, inputs)
     return args
 
 
