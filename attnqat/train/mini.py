@@ -75,8 +75,11 @@ def foreground_weights(video: torch.Tensor) -> torch.Tensor:
 # The clip lengths and sizes the VAE trains on: every length the model is used at (4k + 1 frames, 9 to 49) and
 # one beyond, at both default sizes. Wan's causal VAE holds only the lengths it was trained on (measured: one
 # trained on 17-frame clips falls from 20-22 dB to 6-8 dB after frame 17 of 33; one trained on 33-frame clips
-# holds 33 but breaks after frame ~36 of 49), so the longest length used must be in the list.
-VAE_SIZES = tuple((f, s, s) for s in (128, 256) for f in (9, 17, 25, 33, 41, 49, 57))
+# holds 33 but breaks after frame ~36 of 49), so the longest length used must be in the list. Single frames too:
+# a clip's first frame is encoded and decoded alone, as an image is, by a path no other frame takes; trained
+# only on clips it gets 1/F of the loss and was the worst frame of every length (H100, 8 minutes on 9-57
+# frames: 22.6 dB and the object's colour read on 2 of 4 clips, against 23-26 dB and 4 of 4 on later frames).
+VAE_SIZES = tuple((f, s, s) for s in (128, 256) for f in (1, 9, 17, 25, 33, 41, 49, 57))
 VAE_REFERENCE_VOXELS = 17 * 128 * 128  # ``batch`` clips of this many pixels a step; larger clips come fewer
 
 
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-batch", type=int, default=8, help="clips of 17x128x128 a VAE step; larger clips come "
                    "fewer, so every step sees about as many pixels (default 8)")
     p.add_argument("--vae-sizes", type=_sizes, default=VAE_SIZES, metavar="FxHxW,...",
-                   help="the clip sizes the VAE trains on, cycled (default: 9 to 57 frames in steps of 4, at "
+                   help="the clip sizes the VAE trains on, cycled (default: single frames and 9 to 57 frames in steps of 4, at "
                         "128x128 and 256x256)")
     p.add_argument("--vae-lr", type=float, default=1e-3, help="VAE peak learning rate (default 1e-3)")
     p.add_argument("--vae-again", action="store_true", help="train the VAE further even if already trained")
