@@ -8,8 +8,9 @@ Attn-QAT and (optionally) naive NVFP4 attention; each video with its time and fi
 
 The pipeline is loaded once; each mode only swaps attention processors (and, with a QAT
 checkpoint, the transformer's weights for Attn-QAT: see :mod:`attnqat.demo`; on mini the default is the
-QAT fine-tune shipped with it, where installed). Requests are queued
-one at a time, so one GPU is never oversubscribed; each column appears as soon as its mode is done,
+QAT fine-tune shipped with it, where installed). Requests generate
+one at a time, so one GPU is never oversubscribed, and the line of waiting ones is bounded, in all and per
+client (:class:`attnqat.demo.RequestLine`); each column appears as soon as its mode is done,
 with denoising progress per mode, and Cancel stops a request at its next denoising step. Every
 argument is checked (port free, paths writable, ...) before the model loads: a mistake is one line
 on stderr and exit status 2. The logic lives in :mod:`attnqat.demo`.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import math
@@ -134,6 +136,8 @@ def page_theme():
 
 
 def _fmt_metrics(run) -> str:
+    from attnqat.demo import psnr_frames_line
+
     lines = [f"**{run.label}**", f"time **{run.seconds:.2f} s** (denoising {run.denoise_seconds:.2f} s)"]
     if run.precision:
         lines.append(f"precision: {run.precision}")
@@ -142,20 +146,67 @@ def _fmt_metrics(run) -> str:
     else:
         p = "∞ (identical)" if math.isinf(run.psnr) else f"{run.psnr:.2f} dB"
         lines.append(f"PSNR (RGB) vs BF16 **{p}** · SSIM (luma) **{run.ssim:.4f}**")
-        lines.append(f"heat map: |difference| 0 to {run.heat_max:.0f} (of 255)")
+        if len(run.psnr_frames) > 1:
+            lines.append(psnr_frames_line(run.psnr_frames))
+        lines.append(f"heat map: |difference| 0 to {min(run.heat_max, 255):.0f} (of 255)")
     return "  \n".join(lines)
 
 
 METRICS_NOTE = ("The numbers measure the generated frames before video compression: PSNR over the R, G, B "
                 "values (0-255) of every pixel, SSIM (Gaussian 11x11 window, sigma 1.5) on the luma "
-                "Y = 0.299 R + 0.587 G + 0.114 B, both per frame and averaged over frames. The videos you see "
+                "Y = 0.299 R + 0.587 G + 0.114 B, both per frame and averaged over frames; under the averages, the "
+                "worst and the last frame's PSNR and every frame's as a sparkline (low to high within the video), "
+                "so a video that falls apart late shows it. The videos you see "
                 "are H.264 mp4s (lossy); download *lossless frames* under a column for the exact PNG frames "
                 "the numbers were computed on.")
 
 
-def make_handler(engine, modes: list[str], out_root: str | Path):
+def _client(request) -> str:
+    """Who sent a request: the peer's address (through a proxy or --share's tunnel every visitor is that one
+    client, so the per-client cap then holds for all together)."""
+    client = getattr(request, "client", None)
+    return str(getattr(client, "host", None) or "unknown")
+
+
+def refusal(message: str, title: str, client: str | None = None):
+    """A ``gr.Error`` for the page, logged as one line on the server's stderr instead of a traceback
+    (``ATTNQAT_TRACEBACK=1`` keeps Gradio's traceback). A client sending bad requests adds one line each."""
+    import inspect
+    import os
+
+    import gradio as gr
+
+    from attnqat.errors import one_line
+
+    source = f" from {client}" if client else ""
+    print(f"app.py: {title.lower()}{source}: {one_line(message)[:500]}", file=sys.stderr, flush=True)
+    quiet = {} if os.environ.get("ATTNQAT_TRACEBACK") or "print_exception" not in inspect.signature(gr.Error).parameters \
+        else {"print_exception": False}
+    return gr.Error(message, title=title, **quiet)
+
+
+def check_selected(selected, modes: list[str]) -> list[str]:
+    """The page's mode checkboxes as sent (a list of offered mode names; nothing selected: empty or None)."""
+    from attnqat.checks import show
+
+    if selected is None:
+        return []
+    if not isinstance(selected, list) or not all(isinstance(m, str) for m in selected):
+        raise ValueError(f"the modes must be a list of mode names, got {show(selected)}")
+    unknown = [m for m in selected if m not in modes]
+    if unknown:
+        raise ValueError(f"mode {show(unknown[0])} is not offered here; offered: {', '.join(modes)}")
+    return selected
+
+
+def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
     """The page's generate function: an async generator that yields the outputs (per mode: video,
     metrics, strip, lossless frames; then the JSON summary) each time a mode is done.
+
+    Its inputs arrive as the client sent them (the event does not preprocess them), so a wrong type (a
+    seed of 1.5, a list as the prompt, true as a number of steps) is refused, never rounded or turned
+    into text. A valid request then joins ``line`` (:class:`~attnqat.demo.RequestLine`, one generation at a
+    time, bounded in all and per client) or is refused at once.
 
     The generation runs in a worker thread; its denoising progress is reported per mode through
     ``gr.Progress``. If the request is cancelled (the Cancel button, or the page closed), Gradio
@@ -164,25 +215,51 @@ def make_handler(engine, modes: list[str], out_root: str | Path):
     import gradio as gr
     import torch
 
-    from attnqat.demo import new_request_dir, validate_request
+    from attnqat.demo import RequestLine, new_request_dir, validate_request
     from attnqat.errors import GenerationCancelled
 
+    line = RequestLine() if line is None else line
+
     async def generate(prompt, seed, steps, height, width, frames, selected, high_precision_steps=0,
-                       progress=gr.Progress()):
-        selected = [m for m in (selected or []) if m in modes]
-        high_precision_steps = 0 if high_precision_steps is None else high_precision_steps
+                       request: gr.Request = None, progress=gr.Progress()):
+        client = _client(request)
+        high_precision_steps = 0 if high_precision_steps is None else high_precision_steps  # an emptied box
         try:
+            selected = check_selected(selected, modes)
             validate_request(model=engine.model, prompt=prompt, height=height, width=width, frames=frames,
                              steps=steps, seed=seed, modes=["bf16", *selected],
                              high_precision_steps=high_precision_steps)
         except ValueError as e:
-            raise gr.Error(str(e), title="Invalid input") from None
+            raise refusal(str(e), "Invalid input", client) from None
+        try:
+            ahead = line.join(client)
+        except ValueError as e:
+            raise refusal(str(e), "Busy", client) from None
+        try:
+            if ahead:
+                progress(0, desc=f"waiting in line: {ahead} request{'s' if ahead > 1 else ''} ahead")
+            async with line.turn(), contextlib.aclosing(_generate(
+                    prompt, seed, steps, height, width, frames, selected, high_precision_steps, client,
+                    progress)) as outputs:  # closed (its worker told to stop) with this one
+                async for out in outputs:
+                    yield out
+        finally:
+            line.leave(client)
+
+    # Gradio passes the request to a parameter annotated gr.Request; this module's annotations are strings
+    # (``from __future__ import annotations``) naming a local import, which Gradio cannot resolve.
+    generate.__annotations__["request"] = gr.Request
+
+    async def _generate(prompt, seed, steps, height, width, frames, selected, high_precision_steps, client, progress):
         try:
             out_dir = new_request_dir(out_root)
         except OSError as e:
-            raise gr.Error(f"could not create a folder for this request in {str(out_root)!r}: "
-                           f"{e.strerror or e}", title="Generation failed") from None
+            raise refusal(f"could not create a folder for this request in {str(out_root)!r}: "
+                          f"{e.strerror or e}", "Generation failed", client) from None
         run_modes = ["bf16", *[m for m in modes if m in selected]]
+        note = engine.vocabulary_note(prompt)  # mini: the prompt's words it does not know; it goes on
+        if note:
+            gr.Warning(note)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -205,7 +282,7 @@ def make_handler(engine, modes: list[str], out_root: str | Path):
         summary = {"prompt": prompt, "seed": int(seed), "steps": int(steps), "height": int(height),
                    "width": int(width), "frames": int(frames), "high_precision_steps": int(high_precision_steps),
                    "model": engine.model,
-                   "qat_checkpoint": engine.qat_checkpoint, "modes": {}}
+                   "qat_checkpoint": engine.qat_checkpoint, "vocabulary_note": note, "modes": {}}
         shown: dict[str, object] = {}
 
         def outputs():
@@ -213,7 +290,8 @@ def make_handler(engine, modes: list[str], out_root: str | Path):
             for m in modes:
                 r = shown.get(m)
                 if r is not None:
-                    out += [str(r.video), _fmt_metrics(r), str(r.strip),
+                    text = _fmt_metrics(r) + (f"  \n⚠ {note}" if note and m == "bf16" else "")
+                    out += [str(r.video), text, str(r.strip),
                             None if r.frames_zip is None else str(r.frames_zip)]
                 elif m in run_modes:
                     out += [None, f"**{engine.label(m)}**  \nwaiting", None, None]
@@ -246,28 +324,30 @@ def make_handler(engine, modes: list[str], out_root: str | Path):
             return
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            raise gr.Error(f"Out of GPU memory at {int(height)}x{int(width)}, {int(frames)} frames: try a smaller "
-                           f"size or fewer frames.", title="Out of memory") from None
+            raise refusal(f"Out of GPU memory at {int(height)}x{int(width)}, {int(frames)} frames: try a smaller "
+                          f"size or fewer frames.", "Out of memory", client) from None
         except ValueError as e:
-            raise gr.Error(str(e), title="Invalid input") from None
+            raise refusal(str(e), "Invalid input", client) from None
         except gr.Error:
             raise
         except Exception as e:  # shown in the page; the server keeps serving the next request
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            raise gr.Error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                           title="Generation failed") from None
+            raise refusal(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", "Generation failed",
+                          client) from None
         finally:
             cancel.set()  # a cancelled or abandoned request stops at its next denoising step
 
     return generate
 
 
-def build_demo(engine, modes: list[str], out_root: str | Path):
+def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
+    """The page. ``line``: the :class:`~attnqat.demo.RequestLine` its requests join (default: a new one with
+    :data:`~attnqat.demo.LINE_WAITING` waiting, :data:`~attnqat.demo.PER_CLIENT` per client)."""
     import gradio as gr
 
-    from attnqat.demo import (MAX_PROMPT_CHARS, MAX_UPLOAD, SIZE_LIMITS, WORK_LIMITS, model_kind, page_defaults,
-                              request_work)
+    from attnqat.demo import (LINE_WAITING, MAX_PROMPT_CHARS, MAX_UPLOAD, PER_CLIENT, SIZE_LIMITS, WORK_LIMITS,
+                              model_kind, page_defaults, request_work)
     from attnqat.pipelines import TINY_NOTICE
     from attnqat.pipelines.mini import MINI_NOTICE
 
@@ -282,36 +362,39 @@ def build_demo(engine, modes: list[str], out_root: str | Path):
     # Gradio 6 takes the theme in launch() (launch_options); Gradio 5 in Blocks().
     theme = {} if _theme_in_launch() else {"theme": page_theme()}
     with gr.Blocks(title=TITLE, delete_cache=(3600, 3600), **theme) as demo:
-        gr.Markdown(f"# {TITLE}\nThe same prompt and seed, with the transformer's self-attention in each mode. "
-                    "Each video shows its generation time and its fidelity to the BF16 video: PSNR and SSIM, and "
-                    "a strip of its frames over a heat map of |difference| (one colour scale for all modes of a "
-                    "request, dark = equal). Columns appear as their mode finishes. *BF16 on the first/last k "
-                    "steps* runs those denoising steps of every other column in BF16 attention (a precision "
-                    f"schedule, as SageAttention3's authors recommend).\n\n{METRICS_NOTE}")
-        notes = [f"model `{engine.model}` on `{engine.device}` ({str(engine.dtype).replace('torch.', '')})"]
-        if kind == "tiny":
-            notes.append(f"**Note:** {TINY_NOTICE}. It shows the mechanics (the same seed, modes swapped, metrics), "
-                         "not video quality; start the app with `--model mini` (attnqat's own small model, when "
-                         "installed) or `--model <Wan 2.1 folder>` for real videos.")
-        elif kind == "mini":
-            notes.append(f"**Note:** {MINI_NOTICE}.")
-        if "attn_qat" in modes and not engine.qat_checkpoint:
-            notes.append("No `--qat-checkpoint` given: the Attn-QAT column is plain FP4 attention "
-                         "(no QAT checkpoint).")
-        elif "attn_qat" in modes and engine.qat_shipped:
-            notes.append(f"The Attn-QAT column runs the QAT fine-tune shipped with the model "
-                         f"(`{Path(engine.qat_checkpoint).name}`); start the app with `--qat-checkpoint none` for "
-                         f"plain FP4 attention on the base weights.")
-        if "sage3" not in modes:
-            notes.append("SageAttention3 (mode `sage3`) is not registered in this attnqat build.")
-        if on_cpu:
-            notes.append("Running on CPU: keep sizes small.")
-        notes.append(f"Limits of one request: height × width × frames × steps × modes at most "
-                     f"{request_work(**ref):,} pixel-frame-steps (as much as {ref['height']}×{ref['width']}, "
-                     f"{ref['frames']} frames, {ref['steps']} steps in {ref['modes']} modes: {why}); prompts of "
-                     f"up to {MAX_PROMPT_CHARS} characters; uploads up to {MAX_UPLOAD.upper()} (the page takes "
-                     "none). Cancel stops a request at its next denoising step.")
-        gr.Markdown("  \n".join(notes))
+        gr.Markdown(f"# {TITLE}\nThe same prompt and seed, with the transformer's self-attention in each mode; "
+                    "each column's fidelity to the BF16 video under it.")
+        with gr.Accordion("About this demo: the metrics, the model, the limits", open=False):
+            gr.Markdown("Each video shows its generation time and its fidelity to the BF16 video: PSNR and SSIM, and "
+                        "a strip of its frames over a heat map of |difference| (one colour scale for all modes of a "
+                        "request, dark = equal). Columns appear as their mode finishes. *BF16 on the first/last k "
+                        "steps* runs those denoising steps of every other column in BF16 attention (a precision "
+                        f"schedule, as SageAttention3's authors recommend).\n\n{METRICS_NOTE}")
+            notes = [f"model `{engine.model}` on `{engine.device}` ({str(engine.dtype).replace('torch.', '')})"]
+            if kind == "tiny":
+                notes.append(f"**Note:** {TINY_NOTICE}. It shows the mechanics (the same seed, modes swapped, metrics), "
+                             "not video quality; start the app with `--model mini` (attnqat's own small model, when "
+                             "installed) or `--model <Wan 2.1 folder>` for real videos.")
+            elif kind == "mini":
+                notes.append(f"**Note:** {MINI_NOTICE}.")
+            if "attn_qat" in modes and not engine.qat_checkpoint:
+                notes.append("No `--qat-checkpoint` given: the Attn-QAT column is plain FP4 attention "
+                             "(no QAT checkpoint).")
+            elif "attn_qat" in modes and engine.qat_shipped:
+                notes.append(f"The Attn-QAT column runs the QAT fine-tune shipped with the model "
+                             f"(`{Path(engine.qat_checkpoint).name}`); start the app with `--qat-checkpoint none` for "
+                             f"plain FP4 attention on the base weights.")
+            if "sage3" not in modes:
+                notes.append("SageAttention3 (mode `sage3`) is not registered in this attnqat build.")
+            if on_cpu:
+                notes.append("Running on CPU: keep sizes small.")
+            notes.append(f"Limits of one request: height × width × frames × steps × modes at most "
+                         f"{request_work(**ref):,} pixel-frame-steps (as much as {ref['height']}×{ref['width']}, "
+                         f"{ref['frames']} frames, {ref['steps']} steps in {ref['modes']} modes: {why}); prompts of "
+                         f"up to {MAX_PROMPT_CHARS} characters; uploads up to {MAX_UPLOAD.upper()} (the page takes "
+                         f"none). One request generates at a time; at most {LINE_WAITING} wait, {PER_CLIENT} per visitor. "
+                         "Cancel stops a request at its next denoising step.")
+            gr.Markdown("  \n".join(notes))
         with gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", value=MINI_PROMPT if kind == "mini" else DEFAULT_PROMPT, lines=2,
@@ -344,11 +427,14 @@ def build_demo(engine, modes: list[str], out_root: str | Path):
                     outputs.append(gr.File(label=f"{label}: lossless frames (PNG, zip)", elem_id=f"frames-{m}"))
         with gr.Accordion("All metrics (JSON)", open=False):
             summary = gr.JSON(label="metrics (JSON)")
-        event = button.click(make_handler(engine, modes, out_root), [prompt, seed, steps, height, width, frames,
-                                                                     selected, high_steps], [*outputs, summary],
-                             api_name="generate")
+        # Every request reaches the handler at once (concurrency_limit None): its RequestLine lets one generate at a
+        # time, so one GPU is never oversubscribed, and refuses what is beyond its bounds with a reason. Gradio's
+        # own queue (max_size) only holds what arrives faster than the handler can refuse it.
+        event = button.click(make_handler(engine, modes, out_root, line), [prompt, seed, steps, height, width,
+                                                                           frames, selected, high_steps],
+                             [*outputs, summary], api_name="generate", preprocess=False, concurrency_limit=None)
         stop.click(None, None, None, cancels=[event], api_name=False, queue=False)
-    demo.queue(default_concurrency_limit=1)  # one generation at a time: one GPU is never oversubscribed
+    demo.queue(max_size=LINE_WAITING)
     return demo
 
 

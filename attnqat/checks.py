@@ -16,7 +16,7 @@ from pathlib import Path
 
 __all__ = ["LIMITS", "SIZE_MULTIPLE", "TIME_STRIDE", "VAE_SPATIAL_STRIDE", "show", "check_int", "check_float", "check_text",
            "check_video_size", "check_path_text", "check_output_file", "check_output_dir", "check_input_file",
-           "check_device", "check_precompute"]
+           "check_not_input", "model_inputs", "check_device", "check_precompute"]
 
 # Upper limits of the command-line tools. They are typo guards, far above what Wan 2.1 is made for,
 # each with the reason printed when it is hit. The demo page has tighter limits (attnqat.demo).
@@ -247,6 +247,57 @@ def check_input_file(flag: str, value) -> Path:
     except OSError as e:
         raise PermissionError(f"{flag} {show(text)} cannot be read ({e.strerror or e})") from None
     return p
+
+
+def _same_or_inside(path: Path, folder: Path) -> bool:
+    """``path`` is ``folder`` or inside it: symlinks resolved, and a hard link or bind mount recognised by its
+    device and inode."""
+    for a in (path, *path.parents):
+        if a == folder:
+            return True
+        try:
+            if os.path.samefile(a, folder):
+                return True
+        except OSError:  # one of them does not exist (yet)
+            pass
+    return False
+
+
+def check_not_input(out_flag: str, out, inputs, *, holds_inputs_too: bool = False) -> None:
+    """Refuse an output that is one of ``inputs`` (``(flag, path)`` pairs; ``None`` paths skipped) or lies
+    inside one, however it is spelled (``..``, symlinks, hard links): a run never writes over what it reads.
+    ``holds_inputs_too``: the output is a folder replaced as a whole, so an input inside it is refused too."""
+    o = Path(os.path.realpath(Path(str(out)).expanduser()))
+    for flag, value in inputs:
+        if value is None:
+            continue
+        i = Path(os.path.realpath(Path(str(value)).expanduser()))
+        if _same_or_inside(o, i):
+            where = "is" if _same_or_inside(i, o) else "is inside"
+            raise ValueError(f"{out_flag} {show(str(out))} {where} {flag} {show(str(value))}: an output never "
+                             f"replaces what the run reads; choose another {out_flag}")
+        if holds_inputs_too and _same_or_inside(i, o):
+            raise ValueError(f"{flag} {show(str(value))} is inside {out_flag} {show(str(out))}, which is replaced "
+                             f"as a whole; choose another {out_flag}")
+
+
+def model_inputs(flag: str, model: str) -> list[tuple[str, str]]:
+    """What a local model folder is loaded from, as ``(flag, path)`` pairs for :func:`check_not_input`: its
+    model_index.json and the component folders it names (transformer/, vae/, ...). Other files beside them
+    (e.g. the QAT weights ``attnqat export-qat`` writes there) are not the model's. None for tiny and hub ids."""
+    import json
+
+    from attnqat.pipelines.loading import is_tiny, resolve_model
+
+    if is_tiny(model):
+        return []
+    folder = Path(resolve_model(model)).expanduser()
+    index = folder / "model_index.json"
+    try:
+        names = [] if index.stat().st_size > 1 << 20 else [k for k in json.loads(index.read_text()) if k[:1] != "_"]
+    except (OSError, ValueError, TypeError, UnicodeDecodeError):  # not a model folder: nothing it loads
+        return []
+    return [(flag, str(index))] + [(flag, str(folder / n)) for n in names if (folder / n).is_dir()]
 
 
 # --------------------------------------------------------------------------------------------- device

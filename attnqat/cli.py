@@ -11,8 +11,12 @@ Exit status and stderr:
   own errors, and the exceptions in :data:`USER_ERRORS`: bad values, missing model folder,
   unwritable output path, mismatched checkpoint, missing optional dependency).
 - 1, one line ``attnqat CMD: failed: ...``: the run failed for a reason to read, not a bug
-  (:data:`RUN_ERRORS`: an output that could not be written, e.g. a full disk; NaN/inf output).
-- 130 on Ctrl-C. Anything else is a bug and keeps its traceback.
+  (:data:`RUN_ERRORS`: an output that could not be written, e.g. a full disk; NaN/inf output; and an
+  ``OSError`` of the disk itself, :data:`DISK_ERRNOS`, wherever it was raised).
+- 75, one line ``attnqat CMD: busy: ...``: another process is writing the same output (its lock,
+  :mod:`attnqat.locking`, names it); nothing was done: try again when it has finished.
+- 130, one line ``attnqat CMD: interrupted``, on Ctrl-C at any moment, also while the command's modules
+  (torch) are still being imported. Anything else is a bug and keeps its traceback.
 Set ``ATTNQAT_TRACEBACK=1`` to see the traceback of the one-line errors too.
 
 Before a command runs, torch's CPU thread count is capped to the CPUs the process may use unless
@@ -21,11 +25,15 @@ Before a command runs, torch's CPU thread count is capped to the CPUs the proces
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import os
+import signal
 import sys
+import threading
 
-from .errors import ComputeError, NonFiniteOutputError, OutputWriteError, one_line
+from .errors import ComputeError, NonFiniteOutputError, OutputLockedError, OutputWriteError, one_line
 
 # name -> (module, one-line help, argument check run before the module's main or None). The check of
 # precompute lives in attnqat.checks while attnqat/train is being changed in another branch.
@@ -50,6 +58,10 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
 # what to install).
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError)
 RUN_ERRORS = (OutputWriteError, NonFiniteOutputError, ComputeError)
+# A disk that fails a write (full, over quota, read-only, broken): a reason to read, not a bug.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG)
+BUSY = 75  # sysexits.h's EX_TEMPFAIL: a temporary failure, the same command may succeed later
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -102,8 +114,39 @@ def _check(spec: str | None, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _selected_command(argv)
+    try:  # Ctrl-C is one line from the first moment: importing a command's module (torch) takes seconds
+        return _run(argv, command)
+    except KeyboardInterrupt:
+        if os.environ.get("ATTNQAT_TRACEBACK"):
+            raise
+        print(f"attnqat{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+@contextlib.contextmanager
+def _imports_uninterrupted():
+    """Hold a Ctrl-C that comes while the command's modules import (torch: seconds) until they have, then
+    raise it: an import cut part way leaves a module half-initialised (numpy then refuses to load again, and the
+    run ends in a misleading error), and some libraries' imports swallow the interrupt. Where SIGINT is not
+    Python's default handler (ignored in a background job, or the caller's own), it is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pending = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
     try:
-        parser = build_parser(command)
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
+
+
+def _run(argv: list[str], command: str | None) -> int:
+    try:
+        with _imports_uninterrupted():
+            parser = build_parser(command)
     except ImportError as e:  # the selected command's optional dependency is missing
         if os.environ.get("ATTNQAT_TRACEBACK"):
             raise
@@ -113,11 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # reported by the command's own parser, so the message names the command
         getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        _check(COMMANDS[args.command][2], args)
-        from .threads import limit_torch_threads
+        with _imports_uninterrupted():
+            _check(COMMANDS[args.command][2], args)
+            from .threads import limit_torch_threads
 
-        limit_torch_threads()
+            limit_torch_threads()
         return int(args._module.main(args) or 0)
+    except OutputLockedError as e:
+        if os.environ.get("ATTNQAT_TRACEBACK"):
+            raise
+        _report(args.command, "busy", e)
+        return BUSY
     except RUN_ERRORS as e:
         if os.environ.get("ATTNQAT_TRACEBACK"):
             raise
@@ -128,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _report(args.command, "error", e)
         return 2
-    except KeyboardInterrupt:
-        print(f"attnqat {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except OSError as e:
+        if e.errno not in DISK_ERRNOS or os.environ.get("ATTNQAT_TRACEBACK"):
+            raise
+        where = f" ({one_line(str(e.filename))})" if e.filename else ""
+        print(f"attnqat {args.command}: failed: {one_line(e.strerror or str(e))}{where}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -67,11 +67,12 @@ from attnqat.checks import check_text, check_video_size
 from attnqat.errors import GenerationCancelled
 from attnqat.outputs import write_file_atomically
 
-__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "difference_strip",
+__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "psnr_frames_line",
+           "difference_strip",
            "heat_colors", "heat_scale", "demo_modes", "mode_label", "validate_request", "request_work",
            "page_defaults", "new_request_dir", "prune_requests", "register_output", "WORK_LIMITS", "SIZE_LIMITS",
            "model_kind",
-           "REQUESTS_FOLDER", "KEEP_REQUESTS", "MAX_PROMPT_CHARS"]
+           "REQUESTS_FOLDER", "KEEP_REQUESTS", "MAX_PROMPT_CHARS", "RequestLine", "LINE_WAITING", "PER_CLIENT"]
 
 #: The modes the demo compares, in page order; only those registered in attnqat.kernels appear.
 DEMO_MODES = ("bf16", "sage3", "attn_qat", "nvfp4")
@@ -105,6 +106,10 @@ WORK_LIMITS = {
 }
 MAX_PROMPT_CHARS = 2000  # the text encoder reads 512 tokens (about 2000 characters); the rest is cut anyway
 MAX_UPLOAD = "1mb"  # the page takes no files; Gradio's upload route refuses anything larger
+# The line of requests (:class:`RequestLine`): one generates, at most LINE_WAITING wait behind it (at the largest
+# tiny request, 43 s each on a 2-core CPU, about six minutes of work), at most PER_CLIENT of them from one client.
+LINE_WAITING = 8
+PER_CLIENT = 2
 KEEP_REQUESTS = 8  # output folders of the last 8 requests are kept on disk (the page may still show them)
 REQUESTS_FOLDER = "attnqat-demo-requests"  # made by the app inside --out-dir; all it writes goes there
 REQUEST_MARKER = ".attnqat-demo-request.json"  # in each request folder: proof the app made it, its files
@@ -136,7 +141,32 @@ def mode_label(mode: str, qat_checkpoint: str | None = None, shipped: bool = Fal
 
 
 # ---------------------------------------------------------------------------------------------- metrics
-from attnqat.quality import _check_videos, psnr, ssim  # noqa: E402  (defined once, with the detector)
+from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # noqa: E402  (defined once, with the detector)
+
+_SPARK = "▁▂▃▄▅▆▇█"  # a per-frame curve in one line of text, lowest to highest
+
+
+def psnr_frames_line(per_frame: list[float]) -> str:
+    """One line on a video's PSNR per frame: the worst frame, the last frame and the curve as a sparkline
+    (lowest to highest of this video), e.g. ``per frame: worst 18.3 dB (frame 31), last 19.0 dB ▇▇▆▃▁``.
+    Identical frames (``inf``) show as ∞ and the top of the sparkline; a NaN frame as ``?``."""
+    v = np.asarray(per_frame, dtype=np.float64)
+    c = curve_summary(v)
+    finite = v[np.isfinite(v)]
+    lo, hi = (finite.min(), finite.max()) if len(finite) else (0.0, 0.0)
+
+    def bar(x: float) -> str:
+        if np.isnan(x):
+            return "?"
+        if np.isinf(x) or hi == lo:
+            return _SPARK[-1]
+        return _SPARK[int(round((x - lo) / (hi - lo) * (len(_SPARK) - 1)))]
+
+    def db(x: float) -> str:
+        return "∞" if np.isinf(x) else f"{x:.1f} dB"
+
+    return (f"per frame: worst {db(c['worst'])} (frame {c['worst_frame']}), last {db(c['last'])} "
+            + "".join(bar(x) for x in v))
 
 
 # A perceptual dark-to-bright colour scale (anchors of matplotlib's "inferno"), interpolated in numpy
@@ -235,6 +265,8 @@ def validate_request(*, model: str, prompt: str, height: int, width: int, frames
                                                  seed=seed).items()}
     high_k = _whole("bf16 steps (first/last k)", high_precision_steps)
     check_text("the prompt", prompt if prompt is not None else "", max_chars=MAX_PROMPT_CHARS)
+    if not isinstance(modes, (list, tuple)) or not all(isinstance(m, str) for m in modes):
+        raise ValueError(f"modes must be a list of mode names, got {modes!r}"[:200])
     if not modes:
         raise ValueError("no attention mode selected")
     for mode in modes:
@@ -260,6 +292,56 @@ def validate_request(*, model: str, prompt: str, height: int, width: int, frames
             f" = {work:,} pixel-frame-steps; the limit, {limit:,}, is the work of {ref['height']}x{ref['width']}, "
             f"{ref['frames']} frames, {ref['steps']} steps in {ref['modes']} modes ({why}). Use fewer steps, "
             f"frames or modes, or a smaller size")
+
+
+class RequestLine:
+    """The demo's requests, first come first served: one generates at a time, at most ``waiting`` wait behind it
+    and at most ``per_client`` of all those come from one client, so one visitor cannot queue hours of work or
+    crowd out the others. A request beyond either bound is refused at once (:meth:`join` raises ``ValueError``).
+
+        line.join(client)           # or ValueError
+        try:
+            async with line.turn():     # waits for the requests ahead
+                ...
+        finally:
+            line.leave(client)
+    """
+
+    def __init__(self, waiting: int = LINE_WAITING, per_client: int = PER_CLIENT):
+        self.waiting, self.per_client = waiting, per_client
+        self.clients: dict[str, int] = {}
+        self._turn = None  # an asyncio.Lock, made in the server's event loop on first use (it wakes waiters in order)
+
+    def __len__(self) -> int:
+        return sum(self.clients.values())
+
+    def join(self, client: str) -> int:
+        """Admit a request of ``client``. Return: the number of requests ahead of it."""
+        ahead = len(self)
+        if ahead > self.waiting:
+            raise ValueError(f"the demo is busy: {ahead} requests are in line (one generates, at most {self.waiting} "
+                             f"wait); try again in a few minutes")
+        if self.clients.get(client, 0) >= self.per_client:
+            raise ValueError(f"you have {self.clients[client]} requests in line already (at most {self.per_client} "
+                             f"per client); wait for one to finish, or cancel it")
+        self.clients[client] = self.clients.get(client, 0) + 1
+        return ahead
+
+    def leave(self, client: str) -> None:
+        """A request of ``client`` finished, failed or was cancelled (waiting or generating)."""
+        left = self.clients.get(client, 0) - 1
+        if left > 0:
+            self.clients[client] = left
+        else:
+            self.clients.pop(client, None)
+
+    def turn(self):
+        """An async context manager held while a request generates."""
+        import asyncio
+
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        return self._turn
 
 
 @dataclass
@@ -360,6 +442,15 @@ class DemoEngine:
 
     def label(self, mode: str) -> str:
         return mode_label(mode, self.qat_checkpoint, self.qat_shipped)
+
+    def vocabulary_note(self, prompt: str) -> str | None:
+        """For mini, the line naming the prompt's words it does not know
+        (:func:`~attnqat.pipelines.mini.vocabulary_note`); None for other models or a prompt it knows."""
+        if model_kind(self.model) != "mini":
+            return None
+        from attnqat.pipelines.mini import vocabulary_note
+
+        return vocabulary_note(self.pipe.tokenizer, prompt)
 
     def run(self, prompt: str, *, modes: list[str], height: int, width: int, frames: int, steps: int,
             seed: int, out_dir: str | Path, progress=None, on_run=None, cancel: threading.Event | None = None,

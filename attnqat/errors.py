@@ -5,12 +5,17 @@ and exits with status 1 (status 2 is for mistakes in the arguments, see :mod:`at
 """
 from __future__ import annotations
 
-__all__ = ["OutputWriteError", "NonFiniteOutputError", "GenerationCancelled", "ComputeError", "one_line"]
+__all__ = ["OutputWriteError", "OutputLockedError", "NonFiniteOutputError", "GenerationCancelled", "ComputeError", "one_line"]
 
 
 class OutputWriteError(OSError):
     """An output file or folder could not be written (disk full, folder removed meanwhile, ...), or it
     was written but does not read back. The message says whether an earlier file was kept."""
+
+
+class OutputLockedError(RuntimeError):
+    """Another process is writing the same output (it holds its lock, :mod:`attnqat.locking`); nothing was
+    done. The message names that process. The console script exits with status 75 (try again later)."""
 
 
 class NonFiniteOutputError(RuntimeError):

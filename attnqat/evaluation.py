@@ -13,7 +13,13 @@ For a list of variants, on the held-out attribute combinations of the procedural
   :func:`attnqat.quality.detect` against the prompt's attributes (``acc_all``: every attribute right);
 - **PSNR / SSIM** of each video to the bf16 video of the same prompt and seed (the reference row has none);
 - **gap closed** ``(FP4 - X) / (FP4 - bf16)`` on the flow loss and on ``acc_all``, against an FP4 reference
-  row (by default the base weights in nvfp4) and a bf16 reference row (by default the first row).
+  row (by default the base weights in nvfp4) and a bf16 reference row (by default the first row);
+- **per frame**, so that a video that falls apart late cannot hide in a mean: the flow loss, velocity distance
+  and gap closed per latent frame, PSNR / SSIM per video frame, and the asked object's presence in its asked
+  colour per frame (:func:`attnqat.quality.presence`).
+
+:func:`vae_round_trip` measures a VAE the same way: every frame of round trips of clips, PSNR over the whole
+frame and the object, and the detector's colour and shape reading.
 
 ``attnqat quality`` (:mod:`attnqat.quality_cli`) and ``bench/quality.py`` print and save the table.
 """
@@ -130,8 +136,9 @@ def flow_metrics(transformer, variants: list[Variant], x0: torch.Tensor, embeds:
                  sigmas=EVAL_SIGMAS, seed: int = 0, batch: int = 8, bf16_sigmas: dict | None = None,
                  weights: _Weights | None = None, progress=None) -> dict[str, dict]:
     """Flow loss and velocity distance to bf16 of each variant on clips ``x0`` (n, C, F, H, W) with prompt
-    embeddings ``embeds``; the first variant is taken as the bf16 reference when its mode is bf16 on the base
-    weights. ``bf16_sigmas``: label -> indices of ``sigmas`` evaluated with bf16 attention (precision-schedule
+    embeddings ``embeds``, over all latent positions and per latent frame (``flow_loss_frames``,
+    ``velocity_distance_frames``: F values each); the first variant is taken as the bf16 reference when its
+    mode is bf16 on the base weights. ``bf16_sigmas``: label -> indices of ``sigmas`` evaluated with bf16 attention (precision-schedule
     rows, :func:`bf16_sigma_indices`). ``progress``: a tqdm-like object, ``update(1)`` after each variant."""
     weights = weights or _Weights(transformer)
     # the dtype of the input projection: diffusers keeps some modules (norms, the time embedding) in fp32
@@ -143,6 +150,7 @@ def flow_metrics(transformer, variants: list[Variant], x0: torch.Tensor, embeds:
         weights.use(variant.weights)
         in_bf16 = (bf16_sigmas or {}).get(variant.label, set())
         loss_sum, count, vels = 0.0, 0, []
+        loss_frames = torch.zeros(x0.shape[2], dtype=torch.float64)  # per latent frame, summed over clips
         for si, sigma in enumerate(sigmas):
             _use_mode(transformer, Variant(variant.label, variant.schedule.mode) if si in in_bf16 else variant)
             for i in range(0, len(x0), batch):
@@ -151,15 +159,19 @@ def flow_metrics(transformer, variants: list[Variant], x0: torch.Tensor, embeds:
                 t = torch.full((len(x),), sigma * 1000.0, device=x.device)
                 v = transformer(hidden_states=xt.to(dtype), timestep=t, encoder_hidden_states=e.to(dtype),
                                 return_dict=False)[0].float()
-                loss_sum += (v - (n - x)).pow(2).flatten(1).mean(1).sum().item()
+                err = (v - (n - x)).pow(2)
+                loss_sum += err.flatten(1).mean(1).sum().item()
+                loss_frames += err.mean((1, 3, 4)).sum(0).double().cpu()
                 count += len(x)
                 vels.append(v.cpu())
         v_all = torch.cat(vels)
-        row = {"flow_loss": loss_sum / count}
+        row = {"flow_loss": loss_sum / count, "flow_loss_frames": (loss_frames / count).tolist()}
         if ref is None and variant.mode == "bf16" and variant.weights is None and not in_bf16:
             ref = v_all
         if ref is not None:
             row["velocity_distance"] = ((v_all - ref).pow(2).sum() / ref.pow(2).sum()).item()
+            per_frame = (0, 1, 3, 4)  # all but the latent frame
+            row["velocity_distance_frames"] = ((v_all - ref).pow(2).sum(per_frame) / ref.pow(2).sum(per_frame)).tolist()
         out[variant.label] = row
         if progress is not None:
             progress.update(1)
@@ -209,12 +221,17 @@ def work_units(variants: int, prompts: int, batch: int) -> int:
     return variants * (1 + math.ceil(prompts / batch))
 
 
-def video_psnr(ref: np.ndarray, x: np.ndarray) -> float:
-    """PSNR (dB) of a video to a reference: the mean over frames, each frame's capped at :data:`PSNR_CAP_DB`
-    (an identical frame's is infinite)."""
+def video_psnr_frames(ref: np.ndarray, x: np.ndarray) -> list[float]:
+    """PSNR (dB) of each frame of a video to a reference, capped at :data:`PSNR_CAP_DB` (an identical frame's
+    is infinite)."""
     from attnqat.quality import psnr
 
-    return float(np.mean([min(v, PSNR_CAP_DB) for v in psnr(ref, x)[1]]))
+    return [min(v, PSNR_CAP_DB) for v in psnr(ref, x)[1]]
+
+
+def video_psnr(ref: np.ndarray, x: np.ndarray) -> float:
+    """PSNR (dB) of a video to a reference: the mean over frames of :func:`video_psnr_frames`."""
+    return float(np.mean(video_psnr_frames(ref, x)))
 
 
 def default_fp4_reference(variants: list[Variant]) -> str | None:
@@ -229,7 +246,8 @@ def default_fp4_reference(variants: list[Variant]) -> str | None:
 def add_gap_closed(rows: dict[str, dict], fp4: str, bf16: str) -> None:
     """Add ``gap_closed_loss`` (on ``flow_loss``), ``gap_closed_velocity`` (on ``velocity_distance``: the bf16
     end is 0 there, so it is 1 - distance / FP4's distance) and ``gap_closed_acc`` (on ``acc_all``) to every
-    row: :func:`gap_closed` with the rows ``fp4`` and ``bf16`` as the two ends (None where undefined)."""
+    row: :func:`gap_closed` with the rows ``fp4`` and ``bf16`` as the two ends (None where undefined); and per
+    latent frame ``gap_closed_loss_frames`` and ``gap_closed_velocity_frames`` from the rows' per-frame lists."""
     for key, metric in (("gap_closed_loss", "flow_loss"), ("gap_closed_velocity", "velocity_distance"),
                         ("gap_closed_acc", "acc_all")):
         lo, hi = rows[fp4].get(metric), rows[bf16].get(metric)
@@ -237,6 +255,13 @@ def add_gap_closed(rows: dict[str, dict], fp4: str, bf16: str) -> None:
             x = row.get(metric)
             g = gap_closed(lo, x, hi) if None not in (lo, hi, x) else float("nan")
             row[key] = g if math.isfinite(g) else None
+    for key, metric in (("gap_closed_loss_frames", "flow_loss_frames"),
+                        ("gap_closed_velocity_frames", "velocity_distance_frames")):
+        lo, hi = rows[fp4].get(metric), rows[bf16].get(metric)
+        for row in rows.values():
+            x = row.get(metric)
+            gaps = [] if None in (lo, hi, x) else [gap_closed(a, b, c) for a, b, c in zip(lo, x, hi)]
+            row[key] = [g if math.isfinite(g) else None for g in gaps] or None
 
 
 def check_variants(variants: list[Variant]) -> None:
@@ -282,8 +307,11 @@ def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 3
         progress: a tqdm-like object, updated :func:`work_units` times.
     Return: ``{"rows": {label: {...}}, "order": [labels], "references": {...}, "prompts", "truth",
     "detections": {label: [...]}, settings...}``, plus ``"videos": {label: uint8 array}`` if ``keep_videos``.
+    Each row holds the averages and the per-frame curves (``flow_loss_frames``, ``velocity_distance_frames``,
+    ``gap_closed_*_frames`` per latent frame; ``psnr_frames``, ``ssim_frames`` and ``presence`` per video
+    frame); each detection the whole video's reading and ``colour_frames``, the colour read in each frame.
     """
-    from attnqat.quality import detect, score, ssim
+    from attnqat.quality import detect, detect_frames, presence, score, ssim
 
     check_variants(variants)
     labels = [v.label for v in variants]
@@ -308,18 +336,23 @@ def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 3
         vids, finite = generate_videos(pipe, variant, texts, height=height, width=width, frames=frames, steps=steps,
                                        guidance=guidance, seed=seed, batch=batch, progress=progress)
         dets = [detect(v) for v in vids]
+        readings = [detect_frames(v) for v in vids]
         acc = score(dets, [t for _, t in truth])
         row = dict(flow[variant.label])
         row.update({f"acc_{k}": acc[k] for k in ("colour", "shape", "motion", "direction", "all")})
+        row["presence"] = presence(readings, [t for _, t in truth])
         row["nonfinite_videos"] = int((~finite).sum())
         if ref_videos is None:
             ref_videos = vids
-            row["psnr"] = row["ssim"] = None  # the reference itself
+            row["psnr"] = row["ssim"] = row["psnr_frames"] = row["ssim_frames"] = None  # the reference itself
         else:
-            row["psnr"] = float(np.mean([video_psnr(a, b) for a, b in zip(ref_videos, vids)]))
-            row["ssim"] = float(np.mean([ssim(a, b)[0] for a, b in zip(ref_videos, vids)]))
+            psnrs = np.array([video_psnr_frames(a, b) for a, b in zip(ref_videos, vids)])  # (videos, frames)
+            ssims = np.array([ssim(a, b)[1] for a, b in zip(ref_videos, vids)])
+            row["psnr"], row["ssim"] = float(psnrs.mean()), float(ssims.mean())
+            row["psnr_frames"], row["ssim_frames"] = psnrs.mean(0).tolist(), ssims.mean(0).tolist()
         results[variant.label] = row
-        detections[variant.label] = [{k: d.get(k) for k in ("colour", "shape", "motion")} for d in dets]
+        detections[variant.label] = [{**{k: d.get(k) for k in ("colour", "shape", "motion")},
+                                      "colour_frames": r["colour"]} for d, r in zip(dets, readings)]
         if keep_videos:
             videos[variant.label] = vids
     weights.use(None)
@@ -334,6 +367,67 @@ def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 3
             "prompts": texts, "truth": [t for _, t in truth], "detections": detections, "size": list(size),
             "steps": steps, "guidance": guidance, "seed": seed, "corpus_seed": corpus_seed, "clips": clips,
             "sigmas": list(EVAL_SIGMAS), "psnr_cap_db": PSNR_CAP_DB, "videos": videos if keep_videos else None}
+
+
+@torch.no_grad()
+def vae_round_trip(vae, clips: torch.Tensor, truths: list[dict] | None = None, *, batch: int = 4) -> dict:
+    """Each frame of VAE round trips (encode, the posterior's mode, decode), measured against the clip.
+
+    Arguments:
+        vae: an ``AutoencoderKLWan`` on any device, in any dtype (the clips go to its device and dtype).
+        clips: (n, 3, frames, H, W) float in [-1, 1], the corpus layout (``Corpus.batch``'s videos).
+        truths: per clip the attributes the detector should read (``{"colour", "shape"}``, e.g. a corpus
+            spec's ``attributes``); None: what :func:`attnqat.quality.detect` reads off the clip itself.
+        batch: clips per encode / decode.
+    Return: per clip and frame (lists of lists, n x frames): ``"psnr"`` in dB over the whole frame (RGB,
+    [-1, 1] taken as 0..255, the round trip clamped to it; ``inf`` where equal), ``"psnr_object"`` the same
+    over the clip's object region (the pixels where :func:`attnqat.quality.object_mask` of the clip is
+    >= 0.5; None where a frame has none), ``"colour_ok"`` and ``"shape_ok"``
+    (:func:`attnqat.quality.detect_frames` of the round trip reads the truth's colour, shape: an object not
+    found or cut by the border is wrong); ``"per_frame"``: each of the four averaged over the clips, frame
+    by frame (PSNR as the mean dB; the checks as the fraction of clips right); ``"min"``: the lowest
+    ``"psnr"`` and ``"psnr_object"`` of any frame of any clip and the lowest per-frame fraction of
+    ``"colour_ok"`` and ``"shape_ok"``; ``"max"``: the highest ``"psnr"`` of any frame.
+    """
+    from attnqat.quality import detect, detect_frames, object_mask
+
+    if not (isinstance(clips, torch.Tensor) and clips.ndim == 5 and clips.shape[1] == 3 and clips.is_floating_point()):
+        raise ValueError(f"clips must be a (n, 3, frames, H, W) float tensor, got "
+                         f"{getattr(clips, 'shape', type(clips).__name__)}")
+    if truths is not None and len(truths) != len(clips):
+        raise ValueError(f"{len(clips)} clips but {len(truths)} truths")
+    param = next(vae.parameters())
+    out = {k: [] for k in ("psnr", "psnr_object", "colour_ok", "shape_ok")}
+    for i in range(0, len(clips), batch):
+        x = clips[i:i + batch].to(param.device, param.dtype)
+        recon = vae.decode(vae.encode(x).latent_dist.mode()).sample.float().clamp(-1, 1).cpu().double()
+        for j, (clip, back) in enumerate(zip(clips[i:i + batch].detach().cpu().double(), recon)):
+            err = ((back - clip) / 2).pow(2)  # (3, F, H, W) on the [0, 1] scale
+            region = (object_mask(clip) >= 0.5).double()  # (F, H, W)
+            out["psnr"].append(_db(err.mean((0, 2, 3))).tolist())
+            covered = region.sum((1, 2))
+            obj = _db((err * region).sum((0, 2, 3)) / (3 * covered).clamp(min=1))
+            out["psnr_object"].append([v if c > 0 else None for v, c in zip(obj.tolist(), covered.tolist())])
+            truth = truths[i + j] if truths is not None else detect(clip)
+            reading = detect_frames(back)
+            out["colour_ok"].append([f and c == truth.get("colour") for f, c in zip(reading["found"], reading["colour"])])
+            out["shape_ok"].append([f and s == truth.get("shape") for f, s in zip(reading["found"], reading["shape"])])
+    psnr = np.array(out["psnr"], dtype=np.float64)
+    has = np.array([[v is not None for v in row] for row in out["psnr_object"]])  # (n, F): a region to measure
+    obj = np.array([[0.0 if v is None else v for v in row] for row in out["psnr_object"]], dtype=np.float64)
+    colour, shape = np.array(out["colour_ok"], dtype=np.float64), np.array(out["shape_ok"], dtype=np.float64)
+    out["per_frame"] = {"psnr": psnr.mean(0).tolist(),
+                        "psnr_object": [float(obj[h, f].mean()) if h.any() else None for f, h in enumerate(has.T)],
+                        "colour_ok": colour.mean(0).tolist(), "shape_ok": shape.mean(0).tolist()}
+    out["min"] = {"psnr": float(psnr.min()), "psnr_object": float(obj[has].min()) if has.any() else None,
+                  "colour_ok": float(colour.mean(0).min()), "shape_ok": float(shape.mean(0).min())}
+    out["max"] = {"psnr": float(psnr.max())}
+    return out
+
+
+def _db(mse: torch.Tensor) -> torch.Tensor:
+    """PSNR in dB of mean squared errors on the [0, 1] scale (``inf`` for 0, NaN for NaN)."""
+    return 10 * torch.log10(1 / mse)
 
 
 def gap_closed(fp4: float, qat: float, bf16: float) -> float:

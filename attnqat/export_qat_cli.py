@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import argparse
 
-from attnqat.checks import check_output_file, check_text
+from attnqat.checks import check_not_input, check_output_file, check_text, model_inputs
 from attnqat.errors import one_line
+from attnqat.locking import output_lock
 from attnqat.pipelines.mini import DEFAULT_MODEL
 
 # torch and diffusers are imported where they are used, so `attnqat export-qat --help` stays fast.
@@ -57,6 +58,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_qat_checkpoint(args.finetune, flag="--from")
     check_model(args.model)
     check_output_file("--out", args.out, (".safetensors",))
+    check_not_input("--out", args.out, [("--from", args.finetune)] + model_inputs("--model", args.model))
     if args.trained is not None:
         args.trained = one_line(check_text("--trained", args.trained, max_chars=MAX_TRAINED_CHARS))
 
@@ -65,7 +67,8 @@ def main(args: argparse.Namespace) -> int:
     from attnqat.pipelines.qat_weights import export_qat_weights
 
     check_arguments(args)
-    written = export_qat_weights(args.finetune, args.model, args.out, trained=args.trained, storage=args.storage)
+    with output_lock(args.out, "attnqat export-qat"):
+        written = export_qat_weights(args.finetune, args.model, args.out, trained=args.trained, storage=args.storage)
     size = written.path.stat().st_size
     print(f"wrote {written.path}: {len(written.tensors)} tensors that differ from {args.model}'s in bf16, as "
           f"{written.storage} ({size / 1e6:.2f} MB); base fingerprint {written.base[:12]}; trained: {written.trained}")

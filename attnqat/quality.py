@@ -33,6 +33,11 @@ The detector reads only pixels, never a spec. It relies on the corpus's one desi
 Measured accuracy: docs/corpus.md (``python bench/detector.py`` measures it); tests/test_quality.py
 asserts the bars.
 
+Per frame: :func:`detect_frames` reads the object's presence, colour and shape off each frame on its own
+(the same masks; a frame's own colour vote and shape match), :func:`presence` turns the readings of a set
+of videos into how often the asked object is there in the asked colour, frame by frame and over the last
+:data:`LAST_FRAMES` frames, and :func:`curve_summary` puts a per-frame curve in a few numbers.
+
 PSNR and SSIM (as the demo reports them), over the frames of two videos of one shape
 (frames, H, W, 3), uint8 or float in [0, 1]:
 
@@ -51,8 +56,9 @@ import torch.nn.functional as F
 
 from attnqat.corpus import COLOURS, MOTION_DIRECTIONS, SHAPES, shape_sdf
 
-__all__ = ["detect", "score", "psnr", "ssim", "degrade", "to_uint8_frames", "MIN_AREA_PIXELS", "MIN_TRAVEL",
-           "GROW_MAX_TRAVEL", "GROW_MIN_RATIO"]
+__all__ = ["detect", "score", "detect_frames", "presence", "curve_summary", "object_mask", "psnr", "ssim", "degrade",
+           "to_uint8_frames", "MIN_AREA_PIXELS", "MIN_TRAVEL", "GROW_MAX_TRAVEL", "GROW_MIN_RATIO", "MAX_AREA_FRACTION",
+           "LAST_FRAMES"]
 
 MIN_AREA_PIXELS = 4       # a frame with less mask than this has no object
 MIN_CHROMA = 0.3          # an object's chroma level below this is no object (corpus objects: >= 0.6)
@@ -60,6 +66,8 @@ MIN_TRAVEL = 0.1          # a centroid that moves less (short sides) has no dire
 GROW_MAX_TRAVEL = 0.12    # grow / shrink: the centroid moves less than this (short sides) ...
 GROW_MIN_RATIO = 1.4      # ... and the area changes by more than this factor (corpus: 1.7^2 or more)
 CORE_MASK = 0.75          # pixels at least this deep in the mask vote for the colour
+MAX_AREA_FRACTION = 0.5   # per frame: a mask over more of the frame is a flooded background (corpus objects: < 0.4)
+LAST_FRAMES = 8           # presence(): the final frames also read on their own
 _CANONICAL = 33           # canonical frame of the shape match: 33 x 33 samples ...
 _CANONICAL_SPAN = 1.1     # ... over +-1.1 sqrt(area); the farthest point of a unit-area corpus shape is 0.9
 _SECTORS = ("right", "up-right", "up", "up-left", "left", "down-left", "down", "down-right")
@@ -174,10 +182,11 @@ def _canonical(mask: torch.Tensor) -> torch.Tensor:
     return F.grid_sample(mask[:, None], grid, mode="bilinear", padding_mode="zeros", align_corners=False)[:, 0]
 
 
-def _shape_distances(mask: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, area: torch.Tensor) -> torch.Tensor:
+def _shape_distances(mask: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, area: torch.Tensor, *,
+                     per_frame: bool = False) -> torch.Tensor:
     """(shapes, blurs) distance of the observed masks (N, H, W) of chosen frames (centroids cx, cy
     and areas (N,)) to every shape of :data:`~attnqat.corpus.SHAPES` under every blur of
-    :data:`_TEMPLATE_BLURS`.
+    :data:`_TEMPLATE_BLURS`; ``per_frame``: (shapes, blurs, N), each frame matched on its own.
 
     Each hypothesis goes through what the video went through: the shape is drawn on the frame's pixel
     grid at the observed centroid and area, with the corpus's one-pixel edge, blurred, normalised by
@@ -204,7 +213,7 @@ def _shape_distances(mask: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, are
     rows = (y0.view(-1, 1) + steps.view(1, -1)).view(n, side, 1)
     cols = (x0.view(-1, 1) + steps.view(1, -1)).view(n, 1, side)
     crops = padded[torch.arange(n).view(-1, 1, 1), rows, cols]  # (n, side, side)
-    observed = _canonical(crops).mean(0)
+    observed = _canonical(crops) if per_frame else _canonical(crops).mean(0)
 
     # Local pixel coordinates of the window: the object's centroid sits at (reach + fraction).
     lx = (steps.view(1, 1, -1) - reach - (cx - x0).view(-1, 1, 1)).float()
@@ -219,9 +228,10 @@ def _shape_distances(mask: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, are
         b = _blur(alpha, sigma)
         b = b / _peak(b).view(-1, 1, 1)  # a thin part loses contrast in the video too
         m = (0.5 + (b - 0.5) * _MASK_GAIN).clamp(0, 1)
-        out.append(_canonical(m).view(len(SHAPES), n, _CANONICAL, _CANONICAL).mean(1))
-    hypotheses = torch.stack(out, 1)  # (shapes, blurs, S, S)
-    return ((hypotheses - observed) ** 2).sum((2, 3))
+        hypothesis = _canonical(m).view(len(SHAPES), n, _CANONICAL, _CANONICAL)
+        out.append(hypothesis if per_frame else hypothesis.mean(1))
+    hypotheses = torch.stack(out, 1)  # (shapes, blurs, S, S) or per frame (shapes, blurs, N, S, S)
+    return ((hypotheses - observed) ** 2).sum((-2, -1))
 
 
 def _object_mask(frames: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -271,6 +281,26 @@ def _refine_mask(frames: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(wild.view(-1, 1, 1), mask, refined)
 
 
+def _nearest_colours(rgb: torch.Tensor) -> torch.Tensor:
+    """(P,) index into :data:`~attnqat.corpus.COLOURS` of the nearest hue of each pixel of (3, P)."""
+    hues = _hue_degrees(rgb.reshape(3, -1, 1))[:, 0]
+    gap = (hues[:, None] - _COLOUR_HUES[None, :]).abs() % 360
+    return torch.minimum(gap, 360 - gap).argmin(1)
+
+
+def _centroids(mask: torch.Tensor, area: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) centroids, pixels, of the masks (F, H, W) of areas (F,)."""
+    ys = torch.arange(mask.shape[1], dtype=torch.float32).view(1, -1, 1)
+    xs = torch.arange(mask.shape[2], dtype=torch.float32).view(1, 1, -1)
+    return (mask * xs).sum((1, 2)) / area.clamp(min=1e-6), (mask * ys).sum((1, 2)) / area.clamp(min=1e-6)
+
+
+def _touches_border(mask: torch.Tensor) -> torch.Tensor:
+    """(F,) bool: the solid part (>= 0.5) of each frame's mask reaches the frame's edge (the object is cut)."""
+    solid = mask >= 0.5
+    return solid[:, 0].any(1) | solid[:, -1].any(1) | solid[:, :, 0].any(1) | solid[:, :, -1].any(1)
+
+
 def _fit_line(t: torch.Tensor, y: torch.Tensor) -> float:
     """Least-squares slope of y over t."""
     tc = t - t.mean()
@@ -305,22 +335,15 @@ def detect(video) -> dict:
     core = chroma_mask >= CORE_MASK
     if not core.any():
         core = chroma_mask >= chroma_mask.max() * 0.9
-    hues = _hue_degrees(rgb[:, core].view(3, -1, 1))[:, 0]  # (pixels,)
-    gap = (hues[:, None] - _COLOUR_HUES[None, :]).abs() % 360
-    nearest = torch.minimum(gap, 360 - gap).argmin(1)
+    nearest = _nearest_colours(rgb[:, core])
     result["colour"] = _COLOUR_NAMES[torch.bincount(nearest, minlength=len(_COLOUR_NAMES)).argmax().item()]
 
     # Centroids and areas of the frames with an object.
-    ys = torch.arange(height, dtype=torch.float32).view(1, -1, 1)
-    xs = torch.arange(width, dtype=torch.float32).view(1, 1, -1)
-    cx = (mask * xs).sum((1, 2)) / area.clamp(min=1e-6)
-    cy = (mask * ys).sum((1, 2)) / area.clamp(min=1e-6)
+    cx, cy = _centroids(mask, area)
 
     # Shape: from the frames where the object is whole (off the border) and large (at least half its
     # largest whole area), up to _SHAPE_FRAMES of them.
-    solid = mask >= 0.5
-    touches = solid[:, 0].any(1) | solid[:, -1].any(1) | solid[:, :, 0].any(1) | solid[:, :, -1].any(1)
-    whole = present & ~touches
+    whole = present & ~_touches_border(mask)
     if whole.any():
         idx = (whole & (area >= _SHAPE_MIN_AREA * area[whole].max())).nonzero()[:, 0]
         idx = idx[torch.linspace(0, len(idx) - 1, min(len(idx), _SHAPE_FRAMES)).round().long()]
@@ -379,6 +402,125 @@ def score(videos_or_detections, truths) -> dict:
     out = {k: (right[k] / counted[k] if counted[k] else None) for k in right}
     out.update(all=all_right / len(items), n=len(items), counted=counted)
     return out
+
+
+# ------------------------------------------------------------------------------------------ per frame
+def object_mask(video) -> torch.Tensor:
+    """The detector's soft object mask of a video, (frames, H, W) float in [0, 1] (0.5 on the object's
+    boundary; step 1 of the module docstring), for a clip or frames as :func:`detect` takes them."""
+    frames = _frames_of(video)
+    return _refine_mask(frames, _object_mask(frames)[0])
+
+
+def detect_frames(video) -> dict:
+    """Colour and shape of the one object of a video, read off each frame on its own.
+
+    The masks are :func:`detect`'s (the object's chroma level set over the whole video, so a frame whose
+    object lost its saturation shows none). A frame holds the object when its chroma mask covers at
+    least :data:`MIN_AREA_PIXELS` and at most :data:`MAX_AREA_FRACTION` of it (more is a background
+    flooded with colour, not an object) and its own peak chroma reaches :data:`MIN_CHROMA`. Its colour
+    is the majority of its core pixels' nearest hues (whatever the object's colour in the other frames);
+    its shape is matched as :func:`detect` matches it, on the RGB-refined mask of that frame alone, where
+    the object is whole (off the border), else None.
+
+    Arguments:
+        video: ONE video, as :func:`detect` takes it.
+    Return: {"found": [bool], "colour": [name | None], "shape": [name | None], "area": [pixels of the
+    chroma mask]}, one entry per frame.
+    """
+    frames = _frames_of(video)
+    n, _, height, width = frames.shape
+    chroma_mask, _ = _object_mask(frames)
+    mask = _refine_mask(frames, chroma_mask)
+    # Presence and colour from the chroma mask, which holds whatever the object's hue (the refined mask
+    # looks for the video's one object colour, so an object that changed colour would vanish from it).
+    chroma_area, area = chroma_mask.sum((1, 2)), mask.sum((1, 2))
+    peak = _peak(frames.amax(1) - frames.amin(1))
+    found = ((chroma_area >= MIN_AREA_PIXELS) & (chroma_area <= MAX_AREA_FRACTION * height * width)
+             & (peak >= MIN_CHROMA))
+
+    # Colour: each frame's core pixels vote (a frame without any: its most saturated ones).
+    core = chroma_mask >= CORE_MASK
+    faint = ~core.flatten(1).any(1)
+    core[faint] = chroma_mask[faint] >= 0.9 * chroma_mask[faint].amax((1, 2), keepdim=True).clamp(min=1e-6)
+    f_idx, ys, xs = core.nonzero(as_tuple=True)
+    nearest = _nearest_colours(frames[f_idx, :, ys, xs].T)
+    votes = torch.bincount(f_idx * len(_COLOUR_NAMES) + nearest, minlength=n * len(_COLOUR_NAMES))
+    colour_idx = votes.view(n, len(_COLOUR_NAMES)).argmax(1)
+    colours = [_COLOUR_NAMES[c] if ok else None for c, ok in zip(colour_idx.tolist(), found.tolist())]
+
+    # Shape: each whole frame matched alone, in groups of one match resolution (the object may grow 2x).
+    shapes: list[str | None] = [None] * n
+    whole = (found & (area >= MIN_AREA_PIXELS) & ~_touches_border(mask)).nonzero()[:, 0]
+    if len(whole):
+        cx, cy = _centroids(mask[whole], area[whole])
+        level = (area[whole].sqrt() / _MATCH_SIZE).long().clamp(min=1)
+        for k in level.unique().tolist():
+            pick = (level == k).nonzero()[:, 0]
+            dist = _shape_distances(mask[whole[pick]], cx[pick], cy[pick], area[whole[pick]], per_frame=True)
+            for i, s in zip(whole[pick].tolist(), dist.amin(1).argmin(0).tolist()):
+                shapes[i] = SHAPES[s]
+    return {"found": found.tolist(), "colour": colours, "shape": shapes, "area": chroma_area.tolist()}
+
+
+def presence(videos_or_readings, truths, *, last: int = LAST_FRAMES) -> dict:
+    """How often the asked object is there in the asked colour, frame by frame, over a set of videos.
+
+    A frame counts when :func:`detect_frames` finds the object there in the colour the prompt asked for
+    (any colour when the truth names none). The bar "the asked object present with the asked colour in
+    >= X% of frames, the last 8 frames included" reads ``present``: the lower of the fraction over all
+    frames and the fraction over the last ``last`` frames, so a collapse at the end cannot hide.
+
+    Arguments:
+        videos_or_readings: videos (anything :func:`detect_frames` takes) or its results, all with the
+            same number of frames.
+        truths: a list of the same length of dicts like :func:`~attnqat.corpus.parse_prompt`'s ("colour",
+            and "shape" for ``shape_per_frame``).
+        last: how many final frames are also read on their own (all of them in a shorter video).
+    Return: {"present", "frames": fraction of all frames of all videos, "last": the same over the last
+    frames, "per_frame": [fraction of videos, at each frame], "worst_frame": index of the lowest,
+    "videos_every_frame": fraction of videos right in every frame, "videos": [each video's fraction of
+    frames], "shape_per_frame": [fraction of videos whose frame reads as the asked shape] (None without
+    shape truths), "n", "frames_per_video", "last_frames"}.
+    """
+    items, truths = list(videos_or_readings), list(truths)
+    if len(items) != len(truths):
+        raise ValueError(f"{len(items)} videos or readings but {len(truths)} truths")
+    if not items:
+        raise ValueError("presence needs at least one video, got none")
+    readings = [x if isinstance(x, dict) else detect_frames(x) for x in items]
+    lengths = sorted({len(r["found"]) for r in readings})
+    if len(lengths) != 1:
+        raise ValueError(f"the videos must all have the same number of frames, got {lengths}")
+    right = np.array([[f and (t.get("colour") is None or c == t["colour"]) for f, c in zip(r["found"], r["colour"])]
+                      for r, t in zip(readings, truths)], dtype=np.float64)  # (videos, frames)
+    n_frames, tail = lengths[0], min(max(int(last), 1), lengths[0])
+    per_frame = right.mean(0)
+    frames_ok, last_ok = float(right.mean()), float(right[:, -tail:].mean())
+    shaped = [t.get("shape") is not None for t in truths]
+    shape_per_frame = None
+    if any(shaped):
+        shape_right = np.array([[f and s == t["shape"] for f, s in zip(r["found"], r["shape"])]
+                                for r, t, ok in zip(readings, truths, shaped) if ok], dtype=np.float64)
+        shape_per_frame = shape_right.mean(0).tolist()
+    return {"present": min(frames_ok, last_ok), "frames": frames_ok, "last": last_ok,
+            "per_frame": per_frame.tolist(), "worst_frame": int(per_frame.argmin()),
+            "videos_every_frame": float(right.all(1).mean()), "videos": right.mean(1).tolist(),
+            "shape_per_frame": shape_per_frame, "n": len(readings), "frames_per_video": n_frames,
+            "last_frames": tail}
+
+
+def curve_summary(values, *, higher_is_better: bool = True, last: int = LAST_FRAMES) -> dict:
+    """A per-frame curve in a few numbers: {"first", "middle", "last" (the final frame), "last_mean" (the
+    mean of the final ``last`` frames), "mean", "worst", "worst_frame" (its index)}. The worst is the
+    lowest value, or the highest when ``higher_is_better`` is False (a loss). NaN in, NaN out."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.ndim != 1 or len(v) == 0:
+        raise ValueError(f"a per-frame curve must be a non-empty list of numbers, got shape {v.shape}")
+    worst = int(np.argmin(v) if higher_is_better else np.argmax(v))  # both return the first NaN, if any
+    return {"first": float(v[0]), "middle": float(v[(len(v) - 1) // 2]), "last": float(v[-1]),
+            "last_mean": float(v[-min(max(int(last), 1), len(v)):].mean()), "mean": float(v.mean()),
+            "worst": float(v[worst]), "worst_frame": worst}
 
 
 # ---------------------------------------------------------------------------------------- degradation

@@ -19,7 +19,12 @@ the bf16 video of the same seed (the bf16 row is the reference: "ref"); and the 
 (FP4 - X) / (FP4 - bf16) on the loss and on the accuracy, between --fp4-reference (default: the base weights
 in nvfp4) and --bf16-reference (default: bf16).
 
-Output: OUT/table.json (every number, the prompts, the detections), OUT/table.md (the table, also printed),
+Per frame too, so that a video that falls apart late cannot hide in a mean: the flow loss per latent frame,
+PSNR / SSIM per frame, and the share of videos showing the asked object in the asked colour at each frame
+(the presence statistic: the lower of that share over all frames and over the last 8).
+
+Output: OUT/table.json (every number and per-frame curve, the prompts, the detections), OUT/table.md (the
+table and the per-frame table, also printed),
 OUT/grid.png (first, middle and last frame of a few prompts, one row per variant). Each file is written to
 a temporary name and renamed. OUT must be new, empty, or an earlier `attnqat quality` output; --overwrite
 writes the three files into any other folder (nothing else in it is touched). Every argument, checkpoint
@@ -38,8 +43,8 @@ import sys
 import time
 from pathlib import Path
 
-from attnqat.checks import (LIMITS, check_device, check_float, check_int, check_limited, check_output_dir,
-                            check_text, check_video_size, show)
+from attnqat.checks import (LIMITS, check_device, check_float, check_int, check_limited, check_not_input,
+                            check_output_dir, check_text, check_video_size, model_inputs, show)
 # DEFAULT_MODEL ("mini") is generate's default too; unlike generate, no fallback to tiny where mini's weights
 # are not installed (a table of random weights would mean nothing): `quality` then stops with mini_folder()'s
 # one-line error, which says how to build mini.
@@ -215,6 +220,8 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         if value is not None and value not in labels:
             raise ValueError(f"--{flag.replace('_', '-')} {show(value)} is not a row label (rows: {', '.join(labels)})")
     args.out = check_output_dir("--out", args.out, must_be_empty=not args.overwrite, reusable=is_our_output)
+    check_not_input("--out", args.out, [(f"--variant {label}", ckpt) for label, _, ckpt, _ in args.rows]
+                    + model_inputs("--model", args.model))
     return args
 
 
@@ -302,7 +309,53 @@ def format_table(result: dict) -> str:
              f"{result['psnr_cap_db']:g} dB (identical frames)."]
     if refs.get("fp4") is None:
         notes.append("No FP4 reference row (nvfp4 on the base weights): no gap closed.")
-    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n\n" + format_frames(result)
+
+
+def format_frames(result: dict) -> str:
+    """The per-frame table of an :func:`attnqat.evaluation.evaluate` result: each row's flow loss per latent
+    frame, PSNR to the bf16 videos per frame and the asked object's presence per frame, as first / middle /
+    end / worst, so that a collapse late in the clip shows even where the means above hide it."""
+    from attnqat.quality import LAST_FRAMES, curve_summary
+
+    refs = result["references"]
+    f = result["size"][0]
+    last = min(LAST_FRAMES, f)
+    head = (f"| row | flow loss per latent frame: first / middle / last | worst (latent frame) | PSNR (dB) per frame: "
+            f"first / middle / last {last} | worst (frame) | asked object in its colour: all frames / last {last} "
+            f"| worst (frame) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for label in result["order"]:
+        row = result["rows"][label]
+        cells = [f"**{label}**"]
+        loss = row.get("flow_loss_frames")
+        if loss:
+            c = curve_summary(loss, higher_is_better=False)
+            cells += [f"{c['first']:.4f} / {c['middle']:.4f} / {c['last']:.4f}", f"{c['worst']:.4f} ({c['worst_frame']})"]
+        else:
+            cells += ["—", "—"]
+        if label == refs["video"]:
+            cells += ["ref", "ref"]
+        elif row.get("psnr_frames"):
+            c = curve_summary(row["psnr_frames"], last=last)
+            cells += [f"{c['first']:.1f} / {c['middle']:.1f} / {c['last_mean']:.1f}", f"{c['worst']:.1f} ({c['worst_frame']})"]
+        else:
+            cells += ["—", "—"]
+        p = row.get("presence")
+        if p:
+            cells += [f"{100 * p['frames']:.0f}% / {100 * p['last']:.0f}%",
+                      f"{100 * p['per_frame'][p['worst_frame']]:.0f}% ({p['worst_frame']})"]
+        else:
+            cells += ["—", "—"]
+        lines.append("| " + " | ".join(cells) + " |")
+    latent = len(result["rows"][result["order"][0]].get("flow_loss_frames") or ())
+    note = (f"Frames counted from 0: {latent} latent frames (the VAE folds 4 video frames into one, the first "
+            f"alone), {f} video frames. PSNR: the mean over the videos of each frame's PSNR to the bf16 video; "
+            f"\"last {last}\": the mean of the last {last} frames. Asked object: the fraction of the videos in which "
+            f"attnqat.quality.detect_frames finds the object with the colour the prompt asked for, over all "
+            f"frames and over the last {last}; the lower of the two is the presence statistic (table.json: "
+            f"rows.*.presence.present).")
+    return "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def frame_grid(result: dict, videos: dict, *, prompts: int = 4, frames: int = 3):
@@ -358,9 +411,10 @@ def frame_grid(result: dict, videos: dict, *, prompts: int = 4, frames: int = 3)
 
 
 def write_outputs(out: Path, result: dict, videos: dict, grid_prompts: int) -> list[Path]:
-    """table.json, table.md and grid.png into ``out``: a new folder is filled under a temporary name and
-    renamed; in an existing folder each file goes to a temporary name and is renamed over the old one."""
-    from attnqat.outputs import write_dir_atomically, write_file_atomically
+    """table.json, table.md and grid.png into ``out`` as one set: a new folder is filled under a temporary name
+    and renamed; in an existing folder the three are written under a temporary folder in it and renamed over
+    the old three only once all are written (:func:`attnqat.outputs.write_files_atomically`)."""
+    from attnqat.outputs import write_dir_atomically, write_files_atomically
 
     table = json.dumps(_finite_or_none(result), indent=1, allow_nan=False)
     markdown = format_table(result)
@@ -374,8 +428,7 @@ def write_outputs(out: Path, result: dict, videos: dict, grid_prompts: int) -> l
                 write(tmp / name)
         write_dir_atomically(out, write_all)
     else:
-        for name, write in writers.items():
-            write_file_atomically(out / name, write)
+        write_files_atomically(out, writers)
     return [out / name for name in FILES]
 
 
@@ -403,6 +456,13 @@ def load_variants(rows, transformer) -> tuple[list, dict]:
 def main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     args = resolve_settings(args)
+    from attnqat.locking import output_lock
+
+    with output_lock(args.out, "attnqat quality"):  # one run writes OUT at a time
+        return _measure(args, t_start)
+
+
+def _measure(args: argparse.Namespace, t_start: float) -> int:
     import torch
     from tqdm.auto import tqdm
 

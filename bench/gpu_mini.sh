@@ -82,7 +82,7 @@ case "$1" in
     python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__)"
     python3 -m attnqat.train.mini --out $W --stage init 2>&1 | grep -v Writing
     again=""; [ "${3:-}" = again ] && again=--vae-again
-    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" $again 2>&1 | tee -a "$LOGS/vae.log" | grep -v Warn
+    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" $again 2>&1 | tee -a "$LOGS/vae.log" | grep --line-buffered -v Warn
     ;;
   train)
     init_model
@@ -103,9 +103,10 @@ case "$1" in
     sleep "$pause"
     ;;
   _build)
-    python3 -m attnqat.train.mini --out $W --stage init 2>&1 | grep -v Writing
-    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" --vae-batch "${VAE_BATCH:-16}" 2>&1 \
-      | grep -v Warn
+    # VAE_FROM (environment): a trained VAE folder to start the VAE from (a warm start) instead of an untrained one
+    python3 -m attnqat.train.mini --out $W --stage init ${VAE_FROM:+--vae "$VAE_FROM"} 2>&1 | grep --line-buffered -v Writing
+    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" --vae-batch "${VAE_BATCH:-16}" \
+      --vae-lr "${VAE_LR:-1e-3}" 2>&1 | grep --line-buffered -v Warn
     shift 2; train_transformer "$@"
     exit 0
     ;;

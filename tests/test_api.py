@@ -357,3 +357,23 @@ def test_a_key_with_only_minus_inf_logits_still_marks_the_gradients(mode, path, 
     out.backward(torch.randn(out.shape).to(out.dtype))
     for name, x in zip("qkv", leaves):
         assert not torch.isfinite(x.grad).all(), f"{mode}/{path}: finite d{name}"
+
+
+# --- second-order gradients -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", sorted(TRAINABLE))
+def test_double_backward_raises_instead_of_a_wrong_value(mode, path, monkeypatch):
+    """Gradients of gradients (a gradient penalty, a Hessian-vector product) through a trainable mode raise: the
+    FP4 and INT8 backwards are hand-written, so a graph through them would give wrong second-order values (they
+    were 79-102% off fp64's) or silently none. bf16 is PyTorch's SDPA, which raises on its own. A first-order
+    backward is unaffected (the rest of this file)."""
+    monkeypatch.setenv("TRITON_INTERPRET", PATHS[path])
+    q, k, v = (torch.randn(1, 2, n, 64).bfloat16().requires_grad_() for n in (24, 40, 40))
+    out = attention(q, k, v, mode=mode)
+    expected = (RuntimeError, "not implemented") if mode == "bf16" else \
+        (NotImplementedError, f"attention mode '{mode}' has no second-order gradients")
+    with pytest.raises(expected[0], match=expected[1]):
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v), create_graph=True)
+        torch.autograd.grad(sum(g.float().sum() for g in grads), (q, k, v), allow_unused=True)

@@ -3,6 +3,7 @@ swapping with a QAT checkpoint, the app served on localhost and driven through g
 real headless-Chromium check (skipped when Chromium or playwright is missing)."""
 import importlib.util
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -68,6 +69,24 @@ def test_ssim_falls_with_noise_and_handles_frames_smaller_than_the_window():
     assert 1 > scores[0] > scores[1] > scores[2]
     small = _video(4, (2, 6, 8, 3))
     assert ssim(small, small)[0] == pytest.approx(1.0)
+
+
+def test_per_frame_psnr_line_names_the_worst_and_last_frame_and_draws_every_frame():
+    from attnqat.demo import psnr_frames_line
+
+    a = _video(5, (9, 16, 16, 3))
+    b = a.copy()
+    b[6:] = 255 - b[6:]  # the last three frames ruined, the first six untouched (infinite PSNR)
+    b[3, 0, 0, 0] ^= 1  # one frame off by one level in one value
+    per_frame = psnr(a, b)[1]
+    mse = ((a.astype(np.float64) - b) ** 2).reshape(9, -1).mean(1)
+    worst = int(np.argmax(mse))
+    line = psnr_frames_line(per_frame)
+    assert line.startswith(f"per frame: worst {10 * np.log10(255 ** 2 / mse[worst]):.1f} dB (frame {worst}), "
+                           f"last {10 * np.log10(255 ** 2 / mse[-1]):.1f} dB ")
+    bars = line.rsplit(" ", 1)[1]
+    assert len(bars) == 9 and bars[:3] == "███" and bars[3] == "█" and set(bars[6:]) <= set("▁▂")
+    assert psnr_frames_line([30.0, float("nan"), 20.0]).endswith(" █?▁")  # NaN in, NaN shown
 
 
 def test_metrics_refuse_mismatched_videos():
@@ -200,7 +219,7 @@ def test_app_generates_every_mode_with_metrics(served_app):
         else:
             assert isinstance(m["psnr_db"], float) and 10 < m["psnr_db"] < 200, (mode, m)
             assert 0 < m["ssim"] <= 1 and len(m["ssim_per_frame"]) == FRAMES
-            assert "PSNR (RGB) vs BF16" in text and "SSIM (luma)" in text
+            assert "PSNR (RGB) vs BF16" in text and "SSIM (luma)" in text and "per frame: worst" in text
     assert "plain FP4 attention (no QAT checkpoint)" in summary["modes"].get("attn_qat", {"label": "plain FP4 attention (no QAT checkpoint)"})["label"]
 
 
@@ -242,20 +261,28 @@ class _FlakyEngine:
     def label(self, mode):
         return DemoEngine.label(self, mode)
 
+    def vocabulary_note(self, prompt):
+        return DemoEngine.vocabulary_note(self, prompt)
+
     def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, progress=None, on_run=None,
             cancel=None, high_precision_steps=0):
-        from attnqat.demo import ModeRun
-        from attnqat.pipelines.generate import write_mp4
-
         self.calls += 1
         if self.calls == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
-        video = np.full((frames, height, width, 3), 128, np.uint8)
-        strip = Path(out_dir) / "bf16_strip.png"
-        imageio.imwrite(strip, difference_strip(None, video))
-        return [ModeRun(mode="bf16", label="BF16 (reference)", video=write_mp4(video, Path(out_dir) / "bf16.mp4"),
-                        strip=strip, frames=video, seconds=0.1, denoise_seconds=0.1, attention_seconds=None,
-                        psnr=None, ssim=None)]
+        return _gray_bf16_run(frames, height, width, out_dir)
+
+
+def _gray_bf16_run(frames, height, width, out_dir):
+    """What a stand-in engine's ``run`` returns: a gray bf16 video, written where the real one writes it."""
+    from attnqat.demo import ModeRun
+    from attnqat.pipelines.generate import write_mp4
+
+    video = np.full((frames, height, width, 3), 128, np.uint8)
+    strip = Path(out_dir) / "bf16_strip.png"
+    imageio.imwrite(strip, difference_strip(None, video))
+    return [ModeRun(mode="bf16", label="BF16 (reference)", video=write_mp4(video, Path(out_dir) / "bf16.mp4"),
+                    strip=strip, frames=video, seconds=0.1, denoise_seconds=0.1, attention_seconds=None,
+                    psnr=None, ssim=None)]
 
 
 def test_app_reports_out_of_memory_and_keeps_serving(tmp_path):
@@ -272,6 +299,91 @@ def test_app_reports_out_of_memory_and_keeps_serving(tmp_path):
         assert list(out[-1]["modes"]) == ["bf16"]
     finally:
         demo.close()
+
+
+class _SlowEngine(_FlakyEngine):
+    """Stands in for :class:`DemoEngine`: every request generates until the test releases it."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__()
+        self.started, self.release = threading.Semaphore(0), threading.Event()
+
+    def run(self, prompt, *, modes, height, width, frames, steps, seed, out_dir, **kwargs):
+        self.calls += 1
+        self.started.release()
+        assert self.release.wait(120)
+        return _gray_bf16_run(frames, height, width, out_dir)
+
+
+def _wait_until(condition, what, timeout=60):
+    import time
+
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_requests_line_is_bounded_in_all_and_per_client(tmp_path, capfd):
+    """300 requests at the largest allowed work were all queued (hours of CPU): the line now lets one request
+    generate, at most `waiting` wait, at most `per_client` from one client; the rest are refused at once with a
+    reason, logged as one line each (no traceback), and the admitted ones still finish."""
+    from attnqat.demo import RequestLine
+
+    app = load_script(ROOT / "app.py", "attnqat_app_line")
+    engine, line = _SlowEngine(), RequestLine(waiting=1, per_client=5)
+    demo = app.build_demo(engine, ["bf16", *OPTIONAL], str(tmp_path), line=line)
+    port = browser_check.free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, allowed_paths=[str(tmp_path)],
+                quiet=True)
+    args = ["p", 1, STEPS, H, W, FRAMES, []]
+    try:
+        client = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
+        running = client.submit(*args, api_name="/generate")
+        assert engine.started.acquire(timeout=60)
+        waiting = client.submit(*args, api_name="/generate")
+        _wait_until(lambda: len(line) == 2, "the second request in line")
+        with pytest.raises(Exception, match="the demo is busy: 2 requests are in line"):
+            client.predict(*args, api_name="/generate")
+        line.waiting, line.per_client = 5, 2  # room in line, but this client has 2 requests there
+        with pytest.raises(Exception, match="you have 2 requests in line already \\(at most 2 per client\\)"):
+            client.predict(*args, api_name="/generate")
+        assert engine.calls == 1 and len(line) == 2  # the refused ones never ran nor stayed in line
+        engine.release.set()
+        for job in (running, waiting):
+            assert list(job.result(timeout=120)[-1]["modes"]) == ["bf16"]
+        assert engine.calls == 2
+        _wait_until(lambda: len(line) == 0, "the line to empty")
+    finally:
+        engine.release.set()
+        demo.close()
+    log = capfd.readouterr().err
+    assert "Traceback" not in log
+    refused = [x for x in log.splitlines() if x.startswith("app.py: busy from 127.0.0.1: ")]
+    assert len(refused) == 2, log[-2000:]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(seed=1.5), "seed must be a whole number, got 1.5"),
+    (dict(seed=None), "seed must be a whole number, got None"),
+    (dict(prompt=["a"]), "the prompt must be text, got \\['a'\\]"),
+    (dict(steps=True), "steps must be a whole number, got True"),
+    (dict(height="32"), "height must be a whole number, got '32'"),
+    (dict(selected="nvfp4"), "the modes must be a list of mode names, got 'nvfp4'"),
+    (dict(selected=["nope"]), "mode 'nope' is not offered here"),
+    (dict(selected=[1]), "the modes must be a list of mode names, got \\[1\\]"),
+])
+def test_app_api_refuses_wrong_types_instead_of_coercing(served, change, message):
+    """The API took seed 1.5 as 2 and the prompt ["a"] as the text "['a']": the values now reach the handler as
+    sent, and a wrong type is refused with one line to the client and one line in the server's log."""
+    client = gradio_client.Client(served.url, verbose=False)
+    with pytest.raises(Exception, match=message):
+        _predict(client, [], **change)
+    lines = [x for x in served.log.read_text().splitlines() if x.startswith("app.py: invalid input from 127.0.0.1: ")]
+    assert re.search(message, lines[-1]), lines[-3:]
+    assert "Traceback" not in served.log.read_text()
 
 
 # ---------------------------------------------------------------------------- nothing lost, nothing silent
@@ -380,6 +492,8 @@ def test_handler_shows_each_column_when_done_with_step_progress_per_mode(tmp_pat
         assert all("denoising steps" in desc and unit == "steps" for _, desc, unit in progress.calls)
     final = yields[-1]
     assert set(final[-1]["modes"]) == {"bf16", *selected}
+    # only mini names the words it does not know; tiny reads bytes
+    assert final[-1]["vocabulary_note"] is None and tiny_engine.vocabulary_note("a cat playing piano") is None
 
 
 def test_handler_runs_fp4_columns_with_bf16_first_and_last_steps(tmp_path, app_module, tiny_engine):

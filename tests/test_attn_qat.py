@@ -302,8 +302,8 @@ def test_gpu_fused_dq_equals_two_kernels(L, causal, poison):
 def test_backward_phi_from_s_equals_fake_quant_tile(lq, lk, causal, p_bwd, dtype, tile, poison):
     """The dK/dV kernel's phi done as the forward does it (PHI_FROM_S: block maxima of S before the exp2, packed
     rounding), in both layouts (TRANSPOSED; untransposed, K and V are loaded and dK, dV stored in _key_order),
-    gives the fp32 dk, dv of the former fake_quant_tile path bit for bit at the same tiles; so do FUSED_DQ and,
-    without phi, the two layouts. Fresh inputs with ragged lengths (none a multiple of the tile), causal, both P
+    gives the fp32 dk, dv of the former fake_quant_tile path at the same tiles: bit for bit in the same layout,
+    up to fp32 summation order in the other (and with FUSED_DQ); so do the two layouts without phi. Fresh inputs with ragged lengths (none a multiple of the tile), causal, both P
     variants, bf16 and fp16; outputs poisoned. Inputs are drawn away from rounding ties: where y = P~/s is
     exactly a tie, the packed rounding rounds up (as the forward's does), fake_quant_tile to even (SPEC §1
     allows either; about 1e-7 of the elements on random inputs)."""
@@ -317,11 +317,20 @@ def test_backward_phi_from_s_equals_fake_quant_tile(lq, lk, causal, p_bwd, dtype
 
     old = grads(transposed=True, phi_from_s=False)
     assert old[0].dtype == torch.float32 and torch.isfinite(old[0]).all() and torch.isfinite(old[1]).all()
-    for kw in (dict(transposed=True), dict(transposed=False), dict(transposed=False, fused_dq=True)):
-        new = grads(**kw)
-        assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1]), kw
+    assert all(torch.equal(a, b) for a, b in zip(grads(transposed=True), old))  # same layout: bit for bit
+    for kw in (dict(transposed=False), dict(transposed=False, fused_dq=True)):
+        for a, b in zip(grads(**kw), old):
+            assert _same_but_summation_order(a, b), kw
     plain = grads(transposed=True, quant_p=False)
-    assert all(torch.equal(a, b) for a, b in zip(grads(transposed=False, quant_p=False), plain))
+    assert all(_same_but_summation_order(a, b) for a, b in zip(grads(transposed=False, quant_p=False), plain))
+
+
+def _same_but_summation_order(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to the fp32 rounding of a matmul summed in another order. The untransposed layout computes dK as
+    dS^T Q where the transposed one computes (Q^T dS)^T; the interpreter runs both through numpy's BLAS, whose
+    summation order differs between the two on some CPUs (seen: 2,600 of 9,600 elements 1 ulp apart, max 1.2e-7
+    at values up to 0.7); a P element that phi puts on another FP4 level moves dK by far more."""
+    return bool((a - b).abs().max() <= 2e-6 * b.abs().max())
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ SMALL = ["data.corpus.sizes=[[5,32,32]]", "data.corpus.size_weights=null", "data
 
 
 def _build(out: Path, *args: str) -> subprocess.CompletedProcess:
-    extra = " ".join(["--device cpu --vae-steps 1 --vae-batch 2 --eval-clips 1", *(f"--set {kv}" for kv in SMALL)])
+    extra = " ".join(["--device cpu --vae-steps 1 --vae-batch 1 --vae-sizes 5x32x32 --eval-clips 1", *(f"--set {kv}" for kv in SMALL)])
     env = dict(os.environ, EXTRA=extra, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     return subprocess.run(["bash", str(SCRIPT), str(out), *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=900)

@@ -193,6 +193,49 @@ def test_generate_mini_end_to_end_offline_in_a_real_process(mini_build, tmp_path
     assert frames.shape == (5, 32, 32, 3)
 
 
+# ------------------------------------------------------------------------------------- mini's vocabulary
+def test_unknown_words_are_the_words_minis_tokenizer_reads_only_as_unk():
+    from attnqat.corpus import WORD_SYNONYMS, Corpus, caption_words
+
+    tok = mini.build_mini_tokenizer()
+    unk = tok.unk_token_id
+    known_text = " ".join(w for w in caption_words() if w.isalpha()) + " " + " ".join(WORD_SYNONYMS)
+    assert mini.unknown_words(tok, known_text) == [] and mini.vocabulary_note(tok, known_text) is None
+    corpus = Corpus(3, "held_out")
+    assert not any(mini.unknown_words(tok, corpus.caption_of(i)) for i in range(200))
+    prompt = "A Cat playing PIANO, 3 cats' tails; a cat's toy: über-naïve red ball moves left"
+    words = mini.unknown_words(tok, prompt)
+    assert words == ["cat", "playing", "piano", "cats", "tails", "cat's", "toy", "über", "naïve"]
+    # independent check: each word alone, through the tokenizer; reported iff it holds <unk>
+    for w in ["cat", "playing", "red", "ball", "moves", "left", "a", "über", "violet", "scarlet"]:
+        assert (unk in tok(w, add_special_tokens=False)["input_ids"]) == (w in words), w
+    assert mini.vocabulary_note(tok, "a cat playing piano") == (
+        "mini does not know: cat, playing, piano (it knows colours, shapes, motions and backgrounds: see "
+        "docs/corpus.md)")
+    many = " ".join(f"word{'x' * i}" for i in range(1, 16)).replace("word", "zq")  # 15 unknown words
+    note = mini.vocabulary_note(tok, many)
+    shown = note.split(": ", 1)[1].split(" and 3 more (it knows")[0]
+    assert shown.split(", ") == mini.unknown_words(tok, many)[:mini.MAX_UNKNOWN_SHOWN] and "\n" not in note
+
+
+def test_generate_on_mini_names_the_words_it_does_not_know_and_goes_on(mini_build, tmp_path, capsys):
+    tiniest = ["--height", "32", "--width", "32", "--frames", "1", "--steps", "1", "--device", "cpu"]
+    out = tmp_path / "cat.mp4"
+    assert main(["generate", "--model", str(mini_build), "--prompt", "a cat playing piano", *tiniest,
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "does not know" in x]
+    assert lines == ["NOTE: mini does not know: cat, playing, piano (it knows colours, shapes, motions and "
+                     "backgrounds: see docs/corpus.md)."]
+    assert out.is_file() and "wrote" in err  # it goes on
+    assert main(["generate", "--model", str(mini_build), "--prompt", "a violet dot rises", *tiniest,
+                 "--out", str(tmp_path / "dot.mp4")]) == 0
+    assert "does not know" not in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--prompt", "a cat playing piano", *tiniest,
+                 "--out", str(tmp_path / "tiny.mp4")]) == 0
+    assert "does not know" not in capsys.readouterr().err  # tiny reads bytes: every word is known to it
+
+
 # ----------------------------------------------------------------------------------------------- demo
 def test_demo_limits_and_defaults_for_mini():
     from attnqat.demo import SIZE_LIMITS, WORK_LIMITS, page_defaults, request_work, validate_request
@@ -234,6 +277,24 @@ def test_demo_engine_defaults_to_mini_and_the_page_uses_minis_ranges(installed, 
     assert prompt.value == "a blue square moves up over a checkered background"
     text = " ".join(str(b.value) for b in demo.blocks.values() if isinstance(b, gr.Markdown))
     assert "attnqat's own small Wan 2.1-architecture model" in text and "RANDOM" not in text
+
+    # a prompt outside mini's words: the page names them (a warning and a line under BF16) and goes on
+    import asyncio
+    import warnings
+
+    assert engine.vocabulary_note("a red ball slides left") is None
+    handler = _app().make_handler(engine, ["bf16"], tmp_path)
+
+    async def drive():
+        return [o async for o in handler("a cat playing piano", 0, 1, 32, 32, 1, [], progress=lambda *a, **k: None)]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yields = asyncio.run(drive())
+    note = "mini does not know: cat, playing, piano (it knows colours, shapes, motions and backgrounds"
+    assert note in yields[-1][1] and yields[-1][0]  # bf16's metrics, and its video was made
+    assert yields[-1][-1]["vocabulary_note"].startswith(note)
+    assert any(note in str(w.message) for w in caught)  # gr.Warning outside a page request: a Python warning
 
 
 # ---------------------------------------------------------------------------------------- packaging

@@ -3,6 +3,7 @@ model's folder writer; the held-out evaluation helpers. CPU, small sizes."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -390,3 +391,96 @@ def test_step_profile_reports_every_size_and_part(mini_folder, tmp_path):
     for row in got["refresh_parts_s"].values():
         assert set(row) == {"render", "vae_encode", "embed"} and all(v > 0 for v in row.values())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["p.json"])
+
+
+def test_vae_trains_on_every_size_in_turn_with_a_pixel_budget(monkeypatch):
+    """train_vae cycles through its sizes (the VAE must see every clip length it will be used at), with
+    vae_batch's clip count at each (about the pixels of ``batch`` 17x128x128 clips), on fresh clips, and learns."""
+    from diffusers import AutoencoderKLWan
+
+    from attnqat.corpus import Corpus
+    from attnqat.train.mini import VAE_SIZES, train_vae, vae_batch
+
+    assert {f for f, _, _ in VAE_SIZES} >= {9, 17, 33, 49} and {h for _, h, _ in VAE_SIZES} == {128, 256}
+    assert max(f for f, _, _ in VAE_SIZES) > 49 and min(f for f, _, _ in VAE_SIZES) == 1  # images: first frames
+    assert vae_batch((17, 128, 128), 8) == 8 and vae_batch((33, 256, 256), 16) == 2 and vae_batch((57, 256, 256), 1) == 1
+    seen, drawn, render, spec = [], [], Corpus.render, Corpus.spec
+
+    def spy_render(specs, **kw):
+        seen.append(((kw["frames"], kw["height"], kw["width"]), len(specs)))
+        return render(specs, **kw)
+
+    def spy_spec(self, index):
+        drawn.append(index)
+        return spec(self, index)
+
+    monkeypatch.setattr(Corpus, "render", staticmethod(spy_render))
+    monkeypatch.setattr(Corpus, "spec", spy_spec)
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True])
+    before = {k: v.clone() for k, v in vae.state_dict().items()}
+    sizes = ((5, 32, 32), (9, 32, 64))
+    facts = train_vae(vae, seconds=600, steps=4, batch=2, sizes=sizes, device="cpu", log=lambda *_: None,
+                      reference_voxels=5 * 32 * 32)
+    assert [s for s, _ in seen] == [sizes[0], sizes[1], sizes[0], sizes[1]]
+    assert [n for _, n in seen] == [2, 1, 2, 1] == [vae_batch(s, 2, 5 * 32 * 32) for s, _ in seen]
+    assert len(set(drawn)) == len(drawn) == facts["clips"] == sum(n for _, n in seen)  # every clip a new one
+    assert facts["steps"] == 4
+    assert any(not torch.equal(before[k], v) for k, v in vae.state_dict().items())
+
+
+class _CorruptingVAE(torch.nn.Module):
+    """A round trip that returns the clip with frames >= ``start`` shifted by ``shift`` (a late collapse)."""
+
+    def __init__(self, start: int, shift: float):
+        super().__init__()
+        self.start, self.shift = start, shift
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # where the clips go: CPU, fp32
+
+    def encode(self, video):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(latent_dist=SimpleNamespace(mode=lambda: video.clone()))
+
+    def decode(self, z):
+        from types import SimpleNamespace
+
+        out = z.clone()
+        out[:, :, self.start:] += self.shift
+        return SimpleNamespace(sample=out)
+
+
+def test_reconstruction_per_frame_shows_a_late_collapse_that_the_mean_hides():
+    """reconstruction_per_frame against an independent per-frame PSNR (numpy): frames before the collapse are
+    exact (capped at 100 dB), the collapsed ones at the PSNR of their error; the detector still reads the
+    objects before it, and the mean alone stays high."""
+    import numpy as np
+
+    from attnqat.corpus import Corpus
+    from attnqat.train.mini import reconstruction_per_frame
+
+    start, shift, size = 6, 0.2, (9, 64, 64)
+    got = reconstruction_per_frame(_CorruptingVAE(start, shift), clips=3, size=size, device="cpu")
+    c = Corpus(0, "held_out")
+    video = c.render([c.spec(j) for j in range(3)], frames=size[0], height=size[1], width=size[2]).double().numpy()
+    recon = np.clip(video + np.where(np.arange(size[0])[None, None, :, None, None] >= start, shift, 0.0), -1, 1)
+    mse = (((recon - video) / 2) ** 2).mean(axis=(1, 3, 4))  # (clips, frames)
+    want = np.minimum(10 * np.log10(1 / np.maximum(mse, 1e-30)), 100)
+    np.testing.assert_allclose(got["frame_db"], want.mean(0), atol=0.01)
+    np.testing.assert_allclose(got["worst_db"], want.min(0), atol=0.01)
+    assert got["mean_db"] == pytest.approx(want.mean(), abs=0.01)
+    assert min(got["frame_db"][:start]) == 100 and max(got["frame_db"][start:]) < 30  # the collapse, per frame
+    assert got["mean_db"] > 60  # ... which the mean alone hides
+    assert min(got["object_db"][:start]) == 100 and max(got["object_db"][start:]) < 30
+    assert min(got["colour"][:start]) == 1.0 and len(got["colour"]) == len(got["shape"]) == size[0]
+
+
+@pytest.mark.parametrize("value, message", [("33x128", "expected FxHxW"), ("32x128x128", "4k\\+1"),
+                                            ("33x100x128", "multiples of 16"), ("9x16x32", "at least 32"), ("a", "expected FxHxW")])
+def test_vae_sizes_are_checked(tmp_path, capsys, value, message):
+    from attnqat.train.mini import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "o"), "--stage", "vae", "--vae-sizes", value])
+    assert e.value.code == 2 and re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()

@@ -4,6 +4,7 @@ The accuracy tests use corpus seeds 7001-7004, which the detector was never tune
 seeds 1-5 and 100-400).
 """
 import math
+import types
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from attnqat import demo
 from attnqat.corpus import BACKGROUNDS, Corpus, make_spec, parse_prompt
-from attnqat.quality import degrade, detect, psnr, score, ssim, to_uint8_frames
+from attnqat.quality import (LAST_FRAMES, MIN_AREA_PIXELS, curve_summary, degrade, detect, detect_frames, object_mask,
+                             presence, psnr, score, ssim, to_uint8_frames)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -177,3 +179,138 @@ def test_demo_uses_these_metrics():
     assert demo.psnr is psnr and demo.ssim is ssim
     with pytest.raises(ValueError, match="videos must both be"):
         psnr(np.zeros((2, 8, 8, 3), np.uint8), np.zeros((2, 8, 9, 3), np.uint8))
+
+
+# -------------------------------------------------------------------------------------------- per frame
+def _collapse_second_half(video: torch.Tensor, start: int) -> torch.Tensor:
+    """A clip (3, F, H, W) whose frames from ``start`` on lose their object's colour (its hue turned by a
+    channel rotation), as mini's broken VAE turned a green star cyan late in a clip."""
+    out = video.clone()
+    out[:, start:] = video[[2, 0, 1], start:]
+    return out
+
+
+def test_detect_frames_reads_every_frame_of_clean_clips():
+    video, _, specs = Corpus(7005, "held_out").batch(0, 8, frames=17, height=64, width=64)
+    shapes_right = shapes_read = 0
+    for v, spec in zip(video, specs):
+        r = detect_frames(v)
+        assert set(r) == {"found", "colour", "shape", "area"} and len(r["found"]) == 17
+        assert all(r["found"]) and r["colour"] == [spec.colour] * 17, (spec, r["colour"])
+        shapes_right += sum(s == spec.shape for s in r["shape"])
+        shapes_read += 17
+        assert min(r["area"]) >= MIN_AREA_PIXELS
+    assert shapes_right >= 0.95 * shapes_read  # one frame alone: small shrunk objects are the misses
+    blank = ((video[0] + 1) / 2).mean(0, keepdim=True).expand(3, -1, -1, -1) * 2 - 1  # no colour at all
+    assert detect_frames(blank)["found"] == [False] * 17 and detect_frames(blank)["colour"] == [None] * 17
+
+
+def test_presence_shows_a_late_collapse_that_the_whole_clip_reading_hides():
+    frames, start = 33, 33 - LAST_FRAMES  # the last 8 frames collapse
+    video, _, specs = Corpus(7006, "held_out").batch(0, 6, frames=frames, height=64, width=64)
+    truths = [s.attributes for s in specs]
+    broken = [_collapse_second_half(v, start) for v in video]
+    # the whole-clip detector still reads every asked colour: the majority of frames is right
+    assert score(broken, truths)["colour"] == 1.0
+    p = presence(broken, truths)
+    # independent count: frames before `start` right, every later frame wrong
+    assert p["per_frame"] == [1.0] * start + [0.0] * (frames - start)
+    assert p["frames"] == pytest.approx(start / frames) and p["last"] == 0.0 and p["present"] == 0.0
+    assert p["worst_frame"] == start and p["videos_every_frame"] == 0.0 and p["last_frames"] == LAST_FRAMES
+    assert p["videos"] == [pytest.approx(start / frames)] * 6 and p["n"] == 6 and p["frames_per_video"] == frames
+    clean = presence(list(video), truths)
+    assert clean["present"] == clean["frames"] == clean["last"] == 1.0 and clean["videos_every_frame"] == 1.0
+    # readings are taken as they are; a truth without a colour asks only for the object
+    readings = [detect_frames(v) for v in broken]
+    assert presence(readings, truths) == p
+    assert presence(readings, [{"colour": None}] * 6)["present"] == 1.0
+    with pytest.raises(ValueError, match="same number of frames"):
+        presence([readings[0], detect_frames(video[0, :, :9])], truths[:2])
+    with pytest.raises(ValueError, match="2 videos or readings but 1 truths"):
+        presence(readings[:2], truths[:1])
+
+
+def test_per_frame_psnr_and_its_summary_show_a_corrupted_second_half_the_mean_hides():
+    rng = np.random.default_rng(2)
+    video, _, _ = Corpus(15).batch(0, 1, frames=33, height=32, width=32)
+    a = to_uint8_frames(video[0])
+    noise = np.where(np.arange(33)[:, None, None, None] < 17, 1, 60) * rng.standard_normal(a.shape)
+    b = np.clip(a + noise, 0, 255).round().astype(np.uint8)
+    mean, per_frame = psnr(a, b)
+    mse = ((a.astype(np.float64) - b) ** 2).reshape(33, -1).mean(1)
+    expected = 10 * np.log10(255 ** 2 / mse)  # independent per-frame PSNR
+    assert per_frame == pytest.approx(list(expected), rel=1e-9)
+    c = curve_summary(per_frame)
+    assert mean > 28  # the mean looks like a sound video ...
+    assert c["worst"] == pytest.approx(expected.min()) and c["worst_frame"] == int(expected.argmin()) >= 17
+    assert c["last_mean"] == pytest.approx(expected[-8:].mean()) and c["last_mean"] < 16  # ... its end is not
+    assert c["first"] == expected[0] and c["middle"] == expected[16] and c["last"] == expected[-1]
+    loss = curve_summary([0.1, 0.3, 0.2], higher_is_better=False)
+    assert loss["worst"] == 0.3 and loss["worst_frame"] == 1 and loss["mean"] == pytest.approx(0.2)
+    assert math.isnan(curve_summary([20.0, float("nan"), 30.0])["worst"])  # NaN in, NaN out
+    with pytest.raises(ValueError, match="non-empty"):
+        curve_summary([])
+
+
+class _ExactAutoencoder(torch.nn.Module):
+    """An autoencoder that reproduces its input exactly, except that the decoder rotates the colour channels
+    of frames ``start`` onwards: a known corruption for vae_round_trip (the interface of AutoencoderKLWan)."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(()))  # gives the module a device and dtype
+        self.start = start
+
+    def encode(self, x):
+        return types.SimpleNamespace(latent_dist=types.SimpleNamespace(mode=lambda: x))
+
+    def decode(self, z):
+        out = z * self.gain
+        out[:, :, self.start:] = z[:, [2, 0, 1], self.start:]
+        return types.SimpleNamespace(sample=out)
+
+
+def test_vae_round_trip_reports_each_frame_and_catches_a_late_collapse():
+    from attnqat.evaluation import vae_round_trip
+
+    video, _, specs = Corpus(7007, "held_out").batch(0, 3, frames=17, height=64, width=64)
+    truths = [s.attributes for s in specs]
+    r = vae_round_trip(_ExactAutoencoder(start=9), video, truths, batch=2)
+    for clip, psnrs, obj in zip(video, r["psnr"], r["psnr_object"]):
+        assert psnrs[:9] == [math.inf] * 9 and obj[:9] == [math.inf] * 9  # exact frames
+        back = _collapse_second_half(clip, 9).double()
+        err = ((back - clip.double()) / 2) ** 2
+        region = (object_mask(clip) >= 0.5).double()
+        for f in range(9, 17):  # independent PSNR of each corrupted frame, whole and object region
+            assert psnrs[f] == pytest.approx(10 * math.log10(1 / err[:, f].mean().item()), rel=1e-9)
+            obj_mse = (err[:, f] * region[f]).sum().item() / (3 * region[f].sum().item())
+            assert obj[f] == pytest.approx(10 * math.log10(1 / obj_mse), rel=1e-9)
+            assert obj[f] < psnrs[f]  # the object is where the colours changed
+    assert r["colour_ok"] == [[True] * 9 + [False] * 8] * 3
+    assert r["per_frame"]["colour_ok"] == [1.0] * 9 + [0.0] * 8 and r["min"]["colour_ok"] == 0.0
+    assert r["per_frame"]["psnr"][:9] == [math.inf] * 9
+    assert r["min"]["psnr"] == pytest.approx(min(min(p) for p in r["psnr"])) and r["max"]["psnr"] == math.inf
+    assert sum(r["shape_ok"][0][:9]) >= 8  # the exact frames read as the asked shape
+    # without truths, the clip's own reading is the truth
+    assert vae_round_trip(_ExactAutoencoder(start=9), video[:1])["colour_ok"] == r["colour_ok"][:1]
+
+
+def test_vae_round_trip_of_a_real_vae_matches_an_independent_round_trip():
+    from attnqat.evaluation import vae_round_trip
+    from attnqat.pipelines.tiny import build_tiny_vae
+
+    vae = build_tiny_vae()
+    video, _, specs = Corpus(7008).batch(0, 2, frames=5, height=32, width=32)
+    r = vae_round_trip(vae, video, [s.attributes for s in specs])
+    with torch.no_grad():
+        back = vae.decode(vae.encode(video).latent_dist.mode()).sample.clamp(-1, 1).double().numpy()
+    err = ((back - video.double().numpy()) / 2) ** 2  # (2, 3, 5, 32, 32)
+    expected = 10 * np.log10(1 / err.mean(axis=(1, 3, 4)))
+    assert np.allclose(r["psnr"], expected, rtol=1e-6)
+    assert r["per_frame"]["psnr"] == pytest.approx(list(expected.mean(0)), rel=1e-6)
+    assert len(r["colour_ok"]) == 2 and all(len(x) == 5 for x in r["colour_ok"] + r["shape_ok"])
+    nan_clip = video[:1].clone()
+    nan_clip[0, :, 0, 0, 0] = float("nan")
+    assert math.isnan(vae_round_trip(vae, nan_clip)["min"]["psnr"])  # NaN in, NaN out
+    with pytest.raises(ValueError, match="clips must be"):
+        vae_round_trip(vae, video[0])

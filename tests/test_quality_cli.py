@@ -5,6 +5,7 @@ lands between bf16 and FP4); an ``attnqat train`` run folder loads as a checkpoi
 one line and exit status 2 before any model loads; an output folder holding other files is refused."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -119,6 +120,64 @@ def test_outputs_exist_parse_and_agree(run):
         assert im.size[0] > 2 * 3 * 96 and im.size[1] > len(order) * 96
 
 
+def test_per_frame_columns_agree_with_the_averages(run):
+    """Per latent frame (5 video frames: 2 latent frames) and per video frame, beside every average."""
+    import numpy as np
+
+    from attnqat.quality import presence
+
+    out, table, stdout, _ = run
+    rows = table["rows"]
+    for label in table["order"]:
+        r = rows[label]
+        assert len(r["flow_loss_frames"]) == 2 and len(r["velocity_distance_frames"]) == 2
+        # every latent frame holds as many positions: the loss is the mean of the per-frame losses
+        assert r["flow_loss"] == pytest.approx(np.mean(r["flow_loss_frames"]), rel=1e-6), label
+        assert all(0 <= x <= 1 for x in r["presence"]["per_frame"]) and len(r["presence"]["per_frame"]) == 5
+        # presence is recomputed from the saved per-frame colours and the prompts' truth
+        readings = [{"found": [c is not None for c in d["colour_frames"]], "colour": d["colour_frames"],
+                     "shape": [None] * 5} for d in table["detections"][label]]
+        truth = [parse_prompt(text) for text in table["prompts"]]
+        again = presence(readings, [{"colour": t["colour"]} for t in truth])
+        assert {k: again[k] for k in ("present", "frames", "last", "per_frame")} == {
+            k: r["presence"][k] for k in ("present", "frames", "last", "per_frame")}, label
+        if label != "bf16":
+            assert r["psnr"] == pytest.approx(np.mean(r["psnr_frames"]), rel=1e-9) and len(r["psnr_frames"]) == 5
+            assert r["ssim"] == pytest.approx(np.mean(r["ssim_frames"]), rel=1e-9)
+    assert rows["bf16"]["velocity_distance_frames"] == [0, 0] and rows["bf16"]["psnr_frames"] is None
+    assert rows["nvfp4"]["gap_closed_loss_frames"] == [0, 0] and rows["bf16"]["gap_closed_loss_frames"] == [1, 1]
+    assert rows["same"]["flow_loss_frames"] == rows["nvfp4"]["flow_loss_frames"]
+    md = (out / "table.md").read_text()
+    per_frame = md.split("| row | flow loss per latent frame")[1]
+    loss = rows["moved"]["flow_loss_frames"]
+    assert f"| **moved** | {loss[0]:.4f} / {loss[0]:.4f} / {loss[1]:.4f} | {max(loss):.4f} ({int(np.argmax(loss))}) |" \
+        in per_frame  # 2 latent frames: the middle one is the first
+    assert "| **bf16** |" in per_frame and "| ref | ref |" in per_frame and "last 5" in per_frame
+
+
+def test_flow_metrics_per_latent_frame_match_an_independent_computation():
+    from attnqat.evaluation import EVAL_SIGMAS, Variant, flow_metrics
+    from attnqat.pipelines import build_tiny_transformer
+
+    transformer = build_tiny_transformer()
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(3, 16, 3, 4, 4, generator=g)
+    x0[:, :, 2] *= 4  # the last latent frame far off the data: its loss stands out
+    embeds = torch.randn(3, 8, transformer.config.text_dim, generator=g)
+    rows = flow_metrics(transformer, [Variant("bf16"), Variant("fp4", "nvfp4")], x0, embeds, seed=5, batch=2)
+    noise = torch.randn((len(EVAL_SIGMAS),) + tuple(x0.shape), generator=torch.Generator().manual_seed(5))
+    expected = torch.zeros(3, dtype=torch.float64)
+    with torch.no_grad():
+        for si, sigma in enumerate(EVAL_SIGMAS):
+            xt = (1 - sigma) * x0 + sigma * noise[si]
+            v = transformer(hidden_states=xt, timestep=torch.full((3,), sigma * 1000.0), encoder_hidden_states=embeds,
+                            return_dict=False)[0]
+            expected += ((v - (noise[si] - x0)) ** 2).double().mean((0, 1, 3, 4)) / len(EVAL_SIGMAS)
+    assert rows["bf16"]["flow_loss_frames"] == pytest.approx(expected.tolist(), rel=1e-4)
+    assert rows["bf16"]["flow_loss_frames"][2] > 2 * max(rows["bf16"]["flow_loss_frames"][:2])
+    assert len(rows["fp4"]["velocity_distance_frames"]) == 3 and min(rows["fp4"]["velocity_distance_frames"]) > 0
+
+
 def test_checkpoint_forms_resolve_to_the_exported_weights(run):
     from attnqat.pipelines.loading import checkpoint_weights_path
 
@@ -158,6 +217,33 @@ def test_an_earlier_output_is_rewritten_other_folders_are_refused(run, tmp_path,
     # ... unless --overwrite (which replaces only the three names)
     args = quality_cli.resolve_settings(_namespace(["quality", *SMALL, "--out", str(tmp_path), "--overwrite"]))
     assert args.out == tmp_path and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_on_a_full_disk_keeps_the_old_set_whole(run, tmp_path, capsys, monkeypatch):
+    """--overwrite into a folder holding an earlier set and a user's file; grid.png (written last) fails as on a
+    full disk: the old table.json, table.md and grid.png are all kept, one line, exit 1, nothing else left."""
+    import shutil
+
+    from PIL import Image
+
+    out = tmp_path / "out"
+    shutil.copytree(run[0], out)
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(self, fp, *a, **k):
+        Path(fp).write_bytes(b"\x89PNG")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Image.Image, "save", full_disk)
+    capsys.readouterr()
+    argv = ["quality", *SMALL, "--base-modes", "bf16", "--prompts", "1", "--clips", "1", "--out", str(out), "--overwrite"]
+    assert cli_main(argv) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("attnqat quality: failed:") and "No space left on device" in lines[-1]
+    assert "existing files were left unchanged" in lines[-1] and not any("Traceback" in x for x in lines)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def _namespace(argv):

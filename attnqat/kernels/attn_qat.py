@@ -39,6 +39,7 @@ from ._common import (P_BWD_CHOICES, LaunchConfig, check_qkv, default_scale, int
 from ._hardware import compile_for, first_that_compiles, fp4_mma_arch, fp8_cast
 from .formats import LOG2E
 from .nvfp4 import fake_quant_tile, quantize_heads, round_e2m1_nonneg, round_e4m3, tile_keys, unpack_tile
+from .reference import refuse_double_backward
 
 # P~ = 2688 * 2^x = 2^(x + log2 2688): the kernels fold the scale into exp2 as the literal
 # 11.392317422778761 = log2(2688) (a literal: Triton kernels read no Python globals).
@@ -901,6 +902,7 @@ class AttnQATFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        refuse_double_backward("attn_qat")
         q, k, qf, kf, vf, o_aux, m, l = ctx.saved_tensors
         dq, dk, dv = attn_qat_bwd(do, q, k, qf, kf, vf, o_aux, m, l, ctx.sm_scale, ctx.causal, ctx.p_bwd)
         return dq, dk, dv, None, None, None
@@ -919,6 +921,7 @@ class AttnQATDropinFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        refuse_double_backward("attn_qat_dropin")
         q, k, v, o = ctx.saved_tensors
         # m and l of the unquantized logits (a FlashAttention forward would have saved its LSE).
         _, _, m, l, (qc, kc, vc) = attn_qat_forward(q, k, v, sm_scale=ctx.sm_scale, causal=ctx.causal,

@@ -200,6 +200,16 @@ def forward_quantized_p_ref(q, k, v, *, sm_scale=None, causal=False, block_n: in
     return torch.cat([t * torch.exp2(mj - m)[..., None] for t, mj in zip(tiles, maxes)], dim=-1) / l[..., None]
 
 
+def refuse_double_backward(mode: str) -> None:
+    """Raise in an attention backward (the references' and the kernels') that runs with ``create_graph=True``
+    (grad mode is on inside a backward exactly then). The backwards are hand-written, not traced from
+    differentiable ops, so a graph built through them would give wrong second-order gradients, or none at all
+    where the saved tensors are quantized copies."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(f"attention mode {mode!r} has no second-order gradients (double backward): "
+                                  f"its backward is hand-written and not differentiable; take gradients through "
+                                  f"it without create_graph=True")
+
 
 class _AttnQATRef(torch.autograd.Function):
     """Differentiable Attn-QAT on plain tensors (CPU training of the tiny model). ``dropin`` swaps in
@@ -214,8 +224,9 @@ class _AttnQATRef(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o_saved, m, l = ctx.saved_tensors
         sm_scale, causal, p_bwd, dropin = ctx.args
+        refuse_double_backward("attn_qat_dropin" if dropin else "attn_qat")
+        q, k, v, o_saved, m, l = ctx.saved_tensors
         if dropin:
             dq, dk, dv = attention_bwd_fp32(q, k, v, o_saved, do, sm_scale=sm_scale, causal=causal)
         else:
@@ -420,6 +431,7 @@ class _SageBwdRef(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        refuse_double_backward("sagebwd")
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = sagebwd_backward_ref(q, k, v, o, do, lse, **ctx.args)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None

@@ -61,6 +61,7 @@ import triton.language as tl
 from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config
 from .formats import LOG2E, SAGEBWD_PRECISIONS  # the pv / bwd options, in the order of the PV / BWD constexprs
 from .formats import SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
+from .reference import refuse_double_backward
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_FLOOR = 1e-30  # s = max(amax, 1e-30) / 127: an all-zero block quantizes to zeros, not NaN
@@ -646,6 +647,7 @@ class _SageBwdAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        refuse_double_backward("sagebwd")
         q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse = ctx.saved_tensors
         km = ctx.kmajor
         bwd_code = SAGEBWD_PRECISIONS.index(ctx.bwd)

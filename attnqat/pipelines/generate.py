@@ -2,7 +2,7 @@
 
   attnqat generate --prompt "a blue square moves up over a checkered background" --out square.mp4
   attnqat generate --prompt "a red ball slides left over a striped background" --mode attn_qat --out ball.mp4
-  attnqat generate --prompt "a corgi surfing a wave" --mode attn_qat --high-precision-steps first:2,last:1 \
+  attnqat generate --prompt "a corgi surfing a wave" --mode attn_qat --high-precision-steps first:2,last:1 \\
       --model ./Wan2.1-T2V-1.3B-Diffusers
 
 The default --model mini is attnqat's own small Wan 2.1-architecture model, shipped in the package
@@ -45,7 +45,8 @@ import numpy as np
 
 from attnqat.checks import (SIZE_MULTIPLE,  # noqa: F401 - defined here before, still importable
                             TIME_STRIDE, VAE_SPATIAL_STRIDE, LIMITS, check_device, check_float, check_int,
-                            check_limited, check_output_dir, check_output_file, check_text, check_video_size, show)
+                            check_limited, check_not_input, check_output_dir, check_output_file, check_text, check_video_size,
+                            model_inputs, show)
 from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
@@ -368,6 +369,10 @@ def check_outputs(args: argparse.Namespace) -> argparse.Namespace:
         args.frames_dir = check_output_dir("--frames-dir", args.frames_dir, must_be_empty=True)
         if args.frames_dir.absolute() == args.out.absolute():
             raise ValueError("--frames-dir and --out are the same path")
+    inputs = [("--qat-checkpoint", args.qat_checkpoint)] + model_inputs("--model", args.model)
+    for flag, out in (("--out", args.out), ("--frames-dir", args.frames_dir)):
+        if out is not None:
+            check_not_input(flag, out, inputs)
     return args
 
 
@@ -636,6 +641,12 @@ def _generate(args: argparse.Namespace, t_start: float) -> int:
 
     pipe = load_pipeline(args.model, dtype=dtype, device=None if args.offload else device,
                          flow_shift=args.flow_shift)
+    if is_mini_model(args.model):  # mini reads its corpus's words only; any other word is <unk> to it
+        from .mini import vocabulary_note
+
+        note = vocabulary_note(pipe.tokenizer, args.prompt)
+        if note:
+            log(f"NOTE: {note}.")
     if args.qat_checkpoint:
         load_qat_checkpoint(pipe.transformer, args.qat_checkpoint)
     check_mode_runs(args.mode, pipe.transformer.config.attention_head_dim, device, dtype)
@@ -710,7 +721,7 @@ def _summary(args: argparse.Namespace, pipe, result: GenerationResult, total: fl
         lines.append(f"precision    {schedule.describe(args.steps, len(pipe.transformer.blocks))}"
                      + ("" if schedule.empty else f"; {args.mode} elsewhere"))
     lines += [
-        f"video        {args.frames} frames {args.height}x{args.width}, {args.steps} steps, guidance "
+        f"video        {args.frames} frames {args.height}x{args.width}, {args.steps} step{'s' if args.steps != 1 else ''}, guidance "
         f"{args.guidance}, seed {args.seed}, {args.dtype} on {device}" + (" (CPU offload)" if args.offload else ""),
     ]
     if args.launch is not None:

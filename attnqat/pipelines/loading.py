@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from .mini import is_mini, mini_folder
+from .model_folder import ModelConfigError, check_model_folder, check_regular_file
 from .tiny import build_tiny_pipeline, build_tiny_transformer
 
-__all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
+__all__ = ["ModelNotFoundError", "ModelConfigError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny", "is_mini",
            "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
            "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
@@ -68,6 +69,7 @@ def _resolve(model: str, subfolder: str | None = None) -> str:
         if not wanted.exists():
             raise ModelNotFoundError(f"{str(path)!r} is not a diffusers-format Wan 2.1 folder: "
                                      f"{wanted.relative_to(path)} is missing; {_download_hint(DEFAULT_REAL_MODEL)}")
+        check_model_folder(path, (subfolder,) if subfolder else None)  # before any model is built from it
         return str(path)
     if _looks_like_hub_id(model):
         return model
@@ -76,7 +78,8 @@ def _resolve(model: str, subfolder: str | None = None) -> str:
 
 def check_model(model: str, flag: str = "--model") -> None:
     """Refuse a ``model`` value that cannot load, without loading anything: blank text, a missing
-    folder, a folder without model_index.json, a file. A hub id is checked when it loads."""
+    folder, a folder without model_index.json, a file, a folder :func:`check_model_folder` refuses (special
+    files, pickled weights, configs beyond bounds or unlike their weights). A hub id is checked when it loads."""
     from attnqat.checks import check_path_text, check_text
 
     check_text(flag, model)
@@ -121,7 +124,7 @@ def _from_pretrained(cls, model: str, **kwargs):
             # newer diffusers renamed torch_dtype to dtype and warn on the old name, which older ones (>= 0.33,
             # as pyproject allows) need: keep it, without the warning.
             warnings.filterwarnings("ignore", message=r"`torch_dtype` is deprecated", category=FutureWarning)
-            return cls.from_pretrained(target, **kwargs)
+            return cls.from_pretrained(target, use_safetensors=True, **kwargs)  # never a pickle
     except (OSError, ValueError, EnvironmentError) as e:  # hub: not cached and offline/unreachable/unknown id
         if Path(target).exists():
             raise ModelNotFoundError(f"could not load {cls.__name__} from folder {target!r}: {e}".splitlines()[0]) from e
@@ -200,6 +203,7 @@ def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
     if not p.exists():
         raise FileNotFoundError(f"QAT checkpoint {str(p)!r} does not exist")
     if not p.is_dir():
+        check_regular_file(p, "QAT checkpoint")  # a FIFO would block the read for ever
         return [p]
     if (p / "transformer.safetensors").is_file():  # a checkpoint or final/ folder (beside ema.safetensors, state/)
         return [p / "transformer.safetensors"]
@@ -212,6 +216,8 @@ def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
     # a diffusers model folder's weights are its transformer/'s, not QAT weights shipped beside them (mini's)
     files = [] if (p / "model_index.json").is_file() else sorted(p.glob("*.safetensors"))
     files = files or sorted(p.glob("transformer/*.safetensors"))
+    for f in files:
+        check_regular_file(f, "QAT checkpoint file")
     if not files:
         raise FileNotFoundError(f"QAT checkpoint folder {str(p)!r} holds no .safetensors file (nor an attnqat "
                                 f"train run's final/ or checkpoints/step-N/)")
@@ -265,8 +271,8 @@ def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint"
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
     try:
         files = _checkpoint_files(p)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{flag}: {e}") from None
+    except (FileNotFoundError, ModelConfigError) as e:
+        raise type(e)(f"{flag}: {e}") from None
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:

@@ -56,6 +56,10 @@ MINI_NOTICE = ("model 'mini' is attnqat's own small Wan 2.1-architecture model, 
                "it draws one coloured shape moving over a simple background, e.g. \"a blue square moves up over a "
                "checkered background\"")
 
+#: What mini does know, after the words of a prompt it does not (:func:`vocabulary_note`).
+MINI_KNOWS = "it knows colours, shapes, motions and backgrounds: see docs/corpus.md"
+MAX_UNKNOWN_SHOWN = 12  # a prompt of many unknown words: the note names this many, then counts the rest
+
 MINI_TEXT_DIM = 128
 MINI_TEXT_ENCODER_CONFIG = dict(d_model=MINI_TEXT_DIM, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
                                 relative_attention_num_buckets=16, relative_attention_max_distance=64,
@@ -156,6 +160,28 @@ def build_mini_tokenizer():
                                                        special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
                                    unk_token="<unk>", model_max_length=512)
+
+
+def unknown_words(tokenizer, prompt: str) -> list[str]:
+    """The words of ``prompt`` that ``tokenizer`` (mini's word-level one) reads only as ``<unk>``: lowercased,
+    once each, in the prompt's order. A word is a run of letters (with inner apostrophes: "cat's"); digits
+    and punctuation are no words. A synonym the tokenizer maps ("violet") is known."""
+    import re
+
+    words = list(dict.fromkeys(w.lower() for w in re.findall(r"[^\W\d_]+(?:['’][^\W\d_]+)*", prompt)))
+    unk = tokenizer.unk_token_id
+    return [w for w in words if unk in tokenizer(w, add_special_tokens=False)["input_ids"]]
+
+
+def vocabulary_note(tokenizer, prompt: str) -> str | None:
+    """One line naming the words of ``prompt`` mini does not know (:func:`unknown_words`; the first
+    :data:`MAX_UNKNOWN_SHOWN`, then how many more), and what it does know; None when it knows them all."""
+    words = unknown_words(tokenizer, prompt)
+    if not words:
+        return None
+    shown = ", ".join(words[:MAX_UNKNOWN_SHOWN])
+    more = f" and {len(words) - MAX_UNKNOWN_SHOWN} more" if len(words) > MAX_UNKNOWN_SHOWN else ""
+    return f"mini does not know: {shown}{more} ({MINI_KNOWS})"
 
 
 def build_mini_text_encoder():

@@ -79,11 +79,15 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Write ``path`` as a whole or not at all: a temporary name, fsync, one rename."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -97,9 +101,9 @@ def write_json(path: Path, data) -> None:
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    from safetensors.torch import save_file
+    from attnqat.outputs import save_safetensors
 
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    save_safetensors(path, {k: v.detach().contiguous() for k, v in tensors.items()}, metadata=metadata)
     fsync_file(path)
 
 

@@ -228,6 +228,29 @@ def _coerce(value, hint, key):
     return value
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """YAML for configs: safe types only; no aliases (``*name``: a 1.6 KB file of nested aliases expands to
+    gigabytes when copied, and a config needs none); YAML 1.2's booleans, ``true`` and ``false`` only, so
+    ``no`` is the string "no" (``train.mixed_precision: no``), not false as in YAML 1.1."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a config",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader
+
+
 def _set_dotted(d: dict, key: str, value) -> None:
     parts = key.split(".")
     for p in parts[:-1]:
@@ -248,7 +271,7 @@ def config_from_dict(values: dict, overrides: list[str] | None = None) -> TrainC
             raise ValueError(f"override {_show(item)} must look like section.key=value (e.g. train.lr=1e-5)")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw)
+            value = _load_yaml(raw)
         except yaml.YAMLError as e:
             raise ValueError(f"override {_show(item)}: the value is not valid YAML "
                              f"({str(e).splitlines()[0]})") from None
@@ -276,7 +299,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
     except UnicodeDecodeError:
         raise ValueError(f"config file {_show(str(p))} is not UTF-8 text") from None
     try:
-        values = yaml.safe_load(text) or {}
+        values = _load_yaml(text) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"config file {str(p)!r} is not valid YAML: {e}".replace("\n", " ")) from e
     return config_from_dict(values, overrides)
@@ -311,6 +334,9 @@ def model_config(model: str) -> dict:
     except (OSError, ValueError) as e:  # a name too long for the file system, a NUL byte
         raise ValueError(f"model {_show(model)} is not a usable path ({getattr(e, 'strerror', None) or e})") from None
     if is_dir:
+        from attnqat.pipelines.model_folder import check_model_folder
+
+        check_model_folder(path, ("transformer",))  # bounds, types, its weights' blocks
         cfg = path / "transformer" / "config.json"
         if not cfg.is_file():
             cfg = path / "config.json"

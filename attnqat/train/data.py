@@ -106,10 +106,10 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
     """Write a safetensors file atomically (to a temporary name, then rename)."""
     import os
 
-    from safetensors.torch import save_file
+    from attnqat.outputs import save_safetensors
 
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    save_safetensors(tmp, {k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
     os.replace(tmp, path)
 
 

@@ -17,6 +17,7 @@ non-finite weights.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -28,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from attnqat.checks import check_not_input, model_inputs
+from attnqat.locking import output_lock
 
 from . import checkpoint as ck
 from . import sequence_parallel
@@ -369,6 +373,21 @@ class Trainer:
             raise NonFiniteTrainingError(f"step {self.state.step}: {bad or 'a value on the main process'} is not finite; "
                                          f"{target} was not written (the last good checkpoint stays)")
         tmp = target.with_name(target.name + ".tmp")
+        try:
+            self._write(tmp, state_dict, osd, with_state)
+            if acc.is_main_process:
+                ck.write_manifest(tmp, kind="checkpoint" if with_state else "final", step=self.state.step)
+        except BaseException:  # a full disk, a kill: the partial copy is no checkpoint; the last good one stays
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if acc.is_main_process:
+            ck.commit(tmp, target)
+        acc.wait_for_everyone()
+
+    def _write(self, tmp: Path, state_dict: dict, osd: dict | None, with_state: bool) -> None:
+        """Every file of a checkpoint (the manifest aside) into ``tmp``."""
+        acc = self.accelerator
         if acc.is_main_process:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -400,10 +419,6 @@ class Trainer:
                 if acc.scaler is not None:
                     ck.write_json(tmp / "state" / "scaler.json", ck.encode(acc.scaler.state_dict()))
         acc.wait_for_everyone()  # every process's RNG file is written
-        if acc.is_main_process:
-            ck.write_manifest(tmp, kind="checkpoint" if with_state else "final", step=self.state.step)
-            ck.commit(tmp, target)
-        acc.wait_for_everyone()
 
     def prune(self) -> None:
         """Keep the newest ``checkpoint.keep`` complete checkpoints; delete the older ones."""
@@ -651,6 +666,9 @@ def check_request(cfg: TrainConfig, resume: str | None = None, stop_after: int |
         raise ValueError(f"--stop-after must be a step >= 1, got {stop_after!r}")
     out_dir = Path(cfg.output_dir)
     check_output_dir(out_dir)
+    named_checkpoint = resume if resume != "auto" else None
+    check_not_input("output_dir", out_dir, [("data.path", cfg.data.path), ("--resume", named_checkpoint)]
+                    + model_inputs("model", cfg.model))
     found = ck.run_artifacts(out_dir)
     if found and not resume and not overwrite and refuse_existing:
         names = ", ".join(sorted({p.relative_to(out_dir).parts[0] + ("/" if p.is_dir() else "") for p in found}))
@@ -723,13 +741,18 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
         before the optimizer step, and nothing non-finite is written).
     """
     check_request(cfg, resume, stop_after, overwrite)  # before any model is built
-    trainer = Trainer(cfg, accelerator)
-    try:
-        return _train(trainer, cfg, resume, stop_after, overwrite, time_limit)
-    finally:
-        trainer.s_cap.remove()
-        trainer.t_cap.remove()
-        trainer.accelerator.end_training()
+    # One run writes output_dir at a time. The main process (global rank 0) holds the lock; if it refuses, a
+    # launcher (torchrun, accelerate launch) stops the other processes.
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    with output_lock(cfg.output_dir, "attnqat train") if main_process else contextlib.nullcontext():
+        check_request(cfg, resume, stop_after, overwrite)  # again: another run may have finished meanwhile
+        trainer = Trainer(cfg, accelerator)
+        try:
+            return _train(trainer, cfg, resume, stop_after, overwrite, time_limit)
+        finally:
+            trainer.s_cap.remove()
+            trainer.t_cap.remove()
+            trainer.accelerator.end_training()
 
 
 def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, time_limit=None) -> TrainResult:

@@ -137,10 +137,11 @@ def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool
     ``out`` is written as a whole: into a temporary folder beside it, renamed into place when complete, so
     a failed or interrupted run never leaves a half-written dataset there. An earlier precompute output at
     ``out`` (its index.json and shards, nothing else) is replaced only then; any other non-empty folder is
-    refused."""
-    from attnqat.outputs import replace_dir_atomically, write_dir_atomically
-
-    from .data import INDEX, is_precompute_output, write_index, write_shard
+    refused. One run writes ``out`` at a time (:mod:`attnqat.locking`); the temporary folders a killed run
+    left beside ``out`` are removed first."""
+    from attnqat.checks import check_not_input, model_inputs
+    from attnqat.locking import output_lock
+    from attnqat.outputs import remove_stale_temps
 
     if videos:
         if height % 16 or width % 16:
@@ -150,13 +151,38 @@ def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool
     if max_length < 1 or shard_size < 1 or batch_size < 1:
         raise ValueError("--max-length, --shard-size and --batch-size must be >= 1")
     folder = Path(out).expanduser()
+    with output_lock(folder, "attnqat precompute", log=log):
+        remove_stale_temps(folder, is_partial_output, log=lambda msg: log(f"attnqat precompute: {msg}"))
+        records = read_records(prompts_file, videos)
+        inputs = [("--prompts", prompts_file)] + [("a video of --prompts", r.get("video")) for r in records]
+        check_not_input("--out", out, inputs + model_inputs("--model", model), holds_inputs_too=True)
+        return _precompute(records, folder, out, model=model, videos=videos, max_length=max_length, height=height,
+                           width=width, frames=frames, shard_size=shard_size, batch_size=batch_size, device=device,
+                           log=log)
+
+
+def is_partial_output(folder: Path) -> bool:
+    """``folder`` holds nothing but what precompute writes (index.json, shards, their .tmp names): a temporary
+    folder of precompute's, or an old output it moved aside."""
+    from .data import INDEX, SHARD_NAME
+
+    return all(e.is_file() and not e.is_symlink() and (e.name.removesuffix(".tmp") == INDEX
+                                                        or SHARD_NAME.fullmatch(e.name.removesuffix(".tmp")))
+               for e in folder.iterdir())
+
+
+def _precompute(records, folder: Path, out, *, model, videos, max_length, height, width, frames, shard_size,
+                batch_size, device, log) -> dict:
+    from attnqat.outputs import replace_dir_atomically, write_dir_atomically
+
+    from .data import INDEX, is_precompute_output, write_index, write_shard
+
     reuse = folder.is_dir() and (folder / INDEX).is_file()
     if folder.exists() and not (folder.is_dir() and (reuse or not any(folder.iterdir()))):
         raise ValueError(f"--out {str(out)!r} exists and is neither empty nor an earlier precompute output")
     if reuse and not is_precompute_output(folder):
         raise ValueError(f"--out {str(out)!r} holds an index.json beside files precompute did not write; "
                          f"give a new or empty folder (nothing in it is replaced)")
-    records = read_records(prompts_file, videos)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok, enc, vae = load_encoders(model, device, videos)
     index: dict = {}
