@@ -8,7 +8,8 @@ Every option but --out, --docs and --no-write goes to `attnqat quality` as it is
 --model, --variant, --bf16-steps, --prompts, --clips, --size, --steps, --device ...). The run writes into --out
 (default bench/results/quality; an earlier output there is replaced). Then, unless --no-write, the table goes
 between the BEGIN/END quality markers of DOCS/quality.md (the rest of the page is left alone), the picture to
-DOCS/quality.png and every number to DOCS/quality.json.
+DOCS/quality.png (at most 1800 pixels wide, 256 colours: the full-size grid stays in --out) and every number to
+DOCS/quality.json.
 """
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench._report import ROOT, env_line, environment, update_section  # noqa: E402
 
 SECTION = "quality"
+DOC_PICTURE_WIDTH = 1800  # the full grid of 32 prompts is ~3 MB; this keeps the page's copy legible under 600 KB
+
+
+def write_doc_picture(grid: pathlib.Path, target: pathlib.Path, width: int = DOC_PICTURE_WIDTH) -> None:
+    """``grid`` scaled down to ``width`` (never up) in 256 colours, as ``target``."""
+    from PIL import Image
+
+    with Image.open(grid) as im:
+        im = im.convert("RGB")
+        if im.width > width:
+            im = im.resize((width, round(im.height * width / im.width)), Image.LANCZOS)
+        im.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(target, optimize=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     docs.mkdir(parents=True, exist_ok=True)
     if not (docs / "quality.md").exists():  # another folder (a smoke run): start from this page
         shutil.copyfile(ROOT / "docs" / "quality.md", docs / "quality.md")
-    shutil.copyfile(out / "grid.png", docs / "quality.png")
+    write_doc_picture(out / "grid.png", docs / "quality.png")
     shutil.copyfile(out / "table.json", docs / "quality.json")
     env = environment()
     command = " ".join(["python bench/quality.py", *rest])

@@ -235,9 +235,10 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_inputs_are_refused_the_same_on_every_path(case, mode, path, monkeypatch):
-    """README's contract ((B, H, L, D), bf16/fp16 (+ fp32 on CPU or for bf16), D in {64, 128} (any for bf16),
-    contiguous last dim, same batch/heads/dtype/device, sm_scale finite > 0, causal a bool) is enforced by
-    one check before dispatch: the same ValueError whether the Triton kernels or the references would run."""
+    """The input contract of docs/kernels.md ((B, H, L, D), bf16/fp16 (+ fp32 on CPU or for bf16), D in {64, 128}
+    (any for bf16), contiguous last dim, same batch/heads/dtype/device, sm_scale finite > 0, causal a bool) is
+    enforced by one check before dispatch: the same ValueError whether the Triton kernels or the references
+    would run."""
     name, build, message, legal_for = case
     monkeypatch.setenv("TRITON_INTERPRET", PATHS[path])
     q, k, v, kwargs = build()
@@ -291,7 +292,7 @@ TRAINABLE = {"bf16", "attn_qat", "attn_qat_dropin", "sagebwd"}
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_nonfinite_inputs_stay_visible(mode, path, causal, monkeypatch, poison):
-    """The propagation rule (README, "Attention kernels"): a NaN or +-inf in q's row i makes output row i
+    """The propagation rule (docs/kernels.md): a NaN or +-inf in q's row i makes output row i
     non-finite; one in k's or v's row j makes every row that attends key j non-finite (all rows; rows i >= j
     when causal). Other rows may follow (shared block scales and means). For trainable modes the backward
     keeps it too: dq and dk hold a non-finite value, and dv as well when the bad value was in q or k

@@ -323,6 +323,12 @@ def test_bench_writes_the_docs_section_and_picture(tmp_path):
     assert "No measured results yet: `bench/quality.py`" not in section
     assert page.split("<!-- BEGIN quality -->")[0] == (ROOT / "docs" / "quality.md").read_text().split(
         "<!-- BEGIN quality -->")[0]  # the rest of the page is left alone
+    # the page's picture is a scaled-down copy of a wide grid (the full one stays in --out)
+    from PIL import Image
+    Image.new("RGB", (3000, 1500), (200, 40, 90)).save(tmp_path / "wide.png")
+    bench.write_doc_picture(tmp_path / "wide.png", tmp_path / "small.png")
+    with Image.open(tmp_path / "small.png") as im:
+        assert im.size == (bench.DOC_PICTURE_WIDTH, 900) and im.convert("RGB").getpixel((5, 5)) == (200, 40, 90)
 
 
 def test_mini_qat_config_and_every_driver_run_validate():

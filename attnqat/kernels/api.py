@@ -93,9 +93,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = "bf
         options: mode-specific keywords (e.g. ``p_bwd`` for ``attn_qat``); unknown ones are refused.
     Return:
         (batch, heads, seqlen_q, head_dim) in q's dtype. A NaN or inf in q's row i, or in a k or v row that
-        query i attends to, leaves a non-finite value in output row i, in every mode (README, "Attention
-        kernels"); anything else the contract above excludes is a ``ValueError`` naming the value, the same on
-        the Triton and the reference path.
+        query i attends to, leaves a non-finite value in output row i, in every mode (docs/kernels.md, "Inputs
+        and non-finite values"); anything else the contract above excludes is a ``ValueError`` naming the value,
+        the same on the Triton and the reference path.
     """
     m = get_mode(mode)
     check_qkv(q, k, v, name=f"attention(mode={mode!r})", sm_scale=sm_scale, causal=causal, dtypes=m.dtypes,
