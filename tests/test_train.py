@@ -11,6 +11,8 @@ import csv
 import json
 import math
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +36,7 @@ def tiny(tmp_path, *overrides):
     return load_config(TINY, [f"output_dir={tmp_path}", "log.progress=false", *overrides])
 
 
-def test_short_run_lowers_heldout_gap(tmp_path):
+def test_short_run_lowers_heldout_gap(tmp_path, capsys):
     """24 steps of feature distillation (configs/tiny.yaml) lower the FP4 student-teacher gap on held-out
     noise, latents, timesteps and embeddings (own seed), in both the output and the block features.
 
@@ -60,6 +62,17 @@ def test_short_run_lowers_heldout_gap(tmp_path):
     load_qat_checkpoint(fresh, tmp_path / "final")
     changed = [k for k, v in fresh.state_dict().items() if not torch.equal(v, init.state_dict()[k])]
     assert changed and all(".attn1." in k for k in changed)  # train.trainable: attention
+    # what the run printed: the held-out change readable at this model's ~1e-5 scale, and a hint that pastes
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("held-out at step 24"))
+    now, before = re.search(r"output (\S+) \(from (\S+)\)", line).groups()
+    assert float(now) < float(before) and now != before, line
+    hint = next(x for x in out.splitlines() if "try it:" in x).split("try it:")[1]
+    argv = shlex.split(hint)
+    assert argv[:2] == ["attnqat", "generate"]
+    from attnqat.cli import build_parser
+    args = build_parser("generate").parse_args(argv[1:])
+    assert args.qat_checkpoint == str(tmp_path / "final") and args.prompt and args.mode == "attn_qat"
 
 
 def test_resume_reproduces_uninterrupted_losses(tmp_path):

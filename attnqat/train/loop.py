@@ -23,6 +23,7 @@ import io
 import json
 import math
 import os
+import shlex
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -712,9 +713,10 @@ def check_output_dir(out_dir: Path) -> None:
 def _held_out_line(step: int, now: dict, before: dict | None = None, *, with_gap: bool = True) -> str:
     """The held-out measures at ``step`` (and where they started). A run from scratch leaves out the
     student-teacher gap: its teacher is the random initialisation, and the distance to it means nothing."""
-    names = [("output", "student-teacher gap: output", 6), ("features", "features", 6)] if with_gap else []
-    names += [("flow", "flow loss", 6), ("prompt_ratio", "wrong/right caption loss", 4)]
-    parts = [f"{label} {now[k]:.{digits}f}" + (f" (from {before[k]:.{digits}f})" if before and k in before else "")
+    names = [("output", "student-teacher gap: output", 4), ("features", "features", 4)] if with_gap else []
+    names += [("flow", "flow loss", 4), ("prompt_ratio", "wrong/right caption loss", 4)]
+    # significant digits, not decimals: a tiny model's gaps of ~2e-5 must show their change
+    parts = [f"{label} {now[k]:.{digits}g}" + (f" (from {before[k]:.{digits}g})" if before and k in before else "")
              for k, label, digits in names if k in now]
     return f"held-out at step {step}: " + "; ".join(parts)
 
@@ -864,8 +866,9 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
     if gap_after and gap_before and acc.is_main_process:
         acc.print(_held_out_line(trainer.state.step, gap_after, gap_before, with_gap=not tr.from_scratch))
     if final is not None:
-        acc.print(f"final checkpoint: {final}  (attnqat generate --qat-checkpoint {final} --model {cfg.model} "
-                  f"--mode {cfg.attention.mode})")
+        acc.print(f"final checkpoint: {final}\n  try it: attnqat generate --model {shlex.quote(str(cfg.model))} "
+                  f"--qat-checkpoint {shlex.quote(str(final))} --mode {cfg.attention.mode} "
+                  f"--prompt 'a red ball slides left over a striped background'")
     return TrainResult(steps=trainer.state.step, losses=losses, gap_before=gap_before, gap_after=gap_after,
                        output_dir=cfg.output_dir, final_checkpoint=str(final) if final else None, log_rows=logger.rows)
 
