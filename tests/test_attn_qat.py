@@ -102,10 +102,11 @@ def test_backward_quantized_p_is_the_forwards_at_long_length():
 
 
 def test_kernel_backward_uses_forward_quantized_p(poison):
-    """The same property through the fused kernels (interpreter, L = 1024)."""
+    """The same property through the fused kernels (interpreter, L = 512: the normalized choice's dV is already
+    far off there, cos 0.02-0.05 on seeds 1-3 against 0.999998 for the forward's P)."""
     torch.manual_seed(1)
-    q, k, v = (t.requires_grad_() for t in qkv(1, 1, 1024, 1024, 64, scale=0.5))
-    do = torch.randn(1, 1, 1024, 64, dtype=torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in qkv(1, 1, 512, 512, 64, scale=0.5))
+    do = torch.randn(1, 1, 512, 64, dtype=torch.bfloat16)
     attn_qat_attention(q, k, v).backward(do)
     p_fwd = R.forward_quantized_p_ref(q.detach(), k.detach(), v.detach())
     assert cos_sim(v.grad, p_fwd.transpose(-1, -2) @ do.float()) >= 0.999
