@@ -163,19 +163,19 @@ def reconstruction_per_frame(vae, *, clips: int = 16, size=(33, 256, 256), seed:
     Returns, per frame: ``frame_db`` (PSNR in dB, RGB in [-1, 1] as 0..255, the mean over clips), ``worst_db``
     (the worst clip), ``object_db`` (over the object's pixels), ``colour`` and ``shape`` (the fraction of clips
     whose round-trip frame the detector reads as the clip's colour, shape); and ``mean_db`` over clips and
-    frames. PSNR is capped at 100 dB (an exact frame). A mean alone hides a VAE that breaks late in a clip: one
+    frames. PSNR is capped at ``PSNR_CAP_DB`` (100 dB: an exact frame), as ``attnqat quality`` caps it. A mean alone hides a VAE that breaks late in a clip: one
     trained on 17 frames averaged 18 dB at 33 frames while its frames 18-33 fell from 20 to 6 dB.
     """
     from attnqat.corpus import Corpus
-    from attnqat.evaluation import vae_round_trip
+    from attnqat.evaluation import PSNR_CAP_DB, vae_round_trip
 
     corpus = Corpus(seed, "held_out")
     frames, height, width = size
     specs = [corpus.spec(j) for j in range(clips)]
     video = corpus.render(specs, frames=frames, height=height, width=width, device=device)
     trip = vae_round_trip(vae, video, [s.attributes for s in specs])
-    db = torch.tensor(trip["psnr"], dtype=torch.float64).clamp(max=100)  # (clips, frames)
-    r = lambda values: [None if v is None else round(min(v, 100.0), 2) for v in values]  # noqa: E731
+    db = torch.tensor(trip["psnr"], dtype=torch.float64).clamp(max=PSNR_CAP_DB)  # (clips, frames)
+    r = lambda values: [None if v is None else round(min(v, PSNR_CAP_DB), 2) for v in values]  # noqa: E731
     return {"frame_db": r(db.mean(0).tolist()), "worst_db": r(db.amin(0).tolist()),
             "object_db": r(trip["per_frame"]["psnr_object"]), "colour": r(trip["per_frame"]["colour_ok"]),
             "shape": r(trip["per_frame"]["shape_ok"]), "mean_db": round(db.mean().item(), 2)}
