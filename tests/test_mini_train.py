@@ -429,6 +429,34 @@ def test_vae_trains_on_every_size_in_turn_with_a_pixel_budget(monkeypatch):
     assert any(not torch.equal(before[k], v) for k, v in vae.state_dict().items())
 
 
+def test_decoder_only_vae_training_keeps_the_latents_exactly():
+    """decoder_only freezes the encoder side bit for bit (so the latents a transformer learned stay valid) and
+    trains the decoder; the whole-VAE default changes the encoder too."""
+    from diffusers import AutoencoderKLWan
+
+    from attnqat.corpus import Corpus
+    from attnqat.train.mini import train_vae
+
+    def trained(decoder_only):
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True])
+        before = {k: v.clone() for k, v in vae.state_dict().items()}
+        train_vae(vae, seconds=600, steps=2, batch=1, sizes=((5, 32, 32),), device="cpu", log=lambda *_: None,
+                  reference_voxels=5 * 32 * 32, decoder_only=decoder_only)
+        changed = {k.split(".")[0] for k, v in vae.state_dict().items() if not torch.equal(before[k], v)}
+        return vae, changed
+
+    vae, changed = trained(True)
+    assert changed == {"decoder", "post_quant_conv"}
+    c = Corpus(0, "held_out")
+    clip = c.render([c.spec(0)], frames=5, height=32, width=32)
+    torch.manual_seed(0)
+    fresh = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True])
+    with torch.no_grad():
+        assert torch.equal(vae.encode(clip).latent_dist.mode(), fresh.eval().encode(clip).latent_dist.mode())
+    assert {"encoder", "decoder"} <= trained(False)[1]
+
+
 class _CorruptingVAE(torch.nn.Module):
     """A round trip that returns the clip with frames >= ``start`` shifted by ``shift`` (a late collapse)."""
 

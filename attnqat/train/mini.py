@@ -91,18 +91,25 @@ def vae_batch(size, batch: int, reference: int = VAE_REFERENCE_VOXELS) -> int:
 
 def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, sizes=VAE_SIZES, lr: float = 5e-4,
               kl_weight: float = 1e-4, seed: int = 0, device="cuda", log=print,
-              reference_voxels: int = VAE_REFERENCE_VOXELS) -> dict:
+              reference_voxels: int = VAE_REFERENCE_VOXELS, decoder_only: bool = False) -> dict:
     """Train ``vae`` for reconstruction on corpus clips until ``seconds`` pass (or ``steps`` are done).
 
     Steps cycle through ``sizes`` ((frames, height, width) each), with :func:`vae_batch` clips of each so that
     every step sees about the pixels of ``batch`` clips of ``reference_voxels``. The learning rate follows a
     cosine over the time budget (to 10%). Returns the last losses.
+
+    ``decoder_only`` freezes the encoder (and ``quant_conv``): the latents stay exactly what they were, so a
+    transformer trained on them carries over while the decoder improves.
     """
     from attnqat.corpus import Corpus
 
     corpus = Corpus(seed, "train")
     vae.to(device).train()
-    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    if decoder_only:
+        for module in (vae.encoder, vae.quant_conv):
+            module.requires_grad_(False).eval()
+    opt = torch.optim.AdamW([p for p in vae.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
+                            betas=(0.9, 0.99))
     t0, step, clip, l1 = time.perf_counter(), 0, 0, float("nan")
     use_amp = torch.device(device).type == "cuda"
     while True:
@@ -117,7 +124,8 @@ def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, 
         clip += n
         video = corpus.render(specs, frames=frames, height=height, width=width, device=device)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=use_amp):
-            posterior = vae.encode(video).latent_dist
+            with torch.set_grad_enabled(not decoder_only):
+                posterior = vae.encode(video).latent_dist
             recon = vae.decode(posterior.sample()).sample
         # Objects cover ~5% of the pixels: an unweighted L1 lets the VAE drop them (measured: a 3-minute run
         # reconstructed backgrounds at 16.6 dB and no object at all). Saturated pixels (the objects; the
@@ -125,12 +133,12 @@ def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, 
         rec = ((recon.float() - video).abs() * foreground_weights(video)).mean()
         mu, logvar = posterior.mean.float(), posterior.logvar.float()
         kl = 0.5 * (mu.pow(2) + logvar.exp() - 1 - logvar).mean()  # per latent element
-        loss = rec + kl_weight * kl
+        loss = rec + kl_weight * kl if not decoder_only else rec
         if not torch.isfinite(loss):
             raise FloatingPointError(f"VAE training diverged at step {step} (loss {loss.item()})")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in vae.parameters() if p.requires_grad], 1.0)
         opt.step()
         step += 1
         l1 = rec.item() if step % 50 == 0 or step < 3 else l1
@@ -254,11 +262,17 @@ def stage_vae(out: Path, args) -> None:
         return
     vae = AutoencoderKLWan.from_pretrained(folder, torch_dtype=torch.float32)
     t0 = time.perf_counter()
+    decoder_only = args.vae_train == "decoder"
+    if decoder_only and vae.config.latents_mean is None:
+        raise ValueError(f"--vae-train decoder: {folder} has no latent statistics; train the whole VAE first")
     facts = train_vae(vae, seconds=args.vae_minutes * 60, steps=args.vae_steps, batch=args.vae_batch,
-                      sizes=args.vae_sizes, lr=args.vae_lr, device=args.device)
+                      sizes=args.vae_sizes, lr=args.vae_lr, device=args.device, decoder_only=decoder_only)
     # CPU runs (tests, smoke runs) measure at a small size: the GPU's 64 clips of 33x128x128 take a minute there
     on_cpu = args.device == "cpu"
-    mean, std = latent_statistics(vae, device=args.device, **({"clips": 8, "size": (9, 64, 64)} if on_cpu else {}))
+    if decoder_only:  # the encoder is unchanged: its statistics (and the latents a transformer learned) stay
+        mean, std = vae.config.latents_mean, vae.config.latents_std
+    else:
+        mean, std = latent_statistics(vae, device=args.device, **({"clips": 8, "size": (9, 64, 64)} if on_cpu else {}))
     sizes = [(9, 64, 64)] if on_cpu else [(33, 128, 128), (49, 128, 128), (33, 256, 256), (49, 256, 256)]
     key = "{}x{}x{}".format
     per_frame = {key(*size): reconstruction_per_frame(vae, device=args.device, clips=args.eval_clips, size=size)
@@ -275,7 +289,7 @@ def stage_vae(out: Path, args) -> None:
               f"{min(pf['colour']):.0%}-{max(pf['colour']):.0%} of clips a frame")
     for name, acc in seen.items():
         print(f"vae: detector on {name} round trips: " + ", ".join(f"{k} {v:.0%}" for k, v in acc.items() if v is not None))
-    _record(out, "vae", time.perf_counter() - t0, steps=facts["steps"], clips=facts["clips"], l1=facts["l1"],
+    _record(out, "vae", time.perf_counter() - t0, trained=args.vae_train, steps=facts["steps"], clips=facts["clips"], l1=facts["l1"],
             psnr_db=per_frame[key(*sizes[0])]["mean_db"], per_frame=per_frame, detector=seen)
 
 
@@ -383,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the clip sizes the VAE trains on, cycled (default: single frames and 9 to 57 frames in steps of 4, at "
                         "128x128 and 256x256)")
     p.add_argument("--vae-lr", type=float, default=1e-3, help="VAE peak learning rate (default 1e-3)")
+    p.add_argument("--vae-train", choices=("all", "decoder"), default="all",
+                   help="what the VAE stage trains: all of it, or the decoder only (the latents, and a transformer "
+                        "trained on them, stay valid; needs a trained VAE, e.g. with --vae) (default all)")
     p.add_argument("--vae-again", action="store_true", help="train the VAE further even if already trained")
     p.add_argument("--eval-clips", type=int, default=16, help="held-out clips for the VAE's PSNR")
     p.add_argument("--minutes", type=float, default=9.0, help="transformer training time of this call (default 9)")
