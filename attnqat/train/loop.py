@@ -155,7 +155,10 @@ class Trainer:
         if tr.gradient_checkpointing:
             student.enable_gradient_checkpointing()
         if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are;
-            for block in student.blocks:  # static shapes: one graph per video size (a corpus run has a few)
+            # static shapes: one graph per video size and grad mode (a corpus run of 6 sizes with held-out
+            # evaluation needs ~14), past Dynamo's default of 8, which fullgraph turns into a hard failure
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            for block in student.blocks:
                 block.compile(dynamic=False, fullgraph=True)  # the patched attention traces inside
         if self.sp.degree > 1:
             # the teacher too: its block features must be the same sequence shards as the student's, and a
