@@ -2,7 +2,8 @@
 # Device runs that build the mini model (docs/mini.md). Usage on the GPU machine, from the repo root:
 #   bash bench/gpu_mini.sh vae MINUTES [again]     # init + train the VAE (again: train it further); environment:
 #                                                  # VAE_FROM (a trained VAE folder to start from), VAE_TRAIN
-#                                                  # (all|decoder), VAE_LR, VAE_BATCH; W (working folder)
+#                                                  # (all|decoder), VAE_DECODER_DIM (a new decoder this wide),
+#                                                  # VAE_LR, VAE_BATCH; W (working folder)
 #   bash bench/gpu_mini.sh train MINUTES SLEEP [--set K=V ...|auto]
 #                                                  # (init from a carried runs/mini_vae if there is no model yet,
 #                                                  # warm-started from a carried runs/mini_from: an exported build;
@@ -85,7 +86,8 @@ case "$1" in
     python3 -m attnqat.train.mini --out $W --stage init ${VAE_FROM:+--vae "$VAE_FROM"} 2>&1 | grep -v Writing
     again=""; [ "${3:-}" = again ] && again=--vae-again
     python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" $again --vae-batch "${VAE_BATCH:-16}" \
-      --vae-lr "${VAE_LR:-1e-3}" --vae-train "${VAE_TRAIN:-all}" 2>&1 | tee -a "$W/vae.log" | grep --line-buffered -v Warn
+      --vae-lr "${VAE_LR:-1e-3}" --vae-train "${VAE_TRAIN:-all}" \
+      ${VAE_DECODER_DIM:+--vae-decoder-dim "$VAE_DECODER_DIM"} 2>&1 | tee -a "$W/vae.log" | grep --line-buffered -v Warn
     ;;
   train)
     init_model

@@ -401,8 +401,10 @@ def test_vae_trains_on_every_size_in_turn_with_a_pixel_budget(monkeypatch):
     from attnqat.corpus import Corpus
     from attnqat.train.mini import VAE_SIZES, train_vae, vae_batch
 
-    assert {f for f, _, _ in VAE_SIZES} >= {9, 17, 33, 49} and {h for _, h, _ in VAE_SIZES} == {128, 256}
-    assert max(f for f, _, _ in VAE_SIZES) > 49 and min(f for f, _, _ in VAE_SIZES) == 1  # images: first frames
+    # the longest clip trains every shorter length (the VAE is causal: next test), one latent frame past the
+    # longest the model is used at; single frames weigh the first frame's own path
+    assert {h for _, h, _ in VAE_SIZES} == {128, 256} and max(f for f, _, _ in VAE_SIZES) > 49
+    assert {(f, h) for f, h, _ in VAE_SIZES} == {(1, 128), (1, 256), (57, 128), (57, 256)}
     assert vae_batch((17, 128, 128), 8) == 8 and vae_batch((33, 256, 256), 16) == 2 and vae_batch((57, 256, 256), 1) == 1
     seen, drawn, render, spec = [], [], Corpus.render, Corpus.spec
 
@@ -427,6 +429,45 @@ def test_vae_trains_on_every_size_in_turn_with_a_pixel_budget(monkeypatch):
     assert len(set(drawn)) == len(drawn) == facts["clips"] == sum(n for _, n in seen)  # every clip a new one
     assert facts["steps"] == 4
     assert any(not torch.equal(before[k], v) for k, v in vae.state_dict().items())
+
+
+def _tiny_wan_vae(**kw):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], **kw).eval()
+
+
+def test_wan_vae_round_trips_are_causal_so_the_longest_clip_trains_every_length():
+    """The round trip of a clip's first N frames equals that of the N-frame clip, bit for bit (VAE_SIZES
+    rests on it: 57-frame clips train every shorter length)."""
+    vae = _tiny_wan_vae()
+    clip = torch.rand(1, 3, 17, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.no_grad():
+        trip = lambda x: vae.decode(vae.encode(x).latent_dist.mode()).sample  # noqa: E731
+        whole = trip(clip)
+        for n in (1, 5, 9):
+            assert torch.equal(trip(clip[:, :, :n]), whole[:, :, :n])
+        later = clip.clone()
+        later[:, :, 9:] = -later[:, :, 9:]  # later frames changed: the first 9 come back the same
+        assert torch.equal(trip(later)[:, :, :9], whole[:, :, :9]) and not torch.equal(trip(later), whole)
+
+
+def test_a_new_decoder_of_another_width_decodes_the_same_latents():
+    from attnqat.train.mini import with_new_decoder
+
+    vae = _tiny_wan_vae()
+    wide = with_new_decoder(vae, 16)
+    assert wide.config.decoder_base_dim == 16 and wide.config.base_dim == 8
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n(wide.decoder) > 3 * n(vae.decoder) and n(wide.encoder) == n(vae.encoder)
+    clip = torch.rand(2, 3, 5, 32, 32, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    with torch.no_grad():
+        z = vae.encode(clip).latent_dist.mode()
+        assert torch.equal(wide.eval().encode(clip).latent_dist.mode(), z)
+        assert wide.decode(z).sample.shape == clip.shape
+    assert torch.equal(with_new_decoder(vae, 16).decoder.conv_out.weight, wide.decoder.conv_out.weight)  # seeded
 
 
 def test_decoder_only_vae_training_keeps_the_latents_exactly():

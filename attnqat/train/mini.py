@@ -72,14 +72,15 @@ def foreground_weights(video: torch.Tensor) -> torch.Tensor:
     return 1 + (FOREGROUND_WEIGHT - 1) * (saturation > 0.4).to(video.dtype)
 
 
-# The clip lengths and sizes the VAE trains on: every length the model is used at (4k + 1 frames, 9 to 49) and
-# one beyond, at both default sizes. Wan's causal VAE holds only the lengths it was trained on (measured: one
-# trained on 17-frame clips falls from 20-22 dB to 6-8 dB after frame 17 of 33; one trained on 33-frame clips
-# holds 33 but breaks after frame ~36 of 49), so the longest length used must be in the list. Single frames too:
-# a clip's first frame is encoded and decoded alone, as an image is, by a path no other frame takes; trained
-# only on clips it gets 1/F of the loss and was the worst frame of every length (H100, 8 minutes on 9-57
-# frames: 22.6 dB and the object's colour read on 2 of 4 clips, against 23-26 dB and 4 of 4 on later frames).
-VAE_SIZES = tuple((f, s, s) for s in (128, 256) for f in (1, 9, 17, 25, 33, 41, 49, 57))
+# The clip sizes the VAE trains on, cycled. Wan's VAE is causal: the round trip of a clip's first N frames is
+# exactly that of an N-frame clip (tests/test_mini_train.py checks it), so clips of the longest length used
+# and one latent frame beyond (57 frames) train every shorter length too, each frame position equally. A
+# cycle of lengths 9..57 weighted frame t by the share of clips longer than t, and the VAE trained on it
+# declined along the clip (H100: 26 dB at frame 7 to 23.6 dB at frame 32 on a static background). Single
+# frames too: the first frame is encoded and decoded alone, by a path no later frame takes, and was the
+# worst of every length (the object's hue shifted, red read as orange on 4 of 16 clips), so it gets a third
+# of the steps. Lengths a VAE never saw break it: one trained on 17 frames fell to 6-8 dB after frame 17.
+VAE_SIZES = ((57, 128, 128), (57, 256, 256), (1, 128, 128), (57, 128, 128), (57, 256, 256), (1, 256, 256))
 VAE_REFERENCE_VOXELS = 17 * 128 * 128  # ``batch`` clips of this many pixels a step; larger clips come fewer
 
 
@@ -87,6 +88,21 @@ def vae_batch(size, batch: int, reference: int = VAE_REFERENCE_VOXELS) -> int:
     """Clips a step at ``size`` (frames, height, width): about ``batch`` clips of ``reference`` pixels' worth."""
     f, h, w = size
     return max(1, round(batch * reference / (f * h * w)))
+
+
+def with_new_decoder(vae, decoder_base_dim: int, seed: int = 0):
+    """A copy of ``vae`` whose decoder is new and ``decoder_base_dim`` wide (untrained, seeded), the encoder side
+    (``encoder``, ``quant_conv``) and ``post_quant_conv`` copied: the same latents, decoded by a decoder of another
+    capacity (train it with ``decoder_only``)."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    config = {k: v for k, v in vae.config.items() if k != "_use_default_values"}  # which lists decoder_base_dim
+    new = AutoencoderKLWan.from_config({**config, "decoder_base_dim": decoder_base_dim})
+    kept = {k: v for k, v in vae.state_dict().items() if not k.startswith("decoder.")}
+    missing, unexpected = new.load_state_dict(kept, strict=False)
+    assert not unexpected and all(k.startswith("decoder.") for k in missing), (missing, unexpected)
+    return new
 
 
 def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, sizes=VAE_SIZES, lr: float = 5e-4,
@@ -265,6 +281,8 @@ def stage_vae(out: Path, args) -> None:
     decoder_only = args.vae_train == "decoder"
     if decoder_only and vae.config.latents_mean is None:
         raise ValueError(f"--vae-train decoder: {folder} has no latent statistics; train the whole VAE first")
+    if args.vae_decoder_dim is not None:
+        vae = with_new_decoder(vae, args.vae_decoder_dim)
     facts = train_vae(vae, seconds=args.vae_minutes * 60, steps=args.vae_steps, batch=args.vae_batch,
                       sizes=args.vae_sizes, lr=args.vae_lr, device=args.device, decoder_only=decoder_only)
     # CPU runs (tests, smoke runs) measure at a small size: the GPU's 64 clips of 33x128x128 take a minute there
@@ -289,7 +307,8 @@ def stage_vae(out: Path, args) -> None:
               f"{min(pf['colour']):.0%}-{max(pf['colour']):.0%} of clips a frame")
     for name, acc in seen.items():
         print(f"vae: detector on {name} round trips: " + ", ".join(f"{k} {v:.0%}" for k, v in acc.items() if v is not None))
-    _record(out, "vae", time.perf_counter() - t0, trained=args.vae_train, steps=facts["steps"], clips=facts["clips"], l1=facts["l1"],
+    _record(out, "vae", time.perf_counter() - t0, trained=args.vae_train,
+            decoder_base_dim=vae.config.decoder_base_dim or vae.config.base_dim, steps=facts["steps"], clips=facts["clips"], l1=facts["l1"],
             psnr_db=per_frame[key(*sizes[0])]["mean_db"], per_frame=per_frame, detector=seen)
 
 
@@ -394,12 +413,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-batch", type=int, default=8, help="clips of 17x128x128 a VAE step; larger clips come "
                    "fewer, so every step sees about as many pixels (default 8)")
     p.add_argument("--vae-sizes", type=_sizes, default=VAE_SIZES, metavar="FxHxW,...",
-                   help="the clip sizes the VAE trains on, cycled (default: single frames and 9 to 57 frames in steps of 4, at "
-                        "128x128 and 256x256)")
+                   help="the clip sizes the VAE trains on, cycled (default: 57-frame clips, which train every shorter "
+                        "length of the causal VAE too, and single frames, at 128x128 and 256x256)")
     p.add_argument("--vae-lr", type=float, default=1e-3, help="VAE peak learning rate (default 1e-3)")
     p.add_argument("--vae-train", choices=("all", "decoder"), default="all",
                    help="what the VAE stage trains: all of it, or the decoder only (the latents, and a transformer "
                         "trained on them, stay valid; needs a trained VAE, e.g. with --vae) (default all)")
+    p.add_argument("--vae-decoder-dim", type=int, metavar="N",
+                   help="with --vae-train decoder: replace the decoder by a new, untrained one N channels wide "
+                        "(the VAE's base_dim is 24) and train it on the unchanged latents")
     p.add_argument("--vae-again", action="store_true", help="train the VAE further even if already trained")
     p.add_argument("--eval-clips", type=int, default=16, help="held-out clips for the VAE's PSNR")
     p.add_argument("--minutes", type=float, default=9.0, help="transformer training time of this call (default 9)")
@@ -411,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, name)
         if not (math.isfinite(v) and 0 < v <= 24 * 60):
             p.error(f"--{name.replace('_', '-')} must be in (0, 1440], got {v}")
+    if args.vae_decoder_dim is not None and not (args.vae_train == "decoder" and 8 <= args.vae_decoder_dim <= 256):
+        p.error("--vae-decoder-dim needs --vae-train decoder and a width from 8 to 256")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         p.error(f"--out {out} is a file")
