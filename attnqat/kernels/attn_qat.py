@@ -850,6 +850,7 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
 #
 #     attnqat::attn_qat_fwd  (q, k, v, sm_scale, causal, training) -> (o, o_aux, m, l, q^F, k^F, v^F)
 #     attnqat::attn_qat_bwd  (do, q, k, q^F, k^F, v^F, o_aux, m, l, sm_scale, causal, p_bwd) -> (dq, dk, dv)
+#     attnqat::attn_qat_dropin_bwd  (do, q, k, v, o, sm_scale, causal) -> (dq, dk, dv)   (the ablation's backward)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -885,6 +886,22 @@ def _(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale, causal, p_bwd):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
 
 
+@torch.library.custom_op("attnqat::attn_qat_dropin_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_qat_dropin_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                        sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # m and l of the unquantized logits (a FlashAttention forward would have saved its LSE), then the backward
+    # without phi, D from the FP4 forward's O
+    _, _, m, l, (qc, kc, vc) = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal, training=False,
+                                                quant_p=False, quant_qkv=False)
+    return attn_qat_backward(do, q, k, qc, kc, vc, o.contiguous(), m, l, sm_scale=sm_scale, causal=causal,
+                             quant_p=False)
+
+
+@attn_qat_dropin_bwd.register_fake
+def _(do, q, k, v, o, sm_scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Autograd
 # ---------------------------------------------------------------------------------------------------
@@ -914,21 +931,16 @@ class AttnQATDropinFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, causal):
-        o, *_ = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal, training=False)
+        o = attn_qat_fwd(q, k, v, sm_scale, causal, False)[0]
         ctx.save_for_backward(q, k, v, o)
         ctx.sm_scale, ctx.causal = sm_scale, causal
-        return o.to(q.dtype)
+        return o
 
     @staticmethod
     def backward(ctx, do):
         refuse_double_backward("attn_qat_dropin")
         q, k, v, o = ctx.saved_tensors
-        # m and l of the unquantized logits (a FlashAttention forward would have saved its LSE).
-        _, _, m, l, (qc, kc, vc) = attn_qat_forward(q, k, v, sm_scale=ctx.sm_scale, causal=ctx.causal,
-                                                    training=False, quant_p=False, quant_qkv=False)
-        o_work = o if o.stride(-1) == 1 and o.is_contiguous() else o.contiguous()
-        dq, dk, dv = attn_qat_backward(do, q, k, qc, kc, vc, o_work, m, l, sm_scale=ctx.sm_scale,
-                                       causal=ctx.causal, quant_p=False)
+        dq, dk, dv = attn_qat_dropin_bwd(do, q, k, v, o, ctx.sm_scale, ctx.causal)
         return dq, dk, dv, None, None
 
 
