@@ -318,9 +318,9 @@ def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None):
 # Registration order is the order of available_modes(). No log-sum-exp for sage3: its K smoothing subtracts the
 # mean of all keys, so a chunk of keys gives other logits than the whole (its per-chunk outputs do not merge into
 # the one-pass result); none for sagebwd yet (its kernel does not expose it).
-register_mode(Mode("bf16", "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True, _sdpa, _sdpa,
-                   dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=None, with_lse=_sdpa_with_lse,
-                   high_precision=True, demo_column=0))
+register_mode(Mode(REFERENCE_MODE, "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True,
+                   _sdpa, _sdpa, dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=None,
+                   with_lse=_sdpa_with_lse, high_precision=True, demo_column=0))
 register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
                    *_paths("attn_qat", "nvfp4_unchecked", "nvfp4_attention_ref"), with_lse=_nvfp4_with_lse,
                    naive_fp4_forward=True, demo_column=3, demo_ticked=False))
@@ -336,7 +336,8 @@ register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision F
                    with_lse=_nvfp4_with_lse, same_forward_as="nvfp4", naive_fp4_forward=True))
 register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
                    False, *_paths("sage3", "sage3_unchecked", "sage3_attention_ref"), demo_column=1))
-# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv, bwd.
+# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv, bwd. Its Triton path
+# is the public sagebwd_attention, which checks q, k, v again (kernels/sagebwd.py has no unchecked entry point).
 register_mode(Mode("sagebwd", "trainable INT8 attention: six of seven matmuls in INT8, dP in 16-bit (SageBwd)",
                    True, *_paths("sagebwd", "sagebwd_attention", "sagebwd_attention_ref"),
                    options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", SAGEBWD_PRECISIONS),

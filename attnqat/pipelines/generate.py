@@ -202,6 +202,8 @@ def parse_schedule(args: argparse.Namespace, n_blocks: int | None = None):
     """The :class:`~attnqat.pipelines.schedule.PrecisionSchedule` of ``--high-precision-steps``,
     ``--high-precision-blocks`` and ``--high-precision-mode`` (None when neither of the first two is
     given), checked against ``--steps``, ``--layers`` and ``n_blocks`` when it is known."""
+    from attnqat.kernels import REFERENCE_MODE
+
     from .schedule import PrecisionSchedule
 
     steps, blocks = getattr(args, "high_precision_steps", None), getattr(args, "high_precision_blocks", None)
@@ -214,8 +216,6 @@ def parse_schedule(args: argparse.Namespace, n_blocks: int | None = None):
                        ("--high-precision-mode", mode)):
         if text is not None:
             check_text(flag, text)
-    from attnqat.kernels import REFERENCE_MODE
-
     schedule = PrecisionSchedule.parse(steps, blocks, REFERENCE_MODE if mode is None else mode,
                                        flags=("--high-precision-steps", "--high-precision-blocks",
                                               "--high-precision-mode"))
@@ -346,9 +346,8 @@ def parallel_note(args: argparse.Namespace, config) -> str | None:
     """A note for ring with an FP4 mode when a rank's share of the tokens is not whole NVFP4 blocks: P and V are
     quantized in blocks of 16 keys, and a share boundary inside a block gives other blocks (other scales) than one
     process has, so the video differs from the one-process video like another FP4 rounding would."""
-    from attnqat.kernels.formats import NVFP4_BLOCK
-
     from attnqat.kernels import mode_of
+    from attnqat.kernels.formats import NVFP4_BLOCK
 
     if getattr(args, "launch", None) is None or args.parallel != "ring" or not mode_of(args.mode).naive_fp4_forward:
         return None
