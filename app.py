@@ -217,6 +217,7 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
 
     from attnqat.demo import RequestLine, new_request_dir, validate_request
     from attnqat.errors import GenerationCancelled
+    from attnqat.kernels import REFERENCE_MODE
 
     line = RequestLine() if line is None else line
 
@@ -227,7 +228,7 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
         try:
             selected = check_selected(selected, modes)
             validate_request(model=engine.model, prompt=prompt, height=height, width=width, frames=frames,
-                             steps=steps, seed=seed, modes=["bf16", *selected],
+                             steps=steps, seed=seed, modes=[REFERENCE_MODE, *selected],
                              high_precision_steps=high_precision_steps)
         except ValueError as e:
             raise refusal(str(e), "Invalid input", client) from None
@@ -256,7 +257,7 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
         except OSError as e:
             raise refusal(f"could not create a folder for this request in {str(out_root)!r}: "
                           f"{e.strerror or e}", "Generation failed", client) from None
-        run_modes = ["bf16", *[m for m in modes if m in selected]]
+        run_modes = [REFERENCE_MODE, *[m for m in modes if m in selected]]
         note = engine.vocabulary_note(prompt)  # mini: the prompt's words it does not know; it goes on
         if note:
             gr.Warning(note)
@@ -290,7 +291,7 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
             for m in modes:
                 r = shown.get(m)
                 if r is not None:
-                    text = _fmt_metrics(r) + (f"  \n⚠ {note}" if note and m == "bf16" else "")
+                    text = _fmt_metrics(r) + (f"  \n⚠ {note}" if note and m == REFERENCE_MODE else "")
                     out += [str(r.video), text, str(r.strip),
                             None if r.frames_zip is None else str(r.frames_zip)]
                 elif m in run_modes:
@@ -348,6 +349,7 @@ def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
 
     from attnqat.demo import (LINE_WAITING, MAX_PROMPT_CHARS, MAX_UPLOAD, PER_CLIENT, SIZE_LIMITS, WORK_LIMITS,
                               model_kind, page_defaults, request_work)
+    from attnqat.kernels import REFERENCE_MODE, mode_of
     from attnqat.pipelines import TINY_NOTICE
     from attnqat.pipelines.mini import MINI_NOTICE
 
@@ -355,8 +357,9 @@ def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
     d = page_defaults(engine.model, engine.device)
     top = SIZE_LIMITS[kind]
     on_cpu = engine.device.type == "cpu"
-    optional = [m for m in modes if m != "bf16"]
-    default_on = [m for m in optional if m != "nvfp4"] or optional
+    optional = [m for m in modes if m != REFERENCE_MODE]
+    default_on = [m for m in optional if mode_of(m).demo_ticked] or optional
+    qat_column = any(mode_of(m).uses_qat_weights for m in modes)
     ref, why = WORK_LIMITS[kind]
 
     # Gradio 6 takes the theme in launch() (launch_options); Gradio 5 in Blocks().
@@ -377,15 +380,13 @@ def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
                              "installed) or `--model <Wan 2.1 folder>` for real videos.")
             elif kind == "mini":
                 notes.append(f"**Note:** {MINI_NOTICE}.")
-            if "attn_qat" in modes and not engine.qat_checkpoint:
+            if qat_column and not engine.qat_checkpoint:
                 notes.append("No `--qat-checkpoint` given: the Attn-QAT column is plain FP4 attention "
                              "(no QAT checkpoint).")
-            elif "attn_qat" in modes and engine.qat_shipped:
+            elif qat_column and engine.qat_shipped:
                 notes.append(f"The Attn-QAT column runs the QAT fine-tune shipped with the model "
                              f"(`{Path(engine.qat_checkpoint).name}`); start the app with `--qat-checkpoint none` for "
                              f"plain FP4 attention on the base weights.")
-            if "sage3" not in modes:
-                notes.append("SageAttention3 (mode `sage3`) is not registered in this attnqat build.")
             if on_cpu:
                 notes.append("Running on CPU: keep sizes small.")
             notes.append(f"Limits of one request: height × width × frames × steps × modes at most "

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 
 from attnqat.checks import check_text, check_video_size
 from attnqat.errors import GenerationCancelled
+from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of, reference_first
 from attnqat.outputs import write_file_atomically
 
 __all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "psnr_frames_line",
@@ -74,8 +75,9 @@ __all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "ps
            "model_kind",
            "REQUESTS_FOLDER", "KEEP_REQUESTS", "MAX_PROMPT_CHARS", "RequestLine", "LINE_WAITING", "PER_CLIENT"]
 
-#: The modes the demo compares, in page order; only those registered in attnqat.kernels appear.
-DEMO_MODES = ("bf16", "sage3", "attn_qat", "nvfp4")
+#: The modes the demo compares, in page order: those whose record has a ``demo_column``.
+DEMO_MODES = tuple(sorted(available_modes(lambda m: m.demo_column is not None),
+                          key=lambda name: mode_of(name).demo_column))
 MODE_LABELS = {
     "bf16": "BF16 (reference)",
     "sage3": "SageAttention3 (emulated)",
@@ -118,22 +120,17 @@ _REQUEST_NAME = re.compile(r"^request-\d{8}-\d{6}-[0-9a-f]{8}$")  # new_request_
 
 
 def demo_modes(modes=None) -> list[str]:
-    """The demo's modes that are registered (``modes`` defaults to :data:`DEMO_MODES`); bf16 first."""
-    from attnqat.kernels import available_modes
-
-    registered = available_modes()
-    wanted = list(DEMO_MODES if modes is None else modes)
-    unknown = [m for m in wanted if m not in registered]
-    if modes is not None and unknown:
-        raise ValueError(f"unknown attention modes {unknown}; available: {', '.join(registered)}")
-    out = [m for m in wanted if m in registered]
-    return ["bf16"] + [m for m in out if m != "bf16"]
+    """``modes`` (default :data:`DEMO_MODES`), each a registered mode, bf16 first."""
+    wanted = DEMO_MODES if modes is None else modes
+    for m in wanted:
+        mode_of(m)
+    return reference_first(wanted)
 
 
 def mode_label(mode: str, qat_checkpoint: str | None = None, shipped: bool = False) -> str:
     """A column's title; the Attn-QAT column's says which weights it runs on (``shipped``: ``qat_checkpoint``
     is the QAT fine-tune installed with the model)."""
-    if mode == "attn_qat":
+    if mode_of(mode).uses_qat_weights:
         if not qat_checkpoint:
             return NO_CHECKPOINT_LABEL
         return f"Attn-QAT ({'shipped QAT fine-tune' if shipped else 'QAT checkpoint'} {Path(qat_checkpoint).name})"
@@ -259,8 +256,6 @@ def validate_request(*, model: str, prompt: str, height: int, width: int, frames
     command's own (:func:`attnqat.checks.check_video_size`); the demo adds its upper limits per size
     (the sliders) and on the work of the whole request (:data:`WORK_LIMITS`).
     """
-    from attnqat.kernels import available_modes
-
     values = {k: _whole(k, v) for k, v in dict(height=height, width=width, frames=frames, steps=steps,
                                                  seed=seed).items()}
     high_k = _whole("bf16 steps (first/last k)", high_precision_steps)
@@ -270,8 +265,7 @@ def validate_request(*, model: str, prompt: str, height: int, width: int, frames
     if not modes:
         raise ValueError("no attention mode selected")
     for mode in modes:
-        if mode not in available_modes():
-            raise ValueError(f"unknown mode {mode!r}; available: {', '.join(available_modes())}")
+        mode_of(mode)
     check_video_size(values["height"], values["width"], values["frames"], values["steps"], prefix="")
     kind = model_kind(model)
     for k, top in SIZE_LIMITS[kind].items():
@@ -474,7 +468,7 @@ class DemoEngine:
         from attnqat.pipelines import PrecisionSchedule, patch_attention
         from attnqat.pipelines.generate import FPS, generate_video, write_mp4
 
-        modes = ["bf16"] + [m for m in dict.fromkeys(modes) if m != "bf16"]
+        modes = reference_first(modes)
         validate_request(model=self.model, prompt=prompt, height=height, width=width, frames=frames, steps=steps,
                          seed=seed, modes=modes, high_precision_steps=high_precision_steps)
         k = int(high_precision_steps)
@@ -498,8 +492,8 @@ class DemoEngine:
                     if progress is not None:
                         progress(i, len(modes), mode, done, total)
 
-                self._use_weights("qat" if mode == "attn_qat" and "qat" in self._weights else "base")
-                scheduled = schedule if mode != "bf16" else None
+                self._use_weights("qat" if mode_of(mode).uses_qat_weights and "qat" in self._weights else "base")
+                scheduled = schedule if mode != REFERENCE_MODE else None
                 patch_attention(self.pipe.transformer, mode, timer=self.timer, schedule=scheduled)
                 result = generate_video(self.pipe, prompt, height=int(height), width=int(width), frames=int(frames),
                                         steps=int(steps), guidance=self.guidance, seed=int(seed), timer=self.timer,

@@ -32,15 +32,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of, reference_first
 from attnqat.pipelines.schedule import PrecisionSchedule
 
 #: Noise levels of the flow-loss evaluation (each clip at each level, same noise for every variant).
 EVAL_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
-#: Modes whose forward (all that inference runs) is another mode's: they differ from it only in the backward,
-#: so with the base weights they give that mode's numbers exactly (tests/test_quality_cli.py checks it).
-SAME_FORWARD = {"attn_qat": "nvfp4", "attn_qat_dropin": "nvfp4"}
-#: Modes an "FP4 without QAT" reference row may have (the naive NVFP4 forward).
-FP4_MODES = ("nvfp4", "attn_qat", "attn_qat_dropin")
 #: PSNR of a frame identical to the reference is infinite; per-frame values are capped here before averaging.
 PSNR_CAP_DB = 100.0
 
@@ -49,7 +45,7 @@ PSNR_CAP_DB = 100.0
 class Variant:
     """An attention mode with the transformer weights it runs with (``None``: the base weights)."""
     label: str
-    mode: str = "bf16"
+    mode: str = REFERENCE_MODE
     weights: dict | None = None         # a full transformer state dict (e.g. a QAT checkpoint)
     options: dict = field(default_factory=dict)
     high_precision_steps: tuple[int, ...] | PrecisionSchedule = ()
@@ -64,14 +60,12 @@ class Variant:
 
 
 def base_variants(modes: list[str] | None = None) -> list[Variant]:
-    """The base weights in every mode of ``modes`` (default: every registered mode whose forward is not
-    another's, see :data:`SAME_FORWARD`), bf16 first (the reference)."""
-    from attnqat.kernels import available_modes
-
+    """The base weights in every mode of ``modes`` (default: every registered mode whose forward is not another's:
+    ``Mode.same_forward_as``; with the base weights such a mode gives that mode's numbers exactly), bf16 first
+    (the reference)."""
     if modes is None:
-        modes = [m for m in available_modes() if m not in SAME_FORWARD]
-    modes = ["bf16"] + [m for m in dict.fromkeys(modes) if m != "bf16"]
-    return [Variant(m, m) for m in modes]
+        modes = available_modes(lambda m: m.same_forward_as is None)
+    return [Variant(m, m) for m in reference_first(modes)]
 
 
 def held_out_prompts(n: int, seed: int = 0) -> list[tuple[str, dict]]:
@@ -106,11 +100,11 @@ def _use_mode(transformer, variant: Variant) -> None:
     from attnqat.pipelines import patch_attention, unpatch_attention
 
     unpatch_attention(transformer)
-    if variant.mode != "bf16" or variant.schedule is not None:
+    if variant.mode != REFERENCE_MODE or variant.schedule is not None:
         patch_attention(transformer, variant.mode, "self", schedule=variant.schedule, **variant.options)
 
 
-_BF16 = Variant("bf16")
+_BF16 = Variant(REFERENCE_MODE)
 
 
 def bf16_sigma_indices(variant: Variant, scheduler, steps: int, sigmas=EVAL_SIGMAS) -> set[int]:
@@ -166,7 +160,7 @@ def flow_metrics(transformer, variants: list[Variant], x0: torch.Tensor, embeds:
                 vels.append(v.cpu())
         v_all = torch.cat(vels)
         row = {"flow_loss": loss_sum / count, "flow_loss_frames": (loss_frames / count).tolist()}
-        if ref is None and variant.mode == "bf16" and variant.weights is None and not in_bf16:
+        if ref is None and variant.mode == REFERENCE_MODE and variant.weights is None and not in_bf16:
             ref = v_all
         if ref is not None:
             row["velocity_distance"] = ((v_all - ref).pow(2).sum() / ref.pow(2).sum()).item()
@@ -235,10 +229,10 @@ def video_psnr(ref: np.ndarray, x: np.ndarray) -> float:
 
 
 def default_fp4_reference(variants: list[Variant]) -> str | None:
-    """The label of the first variant that is FP4 attention without QAT: a mode of :data:`FP4_MODES` on the
-    base weights, without bf16 steps (None when there is none)."""
+    """The label of the first variant that is FP4 attention without QAT: a mode whose forward is naive NVFP4
+    (``Mode.naive_fp4_forward``) on the base weights, without bf16 steps (None when there is none)."""
     for v in variants:
-        if v.mode in FP4_MODES and v.weights is None and v.schedule is None:
+        if mode_of(v.mode).naive_fp4_forward and v.weights is None and v.schedule is None:
             return v.label
     return None
 
@@ -267,7 +261,7 @@ def add_gap_closed(rows: dict[str, dict], fp4: str, bf16: str) -> None:
 def check_variants(variants: list[Variant]) -> None:
     """The first variant must be bf16 on the base weights (the reference); labels are unique."""
     first = variants[0] if variants else None
-    if first is None or first.mode != "bf16" or first.weights is not None or first.schedule is not None:
+    if first is None or first.mode != REFERENCE_MODE or first.weights is not None or first.schedule is not None:
         raise ValueError("the first variant must be bf16 attention on the base weights (the reference)")
     labels = [v.label for v in variants]
     dup = sorted({x for x in labels if labels.count(x) > 1})

@@ -27,16 +27,18 @@ SMALL = ["--model", "tiny", "--size", "5x32x32", "--steps", "2", "--prompts", "2
 
 
 def test_modes_left_out_of_the_default_rows_have_nvfp4s_forward():
-    from attnqat.evaluation import SAME_FORWARD, base_variants
-    from attnqat.kernels import attention
+    from attnqat.evaluation import base_variants
+    from attnqat.kernels import attention, available_modes, mode_of
 
+    same_forward = {m: mode_of(m).same_forward_as for m in available_modes(lambda m: m.same_forward_as)}
+    assert same_forward == {"attn_qat": "nvfp4", "attn_qat_dropin": "nvfp4"}
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 64, generator=g) for _ in range(3))
     with torch.no_grad():
-        for mode, same in SAME_FORWARD.items():
+        for mode, same in same_forward.items():
             assert torch.equal(attention(q, k, v, mode), attention(q, k, v, same)), mode
     labels = [x.label for x in base_variants()]
-    assert labels[0] == "bf16" and "nvfp4" in labels and not set(SAME_FORWARD) & set(labels)
+    assert labels[0] == "bf16" and "nvfp4" in labels and not set(same_forward) & set(labels)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from triton.runtime.errors import OutOfResources
 from attnqat.kernels import attention, sagebwd_attention
 from attnqat.kernels import reference as R
 from attnqat.kernels import sagebwd as S
-from attnqat.kernels.api import get_mode
+from attnqat.kernels import mode_of
 
 
 def rel(a, b):
@@ -284,7 +284,7 @@ def test_k_smoothing_helps_offset_keys():
 
 
 def test_api_mode_and_reference_path():
-    mode = get_mode("sagebwd")
+    mode = mode_of("sagebwd")
     assert mode.trainable
     q, k, v, do = _inputs(2, 2, 40, 56, 64, torch.float32, "cpu", k_offset=1.0)
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)

@@ -16,7 +16,8 @@ The file reads top to bottom, in the order of Triton's fused-attention tutorial 
 layers: ``@triton.jit`` helpers -> ``_attn_fwd`` -> ``_attn_bwd_preprocess`` -> ``_attn_bwd_dkdv`` ->
 ``_attn_bwd_dq`` -> launch configs -> the launchers :func:`attn_qat_forward` / :func:`attn_qat_backward`
 -> their ``torch.library`` custom ops (``attnqat::attn_qat_fwd`` / ``attn_qat_bwd``, with fake
-implementations, so ``torch.compile`` traces them) -> ``AttnQATFunction`` -> :func:`attn_qat_attention`.
+implementations, so ``torch.compile`` traces them) -> ``AttnQATFunction`` -> the modes' paths on checked inputs
+(:func:`attn_qat_unchecked` ..., what the registry calls) -> the public functions (:func:`attn_qat_attention` ...).
 The phi pre-pass over head_dim (``quantize_heads``) lives in ``nvfp4.py``, what the GPU can do (fp8 cast,
 block-scaled FP4 MMAs, compiles without a GPU) in ``_hardware.py``. ``QUANT_P=False`` turns the same
 forward into plain attention over quantized Q, K, V (tests use it to isolate P's quantization).
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ._common import (P_BWD_CHOICES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting,
-                      pinned_config, work_dtype)
+                      needs_grad, pinned_config, work_dtype)
 from ._hardware import compile_for, first_that_compiles, fp4_mma_arch, fp8_cast
 from .formats import LOG2E
 from .nvfp4 import fake_quant_tile, quantize_heads, round_e2m1_nonneg, round_e4m3, tile_keys, unpack_tile
@@ -945,8 +946,32 @@ class AttnQATDropinFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Public functions
+# The modes' paths (inputs already checked: the registry calls them after attention()'s one check), then the
+# public functions, which check their inputs first
 # ---------------------------------------------------------------------------------------------------
+
+
+def nvfp4_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                    causal: bool = False) -> torch.Tensor:
+    """The FP4 inference forward (nvfp4's, and attn_qat's and attn_qat_dropin's without grad) through its custom
+    op, without O'."""
+    return attn_qat_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal, False)[0]
+
+
+def attn_qat_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                       causal: bool = False, p_bwd: str = "final_max") -> torch.Tensor:
+    """:func:`attn_qat_attention` on checked inputs."""
+    if needs_grad(q, k, v):
+        return AttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal, p_bwd)
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
+
+
+def attn_qat_dropin_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                              causal: bool = False) -> torch.Tensor:
+    """:func:`attn_qat_dropin_attention` on checked inputs."""
+    if needs_grad(q, k, v):
+        return AttnQATDropinFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
 
 
 def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -970,10 +995,7 @@ def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
     check_qkv(q, k, v, name="attn_qat_attention", sm_scale=sm_scale, causal=causal)
     if p_bwd not in P_BWD_CHOICES:
         raise ValueError(f"p_bwd {p_bwd!r} not in {P_BWD_CHOICES}")
-    scale = default_scale(q.shape[-1], sm_scale)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return AttnQATFunction.apply(q, k, v, scale, causal, p_bwd)
-    return _fp4_inference(q, k, v, scale, causal)
+    return attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
 
 
 def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -981,10 +1003,7 @@ def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The ``attn_qat_dropin`` ablation: NVFP4 forward, high-precision backward (unstable in training).
     Arguments and return as :func:`attn_qat_attention`."""
     check_qkv(q, k, v, name="attn_qat_dropin_attention", sm_scale=sm_scale, causal=causal)
-    scale = default_scale(q.shape[-1], sm_scale)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return AttnQATDropinFunction.apply(q, k, v, scale, causal)
-    return _fp4_inference(q, k, v, scale, causal)
+    return attn_qat_dropin_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
 
 
 def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -992,12 +1011,7 @@ def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sca
     """Naive NVFP4 attention (inference only): phi on Q, K, V along head_dim and on P along keys.
     Arguments and return as :func:`attn_qat_attention`."""
     check_qkv(q, k, v, name="nvfp4_attention", sm_scale=sm_scale, causal=causal)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if needs_grad(q, k, v):
         raise ValueError("nvfp4_attention is inference-only (no backward): call it under torch.no_grad() "
                          "or train with attn_qat_attention")
-    return _fp4_inference(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
-
-
-def _fp4_inference(q, k, v, sm_scale: float, causal: bool) -> torch.Tensor:
-    """The shared FP4 inference forward, through its custom op (no O')."""
-    return attn_qat_fwd(q, k, v, sm_scale, causal, False)[0]
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)

@@ -366,8 +366,7 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     """Check ``cfg`` against itself, its data folder, the transformer's config and the process count
     ``world_size`` (default: the launcher's ``WORLD_SIZE``, 1 without one); return the data index (``{}`` when
     data-free). Raises ValueError / FileNotFoundError naming the offending value."""
-    from attnqat.kernels import available_modes
-    from attnqat.kernels.api import check_options, get_mode
+    from attnqat.kernels import available_modes, mode_of
 
     a, o, t, d, tr, ck = cfg.attention, cfg.objective, cfg.timesteps, cfg.data, cfg.train, cfg.checkpoint
     _one_of(o.type, OBJECTIVES, "objective.type")
@@ -380,17 +379,16 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     _one_of(ck.save_dtype, SAVE_DTYPES, "checkpoint.save_dtype")
     if tr.teacher_dtype is not None:
         _one_of(tr.teacher_dtype, SAVE_DTYPES, "train.teacher_dtype")
-    if not isinstance(a.mode, str) or a.mode not in available_modes():
-        raise ValueError(f"attention.mode {_show(a.mode)} is not one of {', '.join(available_modes())}")
-    if not get_mode(a.mode).trainable:
+    mode = mode_of(a.mode, "attention.mode")
+    if not mode.trainable:
         raise ValueError(f"attention.mode {a.mode!r} is inference-only; train with a trainable mode "
-                         f"(attn_qat, attn_qat_dropin, sagebwd, bf16)")
+                         f"({', '.join(available_modes(lambda m: m.trainable))})")
     if not (a.layers in ("self", "all") or (isinstance(a.layers, list) and a.layers
                                             and all(type(i) is int for i in a.layers))):
         raise ValueError(f"attention.layers {_show(a.layers)} must be 'self', 'all' or a list of block indices")
     if not isinstance(a.options, dict):
         raise ValueError(f"attention.options must be a mapping, got {_show(a.options)}")
-    check_options(a.mode, a.options)  # unknown options and values, before a model is built
+    mode.check_options(a.options)  # unknown options and values, before a model is built
     if not isinstance(cfg.output_dir, str) or not cfg.output_dir.strip():
         raise ValueError(f"output_dir must be a folder name, got {_show(cfg.output_dir)}")
     if d.path is not None and not d.path.strip():
@@ -494,8 +492,10 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
         raise ValueError(f"prompt embeddings in {d.path!r} have width {index['text_dim']}, but the transformer's "
                          f"text_dim is {text_dim}: were they encoded with another model's text encoder?")
     head_dim = tc["attention_head_dim"]
-    if device_type == "cuda" and a.mode != "bf16" and head_dim not in (64, 128):
-        raise ValueError(f"attention mode {a.mode!r} on GPU needs head_dim 64 or 128; the model's is {head_dim}")
+    head_dims = mode.head_dims  # on the GPU; the CPU reference takes any
+    if device_type == "cuda" and head_dims is not None and head_dim not in head_dims:
+        raise ValueError(f"attention mode {a.mode!r} on GPU needs head_dim {' or '.join(map(str, head_dims))}; "
+                         f"the model's is {head_dim}")
     if isinstance(a.layers, list):
         bad = [i for i in a.layers if not 0 <= i < tc["num_layers"]]
         if bad:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
+from attnqat.kernels import REFERENCE_MODE
 from attnqat.pipelines import AttnQATProcessor, patch_attention
 
 
@@ -74,7 +75,7 @@ def make_student_teacher(transformer: torch.nn.Module, mode: str, layers="self",
     bf16 (exact SDPA) attention in the same layers, cast to ``teacher_dtype``. ``trainable="attention"``
     leaves only the patched attention modules' weights trainable."""
     teacher = cast_copy(transformer, teacher_dtype).eval().requires_grad_(False)
-    patch_for_training(teacher, "bf16", layers)
+    patch_for_training(teacher, REFERENCE_MODE, layers)
     student = transformer.train().requires_grad_(True)
     names = patch_for_training(student, mode, layers, **(options or {}))
     if trainable == "attention":
