@@ -20,7 +20,7 @@ from diffusers.models.transformers import transformer_wan
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, WanRotaryPosEmbed
 
 from attnqat.kernels import attention
-from attnqat.kernels.api import available_modes, get_mode
+from attnqat.kernels.api import available_modes, mode_of
 from attnqat.pipelines import (AttentionTimer, AttnQATProcessor, PrecisionSchedule, TINY_TRANSFORMER_CONFIG,
                                attention_modes, build_tiny_transformer, patch_attention, patched_attention,
                                unpatch_attention)
@@ -361,7 +361,7 @@ def test_compile_fullgraph_every_mode(train):
     """Every registered mode (inference), every trainable one (training: the backward under compile too), one per
     attention layer of one model, on the Triton kernels (the interpreter, bf16): their custom ops sit in the
     graph, so it traces without a break and computes what eager does."""
-    modes = [m for m in available_modes() if get_mode(m).trainable or not train]
+    modes = [m for m in available_modes() if mode_of(m).trainable or not train]
     assert {"bf16", "attn_qat", "sagebwd"} <= set(modes)
     _compiled_matches_eager(_one_mode_per_layer(modes), _tiny_inputs(), train=train)
     torch._dynamo.reset()
@@ -371,7 +371,7 @@ def test_compile_fullgraph_references_training(monkeypatch):
     """The trainable modes' PyTorch references (plain CPU, TRITON_INTERPRET=0, what a CPU training run takes),
     one per attention layer: forward and backward compile too."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    modes = [m for m in available_modes() if get_mode(m).trainable]
+    modes = [m for m in available_modes() if mode_of(m).trainable]
     _compiled_matches_eager(_one_mode_per_layer(modes), _tiny_inputs(), train=True)
     torch._dynamo.reset()
 
@@ -384,7 +384,7 @@ def test_gpu_compile_fullgraph_every_mode_inductor(train):
     bf16 roundings of eager: Inductor fuses the bf16 projections, norms and RoPE around the attention and rounds
     them differently, which a quantizing attention may pass on as a neighbouring grid value (4.4e-3 for bf16 mode,
     4.6e-3 for attn_qat, measured on an H100); a wrong graph is off by order 1."""
-    modes = [m for m in available_modes() if get_mode(m).trainable or not train]
+    modes = [m for m in available_modes() if mode_of(m).trainable or not train]
     tr = _one_mode_per_layer(modes).cuda()
     inputs = tuple(x.cuda() for x in _tiny_inputs())
     (eager_out, eager_grads), (out, grads), _ = _eager_and_compiled(tr, inputs, train=train, backend="inductor")
