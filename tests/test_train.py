@@ -125,9 +125,9 @@ def test_cli_prints_config_errors_in_one_line(tmp_path, capsys):
 
 
 def test_example_configs_validate():
-    from bench.train_step import WAN21_1_3B_CONFIG
-    from bench.e2e import WAN21_14B_CONFIG
-    for name, tc in (("wan2.1-1.3b", WAN21_1_3B_CONFIG), ("wan2.1-14b", WAN21_14B_CONFIG)):
+    from attnqat.pipelines.wan_configs import WAN21_1_3B_TRANSFORMER_CONFIG, WAN21_14B_TRANSFORMER_CONFIG
+
+    for name, tc in (("wan2.1-1.3b", WAN21_1_3B_TRANSFORMER_CONFIG), ("wan2.1-14b", WAN21_14B_TRANSFORMER_CONFIG)):
         cfg = load_config(ROOT / "configs" / f"{name}.yaml", ["data.path=null"])
         assert cfg.train.lr <= 1e-5 and cfg.train.weight_decay == 0.01 and cfg.train.grad_clip == 1.0
         assert cfg.train.mixed_precision == "bf16" and cfg.train.gradient_checkpointing

@@ -347,7 +347,7 @@ def _read_subset(transformer: torch.nn.Module, file: Path) -> dict[str, torch.Te
 
 def cpu_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of ``module``'s state dict, detached: weights kept aside to load back later (the demo's
-    columns, a QAT weights file applied over the base, bench/qat_subsets.py's subsets)."""
+    columns, a QAT weights file applied over the base, experiments/qat_subsets.py's subsets)."""
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
 
