@@ -193,14 +193,14 @@ def test_a_model_folder_given_as_checkpoint_is_its_transformer_not_the_qat_weigh
 # ----------------------------------------------------------------------------------- export's refusals
 def test_export_refuses_a_full_finetune_over_12_mb_in_one_line_and_writes_nothing(mini_base, tmp_path, capsys):
     _finetune(_base_state(mini_base), tmp_path / "full.safetensors", change=lambda k: True)
-    out = tmp_path / "out" / "attn_qat.safetensors"
+    out = tmp_path / "attn_qat.safetensors"
     assert main(["export-qat", "--from", str(tmp_path / "full.safetensors"), "--model", str(mini_base),
                  "--out", str(out), "--storage", "subset"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not diffusers' shard bar
     assert len(err) == 1 and err[0].startswith("attnqat export-qat: error: QAT weights of"), err
     assert "would be 18.2 MB as subset (" in err[0] and "over the 12 MB limit of a shipped file" in err[0], err
     assert "train.trainable=attention" in err[0] and "fp8-delta" in err[0]
-    assert not out.parent.exists()
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["full.safetensors"]
 
 
 def _fp8_round_bound(delta: torch.Tensor) -> torch.Tensor:
