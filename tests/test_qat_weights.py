@@ -367,12 +367,14 @@ def test_demo_attn_qat_column_runs_the_shipped_weights_and_the_others_the_base(i
 
     engine = DemoEngine.load(device="cpu", dtype="fp32")
     assert engine.model == "mini" and engine.qat_shipped
-    assert engine.label("attn_qat") == "Attn-QAT (shipped QAT fine-tune attn_qat.safetensors)"
+    assert engine.label("attn_qat") == "Attn-QAT"
+    assert engine.weights("attn_qat") == "the QAT fine-tune shipped with the model attn_qat.safetensors"
     runs = _demo_runs(engine, tmp_path)
     assert [r.mode for r in runs] == ["bf16", "attn_qat", "nvfp4"]
     assert [_same(s, _expected(installed, qat=True)) for s in spy_generation] == [False, True, False]
     assert [_same(s, _expected(installed, qat=False)) for s in spy_generation] == [True, False, True]
-    assert runs[1].label == "Attn-QAT (shipped QAT fine-tune attn_qat.safetensors)"
+    assert (runs[1].label, runs[1].weights) == ("Attn-QAT", engine.weights("attn_qat"))
+    assert runs[0].weights is None and runs[2].weights is None
 
 
 def test_demo_explicit_checkpoint_wins_and_none_opts_out(installed, tiny_qat, tmp_path):
@@ -381,10 +383,11 @@ def test_demo_explicit_checkpoint_wins_and_none_opts_out(installed, tiny_qat, tm
     folder, tuned, _ = installed
     explicit = folder.parent / "finetune.safetensors"  # the full fine-tune the shipped file was exported from
     engine = DemoEngine.load(device="cpu", dtype="fp32", qat_checkpoint=str(explicit))
-    assert not engine.qat_shipped and engine.label("attn_qat") == "Attn-QAT (QAT checkpoint finetune.safetensors)"
+    assert not engine.qat_shipped and engine.weights("attn_qat") == "QAT checkpoint finetune.safetensors"
     assert torch.equal(engine._weights["qat"]["proj_out.weight"], tuned["proj_out.weight"])  # the full file's
     plain = DemoEngine.load(device="cpu", dtype="fp32", qat_checkpoint="none")
     assert plain.qat_checkpoint is None and plain.label("attn_qat") == NO_CHECKPOINT_LABEL
+    assert plain.weights("attn_qat") == "no QAT checkpoint: plain FP4 attention"
 
 
 def test_app_checks_and_names_the_shipped_weights(installed, tmp_path):
