@@ -66,8 +66,9 @@ import torch.nn.functional as F
 from attnqat.checks import check_text, check_video_size
 from attnqat.errors import GenerationCancelled
 from attnqat.outputs import write_file_atomically
+from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # the metrics, defined with the detector
 
-__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "psnr_frames_line",
+__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr_frames_line",
            "difference_strip",
            "heat_colors", "heat_scale", "demo_modes", "mode_label", "mode_weights", "validate_request", "request_work",
            "page_defaults", "new_request_dir", "prune_requests", "register_output", "WORK_LIMITS", "SIZE_LIMITS",
@@ -150,8 +151,6 @@ def mode_weights(mode: str, qat_checkpoint: str | None = None, shipped: bool = F
 
 
 # ---------------------------------------------------------------------------------------------- metrics
-from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # noqa: E402  (defined once, with the detector)
-
 _SPARK = "▁▂▃▄▅▆▇█"  # a per-frame curve in one line of text, lowest to highest
 
 
@@ -425,7 +424,8 @@ class DemoEngine:
         from attnqat.checks import check_device
         from attnqat.kernels import backend_info
         from attnqat.pipelines import load_pipeline
-        from attnqat.pipelines.generate import DTYPE_NAMES, default_model, model_defaults, torch_dtype
+        from attnqat.pipelines.generate import DTYPE_NAMES, model_defaults, torch_dtype
+        from attnqat.pipelines.mini import default_model
         from attnqat.pipelines.loading import choose_qat_checkpoint
 
         if model is None:

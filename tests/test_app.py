@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from attnqat.demo import (DEMO_MODES, NO_CHECKPOINT_LABEL, DemoEngine, demo_modes, difference_strip, heat_colors,
-                          heat_scale, psnr, ssim, validate_request)
+                          heat_scale, validate_request)
 from attnqat.kernels import available_modes
+from attnqat.quality import psnr, ssim
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent

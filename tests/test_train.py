@@ -349,9 +349,9 @@ def _break_at(monkeypatch, step: int, how: str):
 
 @pytest.mark.parametrize("how", ["loss", "grad", "lr", "weights"])
 def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, how):
-    """Before: a NaN loss or gradient trained on and exported NaN weights as final/. Now the step stops before the
-    optimizer updates anything (or, for weights that turned NaN, the checkpoint refuses to write them); no final/,
-    the last good checkpoint is intact, and --resume auto continues from it as if nothing had happened."""
+    """A NaN loss or gradient must not be trained on nor exported as final/: the step stops before the optimizer
+    updates anything (or, for weights that turned NaN, the checkpoint refuses to write them); no final/, the last
+    good checkpoint is intact, and --resume auto continues from it as if nothing had happened."""
     from attnqat.train import checkpoint as ck
     from attnqat.train.checkpoint import NonFiniteTrainingError
     from attnqat.train.loop import read_log

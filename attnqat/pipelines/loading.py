@@ -12,8 +12,8 @@ from .mini import is_mini, mini_folder
 from .model_folder import ModelConfigError, check_model_folder, check_regular_file
 from .tiny import build_tiny_pipeline, build_tiny_transformer
 
-__all__ = ["ModelNotFoundError", "ModelConfigError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
-           "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny", "is_mini",
+__all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
+           "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny",
            "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
            "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
 
