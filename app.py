@@ -322,6 +322,7 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
                 out += [files[0], text, *files[1:]]
             return [*out, gr.skip() if texts_only else summary]
 
+        yield outputs()  # the previous request's videos go: no column shows a video its text is not about
         worker = threading.Thread(target=work, name="attnqat-demo-request", daemon=True)
         worker.start()
         try:

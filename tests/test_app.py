@@ -480,8 +480,9 @@ class _Progress:
 def test_handler_gives_each_column_its_own_progress(tmp_path, app_module, tiny_engine):
     """Each column's text follows its own mode: the running one its denoising steps, the later ones "waiting", a
     finished one its metrics, an unticked one "not selected" throughout. After a step only the texts are sent (the
-    videos, strips and zips stay as the page shows them); a column's video comes when its mode is done, then all
-    again at the end (the common heat scale); the request's overall progress goes to gr.Progress."""
+    videos, strips and zips stay as the page shows them); the first update clears every video, a column's video
+    comes when its mode is done, then all again at the end (the common heat scale); the request's overall progress
+    goes to gr.Progress."""
     import asyncio
 
     import gradio as gr
@@ -518,8 +519,10 @@ def test_handler_gives_each_column_its_own_progress(tmp_path, app_module, tiny_e
     bar = {k: "▰" * round(10 * k / steps) + "▱" * (10 - round(10 * k / steps)) for k in range(1, steps + 1)}
     assert seen == [(m, "starting" if k == 0 else f"denoising {bar[k]} step {k} of {steps}")
                     for m in run_order for k in range(steps + 1)]
-    assert len(full) == len(selected) + 2  # one per finished mode, then the final (common heat scale)
-    first = full[0]
+    assert len(full) == len(selected) + 3  # the start, one per finished mode, then the final (common heat scale)
+    start, first = full[0], full[1]
+    assert all(start[4 * i + k] is None for i in range(len(modes)) for k in (0, 2, 3))
+    assert all(start[4 * i + 1].endswith("waiting") for i, m in enumerate(modes) if m in run_order)
     assert first[0] and first[1].count("time") == 1  # bf16's column is shown ...
     assert all(first[4 * i + 1].endswith("waiting") for i, m in enumerate(modes) if m in selected)  # ... the rest wait
     assert all(full[-1][4 * modes.index(m)] and "time **" in full[-1][4 * modes.index(m) + 1] for m in run_order)
