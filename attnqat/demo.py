@@ -67,10 +67,11 @@ from attnqat.checks import check_text, check_video_size
 from attnqat.errors import GenerationCancelled
 from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of, reference_first
 from attnqat.outputs import write_file_atomically
+from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # the metrics, defined with the detector
 
-__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "psnr_frames_line",
+__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr_frames_line",
            "difference_strip",
-           "heat_colors", "heat_scale", "demo_modes", "mode_label", "validate_request", "request_work",
+           "heat_colors", "heat_scale", "demo_modes", "mode_label", "mode_weights", "validate_request", "request_work",
            "page_defaults", "new_request_dir", "prune_requests", "register_output", "WORK_LIMITS", "SIZE_LIMITS",
            "model_kind",
            "REQUESTS_FOLDER", "KEEP_REQUESTS", "MAX_PROMPT_CHARS", "RequestLine", "LINE_WAITING", "PER_CLIENT"]
@@ -78,6 +79,7 @@ __all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "ps
 #: The modes the demo compares, in page order: those whose record has a ``demo_column``.
 DEMO_MODES = tuple(sorted(available_modes(lambda m: m.demo_column is not None),
                           key=lambda name: mode_of(name).demo_column))
+#: Column titles: one line in a quarter of the page (about 25 characters), so the columns stay aligned.
 MODE_LABELS = {
     "bf16": "BF16 (reference)",
     "sage3": "SageAttention3 (emulated)",
@@ -86,7 +88,7 @@ MODE_LABELS = {
     "attn_qat_dropin": "Attn-QAT drop-in (ablation)",
     "sagebwd": "SageBwd (INT8)",
 }
-NO_CHECKPOINT_LABEL = "Attn-QAT: plain FP4 attention (no QAT checkpoint)"
+NO_CHECKPOINT_LABEL = "Attn-QAT (base weights)"
 HEAT_MAX = 64.0  # default top of the heat map's colour scale (|difference| on the 0-255 scale)
 
 # Per-request limits, so one visitor cannot ask the CPU-only tiny demo for minutes of work: each
@@ -127,19 +129,25 @@ def demo_modes(modes=None) -> list[str]:
     return reference_first(wanted)
 
 
-def mode_label(mode: str, qat_checkpoint: str | None = None, shipped: bool = False) -> str:
-    """A column's title; the Attn-QAT column's says which weights it runs on (``shipped``: ``qat_checkpoint``
-    is the QAT fine-tune installed with the model)."""
-    if mode_of(mode).uses_qat_weights:
-        if not qat_checkpoint:
-            return NO_CHECKPOINT_LABEL
-        return f"Attn-QAT ({'shipped QAT fine-tune' if shipped else 'QAT checkpoint'} {Path(qat_checkpoint).name})"
+def mode_label(mode: str, qat_checkpoint: str | None = None) -> str:
+    """A column's title (:data:`MODE_LABELS`); the Attn-QAT column without QAT weights is
+    :data:`NO_CHECKPOINT_LABEL`. Which weights a column runs on is :func:`mode_weights`."""
+    if mode_of(mode).uses_qat_weights and not qat_checkpoint:
+        return NO_CHECKPOINT_LABEL
     return MODE_LABELS.get(mode, mode)
 
 
-# ---------------------------------------------------------------------------------------------- metrics
-from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # noqa: E402  (defined once, with the detector)
+def mode_weights(mode: str, qat_checkpoint: str | None = None, shipped: bool = False) -> str | None:
+    """The weights a column runs on, where they are not the model's own: the Attn-QAT column's (``shipped``:
+    ``qat_checkpoint`` is the QAT fine-tune installed with the model); None for the other columns."""
+    if not mode_of(mode).uses_qat_weights:
+        return None
+    if not qat_checkpoint:
+        return "no QAT checkpoint: plain FP4 attention"
+    return f"{'the QAT fine-tune shipped with the model' if shipped else 'QAT checkpoint'} {Path(qat_checkpoint).name}"
 
+
+# ---------------------------------------------------------------------------------------------- metrics
 _SPARK = "▁▂▃▄▅▆▇█"  # a per-frame curve in one line of text, lowest to highest
 
 
@@ -356,6 +364,7 @@ class ModeRun:
     heat_max: float | None = None        # top of the strip's colour scale (None for bf16)
     frames_zip: Path | None = None       # the lossless frames the metrics measure, PNG in a zip
     precision: str | None = None         # the precision schedule, e.g. "bf16 on steps 0, 3 of 4 (...)"
+    weights: str | None = None           # :func:`mode_weights` (None: the model's own)
 
     def summary(self) -> dict:
         """JSON-friendly metrics (``inf`` PSNR as the string "inf")."""
@@ -366,7 +375,8 @@ class ModeRun:
                 "psnr_db": num(self.psnr), "ssim": num(self.ssim),
                 "psnr_db_per_frame": [num(v) for v in self.psnr_frames],
                 "ssim_per_frame": [num(v) for v in self.ssim_frames],
-                "heat_max": self.heat_max, "precision": self.precision, "frames": int(self.frames.shape[0]),
+                "heat_max": self.heat_max, "precision": self.precision, "weights": self.weights,
+                "frames": int(self.frames.shape[0]),
                 "height": int(self.frames.shape[1]),
                 "width": int(self.frames.shape[2])}
 
@@ -408,7 +418,8 @@ class DemoEngine:
         from attnqat.checks import check_device
         from attnqat.kernels import backend_info
         from attnqat.pipelines import load_pipeline
-        from attnqat.pipelines.generate import DTYPE_NAMES, default_model, model_defaults, torch_dtype
+        from attnqat.pipelines.generate import DTYPE_NAMES, model_defaults, torch_dtype
+        from attnqat.pipelines.mini import default_model
         from attnqat.pipelines.loading import choose_qat_checkpoint
 
         if model is None:
@@ -435,7 +446,10 @@ class DemoEngine:
             self._live = name
 
     def label(self, mode: str) -> str:
-        return mode_label(mode, self.qat_checkpoint, self.qat_shipped)
+        return mode_label(mode, self.qat_checkpoint)
+
+    def weights(self, mode: str) -> str | None:
+        return mode_weights(mode, self.qat_checkpoint, self.qat_shipped)
 
     def vocabulary_note(self, prompt: str) -> str | None:
         """For mini, the line naming the prompt's words it does not know
@@ -505,7 +519,7 @@ class DemoEngine:
                               attention_seconds=result.attention_seconds, psnr=None, ssim=None,
                               frames_zip=write_frames_zip(result.frames, out_dir / f"{mode}_frames.zip"),
                               precision=None if scheduled is None else scheduled.describe(
-                                  int(steps), len(self.pipe.transformer.blocks)))
+                                  int(steps), len(self.pipe.transformer.blocks)), weights=self.weights(mode))
                 if runs:
                     run.psnr, run.psnr_frames = psnr(runs[0].frames, result.frames)
                     run.ssim, run.ssim_frames = ssim(runs[0].frames, result.frames)

@@ -269,18 +269,81 @@ def check_variants(variants: list[Variant]) -> None:
         raise ValueError(f"variant labels must be unique; repeated: {', '.join(dup)}")
 
 
-def held_out_clips(pipe, clips: int, *, size, corpus_seed: int = 0, batch: int = 8) -> dict[str, torch.Tensor]:
-    """The first ``clips`` clips of the corpus's held-out split at ``size`` (frames, height, width), encoded by
-    ``pipe``'s VAE and text encoder as ``attnqat train`` (``data.source: corpus``) encodes training clips:
-    ``{"x0": latents, "embeds": prompt embeddings}`` on ``pipe``'s device."""
+def corpus_source(pipe, *, size, corpus_seed: int = 0, batch: int = 8, text_len: int = 512):
+    """A :class:`~attnqat.train.corpus_source.CorpusSource` of corpus clips at ``size`` (frames, height, width),
+    encoded by ``pipe``'s VAE and text encoder on ``pipe``'s device as ``attnqat train`` (``data.source:
+    corpus``) encodes training clips, prompts padded to ``text_len`` tokens (``WanPipeline``'s 512)."""
     from attnqat.train.config import CorpusConfig
     from attnqat.train.corpus_source import CorpusSource
 
-    source = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae,
-                                          CorpusConfig(seed=corpus_seed, sizes=[list(size)], pool=0,
-                                                       encode_batch=batch),
-                                          text_len=512, device=pipe._execution_device)
-    return source.held_out(clips)
+    return CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae,
+                                        CorpusConfig(seed=corpus_seed, sizes=[list(size)], pool=0,
+                                                     encode_batch=batch),
+                                        text_len=text_len, device=pipe._execution_device)
+
+
+def held_out_clips(pipe, clips: int, *, size, corpus_seed: int = 0, batch: int = 8) -> dict[str, torch.Tensor]:
+    """The first ``clips`` clips of the corpus's held-out split at ``size`` (frames, height, width), encoded as
+    :func:`corpus_source` encodes them: ``{"x0": latents, "embeds": prompt embeddings}`` on ``pipe``'s device."""
+    return corpus_source(pipe, size=size, corpus_seed=corpus_seed, batch=batch).held_out(clips)
+
+
+#: The captions :func:`caption_losses` scores each clip under (:func:`attnqat.corpus.changed_captions`, and
+#: ``other``: the next clip's own caption).
+CAPTION_CONDITIONS = ("right", "motion", "colour", "shape", "empty", "other")
+
+
+@torch.no_grad()
+def caption_losses(transformer, source, split: str, indices: list[int], sigmas, *,
+                   conditions=CAPTION_CONDITIONS, seed: int = 0, chunk: int = 8) -> dict:
+    """Which words of the prompt does a model read? The flow loss ``|v - (noise - x0)|^2`` of corpus clips at
+    fixed noise under their own caption and under captions that differ from it (:data:`CAPTION_CONDITIONS`).
+
+    A model that reads an attribute's words pays more loss for the changed caption than for the own one; one
+    that ignores them pays the same (a ratio of 1.00, the own caption lower on half of the clips).
+
+    Arguments:
+        transformer: a Wan transformer (eval mode).
+        source: the :class:`~attnqat.train.corpus_source.CorpusSource` that renders and encodes the clips
+            (:func:`corpus_source`); the first of its sizes is used.
+        split, indices: the clips, ``source.corpora[split].spec(i)`` for ``i`` in ``indices`` (at least 2).
+        sigmas: noise levels in (0, 1]; each gets its own noise, shared by every condition.
+        conditions: which of :data:`CAPTION_CONDITIONS` to score.
+        seed: the noise's seed.
+    Return: ``{"losses": {sigma: {condition: (n,) per-clip losses}}, "motions": [each clip's motion],
+    "captions": [each clip's own caption]}``.
+    """
+    from attnqat.corpus import changed_captions
+
+    unknown = [c for c in conditions if c not in CAPTION_CONDITIONS]
+    if unknown:
+        raise ValueError(f"unknown caption conditions {unknown}; known: {', '.join(CAPTION_CONDITIONS)}")
+    if len(indices) < 2:
+        raise ValueError(f"caption_losses needs at least 2 clips (one's caption is another's 'other'), "
+                         f"got {len(indices)}")
+    specs = [source.corpora[split].spec(i) for i in indices]
+    x0, _ = source.encode_clips(split, list(indices), 0)
+    caps = [changed_captions(s, i) for s, i in zip(specs, indices)]
+    for i, c in enumerate(caps):
+        c["other"] = caps[(i + 1) % len(caps)]["right"]
+    emb = {c: source.embed([cp[c] for cp in caps]) for c in conditions}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for sigma in sigmas:
+        noise = torch.randn(x0.shape, generator=g).to(x0.device)
+        xt, target = (1 - sigma) * x0 + sigma * noise, noise - x0
+        per = {}
+        for c in conditions:
+            losses = []
+            for i in range(0, len(x0), chunk):
+                part = slice(i, i + chunk)
+                t = torch.full((xt[part].shape[0],), sigma * 1000.0, device=x0.device)
+                v = transformer(hidden_states=xt[part].to(transformer.dtype), timestep=t,
+                                encoder_hidden_states=emb[c][part].to(transformer.dtype), return_dict=False)[0]
+                losses.append((v.float() - target[part]).pow(2).mean(dim=(1, 2, 3, 4)).cpu())
+            per[c] = torch.cat(losses)
+        out[sigma] = per
+    return {"losses": out, "motions": [s.motion for s in specs], "captions": [c["right"] for c in caps]}
 
 
 def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 32, size=(33, 256, 256),

@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from attnqat.pipelines import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from attnqat.pipelines.launch import launch_from_env, process_group, rank_device  # noqa: E402
+from attnqat.pipelines.wan_configs import WAN21_14B_TRANSFORMER_CONFIG  # noqa: E402
 from _report import timed_steps  # noqa: E402
-import e2e  # noqa: E402 - bench/e2e.py: the 14B config, the timed step, write_section
+import e2e  # noqa: E402 - bench/e2e.py: its latent shapes, text length and write_section
 
 
 SECTION = "## Training step: Wan 2.1 14B, FSDP + sequence parallelism"
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     if launch is None:
         print("bench/train_step_sp.py: error: run it under torchrun --nproc-per-node N (N >= 2)", file=sys.stderr)
         return 2
-    config = TINY_TRANSFORMER_CONFIG if args.tiny else e2e.WAN21_14B_CONFIG
+    config = TINY_TRANSFORMER_CONFIG if args.tiny else WAN21_14B_TRANSFORMER_CONFIG
     latent = e2e.TINY_LATENT if args.tiny else e2e.LATENT_480P  # 32 / 32,760 tokens
     layers = args.layers or config["num_layers"]
     tokens = latent[1] * (latent[2] // 2) * (latent[3] // 2)

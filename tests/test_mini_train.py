@@ -373,17 +373,20 @@ def test_compiled_blocks_train_like_eager_ones(mini_folder, tmp_path):
 def test_step_profile_reports_every_size_and_part(mini_folder, tmp_path):
     """bench/profile_mini_step.py on a small config: one row per training size with the three parts of a
     step and the refresh's three parts, each a positive time; the build folder is left as it was."""
+    import os
     import pathlib
+    import subprocess
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-    from profile_mini_step import main
-
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = root / "bench" / "profile_mini_step.py"
     (tmp_path / "model").symlink_to(mini_folder)
     before = sorted(p.name for p in tmp_path.iterdir())
     sets = [a for kv in SMALL for a in ("--set", kv)]
-    assert main(["--out", str(tmp_path), "--steps", "3", "--warmup", "1", "--json", str(tmp_path / "p.json"),
-                 *sets]) == 0
+    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--steps", "3", "--warmup", "1",
+                          "--json", str(tmp_path / "p.json"), *sets], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)})  # this checkout's attnqat
+    assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads((tmp_path / "p.json").read_text())
     assert set(got["per_step_s"]) == set(got["refresh_parts_s"]) == {"5x32x32", "9x32x64"}
     for row in got["per_step_s"].values():

@@ -125,9 +125,9 @@ def test_cli_prints_config_errors_in_one_line(tmp_path, capsys):
 
 
 def test_example_configs_validate():
-    from bench.train_step import WAN21_1_3B_CONFIG
-    from bench.e2e import WAN21_14B_CONFIG
-    for name, tc in (("wan2.1-1.3b", WAN21_1_3B_CONFIG), ("wan2.1-14b", WAN21_14B_CONFIG)):
+    from attnqat.pipelines.wan_configs import WAN21_1_3B_TRANSFORMER_CONFIG, WAN21_14B_TRANSFORMER_CONFIG
+
+    for name, tc in (("wan2.1-1.3b", WAN21_1_3B_TRANSFORMER_CONFIG), ("wan2.1-14b", WAN21_14B_TRANSFORMER_CONFIG)):
         cfg = load_config(ROOT / "configs" / f"{name}.yaml", ["data.path=null"])
         assert cfg.train.lr <= 1e-5 and cfg.train.weight_decay == 0.01 and cfg.train.grad_clip == 1.0
         assert cfg.train.mixed_precision == "bf16" and cfg.train.gradient_checkpointing
@@ -349,9 +349,9 @@ def _break_at(monkeypatch, step: int, how: str):
 
 @pytest.mark.parametrize("how", ["loss", "grad", "lr", "weights"])
 def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, how):
-    """Before: a NaN loss or gradient trained on and exported NaN weights as final/. Now the step stops before the
-    optimizer updates anything (or, for weights that turned NaN, the checkpoint refuses to write them); no final/,
-    the last good checkpoint is intact, and --resume auto continues from it as if nothing had happened."""
+    """A NaN loss or gradient must not be trained on nor exported as final/: the step stops before the optimizer
+    updates anything (or, for weights that turned NaN, the checkpoint refuses to write them); no final/, the last
+    good checkpoint is intact, and --resume auto continues from it as if nothing had happened."""
     from attnqat.train import checkpoint as ck
     from attnqat.train.checkpoint import NonFiniteTrainingError
     from attnqat.train.loop import read_log

@@ -29,7 +29,6 @@ exact emulation of block-scaled FP4 MMAs. Under ``TRITON_INTERPRET=1`` every dot
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -624,7 +623,7 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
 # ---------------------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), in one place. Pin with ATTNQAT_FWD_CONFIG /
-# ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests and benchmarks.
+# ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests, benchmarks and tuning (docs/environment.md).
 # Measured on an H100 at (1, 40, 32760, 128) by bench/tune_attn_qat.py (docs/kernels.md has the table).
 # Inference forward: 128x128 tiles, 8 warps, 3 stages (50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8); at
 # head_dim 64, 128x64/8 (32.5 ms vs 38.1 for 128x128).
@@ -637,7 +636,7 @@ FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 
 # transposed 32x64/4/4 181.1, 32x64/4/3 191.3 (the former phi there: 218.4). Compiled for sm_90 (Triton 3.9),
 # untransposed 128x64/8 is the one tile that does not spill (7 spill stores; 64x128/8: 394, 128x128/8: 319).
 # BWD_TRANSPOSED picks the layout per head_dim: untransposed where it was timed (128), transposed at 64, untimed
-# (ATTNQAT_BWD_TRANSPOSED=0/1 overrides both). dQ: 128x64.
+# (attn_qat_backward's transposed= overrides it). dQ: 128x64.
 BWD_CONFIG_GPU = {True: {64: LaunchConfig(32, 64, 4, 4), 128: LaunchConfig(32, 64, 4, 4)},
                   False: {64: LaunchConfig(128, 64, 8, 2), 128: LaunchConfig(128, 64, 8, 2)}}
 BWD_TRANSPOSED = {64: True, 128: False}
@@ -656,10 +655,8 @@ def fwd_config(head_dim: int, training: bool) -> LaunchConfig:
 
 
 def bwd_transposed(head_dim: int) -> bool:
-    """The dK/dV kernel's default layout at ``head_dim``: BWD_TRANSPOSED, unless ATTNQAT_BWD_TRANSPOSED=0 or 1
-    says otherwise."""
-    env = os.environ.get("ATTNQAT_BWD_TRANSPOSED", "")
-    return BWD_TRANSPOSED.get(head_dim, True) if env == "" else env != "0"
+    """The dK/dV kernel's default layout at ``head_dim`` (BWD_TRANSPOSED; transposed where untimed)."""
+    return BWD_TRANSPOSED.get(head_dim, True)
 
 
 def bwd_config(head_dim: int, transposed: bool) -> LaunchConfig:
@@ -786,26 +783,27 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
 
 def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, causal: bool,
                       p_bwd: str = "final_max", config: LaunchConfig | None = None,
-                      config_dq: LaunchConfig | None = None, quant_p: bool = True, fused_dq: bool | None = None,
+                      config_dq: LaunchConfig | None = None, quant_p: bool = True, fused_dq: bool = False,
                       transposed: bool | None = None, phi_from_s: bool = True):
     """Launch the backward. Returns (dq, dk, dv) in the layouts and dtype of q and k.
 
     ``config`` is the dK/dV kernel's (BLOCK_M: queries per step, BLOCK_N: keys per program),
     ``config_dq`` the dQ kernel's; ``quant_p=False`` drops phi(P) (benchmarks, the drop-in ablation).
-    ``fused_dq``: dQ from the dK/dV kernel's S recompute by fp32 atomics instead of a second kernel (default:
-    ATTNQAT_BWD_FUSED_DQ=1; off otherwise: 6-53% slower than two kernels per tile on an H100, docs/kernels.md).
-    Its sums run in another order, so dQ differs from the two-kernel dQ by fp32 rounding.
-    ``transposed``: the dK/dV kernel's layout (TRANSPOSED, see _attn_bwd_dkdv_inner; default: bwd_transposed(head_dim)),
-    ``phi_from_s=False``: its former phi (fake_quant_tile on P~, transposed only), kept to time and test against.
-    Neither changes a number: dk, dv are the same bit for bit at the same tiles (tested under the interpreter).
+    ``transposed``: the dK/dV kernel's layout (TRANSPOSED, see _attn_bwd_dkdv_inner; default: bwd_transposed(head_dim)).
+    Two ablation-only variants stay for tests/test_attn_qat.py (which holds them equal to the default) and
+    bench/tune_attn_qat.py (which times them, ``--fused-dq`` and ``--bwd-phi``); nothing else sets them:
+    ``fused_dq=True``: dQ from the dK/dV kernel's S recompute by fp32 atomics instead of a second kernel (6-53%
+    slower than two kernels per tile on an H100, docs/kernels.md); its sums run in another order, so dQ differs
+    from the two-kernel dQ by fp32 rounding.
+    ``phi_from_s=False``: phi as fake_quant_tile on P~ (transposed only) instead of from S.
+    Neither ``transposed`` nor ``phi_from_s`` changes a number: dk, dv are the same bit for bit at the same tiles
+    (tested under the interpreter).
     """
-    if fused_dq is None:
-        fused_dq = os.environ.get("ATTNQAT_BWD_FUSED_DQ") == "1"
     b, h, lq, d = qf.shape
     if transposed is None:
         transposed = bwd_transposed(d)
     if not (phi_from_s or transposed):
-        raise ValueError("attn_qat_backward: phi_from_s=False (the former phi) needs transposed=True")
+        raise ValueError("attn_qat_backward: phi_from_s=False (phi by fake_quant_tile on P~) needs transposed=True")
     lk = kf.shape[2]
     cfg = config or bwd_config(d, transposed)
     cfg_dq = config_dq or dq_config(d)

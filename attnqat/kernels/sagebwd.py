@@ -550,7 +550,8 @@ def step_down(cfg: LaunchConfig, keep: str) -> tuple[LaunchConfig, ...]:
 def kmajor() -> bool:
     """Whether the kernels read the B operand of every L-reducing 8-bit matmul (P V, P^T dO, dS^T Q,
     dS K) from a transposed (D, L) int8 copy. Default on; ``ATTNQAT_SAGEBWD_KMAJOR=0`` reads the
-    row-major copy through ``tl.trans`` instead (for measurements)."""
+    row-major copy through ``tl.trans`` instead: an ablation kept for tests/test_sagebwd.py and the benchmarks
+    that time it (bench/run_sagebwd_gpu.sh, bench/sagebwd_variants.py)."""
     return os.environ.get("ATTNQAT_SAGEBWD_KMAJOR", "1") != "0"
 
 

@@ -14,8 +14,9 @@ The names below load their submodule (torch, diffusers) on first use, so that im
 import importlib
 
 _EXPORTS = {
-    "loading": ("CheckpointMismatchError", "ModelConfigError", "ModelNotFoundError", "is_tiny", "load_pipeline",
-                "load_qat_checkpoint", "load_transformer"),
+    "loading": ("CheckpointMismatchError", "ModelNotFoundError", "is_tiny", "load_pipeline", "load_qat_checkpoint",
+                "load_transformer"),
+    "model_folder": ("ModelConfigError",),
     "processor": ("AttentionTimer", "AttnQATProcessor", "attention_modes", "patch_attention", "patched_attention",
                   "unpatch_attention"),
     "schedule": ("PrecisionSchedule", "PrecisionSwitch"),

@@ -43,15 +43,14 @@ from typing import Any
 
 import numpy as np
 
-from attnqat.checks import (SIZE_MULTIPLE,  # noqa: F401 - defined here before, still importable
-                            TIME_STRIDE, VAE_SPATIAL_STRIDE, LIMITS, check_device, check_float, check_int,
+from attnqat.checks import (TIME_STRIDE, VAE_SPATIAL_STRIDE, LIMITS, check_device, check_float, check_int,
                             check_limited, check_not_input, check_output_dir, check_output_file, check_text, check_video_size,
                             model_inputs, show)
 from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
 # DEFAULT_MODEL ("mini") and default_model(): the switch of the --model default, in one place (mini.py).
-from .mini import DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model  # noqa: F401
+from .mini import DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model
 
 # torch and diffusers are imported where they are used, so `attnqat generate --help` stays fast.
 

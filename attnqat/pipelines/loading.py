@@ -14,8 +14,8 @@ from .mini import is_mini, mini_folder
 from .model_folder import ModelConfigError, check_model_folder, check_regular_file
 from .tiny import build_tiny_pipeline, build_tiny_transformer
 
-__all__ = ["ModelNotFoundError", "ModelConfigError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
-           "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny", "is_mini",
+__all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
+           "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny",
            "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
            "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
 
@@ -350,7 +350,7 @@ def _read_subset(transformer: torch.nn.Module, file: Path) -> dict[str, torch.Te
 
 def cpu_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of ``module``'s state dict, detached: weights kept aside to load back later (the demo's
-    columns, a QAT weights file applied over the base, bench/qat_subsets.py's subsets)."""
+    columns, a QAT weights file applied over the base, experiments/qat_subsets.py's subsets)."""
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
 

@@ -208,8 +208,7 @@ def reconstruction_per_frame(vae, *, clips: int = 16, size=(33, 256, 256), seed:
 @torch.no_grad()
 def reconstruction_detection(vae, *, clips: int = 16, size=(33, 256, 256), seed: int = 0, device="cuda") -> dict:
     """How well the detector (:func:`attnqat.quality.detect`) reads colour, shape and motion off VAE
-    round trips of held-out clips: a VAE that drops the objects (the first build's did) scores ~0 here
-    whatever its PSNR, and no transformer trained on its latents can show an object."""
+    round trips of held-out clips: a VAE that drops the objects scores ~0 here whatever its PSNR, and no transformer trained on its latents can show an object."""
     from attnqat.corpus import Corpus
     from attnqat.quality import detect, score
 
