@@ -69,7 +69,8 @@ def build(config: dict, device: torch.device, num_layers: int | None):
 
 
 def run_mode(mode: str, args, config: dict, shape, device, autocast_dtype):
-    from attnqat.train.objectives import FeatureCapture, make_student_teacher, nmse
+    from attnqat.train.objectives import nmse
+    from attnqat.train.student_teacher import FeatureCapture, make_student_teacher
 
     transformer, cfg = build(config, device, args.layers)
     teacher_dtype = torch.bfloat16 if autocast_dtype is not None else torch.float32

@@ -81,7 +81,7 @@ def _student(config, layers, mode, device, sp, tiny):
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     from attnqat.train import sequence_parallel
-    from attnqat.train.objectives import patch_for_training
+    from attnqat.train.student_teacher import patch_for_training
 
     model = _meta_model(config, layers)
     patch_for_training(model, mode, "self")
@@ -98,7 +98,7 @@ def _student(config, layers, mode, device, sp, tiny):
 
 def _teacher(config, layers, device, dtype, sp):
     from attnqat.train import sequence_parallel
-    from attnqat.train.objectives import patch_for_training
+    from attnqat.train.student_teacher import patch_for_training
 
     model = _meta_model(config, layers)
     for module in model.modules():
@@ -111,7 +111,8 @@ def _teacher(config, layers, device, dtype, sp):
 
 def run_mode(mode, args, config, layers, latent, device, sp):
     from attnqat.train import sequence_parallel
-    from attnqat.train.objectives import FeatureCapture, nmse
+    from attnqat.train.objectives import nmse
+    from attnqat.train.student_teacher import FeatureCapture
 
     dtype = torch.float32 if args.tiny else torch.bfloat16
     student = _student(config, layers, mode, device, sp, args.tiny)

@@ -85,7 +85,7 @@ def _fsdp_under_sequence_parallel(rank: int) -> tuple[float, float]:
 
     from attnqat.pipelines import build_tiny_transformer
     from attnqat.train import sequence_parallel
-    from attnqat.train.objectives import patch_for_training
+    from attnqat.train.student_teacher import patch_for_training
 
     def model():
         m = build_tiny_transformer().train()

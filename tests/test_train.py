@@ -390,13 +390,13 @@ def test_cli_reports_non_finite_training_in_one_line(tmp_path, monkeypatch, caps
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_teacher_cast_copy_equals_deepcopy_then_cast(dtype):
-    """objectives.cast_copy: the same module as copy.deepcopy(m).to(dtype), every parameter and buffer bit for
+    """student_teacher.cast_copy: the same module as copy.deepcopy(m).to(dtype), every parameter and buffer bit for
     bit, in dtype, with the same requires_grad; independent of the original (a new tensor per parameter, and
     a parameter shared by two modules stays shared in the copy)."""
     import copy
 
     from attnqat.pipelines import build_tiny_transformer
-    from attnqat.train.objectives import cast_copy
+    from attnqat.train.student_teacher import cast_copy
 
     m = build_tiny_transformer().float()
     m.proj_out.weight.requires_grad_(False)

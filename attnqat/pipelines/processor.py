@@ -317,7 +317,8 @@ def _keep_parallel_config(old: Any, new: Any) -> None:
 
 def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "self", *,
                     cross_attention: bool | None = None, timer: AttentionTimer | None = None,
-                    schedule: PrecisionSchedule | None = None, **options: Any) -> list[str]:
+                    schedule: PrecisionSchedule | None = None,
+                    processor_class: type[AttnQATProcessor] = AttnQATProcessor, **options: Any) -> list[str]:
     """Run the selected attention layers of a Wan transformer through attnqat's ``mode``.
 
     Arguments:
@@ -332,6 +333,8 @@ def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "s
             ``blocks`` (which must be among the selected ones) run in its high-precision ``mode``
             always; every other patched layer also learns that mode, for the denoising steps that
             ``schedule.callback(transformer, num_steps)`` switches to high precision.
+        processor_class: the processor built for each layer: :class:`AttnQATProcessor` or a subclass (training
+            uses one that casts fp32 q/k/v to the autocast dtype).
         options: mode-specific keywords for ``attention`` (e.g. ``p_bwd="normalized"``), for ``mode``
             only (the schedule's high-precision mode runs without them).
     Return:
@@ -357,9 +360,9 @@ def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "s
     new = {}
     for name in names:  # built (and their options checked) before anything changes
         if _block_of(name) in high_blocks:  # high precision at every step; mode's options are not its
-            new[name] = AttnQATProcessor(high_mode, timer=timer, high_precision_mode=high_mode)
+            new[name] = processor_class(high_mode, timer=timer, high_precision_mode=high_mode)
         else:
-            new[name] = AttnQATProcessor(mode, timer=timer, high_precision_mode=high_mode, **options)
+            new[name] = processor_class(mode, timer=timer, high_precision_mode=high_mode, **options)
     unpatch_attention(transformer)
     patched = {}
     for name, proc in new.items():

@@ -26,7 +26,8 @@ from typing import Any, get_type_hints
 
 import yaml
 
-OBJECTIVES = ("distill", "flow", "mix")
+from .objectives import OBJECTIVES, Objective
+
 DISTILL_TARGETS = ("output", "features")
 LATENT_SOURCES = ("noise", "dataset", "teacher")
 TIMESTEP_SAMPLING = ("uniform", "shifted")
@@ -62,7 +63,7 @@ class AttentionConfig:
 
 @dataclass
 class ObjectiveConfig:
-    type: str = "distill"           # distill | flow | mix (= distill + flow_weight * flow)
+    type: str = "distill"           # objectives.OBJECTIVES: distill | flow | mix (= distill + flow_weight * flow)
     target: str = "features"        # distill target: output (velocity) | features (every block + output)
     output_weight: float = 1.0      # features: weight of the output term beside the mean block term
     flow_weight: float = 1.0        # mix: weight of the flow-matching term
@@ -318,6 +319,13 @@ def _one_of(value, choices, key):
         raise ValueError(f"{key} {_show(value)} is not one of {', '.join(map(str, choices))}")
 
 
+def objective_of(o: ObjectiveConfig) -> Objective:
+    """The objective ``objective.type`` names (:data:`.objectives.OBJECTIVES`), built from its section: the one
+    place a name becomes an objective."""
+    _one_of(o.type, tuple(OBJECTIVES), "objective.type")
+    return OBJECTIVES[o.type](o)
+
+
 def model_config(model: str) -> dict:
     """The ``WanTransformer3DModel`` config of ``model`` without loading any weight."""
     from attnqat.pipelines import TINY_TRANSFORMER_CONFIG, is_tiny
@@ -369,7 +377,7 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     from attnqat.kernels import available_modes, mode_of
 
     a, o, t, d, tr, ck = cfg.attention, cfg.objective, cfg.timesteps, cfg.data, cfg.train, cfg.checkpoint
-    _one_of(o.type, OBJECTIVES, "objective.type")
+    objective = objective_of(o)
     _one_of(o.target, DISTILL_TARGETS, "objective.target")
     _one_of(o.latents, LATENT_SOURCES, "objective.latents")
     _one_of(t.sampling, TIMESTEP_SAMPLING, "timesteps.sampling")
@@ -436,15 +444,11 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     # Data
     index: dict = {}
     _one_of(d.source, DATA_SOURCES, "data.source")
-    needs_latents = o.type in ("flow", "mix") or o.latents == "dataset"
+    needs_latents = objective.latents == "dataset"
     corpus_shapes = _corpus_shapes(d.corpus)  # checked whatever the source: no setting is silently ignored
     if d.source == "corpus":
         if d.path is not None:
             raise ValueError("data.path and data.source 'corpus' exclude each other; set data.path: null")
-        if o.type in ("distill", "mix") and o.latents == "teacher":
-            # the corpus's clips are the clean latents of every objective; teacher samples would be ignored
-            raise ValueError("objective.latents 'teacher' does not apply to data.source 'corpus' (its clips are "
-                             "the clean latents); use 'dataset' or 'noise', or a precomputed data.path")
         shapes = corpus_shapes
         index["has_latents"] = True
     else:
@@ -452,7 +456,7 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
             from .data import read_index
             index = read_index(d.path)
         if needs_latents:
-            why = f"objective.type {o.type!r}" if o.type != "distill" else "objective.latents 'dataset'"
+            why = objective.latents_setting
             if d.path is None:
                 raise ValueError(f"{why} needs a dataset of video latents: set data.path to a folder written by "
                                  f"`attnqat precompute --videos ...`, or data.source: corpus")
@@ -460,6 +464,7 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
                 raise ValueError(f"{why} needs video latents, but data.path {d.path!r} holds prompt embeddings "
                                  f"only; run `attnqat precompute` with --videos")
         shapes = [list(index["latent_shape"]) if needs_latents else list(d.latent_shape)]
+    objective.check(d.source)
     for shape in shapes:
         if len(shape) != 4 or not all(type(x) is int and x > 0 for x in shape):
             raise ValueError(f"data.latent_shape must be 4 positive integers (C, F, H, W), got {_show(shape)}")
