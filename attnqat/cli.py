@@ -36,7 +36,7 @@ import threading
 from .errors import ComputeError, NonFiniteOutputError, OutputLockedError, OutputWriteError, one_line
 
 # name -> (module, one-line help, argument check run before the module's main or None: precompute's,
-# attnqat.checks.check_precompute, refuses bad paths, limits and devices before the encoders load).
+# attnqat.train.precompute.check_arguments, refuses bad paths, limits and devices before the encoders load).
 COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "generate": ("attnqat.pipelines.generate",
                  "generate a video with Wan 2.1 text-to-video (attention in an attnqat mode)", None),
@@ -44,7 +44,7 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
               "QAT fine-tuning of a Wan 2.1 transformer for FP4 attention (distillation / flow matching)", None),
     "precompute": ("attnqat.train.precompute",
                    "encode prompts (and videos) into safetensors shards for `attnqat train`",
-                   "attnqat.checks:check_precompute"),
+                   "attnqat.train.precompute:check_arguments"),
     "quality": ("attnqat.quality_cli",
                 "measure each attention mode's (and fine-tune's) flow loss, prompt following and PSNR/SSIM to bf16",
                 None),

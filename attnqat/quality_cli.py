@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from attnqat.checks import (LIMITS, check_device, check_float, check_int, check_limited, check_not_input,
-                            check_output_dir, check_text, check_video_size, model_inputs, show)
+                            check_output_dir, check_text, check_video_size, show)
 # DEFAULT_MODEL ("mini") is generate's default too; unlike generate, no fallback to tiny where mini's weights
 # are not installed (a table of random weights would mean nothing): `quality` then stops with mini_folder()'s
 # one-line error, which says how to build mini.
@@ -162,7 +162,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     """Check every argument, the checkpoints' files and the output folder, before anything heavy loads;
     fill the device-dependent defaults. Sets ``args.rows`` to [(label, mode, checkpoint, bf16_steps)]."""
     from attnqat.kernels import mode_of
-    from attnqat.pipelines.loading import check_model
+    from attnqat.pipelines.loading import check_model, model_inputs
 
     from .evaluation import base_variants
 

@@ -248,7 +248,8 @@ def test_export_qat_never_writes_over_its_fine_tune(tmp_path, monkeypatch, capsy
         assert line.startswith("attnqat export-qat: error: --out") and "--from" in line, line
     assert ft.read_bytes() == before
     # a model folder's inputs are the files it loads from: the QAT weights mini ships may be written beside them
-    from attnqat.checks import check_not_input, model_inputs
+    from attnqat.checks import check_not_input
+    from attnqat.pipelines.loading import model_inputs
 
     mini = ROOT / "attnqat" / "models" / "mini"
     check_not_input("--out", mini / "attn_qat.safetensors", model_inputs("--model", "mini"))

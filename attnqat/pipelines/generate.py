@@ -45,7 +45,7 @@ import numpy as np
 
 from attnqat.checks import (TIME_STRIDE, VAE_SPATIAL_STRIDE, LIMITS, check_device, check_float, check_int,
                             check_limited, check_not_input, check_output_dir, check_output_file, check_text, check_video_size,
-                            model_inputs, show)
+                            show)
 from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
@@ -362,6 +362,8 @@ def check_outputs(args: argparse.Namespace) -> argparse.Namespace:
     """Check --out and --frames-dir before anything loads (a read-only folder, a folder given as
     --out, a non-empty --frames-dir are refused here, not after minutes of generation). Nothing is
     created yet."""
+    from .loading import model_inputs
+
     args.out = check_output_file("--out", args.out, MP4_SUFFIXES)
     if args.frames_dir is not None:
         args.frames_dir = check_output_dir("--frames-dir", args.frames_dir, must_be_empty=True)

@@ -3,7 +3,10 @@ QAT checkpoints, with errors that say what to do instead of a traceback.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -16,7 +19,7 @@ from .tiny import build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny",
-           "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
+           "resolve_model", "model_inputs", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
            "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
 
 #: The real model this project targets; also the example in error messages.
@@ -45,6 +48,22 @@ def resolve_model(model: str) -> str:
         except FileNotFoundError as e:
             raise ModelNotFoundError(str(e)) from None
     return model
+
+
+def model_inputs(flag: str, model: str) -> list[tuple[str, str]]:
+    """What a local model folder is loaded from, as ``(flag, path)`` pairs for
+    :func:`~attnqat.checks.check_not_input`: its model_index.json and the component folders it names (transformer/,
+    vae/, ...). Other files beside them (e.g. the QAT weights ``attnqat export-qat`` writes there) are not the
+    model's. None for tiny and hub ids."""
+    if is_tiny(model):
+        return []
+    folder = Path(resolve_model(model)).expanduser()
+    index = folder / "model_index.json"
+    try:
+        names = [] if index.stat().st_size > 1 << 20 else [k for k in json.loads(index.read_text()) if k[:1] != "_"]
+    except (OSError, ValueError, TypeError, UnicodeDecodeError):  # not a model folder: nothing it loads
+        return []
+    return [(flag, str(index))] + [(flag, str(folder / n)) for n in names if (folder / n).is_dir()]
 
 
 def _download_hint(model: str) -> str:
@@ -101,8 +120,6 @@ def model_transformer_config(model: str) -> dict | None:
         return dict(TINY_TRANSFORMER_CONFIG)
     config = Path(model).expanduser() / "transformer" / "config.json"
     try:
-        import json
-
         values = json.loads(config.read_text())
     except (OSError, ValueError):
         return None
@@ -118,8 +135,6 @@ def model_num_blocks(model: str) -> int | None:
 
 def _from_pretrained(cls, model: str, **kwargs):
     """``cls.from_pretrained`` with network/cache failures turned into :class:`ModelNotFoundError`."""
-    import warnings
-
     target = _resolve(model, kwargs.get("subfolder"))
     try:
         with warnings.catch_warnings():
@@ -186,8 +201,6 @@ def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16
 def _latest_step_weights(checkpoints: Path) -> Path | None:
     """``checkpoints/step-N/transformer.safetensors`` of the newest step folder that finished writing (its
     manifest.json is written last), or None."""
-    import re
-
     steps = sorted((p for p in checkpoints.iterdir() if re.fullmatch(r"step-\d{7}", p.name) and p.is_dir()),
                    reverse=True)
     for step in steps:

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from attnqat.checks import check_not_input, model_inputs
+from attnqat.checks import check_not_input
 from attnqat.locking import output_lock
+from attnqat.pipelines.loading import model_inputs
 
 from . import checkpoint as ck
 from . import sequence_parallel
