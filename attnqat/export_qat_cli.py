@@ -64,7 +64,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from attnqat.pipelines.qat_weights import export_qat_weights
+    from attnqat.pipelines.qat_export import export_qat_weights
 
     check_arguments(args)
     with output_lock(args.out, "attnqat export-qat"):

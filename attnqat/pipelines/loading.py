@@ -10,17 +10,25 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
+from attnqat.checks import check_path_text, check_text
+from attnqat.errors import CheckpointMismatchError
 from attnqat.kernels import mode_of
 
-from .mini import is_mini, mini_folder
+from .mini import is_mini, is_shipped_mini, mini_folder, shipped_qat_weights
 from .model_folder import ModelConfigError, check_model_folder, check_regular_file
-from .tiny import build_tiny_pipeline, build_tiny_transformer
+from .qat_weights import is_qat_weights, read_qat_weights, weights_fingerprint
+from .tiny import TINY_TRANSFORMER_CONFIG, build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny",
            "resolve_model", "model_inputs", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
            "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
+
+# DIFFUSERS_LATE: diffusers (seconds to import) is imported where a model loads, so that the checks of a command's
+# arguments (check_model, check_qat_checkpoint, model_inputs) answer before it.
 
 #: The real model this project targets; also the example in error messages.
 DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
@@ -30,10 +38,6 @@ SMALL_TEXT_ENCODER = 10 ** 8
 
 class ModelNotFoundError(FileNotFoundError):
     """A model folder is missing / incomplete, or a hub id is neither cached nor downloadable."""
-
-
-class CheckpointMismatchError(ValueError):
-    """A QAT checkpoint whose keys or shapes do not match the transformer it is loaded into."""
 
 
 def is_tiny(model: str) -> bool:
@@ -101,8 +105,6 @@ def check_model(model: str, flag: str = "--model") -> None:
     """Refuse a ``model`` value that cannot load, without loading anything: blank text, a missing
     folder, a folder without model_index.json, a file, a folder :func:`check_model_folder` refuses (special
     files, pickled weights, configs beyond bounds or unlike their weights). A hub id is checked when it loads."""
-    from attnqat.checks import check_path_text, check_text
-
     check_text(flag, model)
     model = resolve_model(model)
     if not is_tiny(model):
@@ -115,8 +117,6 @@ def model_transformer_config(model: str) -> dict | None:
     loading weights (None for a hub id or an unreadable config: then it is known once the model loads)."""
     model = resolve_model(model)
     if is_tiny(model):
-        from .tiny import TINY_TRANSFORMER_CONFIG
-
         return dict(TINY_TRANSFORMER_CONFIG)
     config = Path(model).expanduser() / "transformer" / "config.json"
     try:
@@ -173,7 +173,7 @@ def load_pipeline(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16, d
         kwargs = {} if flow_shift is None else {"flow_shift": flow_shift}
         pipe = build_tiny_pipeline(dtype=dtype, **kwargs)
         return pipe.to(device) if device is not None else pipe
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline  # see DIFFUSERS_LATE
 
     model = resolve_model(model)
     _resolve(model)  # a folder without model_index.json fails here, before any component loads
@@ -191,8 +191,7 @@ def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16
     """Only the ``WanTransformer3DModel`` of :func:`load_pipeline`'s model (same ``model`` values)."""
     if is_tiny(model):
         return build_tiny_transformer(dtype=dtype, device=device)
-    from diffusers import WanTransformer3DModel
-
+    from diffusers import WanTransformer3DModel  # see DIFFUSERS_LATE
     model = resolve_model(model)
     transformer = _from_pretrained(WanTransformer3DModel, model, subfolder="transformer", torch_dtype=dtype)
     return transformer.to(device) if device is not None else transformer
@@ -254,8 +253,6 @@ def choose_qat_checkpoint(model: str, given: str | None, mode: str) -> tuple[str
       weights;
     - nothing, in another mode: the base weights (QAT weights are for attn_qat attention).
     """
-    from .mini import is_shipped_mini, shipped_qat_weights
-
     if given is not None and given.strip().lower() == NO_QAT_CHECKPOINT:
         return None, f"base weights (--qat-checkpoint {NO_QAT_CHECKPOINT})"
     if given is not None:
@@ -278,10 +275,6 @@ def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint"
     """Refuse a checkpoint path that cannot load, reading only the files' headers: missing, a folder
     without .safetensors files, a file that is not safetensors. Whether its keys and shapes fit the
     model is checked by :func:`load_qat_checkpoint`."""
-    from safetensors import safe_open
-
-    from attnqat.checks import check_path_text
-
     p = check_path_text(flag, path)
     if not p.exists():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
@@ -298,8 +291,6 @@ def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint"
 
 
 def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = _checkpoint_files(path)
     state: dict[str, torch.Tensor] = {}
     for f in files:
@@ -313,8 +304,6 @@ def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def _qat_weights_file(path: str | os.PathLike) -> Path | None:
     """The QAT weights file (:mod:`.qat_weights`: a subset of the weights, recognised by its metadata) that
     ``path`` names, or None when its files are a plain state dict."""
-    from .qat_weights import is_qat_weights
-
     files = _checkpoint_files(path)
     subsets = [f for f in files if is_qat_weights(f)]
     if subsets and len(files) > 1:
@@ -348,8 +337,6 @@ def _check_keys(transformer: torch.nn.Module, path, state: dict, *, subset: bool
 def _read_subset(transformer: torch.nn.Module, file: Path) -> dict[str, torch.Tensor]:
     """The tensors of the QAT weights ``file``, checked against ``transformer``: known keys, equal shapes, and
     ``transformer``'s current weights are the base the file was made for (its fingerprint)."""
-    from .qat_weights import read_qat_weights, weights_fingerprint
-
     weights = read_qat_weights(file)
     _check_keys(transformer, file, weights.tensors, subset=True)
     own = weights_fingerprint(transformer.state_dict())
