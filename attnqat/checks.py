@@ -14,7 +14,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["LIMITS", "SIZE_MULTIPLE", "TIME_STRIDE", "VAE_SPATIAL_STRIDE", "show", "check_int", "check_float", "check_text",
+__all__ = ["LIMITS", "SIZE_MULTIPLE", "TIME_STRIDE", "VAE_SPATIAL_STRIDE", "latent_shape", "show", "check_int", "check_float", "check_text",
            "check_video_size", "check_path_text", "check_output_file", "check_output_dir", "check_can_create_in", "check_input_file",
            "check_not_input", "check_device"]
 
@@ -94,6 +94,13 @@ def check_text(flag: str, value, *, empty_ok: bool = False, max_chars: int | Non
 
 
 # ---------------------------------------------------------------------------------------- video sizes
+def latent_shape(size, z_dim: int = 16) -> list[int]:
+    """(C, F, H, W) of the VAE latents of a (frames, height, width) video: frames = 4k + 1 -> k + 1 latent frames,
+    one latent per 8x8 pixels."""
+    f, h, w = size
+    return [z_dim, (f - 1) // TIME_STRIDE + 1, h // VAE_SPATIAL_STRIDE, w // VAE_SPATIAL_STRIDE]
+
+
 def _nearest_frames(n: int) -> str:
     lo = max(1, (n - 1) // TIME_STRIDE * TIME_STRIDE + 1)
     hi = lo + TIME_STRIDE

@@ -61,12 +61,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from attnqat.checks import check_text, check_video_size
+from attnqat.checks import check_device, check_text, check_video_size
 from attnqat.errors import GenerationCancelled
-from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of, reference_first
+from attnqat.kernels import REFERENCE_MODE, available_modes, backend_info, mode_of, reference_first
 from attnqat.outputs import write_file_atomically
+from attnqat.pipelines import (AttentionTimer, PrecisionSchedule, is_tiny, load_pipeline, load_qat_checkpoint,
+                               patch_attention)
+from attnqat.pipelines.generate import (DTYPE_NAMES, FPS, generate_video, is_mini_model, model_defaults, torch_dtype,
+                                        write_mp4)
+from attnqat.pipelines.loading import choose_qat_checkpoint, cpu_state_dict
+from attnqat.pipelines.mini import default_model, vocabulary_note
 from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # the metrics, defined with the detector
 
 __all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr_frames_line",
@@ -227,9 +232,6 @@ def difference_strip(ref: np.ndarray | None, x: np.ndarray, *, vmax: float = HEA
 # ---------------------------------------------------------------------------------------------- engine
 def model_kind(model: str) -> str:
     """Which limits and page settings a model gets: "tiny", "mini" (also a mini build's folder) or "real"."""
-    from attnqat.pipelines import is_tiny
-    from attnqat.pipelines.generate import is_mini_model
-
     return "tiny" if is_tiny(model) else "mini" if is_mini_model(model) else "real"
 
 
@@ -237,8 +239,6 @@ def page_defaults(model: str, device=None) -> dict:
     """The page's initial settings: the model's generation defaults on ``device``
     (:func:`attnqat.pipelines.generate.model_defaults`), with fewer frames and steps for the tiny
     model so that a click answers in about a second."""
-    from attnqat.pipelines.generate import model_defaults
-
     d = model_defaults(model, device)
     if model_kind(model) == "tiny":
         d.update(frames=5, steps=4)
@@ -396,13 +396,9 @@ class DemoEngine:
         self._weights = {"base": self._snapshot()}
         self._live = "base"
         if qat_checkpoint:
-            from attnqat.pipelines import load_qat_checkpoint
-
             load_qat_checkpoint(pipe.transformer, qat_checkpoint)  # validates keys and shapes
             self._weights["qat"] = self._snapshot()
             self._live = "qat"
-        from attnqat.pipelines import AttentionTimer
-
         self.timer = AttentionTimer()
 
     @classmethod
@@ -415,13 +411,6 @@ class DemoEngine:
         mode's PyTorch reference). ``qat_checkpoint``: the Attn-QAT column's weights, as
         :func:`~attnqat.pipelines.loading.choose_qat_checkpoint` picks them for attn_qat (None: the QAT
         fine-tune shipped with mini where installed, else the base weights; "none": the base weights)."""
-        from attnqat.checks import check_device
-        from attnqat.kernels import backend_info
-        from attnqat.pipelines import load_pipeline
-        from attnqat.pipelines.generate import DTYPE_NAMES, model_defaults, torch_dtype
-        from attnqat.pipelines.mini import default_model
-        from attnqat.pipelines.loading import choose_qat_checkpoint
-
         if model is None:
             model = default_model()
         chosen, _ = choose_qat_checkpoint(model, qat_checkpoint, "attn_qat")
@@ -437,7 +426,6 @@ class DemoEngine:
                    qat_shipped=qat_checkpoint is None and chosen is not None, guidance=defaults["guidance"])
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        from attnqat.pipelines.loading import cpu_state_dict
         return cpu_state_dict(self.pipe.transformer)
 
     def _use_weights(self, name: str) -> None:
@@ -456,8 +444,6 @@ class DemoEngine:
         (:func:`~attnqat.pipelines.mini.vocabulary_note`); None for other models or a prompt it knows."""
         if model_kind(self.model) != "mini":
             return None
-        from attnqat.pipelines.mini import vocabulary_note
-
         return vocabulary_note(self.pipe.tokenizer, prompt)
 
     def run(self, prompt: str, *, modes: list[str], height: int, width: int, frames: int, steps: int,
@@ -479,9 +465,6 @@ class DemoEngine:
                 attention (``PrecisionSchedule(first=k, last=k)``); 0: none.
         Return: the :class:`ModeRun` of every mode, bf16 first.
         """
-        from attnqat.pipelines import PrecisionSchedule, patch_attention
-        from attnqat.pipelines.generate import FPS, generate_video, write_mp4
-
         modes = reference_first(modes)
         validate_request(model=self.model, prompt=prompt, height=height, width=width, frames=frames, steps=steps,
                          seed=seed, modes=modes, high_precision_steps=high_precision_steps)

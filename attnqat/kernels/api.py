@@ -22,7 +22,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 
+from . import attn_qat, reference, sage3, sagebwd
 from ._common import KERNEL_DTYPES, P_BWD_CHOICES, SUPPORTED_HEAD_DIMS, check_qkv, interpreting, needs_grad
 from .formats import LOG2E, P_SCALE, SAGEBWD_PRECISIONS
 
@@ -194,8 +196,6 @@ def _use_kernel(q: torch.Tensor) -> bool:
 
 def backend_info(device: torch.device | str | None = None) -> dict:
     """Which path each mode takes on ``device`` (default: CUDA if available, else CPU)."""
-    import triton
-
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = {"device": str(dev), "torch": torch.__version__, "triton": triton.__version__,
             "interpreter": interpreting()}
@@ -205,9 +205,7 @@ def backend_info(device: torch.device | str | None = None) -> dict:
         info["compute_capability"] = f"{cap[0]}.{cap[1]}"
         info["fp4_path"] = "bf16 tensor cores over exactly dequantized NVFP4 operands (SPEC §1)"
         info["path"] = "triton"
-        from .attn_qat import native_fp4
-
-        form = native_fp4(dev)
+        form = attn_qat.native_fp4(dev)
         info["fp4_qk"] = ("native block-scaled FP4 MMA (tl.dot_scaled over NVFP4 storage)" if form else
                           "bf16 emulation (exactly dequantized NVFP4 operands)")
         info["fp4_pv"] = "bf16 tensor cores over exact phi(P) and V^F"
@@ -262,25 +260,19 @@ def _sdpa_with_lse(q, k, v, *, sm_scale, causal, use_kernel):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
                                                                        scale=sm_scale)[:2]
         return out, lse
-    from .reference import _logits_log2
-
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    s = _logits_log2(q.float(), k.float(), scale, causal) / LOG2E
+    s = reference._logits_log2(q.float(), k.float(), scale, causal) / LOG2E
     return _sdpa(q, k, v, sm_scale=sm_scale, causal=causal), torch.logsumexp(s, dim=-1)
 
 
 def _paths(kernel_module: str, kernel_name: str, reference_name: str):
     """(kernel, reference): ``<kernel_module>.<kernel_name>`` and ``reference.<reference_name>``, each called with
-    the checked inputs and options (imported on first call: the Triton modules load only when a mode runs)."""
+    the checked inputs and options."""
     def kernel(q, k, v, *, sm_scale=None, causal=False, **options):
-        from . import attn_qat, sage3, sagebwd  # a plain import: torch.compile traces it (importlib it cannot)
-
         module = {"attn_qat": attn_qat, "sage3": sage3, "sagebwd": sagebwd}[kernel_module]
         return getattr(module, kernel_name)(q, k, v, sm_scale=sm_scale, causal=causal, **options)
 
     def ref(q, k, v, *, sm_scale=None, causal=False, **options):
-        from . import reference
-
         return getattr(reference, reference_name)(q, k, v, sm_scale=sm_scale, causal=causal, **options)
 
     return kernel, ref
@@ -305,13 +297,9 @@ def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None):
     ``p_bwd``, attn_qat's option, is the backward's)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     if use_kernel:
-        from .attn_qat import attn_qat_fwd
-
-        o, _, m, l = attn_qat_fwd(q, k, v, scale, causal, False)[:4]
+        o, _, m, l = attn_qat.attn_qat_fwd(q, k, v, scale, causal, False)[:4]
     else:
-        from .reference import attn_qat_forward_ref
-
-        o, _, m, l = attn_qat_forward_ref(q, k, v, sm_scale=scale, causal=causal, training=False)
+        o, _, m, l = reference.attn_qat_forward_ref(q, k, v, sm_scale=scale, causal=causal, training=False)
     return o.to(q.dtype), _fp4_lse(m, l)
 
 

@@ -30,6 +30,19 @@ __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "lo
 # DIFFUSERS_LATE: diffusers (seconds to import) is imported where a model loads, so that the checks of a command's
 # arguments (check_model, check_qat_checkpoint, model_inputs) answer before it.
 
+# The folders of an `attnqat train` output, as attnqat.train.checkpoint writes them and load_qat_checkpoint reads
+# them: OUTPUT/final/ and OUTPUT/checkpoints/step-NNNNNNN/ (7 digits, so names sort by step), each holding the
+# exported weights and a manifest written last (a folder without it is an unfinished write).
+CHECKPOINTS_DIR, FINAL_DIR = "checkpoints", "final"
+STEP_DIR = re.compile(r"step-(\d{7})")
+WEIGHTS_FILE, MANIFEST = "transformer.safetensors", "manifest.json"
+
+
+def step_dir_name(step: int) -> str:
+    """The folder name of the checkpoint of ``step``, which :data:`STEP_DIR` matches."""
+    return f"step-{step:07d}"
+
+
 #: The real model this project targets; also the example in error messages.
 DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 #: Text encoders with fewer parameters (mini's: 0.36M) run in fp32 (Wan 2.1's UMT5-XXL has 5.7B).
@@ -200,11 +213,10 @@ def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16
 def _latest_step_weights(checkpoints: Path) -> Path | None:
     """``checkpoints/step-N/transformer.safetensors`` of the newest step folder that finished writing (its
     manifest.json is written last), or None."""
-    steps = sorted((p for p in checkpoints.iterdir() if re.fullmatch(r"step-\d{7}", p.name) and p.is_dir()),
-                   reverse=True)
+    steps = sorted((p for p in checkpoints.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()), reverse=True)
     for step in steps:
-        if (step / "manifest.json").is_file() and (step / "transformer.safetensors").is_file():
-            return step / "transformer.safetensors"
+        if (step / MANIFEST).is_file() and (step / WEIGHTS_FILE).is_file():
+            return step / WEIGHTS_FILE
     return None
 
 
@@ -219,12 +231,12 @@ def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
     if not p.is_dir():
         check_regular_file(p, "QAT checkpoint")  # a FIFO would block the read for ever
         return [p]
-    if (p / "transformer.safetensors").is_file():  # a checkpoint or final/ folder (beside ema.safetensors, state/)
-        return [p / "transformer.safetensors"]
-    if (p / "final" / "transformer.safetensors").is_file():  # a finished run folder
-        return [p / "final" / "transformer.safetensors"]
-    if (p / "checkpoints").is_dir():  # a run folder without final/ (stopped early)
-        latest = _latest_step_weights(p / "checkpoints")
+    if (p / WEIGHTS_FILE).is_file():  # a checkpoint or final/ folder (beside ema.safetensors, state/)
+        return [p / WEIGHTS_FILE]
+    if (p / FINAL_DIR / WEIGHTS_FILE).is_file():  # a finished run folder
+        return [p / FINAL_DIR / WEIGHTS_FILE]
+    if (p / CHECKPOINTS_DIR).is_dir():  # a run folder without final/ (stopped early)
+        latest = _latest_step_weights(p / CHECKPOINTS_DIR)
         if latest is not None:
             return [latest]
     # a diffusers model folder's weights are its transformer/'s, not QAT weights shipped beside them (mini's)

@@ -30,6 +30,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from attnqat.outputs import replace_dir_atomically
+
 # torch is imported where it is used: `attnqat generate --help` reads the default model from here.
 
 #: Where the shipped weights live (package data).
@@ -238,8 +240,6 @@ def save_pipeline_folder(pipe, folder: str | os.PathLike, *, transformer_dtype=N
     The ``*_dtype`` arguments override those storage dtypes (None: bf16, fp16, bf16).
     """
     import torch
-
-    from attnqat.outputs import replace_dir_atomically
 
     folder = Path(folder)
     if folder.exists() and not (folder / "model_index.json").is_file():
