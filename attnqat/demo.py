@@ -74,7 +74,7 @@ from attnqat.pipelines.loading import choose_qat_checkpoint, cpu_state_dict
 from attnqat.pipelines.mini import default_model, vocabulary_note
 from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # the metrics, defined with the detector
 
-__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr_frames_line",
+__all__ = ["DEMO_MODES", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr_frames_line",
            "difference_strip",
            "heat_colors", "heat_scale", "demo_modes", "mode_label", "mode_weights", "validate_request", "request_work",
            "page_defaults", "new_request_dir", "prune_requests", "register_output", "WORK_LIMITS", "SIZE_LIMITS",
@@ -84,15 +84,6 @@ __all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "ps
 #: The modes the demo compares, in page order: those whose record has a ``demo_column``.
 DEMO_MODES = tuple(sorted(available_modes(lambda m: m.demo_column is not None),
                           key=lambda name: mode_of(name).demo_column))
-#: Column titles: one line in a quarter of the page (about 25 characters), so the columns stay aligned.
-MODE_LABELS = {
-    "bf16": "BF16 (reference)",
-    "sage3": "SageAttention3 (emulated)",
-    "attn_qat": "Attn-QAT",
-    "nvfp4": "naive NVFP4",
-    "attn_qat_dropin": "Attn-QAT drop-in (ablation)",
-    "sagebwd": "SageBwd (INT8)",
-}
 NO_CHECKPOINT_LABEL = "Attn-QAT (base weights)"
 HEAT_MAX = 64.0  # default top of the heat map's colour scale (|difference| on the 0-255 scale)
 
@@ -135,11 +126,12 @@ def demo_modes(modes=None) -> list[str]:
 
 
 def mode_label(mode: str, qat_checkpoint: str | None = None) -> str:
-    """A column's title (:data:`MODE_LABELS`); the Attn-QAT column without QAT weights is
+    """A column's title (its mode's ``demo_label``); the Attn-QAT column without QAT weights is
     :data:`NO_CHECKPOINT_LABEL`. Which weights a column runs on is :func:`mode_weights`."""
-    if mode_of(mode).uses_qat_weights and not qat_checkpoint:
+    record = mode_of(mode)
+    if record.uses_qat_weights and not qat_checkpoint:
         return NO_CHECKPOINT_LABEL
-    return MODE_LABELS.get(mode, mode)
+    return record.demo_label or mode
 
 
 def mode_weights(mode: str, qat_checkpoint: str | None = None, shipped: bool = False) -> str | None:

@@ -55,7 +55,9 @@ class Mode:
       shipped with the model unless told otherwise (``--qat-checkpoint``), and the demo's column says so.
     - ``high_precision``: a precision schedule may run it on its high-precision steps and blocks.
     - ``demo_column``: its column's place on the demo page, left to right (None: the page offers it only when
-      the app's ``--modes`` names it); ``demo_ticked``: the column is ticked when the page opens.
+      the app's ``--modes`` names it); ``demo_ticked``: the column is ticked when the page opens; ``demo_label``:
+      the column's title, one line in a quarter of the page (about 25 characters, so the columns stay aligned;
+      None: the mode's name).
     """
     name: str
     description: str
@@ -72,6 +74,7 @@ class Mode:
     high_precision: bool = False
     demo_column: int | None = None
     demo_ticked: bool = True
+    demo_label: str | None = None
 
     def check_options(self, options: dict) -> None:
         """Refuse options this mode does not take, and values outside their allowed set, by name (``ValueError``).
@@ -308,25 +311,26 @@ def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None):
 # the one-pass result); none for sagebwd yet (its kernel does not expose it).
 register_mode(Mode(REFERENCE_MODE, "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True,
                    _sdpa, _sdpa, dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=None,
-                   with_lse=_sdpa_with_lse, high_precision=True, demo_column=0))
+                   with_lse=_sdpa_with_lse, high_precision=True, demo_column=0, demo_label="BF16 (reference)"))
 register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
                    *_paths("attn_qat", "nvfp4_unchecked", "nvfp4_attention_ref"), with_lse=_nvfp4_with_lse,
-                   naive_fp4_forward=True, demo_column=3, demo_ticked=False))
+                   naive_fp4_forward=True, demo_column=3, demo_ticked=False, demo_label="naive NVFP4"))
 # Attn-QAT family (SPEC §2): one FP4 forward; the modes differ in their backward.
 register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
                    "grad it is the nvfp4 forward)", True,
                    *_paths("attn_qat", "attn_qat_unchecked", "attn_qat_attention_ref"),
                    options=(("p_bwd", P_BWD_CHOICES),), with_lse=_nvfp4_with_lse, same_forward_as="nvfp4",
-                   naive_fp4_forward=True, uses_qat_weights=True, demo_column=2))
+                   naive_fp4_forward=True, uses_qat_weights=True, demo_column=2, demo_label="Attn-QAT"))
 register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
                    "(unstable in training)", True,
                    *map(_marked, _paths("attn_qat", "attn_qat_dropin_unchecked", "attn_qat_dropin_attention_ref")),
-                   with_lse=_nvfp4_with_lse, same_forward_as="nvfp4", naive_fp4_forward=True))
+                   with_lse=_nvfp4_with_lse, same_forward_as="nvfp4", naive_fp4_forward=True,
+                   demo_label="Attn-QAT drop-in (ablation)"))
 register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
-                   False, *_paths("sage3", "sage3_unchecked", "sage3_attention_ref"), demo_column=1))
-# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv, bwd. Its Triton path
-# is the public sagebwd_attention, which checks q, k, v again (kernels/sagebwd.py has no unchecked entry point).
+                   False, *_paths("sage3", "sage3_unchecked", "sage3_attention_ref"), demo_column=1,
+                   demo_label="SageAttention3 (emulated)"))
+# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv, bwd.
 register_mode(Mode("sagebwd", "trainable INT8 attention: six of seven matmuls in INT8, dP in 16-bit (SageBwd)",
-                   True, *_paths("sagebwd", "sagebwd_attention", "sagebwd_attention_ref"),
+                   True, *_paths("sagebwd", "sagebwd_unchecked", "sagebwd_attention_ref"),
                    options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", SAGEBWD_PRECISIONS),
-                            ("bwd", SAGEBWD_PRECISIONS)), high_precision=True))
+                            ("bwd", SAGEBWD_PRECISIONS)), high_precision=True, demo_label="SageBwd (INT8)"))
