@@ -137,7 +137,7 @@ def page_theme():
 
 
 def _title(label: str, weights: str | None) -> list[str]:
-    """A column's first lines: its title (one line: :data:`attnqat.demo.MODE_LABELS`) and the weights it runs on
+    """A column's first lines: its title (one line: the mode's ``demo_label``) and the weights it runs on
     where they are not the model's own."""
     return [f"**{label}**"] + ([weights] if weights else [])
 

@@ -14,9 +14,9 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["LIMITS", "SIZE_MULTIPLE", "TIME_STRIDE", "VAE_SPATIAL_STRIDE", "show", "check_int", "check_float", "check_text",
-           "check_video_size", "check_path_text", "check_output_file", "check_output_dir", "check_input_file",
-           "check_not_input", "model_inputs", "check_device", "check_precompute"]
+__all__ = ["LIMITS", "SIZE_MULTIPLE", "TIME_STRIDE", "VAE_SPATIAL_STRIDE", "latent_shape", "show", "check_int", "check_float", "check_text",
+           "check_video_size", "check_path_text", "check_output_file", "check_output_dir", "check_can_create_in", "check_input_file",
+           "check_not_input", "check_device"]
 
 # Upper limits of the command-line tools. They are typo guards, far above what Wan 2.1 is made for,
 # each with the reason printed when it is hit. The demo page has tighter limits (attnqat.demo).
@@ -94,6 +94,13 @@ def check_text(flag: str, value, *, empty_ok: bool = False, max_chars: int | Non
 
 
 # ---------------------------------------------------------------------------------------- video sizes
+def latent_shape(size, z_dim: int = 16) -> list[int]:
+    """(C, F, H, W) of the VAE latents of a (frames, height, width) video: frames = 4k + 1 -> k + 1 latent frames,
+    one latent per 8x8 pixels."""
+    f, h, w = size
+    return [z_dim, (f - 1) // TIME_STRIDE + 1, h // VAE_SPATIAL_STRIDE, w // VAE_SPATIAL_STRIDE]
+
+
 def _nearest_frames(n: int) -> str:
     lo = max(1, (n - 1) // TIME_STRIDE * TIME_STRIDE + 1)
     hi = lo + TIME_STRIDE
@@ -176,7 +183,7 @@ def _existing_parent(flag: str, text: str, p: Path) -> Path:
     return parent
 
 
-def _check_can_create_in(flag: str, text: str, folder: Path) -> None:
+def check_can_create_in(flag: str, text: str, folder: Path) -> None:
     """Create and remove a probe file in ``folder``: the one check that also holds for root and for
     read-only mounts, where permission bits say nothing."""
     try:
@@ -205,7 +212,7 @@ def check_output_file(flag: str, value, suffixes: tuple[str, ...]) -> Path:
             raise ValueError(f"{flag} {show(text)} exists and is not a regular file")
         if not os.access(p, os.W_OK):
             raise PermissionError(f"{flag} {show(text)} exists and is read-only; it is not replaced")
-    _check_can_create_in(flag, text, _existing_parent(flag, text, p))
+    check_can_create_in(flag, text, _existing_parent(flag, text, p))
     return p
 
 
@@ -217,7 +224,7 @@ def check_output_dir(flag: str, value, *, must_be_empty: bool, reusable=None) ->
     text = str(value)
     st = _stat(flag, text, p)
     if st is None:
-        _check_can_create_in(flag, text, _existing_parent(flag, text, p))
+        check_can_create_in(flag, text, _existing_parent(flag, text, p))
         return p
     if not stat.S_ISDIR(st.st_mode):
         raise ValueError(f"{flag} {show(text)} is a file, not a folder")
@@ -229,7 +236,7 @@ def check_output_dir(flag: str, value, *, must_be_empty: bool, reusable=None) ->
         if not empty and not (reusable is not None and reusable(p)):
             raise ValueError(f"{flag} {show(text)} already exists and is not empty; give a new or empty folder "
                              f"(nothing in it is overwritten)")
-    _check_can_create_in(flag, text, p)
+    check_can_create_in(flag, text, p)
     return p
 
 
@@ -284,25 +291,6 @@ def check_not_input(out_flag: str, out, inputs, *, holds_inputs_too: bool = Fals
                              f"as a whole; choose another {out_flag}")
 
 
-def model_inputs(flag: str, model: str) -> list[tuple[str, str]]:
-    """What a local model folder is loaded from, as ``(flag, path)`` pairs for :func:`check_not_input`: its
-    model_index.json and the component folders it names (transformer/, vae/, ...). Other files beside them
-    (e.g. the QAT weights ``attnqat export-qat`` writes there) are not the model's. None for tiny and hub ids."""
-    import json
-
-    from attnqat.pipelines.loading import is_tiny, resolve_model
-
-    if is_tiny(model):
-        return []
-    folder = Path(resolve_model(model)).expanduser()
-    index = folder / "model_index.json"
-    try:
-        names = [] if index.stat().st_size > 1 << 20 else [k for k in json.loads(index.read_text()) if k[:1] != "_"]
-    except (OSError, ValueError, TypeError, UnicodeDecodeError):  # not a model folder: nothing it loads
-        return []
-    return [(flag, str(index))] + [(flag, str(folder / n)) for n in names if (folder / n).is_dir()]
-
-
 # --------------------------------------------------------------------------------------------- device
 def check_device(flag: str, value):
     """The torch device named by ``value`` (None: cuda if available, else cpu); only cpu and
@@ -325,38 +313,3 @@ def check_device(flag: str, value):
     elif device.type != "cpu" or device.index not in (None, 0):
         raise ValueError(f"{flag} {show(value)}: only cpu and cuda devices are supported")
     return device
-
-
-# ------------------------------------------------------------------------------------ attnqat precompute
-def check_precompute(args) -> None:
-    """Every argument of ``attnqat precompute``, before its encoders load (the command's own module
-    re-checks what it needs; this adds the limits, the paths and the device).
-
-    ``--out`` must be new, empty, or an earlier precompute output (its index.json and shards, nothing else:
-    it is then replaced, once the new output is complete): a folder holding anything else is refused, so no
-    user file is overwritten. The new output is written beside it first, so its parent must be writable.
-    """
-    from attnqat.pipelines.loading import check_model
-    from attnqat.train.data import is_precompute_output
-
-    prompts = check_input_file("--prompts", args.prompts)
-    check_model(args.model)
-    out = check_output_dir("--out", args.out, must_be_empty=True, reusable=is_precompute_output)
-    if out.exists():
-        _check_can_create_in("--out", str(args.out), out.parent)
-    check_limited("--max-length", args.max_length, "text_tokens")
-    check_int("--shard-size", args.shard_size, 1)
-    check_int("--batch-size", args.batch_size, 1)
-    if args.videos:
-        check_video_size(args.height, args.width, args.frames)
-    else:  # unused without --videos, still refused when absurd
-        check_limited("--height", args.height, "side")
-        check_limited("--width", args.width, "side")
-        check_limited("--frames", args.frames, "frames")
-    check_device("--device", args.device)
-    from attnqat.train.precompute import read_records
-
-    try:
-        read_records(prompts, args.videos)
-    except UnicodeDecodeError:
-        raise ValueError(f"--prompts {show(str(args.prompts))} is not UTF-8 text") from None

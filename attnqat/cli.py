@@ -33,10 +33,11 @@ import signal
 import sys
 import threading
 
+from . import __version__, threads
 from .errors import ComputeError, NonFiniteOutputError, OutputLockedError, OutputWriteError, one_line
 
 # name -> (module, one-line help, argument check run before the module's main or None: precompute's,
-# attnqat.checks.check_precompute, refuses bad paths, limits and devices before the encoders load).
+# attnqat.train.precompute.check_arguments, refuses bad paths, limits and devices before the encoders load).
 COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "generate": ("attnqat.pipelines.generate",
                  "generate a video with Wan 2.1 text-to-video (attention in an attnqat mode)", None),
@@ -44,7 +45,7 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
               "QAT fine-tuning of a Wan 2.1 transformer for FP4 attention (distillation / flow matching)", None),
     "precompute": ("attnqat.train.precompute",
                    "encode prompts (and videos) into safetensors shards for `attnqat train`",
-                   "attnqat.checks:check_precompute"),
+                   "attnqat.train.precompute:check_arguments"),
     "quality": ("attnqat.quality_cli",
                 "measure each attention mode's (and fine-tune's) flow loss, prompt following and PSNR/SSIM to bf16",
                 None),
@@ -83,8 +84,6 @@ def _selected_command(argv: list[str]) -> str | None:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser. Only ``only``'s module is imported (and its arguments added); the other commands
     are listed with their one-line help."""
-    from attnqat import __version__
-
     parser = OneLineParser(prog="attnqat", description="4-bit (NVFP4) attention for Wan 2.1 video diffusion.")
     parser.add_argument("--version", action="version", version=f"attnqat {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -158,9 +157,7 @@ def _run(argv: list[str], command: str | None) -> int:
     try:
         with _imports_uninterrupted():
             _check(COMMANDS[args.command][2], args)
-            from .threads import limit_torch_threads
-
-            limit_torch_threads()
+            threads.limit_torch_threads()
         return int(args._module.main(args) or 0)
     except OutputLockedError as e:
         if os.environ.get("ATTNQAT_TRACEBACK"):

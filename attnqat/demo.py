@@ -61,15 +61,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from attnqat.checks import check_text, check_video_size
+from attnqat.checks import check_device, check_text, check_video_size
 from attnqat.errors import GenerationCancelled
-from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of, reference_first
+from attnqat.kernels import REFERENCE_MODE, available_modes, backend_info, mode_of, reference_first
 from attnqat.outputs import write_file_atomically
+from attnqat.pipelines import (AttentionTimer, PrecisionSchedule, is_tiny, load_pipeline, load_qat_checkpoint,
+                               patch_attention)
+from attnqat.pipelines.generate import (DTYPE_NAMES, FPS, generate_video, is_mini_model, model_defaults, torch_dtype,
+                                        write_mp4)
+from attnqat.pipelines.loading import choose_qat_checkpoint, cpu_state_dict
+from attnqat.pipelines.mini import default_model, vocabulary_note
 from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # the metrics, defined with the detector
 
-__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr_frames_line",
+__all__ = ["DEMO_MODES", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr_frames_line",
            "difference_strip",
            "heat_colors", "heat_scale", "demo_modes", "mode_label", "mode_weights", "validate_request", "request_work",
            "page_defaults", "new_request_dir", "prune_requests", "register_output", "WORK_LIMITS", "SIZE_LIMITS",
@@ -79,15 +84,6 @@ __all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "ps
 #: The modes the demo compares, in page order: those whose record has a ``demo_column``.
 DEMO_MODES = tuple(sorted(available_modes(lambda m: m.demo_column is not None),
                           key=lambda name: mode_of(name).demo_column))
-#: Column titles: one line in a quarter of the page (about 25 characters), so the columns stay aligned.
-MODE_LABELS = {
-    "bf16": "BF16 (reference)",
-    "sage3": "SageAttention3 (emulated)",
-    "attn_qat": "Attn-QAT",
-    "nvfp4": "naive NVFP4",
-    "attn_qat_dropin": "Attn-QAT drop-in (ablation)",
-    "sagebwd": "SageBwd (INT8)",
-}
 NO_CHECKPOINT_LABEL = "Attn-QAT (base weights)"
 HEAT_MAX = 64.0  # default top of the heat map's colour scale (|difference| on the 0-255 scale)
 
@@ -130,11 +126,12 @@ def demo_modes(modes=None) -> list[str]:
 
 
 def mode_label(mode: str, qat_checkpoint: str | None = None) -> str:
-    """A column's title (:data:`MODE_LABELS`); the Attn-QAT column without QAT weights is
+    """A column's title (its mode's ``demo_label``); the Attn-QAT column without QAT weights is
     :data:`NO_CHECKPOINT_LABEL`. Which weights a column runs on is :func:`mode_weights`."""
-    if mode_of(mode).uses_qat_weights and not qat_checkpoint:
+    record = mode_of(mode)
+    if record.uses_qat_weights and not qat_checkpoint:
         return NO_CHECKPOINT_LABEL
-    return MODE_LABELS.get(mode, mode)
+    return record.demo_label or mode
 
 
 def mode_weights(mode: str, qat_checkpoint: str | None = None, shipped: bool = False) -> str | None:
@@ -227,9 +224,6 @@ def difference_strip(ref: np.ndarray | None, x: np.ndarray, *, vmax: float = HEA
 # ---------------------------------------------------------------------------------------------- engine
 def model_kind(model: str) -> str:
     """Which limits and page settings a model gets: "tiny", "mini" (also a mini build's folder) or "real"."""
-    from attnqat.pipelines import is_tiny
-    from attnqat.pipelines.generate import is_mini_model
-
     return "tiny" if is_tiny(model) else "mini" if is_mini_model(model) else "real"
 
 
@@ -237,8 +231,6 @@ def page_defaults(model: str, device=None) -> dict:
     """The page's initial settings: the model's generation defaults on ``device``
     (:func:`attnqat.pipelines.generate.model_defaults`), with fewer frames and steps for the tiny
     model so that a click answers in about a second."""
-    from attnqat.pipelines.generate import model_defaults
-
     d = model_defaults(model, device)
     if model_kind(model) == "tiny":
         d.update(frames=5, steps=4)
@@ -396,13 +388,9 @@ class DemoEngine:
         self._weights = {"base": self._snapshot()}
         self._live = "base"
         if qat_checkpoint:
-            from attnqat.pipelines import load_qat_checkpoint
-
             load_qat_checkpoint(pipe.transformer, qat_checkpoint)  # validates keys and shapes
             self._weights["qat"] = self._snapshot()
             self._live = "qat"
-        from attnqat.pipelines import AttentionTimer
-
         self.timer = AttentionTimer()
 
     @classmethod
@@ -415,13 +403,6 @@ class DemoEngine:
         mode's PyTorch reference). ``qat_checkpoint``: the Attn-QAT column's weights, as
         :func:`~attnqat.pipelines.loading.choose_qat_checkpoint` picks them for attn_qat (None: the QAT
         fine-tune shipped with mini where installed, else the base weights; "none": the base weights)."""
-        from attnqat.checks import check_device
-        from attnqat.kernels import backend_info
-        from attnqat.pipelines import load_pipeline
-        from attnqat.pipelines.generate import DTYPE_NAMES, model_defaults, torch_dtype
-        from attnqat.pipelines.mini import default_model
-        from attnqat.pipelines.loading import choose_qat_checkpoint
-
         if model is None:
             model = default_model()
         chosen, _ = choose_qat_checkpoint(model, qat_checkpoint, "attn_qat")
@@ -437,7 +418,6 @@ class DemoEngine:
                    qat_shipped=qat_checkpoint is None and chosen is not None, guidance=defaults["guidance"])
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        from attnqat.pipelines.loading import cpu_state_dict
         return cpu_state_dict(self.pipe.transformer)
 
     def _use_weights(self, name: str) -> None:
@@ -456,8 +436,6 @@ class DemoEngine:
         (:func:`~attnqat.pipelines.mini.vocabulary_note`); None for other models or a prompt it knows."""
         if model_kind(self.model) != "mini":
             return None
-        from attnqat.pipelines.mini import vocabulary_note
-
         return vocabulary_note(self.pipe.tokenizer, prompt)
 
     def run(self, prompt: str, *, modes: list[str], height: int, width: int, frames: int, steps: int,
@@ -479,9 +457,6 @@ class DemoEngine:
                 attention (``PrecisionSchedule(first=k, last=k)``); 0: none.
         Return: the :class:`ModeRun` of every mode, bf16 first.
         """
-        from attnqat.pipelines import PrecisionSchedule, patch_attention
-        from attnqat.pipelines.generate import FPS, generate_video, write_mp4
-
         modes = reference_first(modes)
         validate_request(model=self.model, prompt=prompt, height=height, width=width, frames=frames, steps=steps,
                          seed=seed, modes=modes, high_precision_steps=high_precision_steps)

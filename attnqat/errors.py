@@ -5,7 +5,8 @@ and exits with status 1 (status 2 is for mistakes in the arguments, see :mod:`at
 """
 from __future__ import annotations
 
-__all__ = ["OutputWriteError", "OutputLockedError", "NonFiniteOutputError", "GenerationCancelled", "ComputeError", "one_line"]
+__all__ = ["OutputWriteError", "OutputLockedError", "NonFiniteOutputError", "GenerationCancelled", "ComputeError",
+           "CheckpointMismatchError", "one_line"]
 
 
 class OutputWriteError(OSError):
@@ -29,6 +30,12 @@ class GenerationCancelled(RuntimeError):
 class ComputeError(Exception):
     """A model computation failed part way (out of memory, a device error): not an output that could not be
     written, even when it happened while one was being written. The message says what ran."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A QAT checkpoint whose keys or shapes do not match the transformer it is loaded into, or a file that is not
+    the checkpoint it claims to be. A ``ValueError``: the console script treats it as a mistake in the arguments
+    (status 2)."""
 
 
 def one_line(text: str) -> str:

@@ -32,8 +32,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from attnqat.corpus import Corpus, changed_captions
 from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of, reference_first
+from attnqat.pipelines import patch_attention, unpatch_attention
 from attnqat.pipelines.schedule import PrecisionSchedule
+from attnqat.quality import detect, detect_frames, object_mask, presence, psnr, score, ssim
+from attnqat.train.config import CorpusConfig
+from attnqat.train.corpus_source import CorpusSource
 
 #: Noise levels of the flow-loss evaluation (each clip at each level, same noise for every variant).
 EVAL_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -70,8 +75,6 @@ def base_variants(modes: list[str] | None = None) -> list[Variant]:
 
 def held_out_prompts(n: int, seed: int = 0) -> list[tuple[str, dict]]:
     """The first ``n`` captions of the corpus's held-out split, with their attributes."""
-    from attnqat.corpus import Corpus
-
     corpus = Corpus(seed, "held_out")
     out = []
     for i in range(n):
@@ -97,8 +100,6 @@ class _Weights:
 
 
 def _use_mode(transformer, variant: Variant) -> None:
-    from attnqat.pipelines import patch_attention, unpatch_attention
-
     unpatch_attention(transformer)
     if variant.mode != REFERENCE_MODE or variant.schedule is not None:
         patch_attention(transformer, variant.mode, "self", schedule=variant.schedule, **variant.options)
@@ -218,8 +219,6 @@ def work_units(variants: int, prompts: int, batch: int) -> int:
 def video_psnr_frames(ref: np.ndarray, x: np.ndarray) -> list[float]:
     """PSNR (dB) of each frame of a video to a reference, capped at :data:`PSNR_CAP_DB` (an identical frame's
     is infinite)."""
-    from attnqat.quality import psnr
-
     return [min(v, PSNR_CAP_DB) for v in psnr(ref, x)[1]]
 
 
@@ -273,9 +272,6 @@ def corpus_source(pipe, *, size, corpus_seed: int = 0, batch: int = 8, text_len:
     """A :class:`~attnqat.train.corpus_source.CorpusSource` of corpus clips at ``size`` (frames, height, width),
     encoded by ``pipe``'s VAE and text encoder on ``pipe``'s device as ``attnqat train`` (``data.source:
     corpus``) encodes training clips, prompts padded to ``text_len`` tokens (``WanPipeline``'s 512)."""
-    from attnqat.train.config import CorpusConfig
-    from attnqat.train.corpus_source import CorpusSource
-
     return CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae,
                                         CorpusConfig(seed=corpus_seed, sizes=[list(size)], pool=0,
                                                      encode_batch=batch),
@@ -313,8 +309,6 @@ def caption_losses(transformer, source, split: str, indices: list[int], sigmas, 
     Return: ``{"losses": {sigma: {condition: (n,) per-clip losses}}, "motions": [each clip's motion],
     "captions": [each clip's own caption]}``.
     """
-    from attnqat.corpus import changed_captions
-
     unknown = [c for c in conditions if c not in CAPTION_CONDITIONS]
     if unknown:
         raise ValueError(f"unknown caption conditions {unknown}; known: {', '.join(CAPTION_CONDITIONS)}")
@@ -368,8 +362,6 @@ def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 3
     ``gap_closed_*_frames`` per latent frame; ``psnr_frames``, ``ssim_frames`` and ``presence`` per video
     frame); each detection the whole video's reading and ``colour_frames``, the colour read in each frame.
     """
-    from attnqat.quality import detect, detect_frames, presence, score, ssim
-
     check_variants(variants)
     labels = [v.label for v in variants]
     bf16_reference = bf16_reference or labels[0]
@@ -446,8 +438,6 @@ def vae_round_trip(vae, clips: torch.Tensor, truths: list[dict] | None = None, *
     ``"psnr"`` and ``"psnr_object"`` of any frame of any clip and the lowest per-frame fraction of
     ``"colour_ok"`` and ``"shape_ok"``; ``"max"``: the highest ``"psnr"`` of any frame.
     """
-    from attnqat.quality import detect, detect_frames, object_mask
-
     if not (isinstance(clips, torch.Tensor) and clips.ndim == 5 and clips.shape[1] == 3 and clips.is_floating_point()):
         raise ValueError(f"clips must be a (n, 3, frames, H, W) float tensor, got "
                          f"{getattr(clips, 'shape', type(clips).__name__)}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnqat.checks import check_not_input, check_output_file, check_text, model_inputs
+from attnqat.checks import check_not_input, check_output_file, check_text
 from attnqat.errors import one_line
 from attnqat.locking import output_lock
 from attnqat.pipelines.mini import DEFAULT_MODEL
@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Every argument, before any model loads (the fine-tune's files: their headers only)."""
-    from attnqat.pipelines.loading import check_model, check_qat_checkpoint
+    from attnqat.pipelines.loading import check_model, check_qat_checkpoint, model_inputs
 
     check_qat_checkpoint(args.finetune, flag="--from")
     check_model(args.model)
@@ -64,7 +64,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from attnqat.pipelines.qat_weights import export_qat_weights
+    from attnqat.pipelines.qat_export import export_qat_weights
 
     check_arguments(args)
     with output_lock(args.out, "attnqat export-qat"):

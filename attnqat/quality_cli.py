@@ -44,7 +44,10 @@ import time
 from pathlib import Path
 
 from attnqat.checks import (LIMITS, check_device, check_float, check_int, check_limited, check_not_input,
-                            check_output_dir, check_text, check_video_size, model_inputs, show)
+                            check_output_dir, check_text, check_video_size, show)
+from attnqat.locking import output_lock
+from attnqat.outputs import write_dir_atomically, write_files_atomically
+from attnqat.pipelines.generate import check_mode_runs
 # DEFAULT_MODEL ("mini") is generate's default too; unlike generate, no fallback to tiny where mini's weights
 # are not installed (a table of random weights would mean nothing): `quality` then stops with mini_folder()'s
 # one-line error, which says how to build mini.
@@ -162,7 +165,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     """Check every argument, the checkpoints' files and the output folder, before anything heavy loads;
     fill the device-dependent defaults. Sets ``args.rows`` to [(label, mode, checkpoint, bf16_steps)]."""
     from attnqat.kernels import mode_of
-    from attnqat.pipelines.loading import check_model
+    from attnqat.pipelines.loading import check_model, model_inputs
 
     from .evaluation import base_variants
 
@@ -411,8 +414,6 @@ def write_outputs(out: Path, result: dict, videos: dict, grid_prompts: int) -> l
     """table.json, table.md and grid.png into ``out`` as one set: a new folder is filled under a temporary name
     and renamed; in an existing folder the three are written under a temporary folder in it and renamed over
     the old three only once all are written (:func:`attnqat.outputs.write_files_atomically`)."""
-    from attnqat.outputs import write_dir_atomically, write_files_atomically
-
     table = json.dumps(_finite_or_none(result), indent=1, allow_nan=False)
     markdown = format_table(result)
     grid = frame_grid(result, videos, prompts=grid_prompts)
@@ -453,8 +454,6 @@ def load_variants(rows, transformer) -> tuple[list, dict]:
 def main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     args = resolve_settings(args)
-    from attnqat.locking import output_lock
-
     with output_lock(args.out, "attnqat quality"):  # one run writes OUT at a time
         return _measure(args, t_start)
 
@@ -463,7 +462,6 @@ def _measure(args: argparse.Namespace, t_start: float) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from attnqat.pipelines.generate import check_mode_runs
     from attnqat.pipelines.loading import is_tiny, load_pipeline
 
     from .evaluation import evaluate, work_units

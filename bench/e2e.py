@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from attnqat.kernels import available_modes  # noqa: E402
+from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of  # noqa: E402
 from attnqat.pipelines import AttentionTimer, TINY_TRANSFORMER_CONFIG, patch_attention, unpatch_attention  # noqa: E402
 from attnqat.pipelines.wan_configs import WAN21_14B_TRANSFORMER_CONFIG  # noqa: E402
 
@@ -50,8 +50,8 @@ COMPILED_SECTION = "## End-to-end, compiled: Wan 2.1 14B transformer step"  # --
 LATENT_480P = (16, 21, 60, 104)
 TINY_LATENT = (16, 2, 8, 8)  # --tiny: 32 tokens (splits over 2 and 4 processes)
 TEXT_TOKENS = 512
-# Modes whose inference forward is another mode's: timing them again adds nothing.
-SAME_FORWARD_AS = {"attn_qat_dropin": "attn_qat"}
+# Modes whose inference forward is another mode's (their record's same_forward_as): timing them again adds nothing.
+SAME_FORWARD = available_modes(lambda m: m.same_forward_as is not None)
 UNPATCHED = "diffusers"  # the --modes name of the unpatched transformer (diffusers' own attention processor)
 
 
@@ -166,8 +166,8 @@ def run_mode(model, mode: str, inputs: dict, *, warmup: int, repeats: int, devic
 
 def markdown(results: list[dict], meta: dict) -> str:
     base = next((r for r in results if r["mode"] == UNPATCHED), None) or next(
-        (r for r in results if r["mode"] == "bf16"), None)
-    bf16 = next((r for r in results if r["mode"] == "bf16"), None)
+        (r for r in results if r["mode"] == REFERENCE_MODE), None)
+    bf16 = next((r for r in results if r["mode"] == REFERENCE_MODE), None)
     compiled = all("compiled_step_s" in r for r in results)
     lines = [COMPILED_SECTION if meta["compile"] else SECTION, "",
              f"{meta['model']}: one denoising step = transformer calls for cond + uncond (batch 1 each) at "
@@ -205,9 +205,9 @@ def markdown(results: list[dict], meta: dict) -> str:
         attn = f"{r['attention_s']:.3f} | {100 * r['attention_share']:.1f}%" if timed else "– | –"
         row += f" {attn} | {ra} | {peak} | {'yes' if r['finite'] else 'NO'} |"
         lines.append(row)
-    for m, same in SAME_FORWARD_AS.items():
+    for m in SAME_FORWARD:
         if m in meta["skipped"]:
-            lines += ["", f"`{m}` is not timed: its inference forward is `{same}`'s."]
+            lines += ["", f"`{m}` is not timed: its inference forward is `{mode_of(m).same_forward_as}`'s."]
     return "\n".join(lines) + "\n"
 
 
@@ -228,7 +228,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--modes", help="comma-separated modes (default: every registered mode except "
-                   f"{', '.join(SAME_FORWARD_AS)}, whose forward is another mode's); bf16 always runs, first after "
+                   f"{', '.join(SAME_FORWARD)}, whose forward is another mode's); {REFERENCE_MODE} always runs, first after "
                    f"{UNPATCHED!r} (the unpatched transformer, when listed)")
     p.add_argument("--compile", action="store_true", help="also time each mode under torch.compile(model, "
                    "fullgraph=True)")
@@ -256,13 +256,14 @@ def main(argv=None) -> int:
         print("bench/e2e.py: error: no CUDA GPU; use --tiny to check the code path on CPU", file=sys.stderr)
         return 2
     registered = available_modes()
-    wanted = args.modes.split(",") if args.modes else [m for m in registered if m not in SAME_FORWARD_AS]
+    wanted = args.modes.split(",") if args.modes else [m for m in registered if m not in SAME_FORWARD]
     unknown = [m for m in wanted if m not in registered + [UNPATCHED]]
     if unknown:
         print(f"bench/e2e.py: error: unknown modes {unknown}; available: {', '.join(registered)}, {UNPATCHED}",
               file=sys.stderr)
         return 2
-    modes = [UNPATCHED] * (UNPATCHED in wanted) + ["bf16"] + [m for m in wanted if m not in ("bf16", UNPATCHED)]
+    modes = [UNPATCHED] * (UNPATCHED in wanted) + [REFERENCE_MODE] + [m for m in wanted
+                                                                        if m not in (REFERENCE_MODE, UNPATCHED)]
     skipped = [m for m in registered if m not in modes]
 
     if args.tiny:

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench._report import ROOT, bench_ms, env_line, environment, update_section, write_json  # noqa: E402
-from attnqat.kernels import attention, available_modes  # noqa: E402
+from attnqat.kernels import attention  # noqa: E402
 from attnqat.kernels._common import LaunchConfig  # noqa: E402
 from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_backward, attn_qat_forward  # noqa: E402
 
@@ -79,19 +79,18 @@ def run(lengths, heads=40, head_dim=128, batch=1, sweep=False):
         res["attn_qat_bwd"] = bench_ms(bwd)
         res["attn_qat_fwdbwd"] = bench_ms(fwd_bwd)
         for mode in ("nvfp4", "sage3", "sagebwd"):  # every mode's inference forward, through the public API
-            if mode in available_modes():
-                def infer_mode(mode=mode):
-                    with torch.no_grad():
-                        return attention(q, k, v, mode=mode)
-                res[f"{mode}_infer"] = bench_ms(infer_mode)
-        if "sagebwd" in available_modes():
-            def sagebwd_fwd_bwd():
-                attention(q, k, v, mode="sagebwd").backward(do)
-            res["sagebwd_fwdbwd"] = bench_ms(sagebwd_fwd_bwd)
+            def infer_mode(mode=mode):
+                with torch.no_grad():
+                    return attention(q, k, v, mode=mode)
+            res[f"{mode}_infer"] = bench_ms(infer_mode)
 
-            def sagebwd_16bit_fwd_bwd():  # INT8 QK^T and S recompute only; PV, dV, dQ, dK in bf16 (docs/sagebwd.md)
-                attention(q, k, v, mode="sagebwd", pv="bf16", bwd="bf16").backward(do)
-            res["sagebwd_16bit_fwdbwd"] = bench_ms(sagebwd_16bit_fwd_bwd)
+        def sagebwd_fwd_bwd():
+            attention(q, k, v, mode="sagebwd").backward(do)
+        res["sagebwd_fwdbwd"] = bench_ms(sagebwd_fwd_bwd)
+
+        def sagebwd_16bit_fwd_bwd():  # INT8 QK^T and S recompute only; PV, dV, dQ, dK in bf16 (docs/sagebwd.md)
+            attention(q, k, v, mode="sagebwd", pv="bf16", bwd="bf16").backward(do)
+        res["sagebwd_16bit_fwdbwd"] = bench_ms(sagebwd_16bit_fwd_bwd)
         res["tflops"] = {k_: (flops_f * (3.5 if "fwdbwd" in k_ else 2.5 if k_.endswith("_bwd") else 1.0)) / (ms * 1e9)
                          for k_, ms in res.items() if isinstance(ms, float)}
         rows.append(res)

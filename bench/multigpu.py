@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from attnqat.kernels import available_modes  # noqa: E402
+from attnqat.kernels import REFERENCE_MODE, available_modes  # noqa: E402
 from attnqat.pipelines import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from attnqat.pipelines.context_parallel import check_degrees, enable_context_parallel  # noqa: E402
 from attnqat.pipelines.launch import launch_from_env, process_group, rank_device  # noqa: E402
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     if launch is None:
         print("bench/multigpu.py: error: run it under torchrun --nproc-per-node N (N >= 2)", file=sys.stderr)
         return 2
-    modes = ["bf16"] + [m for m in args.modes.split(",") if m != "bf16"]
+    modes = [REFERENCE_MODE] + [m for m in args.modes.split(",") if m != REFERENCE_MODE]
     unknown = [m for m in modes if m not in available_modes()]
     resolutions = args.resolutions.split(",")
     bad = [r for r in resolutions if r not in LATENTS]
@@ -159,7 +159,7 @@ def _run(args, launch, device, config, modes, resolutions) -> int:
     if launch.rank != 0:
         return 0
     for r in rows:
-        base = next(b for b in rows if b["resolution"] == r["resolution"] and b["mode"] == "bf16")
+        base = next(b for b in rows if b["resolution"] == r["resolution"] and b["mode"] == REFERENCE_MODE)
         r["ratio_one"], r["ratio_many"] = r["one_s"] / base["one_s"], r["many_s"] / base["many_s"]
     meta = {"model": ("Tiny Wan 2.1-architecture transformer" if args.tiny else "Wan 2.1 T2V 14B transformer")
             + (f" ({layers} of {config['num_layers']} blocks)" if layers != config["num_layers"] else ""),

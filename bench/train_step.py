@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _report import timed_steps  # noqa: E402
 
+from attnqat.kernels import REFERENCE_MODE  # noqa: E402
 from attnqat.pipelines.wan_configs import WAN21_1_3B_TRANSFORMER_CONFIG  # noqa: E402
 
 SECTION = "## Training step: Wan 2.1 1.3B-sized transformer"
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
         results.append(r)
         print(f"{mode:>10}: step {r['step_s'] * 1e3:9.1f} ms  peak {r['peak_gib']:6.2f} GiB  "
               f"{r['tokens_per_s']:9.0f} tokens/s  loss {r['loss']:.4g}", flush=True)
-    base = next((r for r in results if r["mode"] == "bf16"), None)
+    base = next((r for r in results if r["mode"] == REFERENCE_MODE), None)
     layers = args.layers or config["num_layers"]
     lines = ["| student attention | step time | vs bf16 | tokens/s | peak memory | vs bf16 |", "|---|---|---|---|---|---|"]
     for r in results:

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from attnqat.kernels import REFERENCE_MODE  # noqa: E402
 from attnqat.pipelines import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from attnqat.pipelines.launch import launch_from_env, process_group, rank_device  # noqa: E402
 from attnqat.pipelines.wan_configs import WAN21_14B_TRANSFORMER_CONFIG  # noqa: E402
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
                       f"loss {r['loss']:.4g}", flush=True)
         if launch.rank != 0:
             return 0
-    base = next((r for r in results if r["mode"] == "bf16"), None)
+    base = next((r for r in results if r["mode"] == REFERENCE_MODE), None)
     lines = [f"| student attention | step (s) | × bf16 | tokens/s | peak memory per GPU (GiB) |",
              "|---|---|---|---|---|"]
     for r in results:

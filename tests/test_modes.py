@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from attnqat.kernels import REFERENCE_MODE, Mode, attention, available_modes, mode_of, reference_first
-from attnqat.kernels import api, attn_qat, sage3
+from attnqat.kernels import api, attn_qat, sage3, sagebwd
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # attnqat/kernels is the registry and the code of the modes it registers (whose own option values, such as
 # sagebwd's pv="bf16", share a mode's name)
-SOURCES = sorted(p for p in (ROOT / "attnqat").rglob("*.py") if "kernels" not in p.parts) + [ROOT / "app.py"]
+SOURCES = (sorted(p for p in (ROOT / "attnqat").rglob("*.py") if "kernels" not in p.parts) + [ROOT / "app.py"]
+           + sorted((ROOT / "bench").glob("*.py")) + sorted((ROOT / "experiments").glob("*.py")))
 # Comparisons with a literal that happens to be a mode's name but is not a mode
 NOT_A_MODE = {("attnqat/train/loop.py", 'mp == "bf16"')}  # accelerate's mixed precision
 
@@ -89,6 +90,8 @@ def test_the_facts_agree():
     assert len(available_modes(lambda m: m.uses_qat_weights)) == 1  # the one mode a shipped QAT file is for
     columns = [mode_of(m).demo_column for m in available_modes(lambda m: m.demo_column is not None)]
     assert sorted(columns) == list(range(len(columns)))
+    for name in available_modes(lambda m: m.demo_column is not None):  # a title that fits its column
+        assert 0 < len(mode_of(name).demo_label or "") <= 27, name
     assert reference_first(["nvfp4", REFERENCE_MODE, "nvfp4", "sage3"]) == [REFERENCE_MODE, "nvfp4", "sage3"]
 
 
@@ -124,13 +127,13 @@ def test_an_unknown_name_gets_one_message_at_every_edge():
         PrecisionSchedule(mode="nvfp4")  # known, but not one a schedule may switch to
 
 
-@pytest.mark.parametrize("mode", ["nvfp4", "attn_qat", "attn_qat_dropin", "sage3"])
+@pytest.mark.parametrize("mode", ["nvfp4", "attn_qat", "attn_qat_dropin", "sage3", "sagebwd"])
 def test_attention_checks_its_inputs_once(mode, monkeypatch):
     """attention() checks q, k, v once and calls the mode's unchecked path (here the Triton path, under the
     interpreter); the kernel modules' public functions, edges of their own, check them too."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
-    for module in (api, attn_qat, sage3):
+    for module in (api, attn_qat, sage3, sagebwd):
         check = module.check_qkv
         monkeypatch.setattr(module, "check_qkv",
                             lambda *a, _check=check, **kw: calls.append(kw["name"]) or _check(*a, **kw))
@@ -139,7 +142,8 @@ def test_attention_checks_its_inputs_once(mode, monkeypatch):
         out = attention(q, k, v, mode)
     assert calls == [f"attention(mode={mode!r})"] and torch.isfinite(out).all()
     public = {"nvfp4": attn_qat.nvfp4_attention, "attn_qat": attn_qat.attn_qat_attention,
-              "attn_qat_dropin": attn_qat.attn_qat_dropin_attention, "sage3": sage3.sage3_attention}[mode]
+              "attn_qat_dropin": attn_qat.attn_qat_dropin_attention, "sage3": sage3.sage3_attention,
+              "sagebwd": sagebwd.sagebwd_attention}[mode]
     with torch.no_grad():
         assert torch.equal(public(q, k, v), out)
     assert calls[1:] == [public.__name__]

@@ -94,11 +94,11 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path, monkeypatch, caps
         assert line.startswith("attnqat train: busy:") and f"pid {holders[0].pid}" in line and "attnqat train" in line
         assert not run_dir.exists()
 
-        import attnqat.pipelines.qat_weights as qat_weights
+        import attnqat.pipelines.qat_export as qat_export
         import attnqat.train.precompute as pre
 
         monkeypatch.setattr(pre, "load_encoders", lambda *a, **k: pytest.fail("encoders loaded"))
-        monkeypatch.setattr(qat_weights, "export_qat_weights", lambda *a, **k: pytest.fail("exported"))
+        monkeypatch.setattr(qat_export, "export_qat_weights", lambda *a, **k: pytest.fail("exported"))
         (tmp_path / "p.txt").write_text("a red ball\n")
         capsys.readouterr()
         assert cli_main(["precompute", "--prompts", str(tmp_path / "p.txt"), "--model", "tiny", "--out", str(data),
@@ -228,7 +228,7 @@ def test_a_kill_between_the_two_renames_of_a_replacement_is_undone(tmp_path):
 
 # ---------------------------------------------------------------------------------- outputs are not inputs
 def test_export_qat_never_writes_over_its_fine_tune(tmp_path, monkeypatch, capsys):
-    import attnqat.pipelines.qat_weights as qat_weights
+    import attnqat.pipelines.qat_export as qat_export
 
     ft = _finetune(tmp_path / "ft.safetensors")
     before = ft.read_bytes()
@@ -238,7 +238,7 @@ def test_export_qat_never_writes_over_its_fine_tune(tmp_path, monkeypatch, capsy
     run.mkdir(parents=True)
     os.link(ft, run / "transformer.safetensors")
     (tmp_path / "sub").mkdir()  # sub/../ft.safetensors names ft.safetensors
-    monkeypatch.setattr(qat_weights, "export_qat_weights", lambda *a, **k: pytest.fail("exported"))
+    monkeypatch.setattr(qat_export, "export_qat_weights", lambda *a, **k: pytest.fail("exported"))
     for frm, out in ((ft, ft), (ft, tmp_path / "sub" / ".." / "ft.safetensors"), (ft, tmp_path / "link.safetensors"),
                      (tmp_path / "link.safetensors", ft), (ft, tmp_path / "hard.safetensors"),
                      (tmp_path / "run", run / "transformer.safetensors"), (tmp_path / "run", run / "new.safetensors")):
@@ -248,7 +248,8 @@ def test_export_qat_never_writes_over_its_fine_tune(tmp_path, monkeypatch, capsy
         assert line.startswith("attnqat export-qat: error: --out") and "--from" in line, line
     assert ft.read_bytes() == before
     # a model folder's inputs are the files it loads from: the QAT weights mini ships may be written beside them
-    from attnqat.checks import check_not_input, model_inputs
+    from attnqat.checks import check_not_input
+    from attnqat.pipelines.loading import model_inputs
 
     mini = ROOT / "attnqat" / "models" / "mini"
     check_not_input("--out", mini / "attn_qat.safetensors", model_inputs("--model", "mini"))

@@ -21,8 +21,8 @@ from attnqat.cli import main
 from attnqat.pipelines import mini
 from attnqat.pipelines.loading import (CheckpointMismatchError, load_qat_checkpoint, load_transformer,
                                        read_qat_checkpoint)
-from attnqat.pipelines.qat_weights import (FORMAT, MAX_BYTES, _serialize, export_qat_weights, read_qat_weights,
-                                           weights_fingerprint)
+from attnqat.pipelines.qat_export import export_qat_weights
+from attnqat.pipelines.qat_weights import FORMAT, MAX_BYTES, read_qat_weights, serialize, weights_fingerprint
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,7 +157,7 @@ def test_qat_weights_refuse_unknown_keys_wrong_shapes_and_a_bad_header(tiny_qat,
              "shape": ({**tensors, "blocks.0.attn1.to_q.weight": torch.zeros(3, 128, dtype=BF16)},
                        r"1 shape mismatches \(blocks.0.attn1.to_q.weight: checkpoint \(3, 128\) vs model \(128, 128\)")}
     for name, (state, message) in cases.items():
-        (tmp_path / f"{name}.safetensors").write_bytes(_serialize(state, fingerprint, "test"))
+        (tmp_path / f"{name}.safetensors").write_bytes(serialize(state, fingerprint, "test"))
         with pytest.raises(CheckpointMismatchError, match=message):
             load_qat_checkpoint(transformer, tmp_path / f"{name}.safetensors")
     from safetensors.torch import save
@@ -346,7 +346,7 @@ def test_generate_refuses_shipped_weights_of_another_base_in_one_line(installed,
     folder = tmp_path / "mini"
     shutil.copytree(installed[0], folder)
     tensors = load_file(str(folder / mini.MINI_QAT_WEIGHTS))
-    (folder / mini.MINI_QAT_WEIGHTS).write_bytes(_serialize(tensors, "0" * 64, "for another base"))
+    (folder / mini.MINI_QAT_WEIGHTS).write_bytes(serialize(tensors, "0" * 64, "for another base"))
     monkeypatch.setattr(mini, "MINI_DIR", folder)
     assert main(["generate", "--prompt", "p", "--mode", "attn_qat", *SMALL, "--out", str(tmp_path / "v.mp4")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]

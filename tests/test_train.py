@@ -162,8 +162,7 @@ def test_precompute_replaces_only_its_own_output_and_only_when_complete(tmp_path
     """A rerun into an earlier output replaces it once the new one is complete: a run that fails half way
     (the second shard's video is corrupt) leaves the earlier files byte for byte, and no temporary folder.
     A folder with anything beside precompute's files is refused; an empty folder is filled."""
-    from attnqat.checks import check_precompute
-    from attnqat.train.precompute import precompute
+    from attnqat.train.precompute import check_arguments, precompute
 
     (tmp_path / "d.jsonl").write_text("".join(f'{{"prompt": "clip {i}"}}\n' for i in range(3)))
     run = lambda out, **kw: precompute(str(tmp_path / "d.jsonl"), str(out), max_length=8, shard_size=2,  # noqa: E731
@@ -194,7 +193,7 @@ def test_precompute_replaces_only_its_own_output_and_only_when_complete(tmp_path
     args = argparse.Namespace(prompts=str(tmp_path / "d.jsonl"), model="tiny", out=str(out), max_length=8,
                               shard_size=2, batch_size=1, videos=False, height=480, width=832, frames=81, device=None)
     with pytest.raises(ValueError, match="not empty"):
-        check_precompute(args)
+        check_arguments(args)
     assert (out / "notes.txt").read_text() == "mine"
 
     empty = tmp_path / "empty"

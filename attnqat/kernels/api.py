@@ -22,7 +22,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 
+from . import attn_qat, reference, sage3, sagebwd
 from ._common import KERNEL_DTYPES, P_BWD_CHOICES, SUPPORTED_HEAD_DIMS, check_qkv, interpreting, needs_grad
 from .formats import LOG2E, P_SCALE, SAGEBWD_PRECISIONS
 
@@ -53,7 +55,9 @@ class Mode:
       shipped with the model unless told otherwise (``--qat-checkpoint``), and the demo's column says so.
     - ``high_precision``: a precision schedule may run it on its high-precision steps and blocks.
     - ``demo_column``: its column's place on the demo page, left to right (None: the page offers it only when
-      the app's ``--modes`` names it); ``demo_ticked``: the column is ticked when the page opens.
+      the app's ``--modes`` names it); ``demo_ticked``: the column is ticked when the page opens; ``demo_label``:
+      the column's title, one line in a quarter of the page (about 25 characters, so the columns stay aligned;
+      None: the mode's name).
     """
     name: str
     description: str
@@ -70,6 +74,7 @@ class Mode:
     high_precision: bool = False
     demo_column: int | None = None
     demo_ticked: bool = True
+    demo_label: str | None = None
 
     def check_options(self, options: dict) -> None:
         """Refuse options this mode does not take, and values outside their allowed set, by name (``ValueError``).
@@ -194,8 +199,6 @@ def _use_kernel(q: torch.Tensor) -> bool:
 
 def backend_info(device: torch.device | str | None = None) -> dict:
     """Which path each mode takes on ``device`` (default: CUDA if available, else CPU)."""
-    import triton
-
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = {"device": str(dev), "torch": torch.__version__, "triton": triton.__version__,
             "interpreter": interpreting()}
@@ -205,9 +208,7 @@ def backend_info(device: torch.device | str | None = None) -> dict:
         info["compute_capability"] = f"{cap[0]}.{cap[1]}"
         info["fp4_path"] = "bf16 tensor cores over exactly dequantized NVFP4 operands (SPEC §1)"
         info["path"] = "triton"
-        from .attn_qat import native_fp4
-
-        form = native_fp4(dev)
+        form = attn_qat.native_fp4(dev)
         info["fp4_qk"] = ("native block-scaled FP4 MMA (tl.dot_scaled over NVFP4 storage)" if form else
                           "bf16 emulation (exactly dequantized NVFP4 operands)")
         info["fp4_pv"] = "bf16 tensor cores over exact phi(P) and V^F"
@@ -262,25 +263,19 @@ def _sdpa_with_lse(q, k, v, *, sm_scale, causal, use_kernel):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
                                                                        scale=sm_scale)[:2]
         return out, lse
-    from .reference import _logits_log2
-
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    s = _logits_log2(q.float(), k.float(), scale, causal) / LOG2E
+    s = reference._logits_log2(q.float(), k.float(), scale, causal) / LOG2E
     return _sdpa(q, k, v, sm_scale=sm_scale, causal=causal), torch.logsumexp(s, dim=-1)
 
 
 def _paths(kernel_module: str, kernel_name: str, reference_name: str):
     """(kernel, reference): ``<kernel_module>.<kernel_name>`` and ``reference.<reference_name>``, each called with
-    the checked inputs and options (imported on first call: the Triton modules load only when a mode runs)."""
+    the checked inputs and options."""
     def kernel(q, k, v, *, sm_scale=None, causal=False, **options):
-        from . import attn_qat, sage3, sagebwd  # a plain import: torch.compile traces it (importlib it cannot)
-
         module = {"attn_qat": attn_qat, "sage3": sage3, "sagebwd": sagebwd}[kernel_module]
         return getattr(module, kernel_name)(q, k, v, sm_scale=sm_scale, causal=causal, **options)
 
     def ref(q, k, v, *, sm_scale=None, causal=False, **options):
-        from . import reference
-
         return getattr(reference, reference_name)(q, k, v, sm_scale=sm_scale, causal=causal, **options)
 
     return kernel, ref
@@ -305,13 +300,9 @@ def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None):
     ``p_bwd``, attn_qat's option, is the backward's)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     if use_kernel:
-        from .attn_qat import attn_qat_fwd
-
-        o, _, m, l = attn_qat_fwd(q, k, v, scale, causal, False)[:4]
+        o, _, m, l = attn_qat.attn_qat_fwd(q, k, v, scale, causal, False)[:4]
     else:
-        from .reference import attn_qat_forward_ref
-
-        o, _, m, l = attn_qat_forward_ref(q, k, v, sm_scale=scale, causal=causal, training=False)
+        o, _, m, l = reference.attn_qat_forward_ref(q, k, v, sm_scale=scale, causal=causal, training=False)
     return o.to(q.dtype), _fp4_lse(m, l)
 
 
@@ -320,25 +311,26 @@ def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None):
 # the one-pass result); none for sagebwd yet (its kernel does not expose it).
 register_mode(Mode(REFERENCE_MODE, "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True,
                    _sdpa, _sdpa, dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=None,
-                   with_lse=_sdpa_with_lse, high_precision=True, demo_column=0))
+                   with_lse=_sdpa_with_lse, high_precision=True, demo_column=0, demo_label="BF16 (reference)"))
 register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
                    *_paths("attn_qat", "nvfp4_unchecked", "nvfp4_attention_ref"), with_lse=_nvfp4_with_lse,
-                   naive_fp4_forward=True, demo_column=3, demo_ticked=False))
+                   naive_fp4_forward=True, demo_column=3, demo_ticked=False, demo_label="naive NVFP4"))
 # Attn-QAT family (SPEC §2): one FP4 forward; the modes differ in their backward.
 register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
                    "grad it is the nvfp4 forward)", True,
                    *_paths("attn_qat", "attn_qat_unchecked", "attn_qat_attention_ref"),
                    options=(("p_bwd", P_BWD_CHOICES),), with_lse=_nvfp4_with_lse, same_forward_as="nvfp4",
-                   naive_fp4_forward=True, uses_qat_weights=True, demo_column=2))
+                   naive_fp4_forward=True, uses_qat_weights=True, demo_column=2, demo_label="Attn-QAT"))
 register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
                    "(unstable in training)", True,
                    *map(_marked, _paths("attn_qat", "attn_qat_dropin_unchecked", "attn_qat_dropin_attention_ref")),
-                   with_lse=_nvfp4_with_lse, same_forward_as="nvfp4", naive_fp4_forward=True))
+                   with_lse=_nvfp4_with_lse, same_forward_as="nvfp4", naive_fp4_forward=True,
+                   demo_label="Attn-QAT drop-in (ablation)"))
 register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
-                   False, *_paths("sage3", "sage3_unchecked", "sage3_attention_ref"), demo_column=1))
-# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv, bwd. Its Triton path
-# is the public sagebwd_attention, which checks q, k, v again (kernels/sagebwd.py has no unchecked entry point).
+                   False, *_paths("sage3", "sage3_unchecked", "sage3_attention_ref"), demo_column=1,
+                   demo_label="SageAttention3 (emulated)"))
+# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv, bwd.
 register_mode(Mode("sagebwd", "trainable INT8 attention: six of seven matmuls in INT8, dP in 16-bit (SageBwd)",
-                   True, *_paths("sagebwd", "sagebwd_attention", "sagebwd_attention_ref"),
+                   True, *_paths("sagebwd", "sagebwd_unchecked", "sagebwd_attention_ref"),
                    options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", SAGEBWD_PRECISIONS),
-                            ("bwd", SAGEBWD_PRECISIONS)), high_precision=True))
+                            ("bwd", SAGEBWD_PRECISIONS)), high_precision=True, demo_label="SageBwd (INT8)"))

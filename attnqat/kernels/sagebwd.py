@@ -23,7 +23,8 @@ Layout of this file follows Triton's fused-attention tutorial: ``@triton.jit`` p
 (``_quant_rows``, ``_attn_fwd_inner``, ``_attn_fwd``, ``_attn_bwd_preprocess``, ``_attn_bwd_dkdv``,
 ``_attn_bwd_dq``) -> launch configs -> the launchers :func:`sagebwd_forward` / :func:`sagebwd_backward` -> their
 ``torch.library`` custom ops (``attnqat::sagebwd_fwd`` / ``sagebwd_bwd``, with fake implementations, so
-``torch.compile`` traces them) -> :class:`_SageBwdAttention` (autograd) -> :func:`sagebwd_attention`.
+``torch.compile`` traces them) -> :class:`_SageBwdAttention` (autograd) -> :func:`sagebwd_unchecked` (the
+registry's path) -> :func:`sagebwd_attention` (the checked public function).
 
 Interpreter notes (tests run with ``TRITON_INTERPRET=1``): INT8 and FP8 ``tl.dot`` are exact there, a bf16
 ``tl.dot`` is not, and float->bf16/fp8 casts round wrongly (fp8: ties away from zero, subnormals off). So the
@@ -793,6 +794,16 @@ class _SageBwdAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
+def sagebwd_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                      causal: bool = False, smooth_k: bool = True, smooth_q: bool = False,
+                      pv: str = "int8", bwd: str = "int8") -> torch.Tensor:
+    """:func:`sagebwd_attention` on checked inputs and options (the registry's path)."""
+    args = (default_scale(q.shape[-1], sm_scale), bool(causal), bool(smooth_k), bool(smooth_q), pv, bwd)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _SageBwdAttention.apply(q, k, v, *args, kmajor())
+    return sagebwd_fwd(q, k, v, *args, False, kmajor())[0]  # inference: no backward-only operands
+
+
 def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                       causal: bool = False, smooth_k: bool = True, smooth_q: bool = False,
                       pv: str = "int8", bwd: str = "int8") -> torch.Tensor:
@@ -820,7 +831,5 @@ def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_s
         raise ValueError(f"sagebwd_attention: pv {pv!r} not in {SAGEBWD_PRECISIONS}")
     if bwd not in SAGEBWD_PRECISIONS:
         raise ValueError(f"sagebwd_attention: bwd {bwd!r} not in {SAGEBWD_PRECISIONS}")
-    args = (default_scale(q.shape[-1], sm_scale), bool(causal), bool(smooth_k), bool(smooth_q), pv, bwd)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _SageBwdAttention.apply(q, k, v, *args, kmajor())
-    return sagebwd_fwd(q, k, v, *args, False, kmajor())[0]  # inference: no backward-only operands
+    return sagebwd_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q, pv=pv,
+                             bwd=bwd)

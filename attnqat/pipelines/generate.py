@@ -45,12 +45,14 @@ import numpy as np
 
 from attnqat.checks import (TIME_STRIDE, VAE_SPATIAL_STRIDE, LIMITS, check_device, check_float, check_int,
                             check_limited, check_not_input, check_output_dir, check_output_file, check_text, check_video_size,
-                            model_inputs, show)
+                            show)
 from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
+from .launch import LAUNCH_HINT, launch_from_env, process_group, rank_device, shared_check
 # DEFAULT_MODEL ("mini") and default_model(): the switch of the --model default, in one place (mini.py).
-from .mini import DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model
+from .mini import (DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model, is_mini,
+                   vocabulary_note)
 
 # torch and diffusers are imported where they are used, so `attnqat generate --help` stays fast.
 
@@ -73,8 +75,6 @@ PARALLEL_LAYOUTS = ("ulysses", "ring")  # --parallel: diffusers' ContextParallel
 def is_mini_model(model: str) -> bool:
     """``mini``, or a folder of a mini build (``attnqat_mini.json``, the build's record, beside its
     model_index.json: e.g. ``runs/mini/mini`` or ``attnqat/models/mini`` given as a path)."""
-    from .mini import is_mini
-
     if is_mini(model):
         return True
     try:
@@ -247,8 +247,6 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     device = check_device("--device", args.device)
     args.launch = resolve_launch(args)
     if args.launch is not None:
-        from .launch import rank_device
-
         device = rank_device(args.launch, args.device)
     args.device = str(device)
     for k, v in model_defaults(args.model, device).items():
@@ -286,8 +284,6 @@ def resolve_launch(args: argparse.Namespace):
     """The :class:`~attnqat.pipelines.launch.Launch` ``--parallel`` runs under (None: one process). Refused:
     ``--parallel`` in one process, several launched processes without ``--parallel`` (each would generate
     and write the same --out), ``--parallel`` with ``--offload``."""
-    from .launch import LAUNCH_HINT, launch_from_env
-
     if getattr(args, "parallel", None) is None:
         try:
             launch = launch_from_env()
@@ -362,6 +358,8 @@ def check_outputs(args: argparse.Namespace) -> argparse.Namespace:
     """Check --out and --frames-dir before anything loads (a read-only folder, a folder given as
     --out, a non-empty --frames-dir are refused here, not after minutes of generation). Nothing is
     created yet."""
+    from .loading import model_inputs
+
     args.out = check_output_file("--out", args.out, MP4_SUFFIXES)
     if args.frames_dir is not None:
         args.frames_dir = check_output_dir("--frames-dir", args.frames_dir, must_be_empty=True)
@@ -611,8 +609,6 @@ def main(args: argparse.Namespace) -> int:
         return _generate(args, t_start)
     import torch
 
-    from .launch import process_group, shared_check
-
     with process_group(torch.device(args.device)):
         # Only rank 0 writes, so only rank 0 checks the paths; its refusal stops every rank.
         shared_check(args.launch, lambda: (check_outputs(args), check_mp4_writer()))
@@ -640,8 +636,6 @@ def _generate(args: argparse.Namespace, t_start: float) -> int:
     pipe = load_pipeline(args.model, dtype=dtype, device=None if args.offload else device,
                          flow_shift=args.flow_shift)
     if is_mini_model(args.model):  # mini reads its corpus's words only; any other word is <unk> to it
-        from .mini import vocabulary_note
-
         note = vocabulary_note(pipe.tokenizer, args.prompt)
         if note:
             log(f"NOTE: {note}.")

@@ -3,21 +3,45 @@ QAT checkpoints, with errors that say what to do instead of a traceback.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+import warnings
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
+from attnqat.checks import check_path_text, check_text
+from attnqat.errors import CheckpointMismatchError
 from attnqat.kernels import mode_of
 
-from .mini import is_mini, mini_folder
+from .mini import is_mini, is_shipped_mini, mini_folder, shipped_qat_weights
 from .model_folder import ModelConfigError, check_model_folder, check_regular_file
-from .tiny import build_tiny_pipeline, build_tiny_transformer
+from .qat_weights import is_qat_weights, read_qat_weights, weights_fingerprint
+from .tiny import TINY_TRANSFORMER_CONFIG, build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny",
-           "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
+           "resolve_model", "model_inputs", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
            "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
+
+# DIFFUSERS_LATE: diffusers (seconds to import) is imported where a model loads, so that the checks of a command's
+# arguments (check_model, check_qat_checkpoint, model_inputs) answer before it.
+
+# The folders of an `attnqat train` output, as attnqat.train.checkpoint writes them and load_qat_checkpoint reads
+# them: OUTPUT/final/ and OUTPUT/checkpoints/step-NNNNNNN/ (7 digits, so names sort by step), each holding the
+# exported weights and a manifest written last (a folder without it is an unfinished write).
+CHECKPOINTS_DIR, FINAL_DIR = "checkpoints", "final"
+STEP_DIR = re.compile(r"step-(\d{7})")
+WEIGHTS_FILE, MANIFEST = "transformer.safetensors", "manifest.json"
+
+
+def step_dir_name(step: int) -> str:
+    """The folder name of the checkpoint of ``step``, which :data:`STEP_DIR` matches."""
+    return f"step-{step:07d}"
+
 
 #: The real model this project targets; also the example in error messages.
 DEFAULT_REAL_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
@@ -27,10 +51,6 @@ SMALL_TEXT_ENCODER = 10 ** 8
 
 class ModelNotFoundError(FileNotFoundError):
     """A model folder is missing / incomplete, or a hub id is neither cached nor downloadable."""
-
-
-class CheckpointMismatchError(ValueError):
-    """A QAT checkpoint whose keys or shapes do not match the transformer it is loaded into."""
 
 
 def is_tiny(model: str) -> bool:
@@ -45,6 +65,22 @@ def resolve_model(model: str) -> str:
         except FileNotFoundError as e:
             raise ModelNotFoundError(str(e)) from None
     return model
+
+
+def model_inputs(flag: str, model: str) -> list[tuple[str, str]]:
+    """What a local model folder is loaded from, as ``(flag, path)`` pairs for
+    :func:`~attnqat.checks.check_not_input`: its model_index.json and the component folders it names (transformer/,
+    vae/, ...). Other files beside them (e.g. the QAT weights ``attnqat export-qat`` writes there) are not the
+    model's. None for tiny and hub ids."""
+    if is_tiny(model):
+        return []
+    folder = Path(resolve_model(model)).expanduser()
+    index = folder / "model_index.json"
+    try:
+        names = [] if index.stat().st_size > 1 << 20 else [k for k in json.loads(index.read_text()) if k[:1] != "_"]
+    except (OSError, ValueError, TypeError, UnicodeDecodeError):  # not a model folder: nothing it loads
+        return []
+    return [(flag, str(index))] + [(flag, str(folder / n)) for n in names if (folder / n).is_dir()]
 
 
 def _download_hint(model: str) -> str:
@@ -82,8 +118,6 @@ def check_model(model: str, flag: str = "--model") -> None:
     """Refuse a ``model`` value that cannot load, without loading anything: blank text, a missing
     folder, a folder without model_index.json, a file, a folder :func:`check_model_folder` refuses (special
     files, pickled weights, configs beyond bounds or unlike their weights). A hub id is checked when it loads."""
-    from attnqat.checks import check_path_text, check_text
-
     check_text(flag, model)
     model = resolve_model(model)
     if not is_tiny(model):
@@ -96,13 +130,9 @@ def model_transformer_config(model: str) -> dict | None:
     loading weights (None for a hub id or an unreadable config: then it is known once the model loads)."""
     model = resolve_model(model)
     if is_tiny(model):
-        from .tiny import TINY_TRANSFORMER_CONFIG
-
         return dict(TINY_TRANSFORMER_CONFIG)
     config = Path(model).expanduser() / "transformer" / "config.json"
     try:
-        import json
-
         values = json.loads(config.read_text())
     except (OSError, ValueError):
         return None
@@ -118,8 +148,6 @@ def model_num_blocks(model: str) -> int | None:
 
 def _from_pretrained(cls, model: str, **kwargs):
     """``cls.from_pretrained`` with network/cache failures turned into :class:`ModelNotFoundError`."""
-    import warnings
-
     target = _resolve(model, kwargs.get("subfolder"))
     try:
         with warnings.catch_warnings():
@@ -158,7 +186,7 @@ def load_pipeline(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16, d
         kwargs = {} if flow_shift is None else {"flow_shift": flow_shift}
         pipe = build_tiny_pipeline(dtype=dtype, **kwargs)
         return pipe.to(device) if device is not None else pipe
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline  # see DIFFUSERS_LATE
 
     model = resolve_model(model)
     _resolve(model)  # a folder without model_index.json fails here, before any component loads
@@ -176,8 +204,7 @@ def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16
     """Only the ``WanTransformer3DModel`` of :func:`load_pipeline`'s model (same ``model`` values)."""
     if is_tiny(model):
         return build_tiny_transformer(dtype=dtype, device=device)
-    from diffusers import WanTransformer3DModel
-
+    from diffusers import WanTransformer3DModel  # see DIFFUSERS_LATE
     model = resolve_model(model)
     transformer = _from_pretrained(WanTransformer3DModel, model, subfolder="transformer", torch_dtype=dtype)
     return transformer.to(device) if device is not None else transformer
@@ -186,13 +213,10 @@ def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16
 def _latest_step_weights(checkpoints: Path) -> Path | None:
     """``checkpoints/step-N/transformer.safetensors`` of the newest step folder that finished writing (its
     manifest.json is written last), or None."""
-    import re
-
-    steps = sorted((p for p in checkpoints.iterdir() if re.fullmatch(r"step-\d{7}", p.name) and p.is_dir()),
-                   reverse=True)
+    steps = sorted((p for p in checkpoints.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()), reverse=True)
     for step in steps:
-        if (step / "manifest.json").is_file() and (step / "transformer.safetensors").is_file():
-            return step / "transformer.safetensors"
+        if (step / MANIFEST).is_file() and (step / WEIGHTS_FILE).is_file():
+            return step / WEIGHTS_FILE
     return None
 
 
@@ -207,12 +231,12 @@ def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
     if not p.is_dir():
         check_regular_file(p, "QAT checkpoint")  # a FIFO would block the read for ever
         return [p]
-    if (p / "transformer.safetensors").is_file():  # a checkpoint or final/ folder (beside ema.safetensors, state/)
-        return [p / "transformer.safetensors"]
-    if (p / "final" / "transformer.safetensors").is_file():  # a finished run folder
-        return [p / "final" / "transformer.safetensors"]
-    if (p / "checkpoints").is_dir():  # a run folder without final/ (stopped early)
-        latest = _latest_step_weights(p / "checkpoints")
+    if (p / WEIGHTS_FILE).is_file():  # a checkpoint or final/ folder (beside ema.safetensors, state/)
+        return [p / WEIGHTS_FILE]
+    if (p / FINAL_DIR / WEIGHTS_FILE).is_file():  # a finished run folder
+        return [p / FINAL_DIR / WEIGHTS_FILE]
+    if (p / CHECKPOINTS_DIR).is_dir():  # a run folder without final/ (stopped early)
+        latest = _latest_step_weights(p / CHECKPOINTS_DIR)
         if latest is not None:
             return [latest]
     # a diffusers model folder's weights are its transformer/'s, not QAT weights shipped beside them (mini's)
@@ -241,8 +265,6 @@ def choose_qat_checkpoint(model: str, given: str | None, mode: str) -> tuple[str
       weights;
     - nothing, in another mode: the base weights (QAT weights are for attn_qat attention).
     """
-    from .mini import is_shipped_mini, shipped_qat_weights
-
     if given is not None and given.strip().lower() == NO_QAT_CHECKPOINT:
         return None, f"base weights (--qat-checkpoint {NO_QAT_CHECKPOINT})"
     if given is not None:
@@ -265,10 +287,6 @@ def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint"
     """Refuse a checkpoint path that cannot load, reading only the files' headers: missing, a folder
     without .safetensors files, a file that is not safetensors. Whether its keys and shapes fit the
     model is checked by :func:`load_qat_checkpoint`."""
-    from safetensors import safe_open
-
-    from attnqat.checks import check_path_text
-
     p = check_path_text(flag, path)
     if not p.exists():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
@@ -285,8 +303,6 @@ def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint"
 
 
 def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = _checkpoint_files(path)
     state: dict[str, torch.Tensor] = {}
     for f in files:
@@ -300,8 +316,6 @@ def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def _qat_weights_file(path: str | os.PathLike) -> Path | None:
     """The QAT weights file (:mod:`.qat_weights`: a subset of the weights, recognised by its metadata) that
     ``path`` names, or None when its files are a plain state dict."""
-    from .qat_weights import is_qat_weights
-
     files = _checkpoint_files(path)
     subsets = [f for f in files if is_qat_weights(f)]
     if subsets and len(files) > 1:
@@ -335,8 +349,6 @@ def _check_keys(transformer: torch.nn.Module, path, state: dict, *, subset: bool
 def _read_subset(transformer: torch.nn.Module, file: Path) -> dict[str, torch.Tensor]:
     """The tensors of the QAT weights ``file``, checked against ``transformer``: known keys, equal shapes, and
     ``transformer``'s current weights are the base the file was made for (its fingerprint)."""
-    from .qat_weights import read_qat_weights, weights_fingerprint
-
     weights = read_qat_weights(file)
     _check_keys(transformer, file, weights.tensors, subset=True)
     own = weights_fingerprint(transformer.state_dict())

@@ -30,6 +30,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from attnqat.outputs import replace_dir_atomically
+
+from .wan_configs import wan_transformer_config
+
 # torch is imported where it is used: `attnqat generate --help` reads the default model from here.
 
 #: Where the shipped weights live (package data).
@@ -67,20 +71,13 @@ MINI_TEXT_ENCODER_CONFIG = dict(d_model=MINI_TEXT_DIM, d_kv=32, d_ff=256, num_la
                                 decoder_start_token_id=0)
 MINI_VAE_CONFIG = dict(base_dim=24, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
                        temperal_downsample=[False, True, True])
-MINI_TRANSFORMER_CONFIG = dict(
-    patch_size=(1, 2, 2),
+MINI_TRANSFORMER_CONFIG = wan_transformer_config(
     num_attention_heads=4,
     attention_head_dim=64,     # the FP4 kernels' head_dim (64 or 128), as Wan 1.3B/14B have 128
-    in_channels=16,            # = the VAE's z_dim
-    out_channels=16,
     text_dim=MINI_TEXT_DIM,    # = the text encoder's d_model
     freq_dim=256,
     ffn_dim=1024,
     num_layers=8,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    rope_max_seq_len=1024,
 )
 MINI_FLOW_SHIFT = 3.0
 
@@ -238,8 +235,6 @@ def save_pipeline_folder(pipe, folder: str | os.PathLike, *, transformer_dtype=N
     The ``*_dtype`` arguments override those storage dtypes (None: bf16, fp16, bf16).
     """
     import torch
-
-    from attnqat.outputs import replace_dir_atomically
 
     folder = Path(folder)
     if folder.exists() and not (folder / "model_index.json").is_file():

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Literal, Union
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +42,8 @@ from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnP
 
 from attnqat.kernels import REFERENCE_MODE, attention, mode_of
 
-if TYPE_CHECKING:
-    from .schedule import PrecisionSchedule
+from .context_parallel import context_parallel_attention
+from .schedule import PrecisionSchedule, SwitchableProcessor
 
 __all__ = ["AttnQATProcessor", "AttentionTimer", "patch_attention", "unpatch_attention", "patched_attention",
            "attention_modes"]
@@ -146,7 +146,7 @@ def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -
     return out
 
 
-class AttnQATProcessor(WanAttnProcessor):
+class AttnQATProcessor(WanAttnProcessor, SwitchableProcessor):
     """Wan's attention processor with the attention call done by :func:`attnqat.kernels.api.attention`.
 
     Arguments:
@@ -235,8 +235,6 @@ class AttnQATProcessor(WanAttnProcessor):
             if getattr(parallel_config, "context_parallel_config", None) is None:
                 raise ValueError("AttnQATProcessor supports context parallelism only (a `parallel_config` without "
                                  "a context_parallel_config, e.g. tensor parallelism, is not supported)")
-            from .context_parallel import context_parallel_attention
-
             return context_parallel_attention(query, key, value, mode, parallel_config=parallel_config, **options)
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if mode == REFERENCE_MODE:

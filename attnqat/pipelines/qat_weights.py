@@ -27,7 +27,8 @@ header's metadata (strings) says what it is:
 ``trained`` one line on how the weights were trained
 ==========  ===========================================================================================
 
-``attnqat export-qat`` (:func:`export_qat_weights`) writes one from a fine-tune and its base model;
+``attnqat export-qat`` (:func:`attnqat.pipelines.qat_export.export_qat_weights`) writes one from a fine-tune
+and its base model;
 :func:`~attnqat.pipelines.loading.load_qat_checkpoint` loads it like any QAT checkpoint.
 """
 from __future__ import annotations
@@ -39,14 +40,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
 
-from attnqat.errors import one_line
+from attnqat.errors import CheckpointMismatchError
 
-from .loading import CheckpointMismatchError
 from .mini import MAX_QAT_WEIGHTS_BYTES
 
 __all__ = ["FORMAT", "MAX_BYTES", "STORAGES", "QatWeights", "weights_fingerprint", "is_qat_weights",
-           "read_qat_weights", "changed_tensors", "export_qat_weights"]
+           "read_qat_weights", "changed_tensors", "fp8_changes", "serialize"]
 
 FORMAT = "attnqat-qat-weights"
 #: How a file stores the changed tensors (its metadata's ``tensors``): their values in bf16, or their changes in FP8.
@@ -105,8 +107,6 @@ def weights_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
 
 
 def _metadata(path: str | os.PathLike) -> dict[str, str]:
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}
@@ -123,8 +123,6 @@ def is_qat_weights(path: str | os.PathLike) -> bool:
 def read_qat_weights(path: str | os.PathLike) -> QatWeights:
     """The tensors and metadata of the QAT weights file ``path``; :class:`CheckpointMismatchError` when its
     metadata is not this format's (module docstring)."""
-    from safetensors.torch import load_file
-
     meta = _metadata(path)
     storage = meta.get("tensors")
     if meta.get("format") != FORMAT or storage not in STORAGES or not meta.get("base"):
@@ -193,66 +191,6 @@ def fp8_changes(tuned: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tens
     return out
 
 
-def _serialize(tensors: dict[str, torch.Tensor], base: str, trained: str, storage: str = "subset") -> bytes:
-    from safetensors.torch import save
-
+def serialize(tensors: dict[str, torch.Tensor], base: str, trained: str, storage: str = "subset") -> bytes:
     return save(tensors, metadata={"format": FORMAT, "tensors": storage, "base": base,
                                    "dtype": _STORAGE_DTYPE[storage], "trained": trained})
-
-
-def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.PathLike, *,
-                       trained: str | None = None, storage: str = "auto") -> QatWeights:
-    """Write the QAT weights file ``out``: the tensors of the fine-tune ``finetune`` (a safetensors file, a
-    folder of shards, an ``attnqat train`` run or checkpoint folder) that differ from the transformer of
-    ``model`` (the base it was fine-tuned from: ``mini``, ``tiny`` or a diffusers folder) in bf16.
-    ``storage``: ``subset`` (their values in bf16), ``fp8-delta`` (their changes in FP8, module docstring) or
-    ``auto`` (``subset`` where it fits in :data:`MAX_BYTES`, else ``fp8-delta``).
-
-    Refused (ValueError, nothing written): a fine-tune whose keys or shapes differ from the base's
-    (:class:`CheckpointMismatchError`), one equal to the base, a file over :data:`MAX_BYTES`. The file is
-    written under a temporary name and renamed into place once it reads back.
-    Return: the written file, as :func:`read_qat_weights` reads it.
-    """
-    from attnqat.outputs import write_file_atomically
-
-    from .loading import checkpoint_weights_path, load_transformer, read_qat_checkpoint
-
-    if storage not in ("auto", *STORAGES):
-        raise ValueError(f"storage must be 'auto' or one of {STORAGES}, got {storage!r}")
-    # fp32: an fp8-delta is the change from the base as the model holds it (a bf16 folder's values, exactly)
-    base = load_transformer(model, dtype=torch.float32)
-    base_state = base.state_dict()
-    tuned = read_qat_checkpoint(base, finetune)
-    changed = changed_tensors(tuned, base_state)
-    source = checkpoint_weights_path(finetune)
-    if not changed:
-        raise ValueError(f"the fine-tune {source!r} equals the base model {model!r} in bf16: no tensor changed, "
-                         f"nothing to write (was it fine-tuned from another model?)")
-    if trained is None:  # the paths as given (a run folder's name says more than its final/transformer.safetensors)
-        trained = one_line(f"attnqat QAT fine-tune {finetune} of {model}")
-    fingerprint = weights_fingerprint(base_state)
-    for storage in STORAGES if storage == "auto" else (storage,):  # auto: the first that fits
-        tensors = changed if storage == "subset" else fp8_changes({k: tuned[k] for k in changed}, base_state)
-        data = _serialize(tensors, fingerprint, trained, storage)
-        if len(data) <= MAX_BYTES:
-            break
-    else:
-        raise ValueError(f"QAT weights of {source!r} would be {len(data) / 1e6:.1f} MB as {storage} "
-                         f"({_describe(changed, base_state)}), over the {MAX_BYTES / 1e6:g} MB limit of a shipped "
-                         f"file; fine-tune fewer weights (e.g. --set train.trainable=attention), store them as "
-                         f"fp8-delta, or load the fine-tune itself with --qat-checkpoint")
-
-    def verify(tmp: Path) -> None:
-        back = read_qat_weights(tmp)
-        if set(back.tensors) != set(changed) or back.storage != storage:
-            raise OSError(f"{tmp} does not read back: {len(back.tensors)} tensors ({back.storage}) instead of "
-                          f"{len(changed)} ({storage})")
-
-    write_file_atomically(out, lambda tmp: tmp.write_bytes(data), verify)
-    return read_qat_weights(out)
-
-
-def _describe(changed: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> str:
-    """``"N of M tensors changed, e.g. a, b, c"``, for messages."""
-    names = sorted(changed)
-    return f"{len(names)} of {len(base)} tensors changed, e.g. {', '.join(names[:3])}"

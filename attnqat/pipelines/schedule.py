@@ -24,8 +24,7 @@ step ``i`` (after the scheduler's update), so it sets step ``i + 1``'s precision
 when the callback is made (or by :meth:`PrecisionSwitch.start`), and after the last step every
 processor is back in its own mode.
 
-This module imports neither torch nor diffusers at import time (``attnqat generate --help`` imports it); which
-modes are high-precision is read from the mode registry (``Mode.high_precision``) when a schedule is made.
+Which modes are high-precision is read from the mode registry (``Mode.high_precision``) when a schedule is made.
 """
 from __future__ import annotations
 
@@ -34,8 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from attnqat.checks import show
+from attnqat.kernels import available_modes
 
-__all__ = ["PrecisionSchedule", "PrecisionSwitch", "parse_steps", "parse_blocks"]
+__all__ = ["PrecisionSchedule", "PrecisionSwitch", "SwitchableProcessor", "parse_steps", "parse_blocks"]
 
 _INDEX = re.compile(r"-?[0-9]+")  # ASCII digits only (int() would also take "١" or "1_0")
 _RANGE = re.compile(r"(first|last):([0-9]+)")
@@ -48,8 +48,6 @@ def _show(value: Any) -> str:
 
 def _check_high_precision_mode(mode: Any, what: str = "high-precision mode") -> None:
     """Refuse a ``mode`` whose record does not say ``high_precision`` (an unknown name too), naming ``what``."""
-    from attnqat.kernels import available_modes  # here: the registry loads torch, and --help must not
-
     allowed = available_modes(lambda m: m.high_precision)
     if not isinstance(mode, str) or mode not in allowed:
         raise ValueError(f"{what} {_show(mode)} not in {', '.join(allowed)}")
@@ -223,6 +221,15 @@ class PrecisionSchedule:
         return PrecisionSwitch(transformer, self, num_steps)
 
 
+class SwitchableProcessor:
+    """What a :class:`PrecisionSwitch` drives: an attention processor that runs ``high_precision_mode`` while its
+    ``high_precision`` flag is set, else its own mode (:class:`~attnqat.pipelines.processor.AttnQATProcessor`
+    is one). Defined here, below the processor, so that the switch finds the processors without importing them."""
+
+    high_precision: bool = False
+    high_precision_mode: str | None = None
+
+
 class PrecisionSwitch:
     """A diffusers ``callback_on_step_end`` that runs a :class:`PrecisionSchedule`'s steps in its
     high-precision mode on a transformer patched with that schedule
@@ -234,12 +241,10 @@ class PrecisionSwitch:
     """
 
     def __init__(self, transformer, schedule: PrecisionSchedule, num_steps: int):
-        from .processor import AttnQATProcessor
-
         self.schedule, self.num_steps = schedule, num_steps
         self.high_steps = schedule.resolve_steps(num_steps)
         self.processors = [m.processor for m in transformer.modules()
-                           if isinstance(getattr(m, "processor", None), AttnQATProcessor)]
+                           if isinstance(getattr(m, "processor", None), SwitchableProcessor)]
         if not self.processors:
             raise ValueError("no attention layer of this transformer is patched: call "
                              "patch_attention(transformer, mode, schedule=schedule) first")

@@ -18,26 +18,21 @@ from __future__ import annotations
 
 import torch
 
+from .wan_configs import wan_transformer_config
+
 #: Printed by the CLI and repeated in the README: the tiny model is not a video model.
 TINY_NOTICE = ("model 'tiny' has RANDOM weights (a Wan 2.1-architecture pipeline built in code, for "
                "tests and offline smoke runs): its video is noise-like, not an image of the prompt")
 
 # The sizes, in one place. head_dim 64 is the smallest head size the FP4 kernels take.
 TINY_TEXT_DIM = 32
-TINY_TRANSFORMER_CONFIG = dict(
-    patch_size=(1, 2, 2),
+TINY_TRANSFORMER_CONFIG = wan_transformer_config(
     num_attention_heads=2,
     attention_head_dim=64,
-    in_channels=16,            # = the VAE's z_dim, as in Wan 2.1
-    out_channels=16,
     text_dim=TINY_TEXT_DIM,    # = the text encoder's d_model
     freq_dim=64,
     ffn_dim=256,
     num_layers=2,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    rope_max_seq_len=1024,
 )
 TINY_VAE_CONFIG = dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                        temperal_downsample=[False, True, True])

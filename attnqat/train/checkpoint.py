@@ -34,10 +34,11 @@ from pathlib import Path
 
 import torch
 
+from attnqat.outputs import save_safetensors
+from attnqat.pipelines.loading import CHECKPOINTS_DIR, FINAL_DIR, MANIFEST, STEP_DIR
+
 FORMAT = "attnqat-checkpoint"
 VERSION = 1
-MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"step-(\d{7})")  # checkpoints/step-NNNNNNN: 7 digits, so names sort by step
 MAX_MANIFEST_BYTES = 16 << 20
 KNOWN_SIDE = (".tmp", ".old")  # an interrupted write (.tmp) or commit (.old)
 CORRUPT = ".corrupt"  # a checkpoint that failed verification, moved aside by --resume auto
@@ -101,8 +102,6 @@ def write_json(path: Path, data) -> None:
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    from attnqat.outputs import save_safetensors
-
     save_safetensors(path, {k: v.detach().contiguous() for k, v in tensors.items()}, metadata=metadata)
     fsync_file(path)
 
@@ -277,8 +276,8 @@ def move_aside(folder: Path, log=print) -> Path:
 def recover_run(output_dir: Path, log=print) -> None:
     """:func:`recover` ``final/`` and every checkpoint of a run folder."""
     output_dir = Path(output_dir)
-    recover(output_dir / "final", log)
-    ckpts = output_dir / "checkpoints"
+    recover(output_dir / FINAL_DIR, log)
+    ckpts = output_dir / CHECKPOINTS_DIR
     if ckpts.is_dir():
         names = {p.name.removesuffix(s) for p in ckpts.iterdir() for s in KNOWN_SIDE if p.name.endswith(s)}
         for name in sorted(n for n in names if STEP_DIR.fullmatch(n)):
@@ -287,7 +286,7 @@ def recover_run(output_dir: Path, log=print) -> None:
 
 def step_dirs(output_dir: Path) -> list[tuple[int, Path]]:
     """(step, folder) of ``OUTPUT/checkpoints/step-NNNNNNN``, oldest first (committed names only)."""
-    ckpts = Path(output_dir) / "checkpoints"
+    ckpts = Path(output_dir) / CHECKPOINTS_DIR
     if not ckpts.is_dir():
         return []
     out = [(int(m.group(1)), p) for p in ckpts.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()]
@@ -355,7 +354,7 @@ def run_artifacts(output_dir: Path) -> list[Path]:
                 continue
             if STEP_DIR.fullmatch(p.name) and is_ours(p):
                 found.append(p)
-            elif re.fullmatch(r"step-\d{7}(\.tmp|\.old|\.corrupt\d*)", p.name):
+            elif re.fullmatch(STEP_DIR.pattern + r"(\.tmp|\.old|\.corrupt\d*)", p.name):
                 found.append(p)
     return found
 

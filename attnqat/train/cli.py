@@ -18,6 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import load_config, objective_of, validate
+from .loop import check_request, train
+
 HELP = "QAT fine-tuning of a Wan 2.1 transformer for FP4 attention (distillation / flow matching)"
 
 
@@ -52,8 +55,6 @@ def _step_number(flag: str, text: str | None) -> int | None:
 
 
 def main(args) -> int:
-    from .config import load_config, objective_of, validate
-
     if args.output_dir is not None and not args.output_dir.strip():
         raise ValueError("--output-dir is empty")
     max_steps = _step_number("--max-steps", args.max_steps)
@@ -63,7 +64,6 @@ def main(args) -> int:
         cfg.output_dir = args.output_dir
     if max_steps is not None:
         cfg.train.max_steps = max_steps
-    from .loop import check_request, train
 
     if args.check:
         index = validate(cfg)

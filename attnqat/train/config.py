@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
+from diffusers import WanTransformer3DModel
 
+from attnqat.checks import latent_shape
+from attnqat.kernels import available_modes, mode_of
+from attnqat.pipelines.loading import ModelNotFoundError, is_tiny, resolve_model
+from attnqat.pipelines.model_folder import check_model_folder
+from attnqat.pipelines.tiny import TINY_TRANSFORMER_CONFIG
+
+from .data import read_index
 from .objectives import OBJECTIVES, Objective
 
 DISTILL_TARGETS = ("output", "features")
@@ -328,9 +336,6 @@ def objective_of(o: ObjectiveConfig) -> Objective:
 
 def model_config(model: str) -> dict:
     """The ``WanTransformer3DModel`` config of ``model`` without loading any weight."""
-    from attnqat.pipelines import TINY_TRANSFORMER_CONFIG, is_tiny
-    from attnqat.pipelines.loading import resolve_model
-
     if not isinstance(model, str) or not model.strip():
         raise ValueError(f"model must be 'tiny', 'mini', a Wan 2.1 folder or a hub id, got {_show(model)}")
     model = resolve_model(model)
@@ -342,8 +347,6 @@ def model_config(model: str) -> dict:
     except (OSError, ValueError) as e:  # a name too long for the file system, a NUL byte
         raise ValueError(f"model {_show(model)} is not a usable path ({getattr(e, 'strerror', None) or e})") from None
     if is_dir:
-        from attnqat.pipelines.model_folder import check_model_folder
-
         check_model_folder(path, ("transformer",))  # bounds, types, its weights' blocks
         cfg = path / "transformer" / "config.json"
         if not cfg.is_file():
@@ -358,11 +361,9 @@ def model_config(model: str) -> dict:
         if not isinstance(tc, dict):
             raise ValueError(f"model {model!r}: {cfg.name} is not a transformer config")
         return tc
-    from attnqat.pipelines import ModelNotFoundError
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # not even the shape of a hub id: no network lookup
         raise ModelNotFoundError(f"model {_show(model)} is neither 'tiny', a local folder, nor a hub id (org/name)")
     try:
-        from diffusers import WanTransformer3DModel
         return dict(WanTransformer3DModel.load_config(model, subfolder="transformer"))
     except Exception as e:  # not cached / offline / unknown id
         raise ModelNotFoundError(f"model {_show(model)} is neither 'tiny', a local folder, nor a cached hub id "
@@ -374,8 +375,6 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     """Check ``cfg`` against itself, its data folder, the transformer's config and the process count
     ``world_size`` (default: the launcher's ``WORLD_SIZE``, 1 without one); return the data index (``{}`` when
     data-free). Raises ValueError / FileNotFoundError naming the offending value."""
-    from attnqat.kernels import available_modes, mode_of
-
     a, o, t, d, tr, ck = cfg.attention, cfg.objective, cfg.timesteps, cfg.data, cfg.train, cfg.checkpoint
     objective = objective_of(o)
     _one_of(o.target, DISTILL_TARGETS, "objective.target")
@@ -453,7 +452,6 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
         index["has_latents"] = True
     else:
         if d.path is not None:
-            from .data import read_index
             index = read_index(d.path)
         if needs_latents:
             why = objective.latents_setting
@@ -571,5 +569,4 @@ def _corpus_shapes(c: CorpusConfig) -> list[list[int]]:
                          f"{_show(c.refresh)}, refresh_every {_show(c.refresh_every)}, encode_batch {_show(c.encode_batch)}")
     if not (isinstance(c.caption_dropout, float) and 0 <= c.caption_dropout < 1):
         raise ValueError(f"data.corpus.caption_dropout must be in [0, 1), got {_show(c.caption_dropout)}")
-    from .corpus_source import latent_shape
     return [latent_shape(s) for s in c.sizes]

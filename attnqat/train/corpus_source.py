@@ -21,16 +21,14 @@ from the integer ``size_weights`` (weights [2, 1] give sizes 0, 0, 1, 0, 0, 1, .
 from __future__ import annotations
 
 import torch
+from diffusers import AutoencoderKLWan
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from transformers import AutoTokenizer, UMT5EncoderModel
 
-from attnqat.train.config import CorpusConfig
+from attnqat.corpus import Corpus
+from attnqat.pipelines.loading import resolve_model
 
-TIME_STRIDE, SPACE_STRIDE = 4, 8  # Wan's VAE: frames = 4k + 1 -> k + 1 latent frames; 8x8 pixels a latent
-
-
-def latent_shape(size, z_dim: int = 16) -> list[int]:
-    """(C, F, H, W) of the latents of a (frames, height, width) video."""
-    f, h, w = size
-    return [z_dim, (f - 1) // TIME_STRIDE + 1, h // SPACE_STRIDE, w // SPACE_STRIDE]
+from .config import CorpusConfig
 
 
 def size_pattern(cfg: CorpusConfig) -> list[int]:
@@ -69,11 +67,6 @@ class CorpusSource:
     """
 
     def __init__(self, model: str, cfg: CorpusConfig, *, text_len: int, device, rank: int = 0, world: int = 1):
-        from diffusers import AutoencoderKLWan
-        from transformers import AutoTokenizer, UMT5EncoderModel
-
-        from attnqat.pipelines.loading import resolve_model
-
         folder = resolve_model(model)
         tokenizer = AutoTokenizer.from_pretrained(folder, subfolder="tokenizer")
         text_encoder = UMT5EncoderModel.from_pretrained(folder, subfolder="text_encoder", dtype=torch.float32)
@@ -90,8 +83,6 @@ class CorpusSource:
         return self
 
     def _setup(self, tokenizer, text_encoder, vae, cfg, text_len, device, rank, world) -> None:
-        from attnqat.corpus import Corpus
-
         self.cfg, self.text_len, self.device, self.rank, self.world = cfg, text_len, torch.device(device), rank, world
         self.tokenizer = tokenizer
         self.text_encoder = text_encoder.to(self.device).eval()
@@ -110,8 +101,6 @@ class CorpusSource:
     @torch.no_grad()
     def embed(self, captions: list[str]) -> torch.Tensor:
         """(n, text_len, d_model) float32 prompt embeddings, as ``WanPipeline`` computes them."""
-        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-
         tokens = self.tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=self.text_len,
                                 truncation=True, add_special_tokens=True, return_attention_mask=True,
                                 return_tensors="pt")

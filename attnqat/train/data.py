@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from attnqat.outputs import save_safetensors
+
 INDEX = "index.json"
 SHARD_NAME = re.compile(r"shard-\d{5}\.safetensors")  # precompute's shard files
 
@@ -105,8 +107,6 @@ def sample_indices(n: int, seed: int, position: int, count: int) -> list[int]:
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file atomically (to a temporary name, then rename)."""
     import os
-
-    from attnqat.outputs import save_safetensors
 
     tmp = path.with_name(path.name + ".tmp")
     save_safetensors(tmp, {k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)

@@ -31,13 +31,15 @@ from pathlib import Path
 
 import torch
 
-from attnqat.checks import check_not_input, model_inputs
+from attnqat.checks import check_not_input
 from attnqat.locking import output_lock
+from attnqat.pipelines.loading import CHECKPOINTS_DIR, load_transformer, model_inputs, step_dir_name
 
 from . import checkpoint as ck
 from . import sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
 from .config import TrainConfig, model_config, objective_of, save_config, tokens_per_sample, validate
+from .corpus_source import CorpusSource
 from .data import ShardDataset, sample_indices
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
 from .student_teacher import FeatureCapture, make_student_teacher
@@ -144,8 +146,6 @@ class Trainer:
         self.dataset = ShardDataset(cfg.data.path) if cfg.data.path else None
         set_seed(cfg.seed)
 
-        from attnqat.pipelines import load_transformer
-
         if tr.from_scratch:  # the model's architecture at a seeded random initialisation
             from diffusers import WanTransformer3DModel
 
@@ -190,8 +190,6 @@ class Trainer:
         self.tokens = tokens_per_sample(self.shape, self.tc)
         self.corpus = None
         if cfg.data.source == "corpus":
-            from .corpus_source import CorpusSource
-
             self.corpus = CorpusSource(cfg.model, cfg.data.corpus, text_len=cfg.data.text_len, device=acc.device,
                                        rank=self.sp.dp_rank, world=self.sp.dp_size)
         # EMA of the trainable weights (fp32, on the device), exported instead of the raw weights.
@@ -338,7 +336,7 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
-        return Path(self.cfg.output_dir) / "checkpoints" / f"step-{step:07d}"
+        return Path(self.cfg.output_dir) / CHECKPOINTS_DIR / step_dir_name(step)
 
     def _raw_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer wraps it

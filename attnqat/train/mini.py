@@ -38,7 +38,16 @@ from pathlib import Path
 
 import torch
 
+from attnqat.corpus import Corpus
+from attnqat.evaluation import PSNR_CAP_DB, vae_round_trip
 from attnqat.outputs import replace_dir_atomically, write_file_atomically
+from attnqat.pipelines.loading import load_qat_checkpoint
+from attnqat.pipelines.mini import MINI_DIR, build_mini_pipeline, check_folder_size, save_pipeline_folder
+from attnqat.quality import detect, score
+
+from .checkpoint import RUN_CONFIG
+from .config import load_config
+from .loop import latest_checkpoint, train
 
 STAGES = ("init", "vae", "transformer", "export")
 CONTINUED = "continued_from.json"  # in OUT after a warm start: the card of the build it started from
@@ -117,8 +126,6 @@ def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, 
     ``decoder_only`` freezes the encoder (and ``quant_conv``): the latents stay exactly what they were, so a
     transformer trained on them carries over while the decoder improves.
     """
-    from attnqat.corpus import Corpus
-
     corpus = Corpus(seed, "train")
     vae.to(device).train()
     if decoder_only:
@@ -167,8 +174,6 @@ def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, 
 @torch.no_grad()
 def latent_statistics(vae, *, clips: int = 64, size=(33, 128, 128), seed: int = 0, device="cuda"):
     """Per-channel mean and std of ``vae``'s latents (posterior means) over ``clips`` corpus clips."""
-    from attnqat.corpus import Corpus
-
     corpus = Corpus(seed, "train")
     frames, height, width = size
     zs = []
@@ -190,9 +195,6 @@ def reconstruction_per_frame(vae, *, clips: int = 16, size=(33, 256, 256), seed:
     frames. PSNR is capped at ``PSNR_CAP_DB`` (100 dB: an exact frame), as ``attnqat quality`` caps it. A mean alone hides a VAE that breaks late in a clip: one
     trained on 17 frames averaged 18 dB at 33 frames while its frames 18-33 fell from 20 to 6 dB.
     """
-    from attnqat.corpus import Corpus
-    from attnqat.evaluation import PSNR_CAP_DB, vae_round_trip
-
     corpus = Corpus(seed, "held_out")
     frames, height, width = size
     specs = [corpus.spec(j) for j in range(clips)]
@@ -209,9 +211,6 @@ def reconstruction_per_frame(vae, *, clips: int = 16, size=(33, 256, 256), seed:
 def reconstruction_detection(vae, *, clips: int = 16, size=(33, 256, 256), seed: int = 0, device="cuda") -> dict:
     """How well the detector (:func:`attnqat.quality.detect`) reads colour, shape and motion off VAE
     round trips of held-out clips: a VAE that drops the objects scores ~0 here whatever its PSNR, and no transformer trained on its latents can show an object."""
-    from attnqat.corpus import Corpus
-    from attnqat.quality import detect, score
-
     corpus = Corpus(seed, "held_out")
     frames, height, width = size
     detections, truths = [], []
@@ -231,8 +230,6 @@ def reconstruction_detection(vae, *, clips: int = 16, size=(33, 256, 256), seed:
 
 def stage_init(out: Path, vae_folder: str | None = None, from_folder: str | None = None) -> None:
     from diffusers import AutoencoderKLWan, WanPipeline
-
-    from attnqat.pipelines.mini import build_mini_pipeline, save_pipeline_folder
 
     vae = None if vae_folder is None else AutoencoderKLWan.from_pretrained(vae_folder, torch_dtype=torch.float32)
     if from_folder is None:
@@ -312,8 +309,6 @@ def stage_vae(out: Path, args) -> None:
 
 
 def transformer_config(out: Path, overrides: list[str]):
-    from .config import load_config
-
     # a warm start trains the weights in OUT/model instead of a seeded random initialisation
     warm = ["train.from_scratch=false"] if (out / CONTINUED).is_file() else []
     return load_config(CONFIG, [f"model={out / 'model'}", f"output_dir={out / 'run'}", *warm, *overrides])
@@ -322,16 +317,11 @@ def transformer_config(out: Path, overrides: list[str]):
 def run_config(out: Path, overrides: list[str]):
     """The config the transformer stage trained with: the run's own record (it holds the --set overrides of
     the training call), else configs/mini.yaml with ``overrides``."""
-    from .checkpoint import RUN_CONFIG
-    from .config import load_config
-
     recorded = out / "run" / RUN_CONFIG
     return load_config(recorded) if recorded.is_file() else transformer_config(out, overrides)
 
 
 def stage_transformer(out: Path, args) -> None:
-    from .loop import train
-
     cfg = transformer_config(out, args.set)
     t0 = time.perf_counter()
     result = train(cfg, resume="auto", time_limit=args.minutes * 60)
@@ -342,11 +332,6 @@ def stage_transformer(out: Path, args) -> None:
 
 def stage_export(out: Path, args) -> Path:
     from diffusers import AutoencoderKLWan, WanPipeline
-
-    from attnqat.pipelines.loading import load_qat_checkpoint
-    from attnqat.pipelines.mini import check_folder_size, save_pipeline_folder
-
-    from .loop import latest_checkpoint
 
     ckpt = latest_checkpoint(out / "run")
     if ckpt is None:
@@ -370,8 +355,6 @@ def stage_export(out: Path, args) -> Path:
     print(f"export: {target} ({size / 1e6:.1f} MB) from {ckpt} (step {state['step']}; "
           f"{card['transformer_steps']} transformer steps in all)")
     if args.ship:
-        from attnqat.pipelines.mini import MINI_DIR
-
         if MINI_DIR.exists() and not (MINI_DIR / "model_index.json").is_file():
             raise FileExistsError(f"{MINI_DIR} exists and is not a model folder; not replacing it")
         replace_dir_atomically(MINI_DIR, lambda tmp: shutil.copytree(target, tmp, dirs_exist_ok=True))

@@ -16,9 +16,22 @@ import argparse
 import json
 from pathlib import Path
 
+import imageio.v3 as iio
+import numpy as np
 import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKLWan
+from transformers import AutoTokenizer, UMT5EncoderModel
 
+from attnqat.checks import (check_can_create_in, check_device, check_input_file, check_int, check_limited,
+                            check_not_input, check_output_dir, check_video_size, show)
 from attnqat.errors import ComputeError, one_line
+from attnqat.locking import output_lock
+from attnqat.outputs import remove_stale_temps, replace_dir_atomically, write_dir_atomically
+from attnqat.pipelines import build_tiny_text_encoder, build_tiny_tokenizer, build_tiny_vae, is_tiny
+from attnqat.pipelines.loading import _from_pretrained, check_model, model_inputs
+
+from .data import INDEX, SHARD_NAME, is_precompute_output, write_index, write_shard
 
 HELP = "encode prompts (and videos) into safetensors shards for `attnqat train`"
 
@@ -35,6 +48,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard (default 256)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per text-encoder call (default 8)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+
+
+def check_arguments(args) -> None:
+    """Every argument of ``attnqat precompute``, before its encoders load (the command's own module
+    re-checks what it needs; this adds the limits, the paths and the device).
+
+    ``--out`` must be new, empty, or an earlier precompute output (its index.json and shards, nothing else:
+    it is then replaced, once the new output is complete): a folder holding anything else is refused, so no
+    user file is overwritten. The new output is written beside it first, so its parent must be writable.
+    """
+    prompts = check_input_file("--prompts", args.prompts)
+    check_model(args.model)
+    out = check_output_dir("--out", args.out, must_be_empty=True, reusable=is_precompute_output)
+    if out.exists():
+        check_can_create_in("--out", str(args.out), out.parent)
+    check_limited("--max-length", args.max_length, "text_tokens")
+    check_int("--shard-size", args.shard_size, 1)
+    check_int("--batch-size", args.batch_size, 1)
+    if args.videos:
+        check_video_size(args.height, args.width, args.frames)
+    else:  # unused without --videos, still refused when absurd
+        check_limited("--height", args.height, "side")
+        check_limited("--width", args.width, "side")
+        check_limited("--frames", args.frames, "frames")
+    check_device("--device", args.device)
+    try:
+        read_records(prompts, args.videos)
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompts {show(str(args.prompts))} is not UTF-8 text") from None
 
 
 def read_records(path: str | Path, need_videos: bool) -> list[dict]:
@@ -72,18 +114,11 @@ def read_records(path: str | Path, need_videos: bool) -> list[dict]:
 
 def load_encoders(model: str, device, need_vae: bool):
     """(tokenizer, text_encoder, vae or None) of ``model``, text encoder in bf16 on GPU / fp32 on CPU."""
-    from attnqat.pipelines import build_tiny_text_encoder, build_tiny_tokenizer, build_tiny_vae, is_tiny
-
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if is_tiny(model):
         tok, enc = build_tiny_tokenizer(), build_tiny_text_encoder(dtype)
         vae = build_tiny_vae() if need_vae else None
     else:
-        from diffusers import AutoencoderKLWan
-        from transformers import AutoTokenizer, UMT5EncoderModel
-
-        from attnqat.pipelines.loading import _from_pretrained
-
         tok = _from_pretrained(AutoTokenizer, model, subfolder="tokenizer")
         enc = _from_pretrained(UMT5EncoderModel, model, subfolder="text_encoder", torch_dtype=dtype)
         vae = _from_pretrained(AutoencoderKLWan, model, subfolder="vae", torch_dtype=torch.float32) if need_vae else None
@@ -105,10 +140,6 @@ def encode_prompts(tok, enc, prompts: list[str], max_length: int, device) -> tor
 
 def read_video(path: str, frames: int, height: int, width: int) -> torch.Tensor:
     """(3, frames, height, width) in [-1, 1]: the first ``frames`` frames, resized (bilinear)."""
-    import imageio.v3 as iio
-    import numpy as np
-    import torch.nn.functional as F
-
     try:
         arr = np.stack([f for _, f in zip(range(frames), iio.imiter(path))])
     except (OSError, RuntimeError, ValueError) as e:  # a ValueError: not an output write failure
@@ -139,10 +170,6 @@ def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool
     ``out`` (its index.json and shards, nothing else) is replaced only then; any other non-empty folder is
     refused. One run writes ``out`` at a time (:mod:`attnqat.locking`); the temporary folders a killed run
     left beside ``out`` are removed first."""
-    from attnqat.checks import check_not_input, model_inputs
-    from attnqat.locking import output_lock
-    from attnqat.outputs import remove_stale_temps
-
     if videos:
         if height % 16 or width % 16:
             raise ValueError(f"--height {height} and --width {width} must be multiples of 16")
@@ -164,8 +191,6 @@ def precompute(prompts_file: str, out: str, *, model: str = "tiny", videos: bool
 def is_partial_output(folder: Path) -> bool:
     """``folder`` holds nothing but what precompute writes (index.json, shards, their .tmp names): a temporary
     folder of precompute's, or an old output it moved aside."""
-    from .data import INDEX, SHARD_NAME
-
     return all(e.is_file() and not e.is_symlink() and (e.name.removesuffix(".tmp") == INDEX
                                                         or SHARD_NAME.fullmatch(e.name.removesuffix(".tmp")))
                for e in folder.iterdir())
@@ -173,10 +198,6 @@ def is_partial_output(folder: Path) -> bool:
 
 def _precompute(records, folder: Path, out, *, model, videos, max_length, height, width, frames, shard_size,
                 batch_size, device, log) -> dict:
-    from attnqat.outputs import replace_dir_atomically, write_dir_atomically
-
-    from .data import INDEX, is_precompute_output, write_index, write_shard
-
     reuse = folder.is_dir() and (folder / INDEX).is_file()
     if folder.exists() and not (folder.is_dir() and (reuse or not any(folder.iterdir()))):
         raise ValueError(f"--out {str(out)!r} exists and is neither empty nor an earlier precompute output")

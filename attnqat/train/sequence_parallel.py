@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from attnqat.pipelines.context_parallel import enable_context_parallel
+
 MESH_DIMS = ("dp", "ring", "ulysses")  # diffusers' ContextParallelConfig looks up "ring" and "ulysses" by name
 
 
@@ -61,8 +63,6 @@ def setup(degree: int, rank: int, world: int, device_type: str) -> SequenceParal
 def enable(model: torch.nn.Module, sp: SequenceParallel) -> None:
     """diffusers' Ulysses context parallelism on ``model`` over this process's group (after patch_attention,
     before accelerate's prepare: the hooks sit in the modules' ``forward``, which DDP / FSDP call)."""
-    from attnqat.pipelines.context_parallel import enable_context_parallel
-
     enable_context_parallel(model, "ulysses", sp.degree, mesh=sp.mesh)
 
 
