@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The shipped mini from nothing, in one command (docs/mini.md, "The shipped (sixth) build, from nothing"): the
-# VAE and the fourth build's transformer, then two warm starts at flow shift 8, the second with its learning
-# rate decaying to 10%. About 69 GPU minutes on an H100/H200; step counts in a time budget depend on the GPU,
-# so a rebuild matches the shipped build in recipe, not bit for bit.
+# The shipped mini from nothing, in one command (docs/mini.md, "The shipped build, from nothing"): the VAE and a
+# first transformer, then two warm starts at flow shift 8, the second with its learning rate decaying to 10%.
+# About 69 GPU minutes on an H100/H200; step counts in a time budget depend on the GPU, so a rebuild matches
+# the shipped build in recipe, not bit for bit.
 #
 #   bash bench/build_mini.sh OUT [--ship]     # OUT/mini6/mini is the build; --ship then copies it into
 #                                             # attnqat/models/mini (that removes the QAT file there: make a new
@@ -21,7 +21,7 @@ mini() { python3 -m attnqat.train.mini "$@" ${extra[@]+"${extra[@]}"}; }
 both=(--set "data.corpus.size_weights=[1,1]" --set train.compile=true)
 done_() { [ -f "$1/mini/attnqat_mini.json" ]; }
 
-# 1. the VAE (10 minutes, batch 16) and the transformer at flow shift 3 (14 minutes): the fourth build
+# 1. the VAE (10 minutes, batch 16) and the transformer at flow shift 3 (14 minutes)
 done_ "$out/mini4" || mini --out "$out/mini4" --vae-minutes 10 --vae-batch 16 --minutes 14 "${both[@]}"
 
 warm() {  # NAME FROM MINUTES [--set ...]: a warm start of FROM's export, trained MINUTES more, exported
@@ -32,9 +32,9 @@ warm() {  # NAME FROM MINUTES [--set ...]: a warm start of FROM's export, traine
   mini --out "$out/$name" --stage transformer --minutes "$minutes" "${both[@]}" --set timesteps.shift=8.0 "$@"
   mini --out "$out/$name" --stage export
 }
-# 2. 22 more minutes at flow shift 8 (9,782 steps on an H200): the fifth build
+# 2. 22 more minutes at flow shift 8 (9,782 steps on an H200)
 warm mini5 mini4 22
-# 3. 22 more minutes, the learning rate a cosine to 10% over 9,000 steps (8,654 done on an H200): the sixth
+# 3. 22 more minutes, the learning rate a cosine to 10% over 9,000 steps (8,654 done on an H200)
 warm mini6 mini5 22 --set train.lr_schedule=cosine --set train.max_steps=9000 --set train.min_lr_ratio=0.1
 if [ -n "$ship" ]; then mini --out "$out/mini6" --stage export --ship; fi
 echo "built: $out/mini6/mini"
