@@ -10,8 +10,8 @@ The pipeline is loaded once; each mode only swaps attention processors (and, wit
 checkpoint, the transformer's weights for Attn-QAT: see :mod:`attnqat.demo`; on mini the default is the
 QAT fine-tune shipped with it, where installed). Requests generate
 one at a time, so one GPU is never oversubscribed, and the line of waiting ones is bounded, in all and per
-client (:class:`attnqat.demo.RequestLine`); each column appears as soon as its mode is done,
-with denoising progress per mode, and Cancel stops a request at its next denoising step. Every
+client (:class:`attnqat.demo.RequestLine`); each column shows its own mode's denoising progress and
+appears as soon as its mode is done, and Cancel stops a request at its next denoising step. Every
 argument is checked (port free, paths writable, ...) before the model loads: a mistake is one line
 on stderr and exit status 2. The logic lives in :mod:`attnqat.demo`.
 """
@@ -31,6 +31,7 @@ import threading
 from pathlib import Path
 
 TITLE = "attnqat: BF16 vs SageAttention3 vs Attn-QAT (Wan 2.1)"
+PROGRESS_CELLS = 10  # a denoising progress bar in a column's text: ten cells fit a quarter of the page
 DEFAULT_PROMPT = "a corgi surfing a wave at sunset, cinematic"
 MINI_PROMPT = "a blue square moves up over a checkered background"  # mini knows the corpus's words only
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -135,10 +136,26 @@ def page_theme():
         font_mono=[gr.themes.LocalFont("IBM Plex Mono", weights=(400, 700)), "ui-monospace", "Consolas", "monospace"])
 
 
+def _title(label: str, weights: str | None) -> list[str]:
+    """A column's first lines: its title (one line: :data:`attnqat.demo.MODE_LABELS`) and the weights it runs on
+    where they are not the model's own."""
+    return [f"**{label}**"] + ([weights] if weights else [])
+
+
+def _fmt_progress(label: str, weights: str | None, state: str | tuple[int, int]) -> str:
+    """A column's text before its video: ``state`` "waiting", "not selected" or its denoising (step, steps)."""
+    if isinstance(state, tuple):
+        done, total = state
+        filled = round(PROGRESS_CELLS * done / total) if total else 0
+        state = (f"denoising {'▰' * filled}{'▱' * (PROGRESS_CELLS - filled)} step {done} of {total}" if done
+                 else "starting")
+    return "  \n".join([*_title(label, weights), state])
+
+
 def _fmt_metrics(run) -> str:
     from attnqat.demo import psnr_frames_line
 
-    lines = [f"**{run.label}**", f"time **{run.seconds:.2f} s** (denoising {run.denoise_seconds:.2f} s)"]
+    lines = [*_title(run.label, run.weights), f"time **{run.seconds:.2f} s** (denoising {run.denoise_seconds:.2f} s)"]
     if run.precision:
         lines.append(f"precision: {run.precision}")
     if run.psnr is None:
@@ -208,8 +225,10 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
     into text. A valid request then joins ``line`` (:class:`~attnqat.demo.RequestLine`, one generation at a
     time, bounded in all and per client) or is refused at once.
 
-    The generation runs in a worker thread; its denoising progress is reported per mode through
-    ``gr.Progress``. If the request is cancelled (the Cancel button, or the page closed), Gradio
+    The generation runs in a worker thread. Each column's text says where its mode is (waiting, its denoising
+    step, then its metrics; "not selected" for a mode left out), updated after every step; the request's
+    overall progress goes through ``gr.Progress`` (the page shows it in one place, not over every column). If
+    the request is cancelled (the Cancel button, or the page closed), Gradio
     cancels this coroutine at its ``await``; the ``finally`` sets the engine's cancel event, and the
     worker stops at its next denoising step."""
     import gradio as gr
@@ -217,6 +236,7 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
 
     from attnqat.demo import RequestLine, new_request_dir, validate_request
     from attnqat.errors import GenerationCancelled
+    from attnqat.kernels import REFERENCE_MODE
 
     line = RequestLine() if line is None else line
 
@@ -227,7 +247,7 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
         try:
             selected = check_selected(selected, modes)
             validate_request(model=engine.model, prompt=prompt, height=height, width=width, frames=frames,
-                             steps=steps, seed=seed, modes=["bf16", *selected],
+                             steps=steps, seed=seed, modes=[REFERENCE_MODE, *selected],
                              high_precision_steps=high_precision_steps)
         except ValueError as e:
             raise refusal(str(e), "Invalid input", client) from None
@@ -256,7 +276,7 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
         except OSError as e:
             raise refusal(f"could not create a folder for this request in {str(out_root)!r}: "
                           f"{e.strerror or e}", "Generation failed", client) from None
-        run_modes = ["bf16", *[m for m in modes if m in selected]]
+        run_modes = [REFERENCE_MODE, *[m for m in modes if m in selected]]
         note = engine.vocabulary_note(prompt)  # mini: the prompt's words it does not know; it goes on
         if note:
             gr.Warning(note)
@@ -279,26 +299,31 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
             except BaseException as e:  # handed to the coroutine, which shows it in the page
                 emit("error", e)
 
+        denoising: dict[str, tuple[int, int]] = {}  # mode -> (step, steps) once it has started
         summary = {"prompt": prompt, "seed": int(seed), "steps": int(steps), "height": int(height),
                    "width": int(width), "frames": int(frames), "high_precision_steps": int(high_precision_steps),
                    "model": engine.model,
                    "qat_checkpoint": engine.qat_checkpoint, "vocabulary_note": note, "modes": {}}
         shown: dict[str, object] = {}
 
-        def outputs():
+        def outputs(texts_only: bool = False):
+            """Every output; ``texts_only``: the columns' texts, the rest left as the page shows it (no video,
+            strip or zip is sent again after each step)."""
             out = []
             for m in modes:
                 r = shown.get(m)
                 if r is not None:
-                    text = _fmt_metrics(r) + (f"  \n⚠ {note}" if note and m == "bf16" else "")
-                    out += [str(r.video), text, str(r.strip),
-                            None if r.frames_zip is None else str(r.frames_zip)]
-                elif m in run_modes:
-                    out += [None, f"**{engine.label(m)}**  \nwaiting", None, None]
+                    text = _fmt_metrics(r) + (f"  \n⚠ {note}" if note and m == REFERENCE_MODE else "")
+                    files = [str(r.video), str(r.strip), None if r.frames_zip is None else str(r.frames_zip)]
                 else:
-                    out += [None, f"**{engine.label(m)}**  \nnot selected", None, None]
-            return [*out, summary]
+                    state = denoising.get(m, "waiting") if m in run_modes else "not selected"
+                    text, files = _fmt_progress(engine.label(m), engine.weights(m), state), [None, None, None]
+                if texts_only:
+                    files = [gr.skip()] * 3
+                out += [files[0], text, *files[1:]]
+            return [*out, gr.skip() if texts_only else summary]
 
+        yield outputs()  # the previous request's videos go: no column shows a video its text is not about
         worker = threading.Thread(target=work, name="attnqat-demo-request", daemon=True)
         worker.start()
         try:
@@ -308,6 +333,8 @@ def make_handler(engine, modes: list[str], out_root: str | Path, line=None):
                     i, n, mode, step, total = payload
                     progress((step, total), desc=f"{engine.label(mode)} (mode {i + 1} of {n}): denoising steps",
                              unit="steps")
+                    denoising[mode] = (step, total)
+                    yield outputs(texts_only=True)
                 elif kind == "run":
                     shown[payload.mode] = payload
                     summary["modes"][payload.mode] = payload.summary()
@@ -348,6 +375,7 @@ def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
 
     from attnqat.demo import (LINE_WAITING, MAX_PROMPT_CHARS, MAX_UPLOAD, PER_CLIENT, SIZE_LIMITS, WORK_LIMITS,
                               model_kind, page_defaults, request_work)
+    from attnqat.kernels import REFERENCE_MODE, mode_of
     from attnqat.pipelines import TINY_NOTICE
     from attnqat.pipelines.mini import MINI_NOTICE
 
@@ -355,8 +383,9 @@ def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
     d = page_defaults(engine.model, engine.device)
     top = SIZE_LIMITS[kind]
     on_cpu = engine.device.type == "cpu"
-    optional = [m for m in modes if m != "bf16"]
-    default_on = [m for m in optional if m != "nvfp4"] or optional
+    optional = [m for m in modes if m != REFERENCE_MODE]
+    default_on = [m for m in optional if mode_of(m).demo_ticked] or optional
+    qat_column = any(mode_of(m).uses_qat_weights for m in modes)
     ref, why = WORK_LIMITS[kind]
 
     # Gradio 6 takes the theme in launch() (launch_options); Gradio 5 in Blocks().
@@ -377,15 +406,13 @@ def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
                              "installed) or `--model <Wan 2.1 folder>` for real videos.")
             elif kind == "mini":
                 notes.append(f"**Note:** {MINI_NOTICE}.")
-            if "attn_qat" in modes and not engine.qat_checkpoint:
+            if qat_column and not engine.qat_checkpoint:
                 notes.append("No `--qat-checkpoint` given: the Attn-QAT column is plain FP4 attention "
                              "(no QAT checkpoint).")
-            elif "attn_qat" in modes and engine.qat_shipped:
+            elif qat_column and engine.qat_shipped:
                 notes.append(f"The Attn-QAT column runs the QAT fine-tune shipped with the model "
                              f"(`{Path(engine.qat_checkpoint).name}`); start the app with `--qat-checkpoint none` for "
                              f"plain FP4 attention on the base weights.")
-            if "sage3" not in modes:
-                notes.append("SageAttention3 (mode `sage3`) is not registered in this attnqat build.")
             if on_cpu:
                 notes.append("Running on CPU: keep sizes small.")
             notes.append(f"Limits of one request: height × width × frames × steps × modes at most "
@@ -414,17 +441,26 @@ def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
         with gr.Row():
             button = gr.Button("Generate", variant="primary", elem_id="generate", scale=4)
             stop = gr.Button("Cancel", variant="stop", elem_id="cancel", scale=1)
+        # The request's overall progress shows here only: Gradio otherwise draws it over every output, and every
+        # column, unticked ones too, would show the running mode's bar. Each column's text has its own.
+        status = gr.Markdown("Each column shows its mode's progress while a request runs.",
+                             elem_id="request-progress")
         outputs = []
         with gr.Row(equal_height=False):
             for m in modes:
                 label = engine.label(m)
                 with gr.Column(min_width=160):
-                    outputs.append(gr.Video(label=f"{label}: video (mp4, lossy)", format="mp4", autoplay=True,
-                                            loop=True, elem_id=f"video-{m}", height=256))
-                    outputs.append(gr.Markdown(f"**{label}**", label=f"{label}: metrics", elem_id=f"metrics-{m}"))
-                    outputs.append(gr.Image(label=f"{label}: frames / |difference| vs BF16", type="filepath",
-                                            elem_id=f"strip-{m}", show_label=True, height=120))
-                    outputs.append(gr.File(label=f"{label}: lossless frames (PNG, zip)", elem_id=f"frames-{m}"))
+                    # video and strip first, each of a fixed height, and the texts (of any length) under them:
+                    # the columns' pictures stay level whatever their texts. The outputs keep the API's order:
+                    # video, metrics, strip, lossless frames.
+                    video = gr.Video(label=f"{label}: video (mp4, lossy)", format="mp4", autoplay=True,
+                                     loop=True, elem_id=f"video-{m}", height=256)
+                    strip = gr.Image(label=f"{label}: frames / |difference| vs BF16", type="filepath",
+                                     elem_id=f"strip-{m}", show_label=True, height=120)
+                    metrics = gr.Markdown("  \n".join(_title(label, engine.weights(m))), label=f"{label}: metrics",
+                                          elem_id=f"metrics-{m}")
+                    frames_zip = gr.File(label=f"{label}: lossless frames (PNG, zip)", elem_id=f"frames-{m}")
+                    outputs += [video, metrics, strip, frames_zip]
         with gr.Accordion("All metrics (JSON)", open=False):
             summary = gr.JSON(label="metrics (JSON)")
         # Every request reaches the handler at once (concurrency_limit None): its RequestLine lets one generate at a
@@ -432,7 +468,8 @@ def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
         # own queue (max_size) only holds what arrives faster than the handler can refuse it.
         event = button.click(make_handler(engine, modes, out_root, line), [prompt, seed, steps, height, width,
                                                                            frames, selected, high_steps],
-                             [*outputs, summary], api_name="generate", preprocess=False, concurrency_limit=None)
+                             [*outputs, summary], api_name="generate", preprocess=False, concurrency_limit=None,
+                             show_progress_on=[status])
         stop.click(None, None, None, cancels=[event], api_name=False, queue=False)
     demo.queue(max_size=LINE_WAITING)
     return demo

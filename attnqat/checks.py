@@ -163,14 +163,17 @@ def _stat(flag: str, text: str, p: Path) -> os.stat_result | None:
         raise ValueError(f"{flag} {show(text)}: {e.strerror or e}") from None
 
 
-def _existing_ancestor(flag: str, text: str, p: Path) -> Path:
-    """The nearest existing folder that ``p`` is (or would be created) in; refuses a file there."""
-    a = p.absolute()
-    while _stat(flag, text, a) is None and a != a.parent:
-        a = a.parent
-    if not a.is_dir():
-        raise ValueError(f"{flag} {show(text)}: {str(a)!r} is a file, not a folder")
-    return a
+def _existing_parent(flag: str, text: str, p: Path) -> Path:
+    """The folder ``p`` is (or will be created) in, which must exist: a mistyped path is refused rather than
+    created as a new tree of folders."""
+    parent = p.absolute().parent
+    st = _stat(flag, text, parent)
+    if st is None:
+        raise ValueError(f"{flag} {show(text)}: its folder {str(parent)!r} does not exist; create it first "
+                         f"(or check the path)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{flag} {show(text)}: {str(parent)!r} is a file, not a folder")
+    return parent
 
 
 def _check_can_create_in(flag: str, text: str, folder: Path) -> None:
@@ -186,8 +189,8 @@ def _check_can_create_in(flag: str, text: str, folder: Path) -> None:
 
 def check_output_file(flag: str, value, suffixes: tuple[str, ...]) -> Path:
     """A file path to write: its name ends in one of ``suffixes``; it is not a folder or a special
-    file (an existing regular file will be replaced, atomically); its folder exists or can be
-    created, and files can be created there. Return: the expanded path."""
+    file (an existing regular file will be replaced, atomically); its folder exists, and files can be
+    created there. Return: the expanded path."""
     p = check_path_text(flag, value)
     text = str(value)
     st = _stat(flag, text, p)
@@ -202,19 +205,19 @@ def check_output_file(flag: str, value, suffixes: tuple[str, ...]) -> Path:
             raise ValueError(f"{flag} {show(text)} exists and is not a regular file")
         if not os.access(p, os.W_OK):
             raise PermissionError(f"{flag} {show(text)} exists and is read-only; it is not replaced")
-    _check_can_create_in(flag, text, _existing_ancestor(flag, text, p.parent))
+    _check_can_create_in(flag, text, _existing_parent(flag, text, p))
     return p
 
 
 def check_output_dir(flag: str, value, *, must_be_empty: bool, reusable=None) -> Path:
-    """A folder to write into: a folder or nothing there yet (then its parent must allow creating it).
+    """A folder to write into: a folder, or nothing there yet (then its parent must exist and allow creating it).
     With ``must_be_empty`` an existing folder must be empty, unless ``reusable(path)`` says it holds
     an earlier output of the same tool. Return: the expanded path."""
     p = check_path_text(flag, value)
     text = str(value)
     st = _stat(flag, text, p)
     if st is None:
-        _check_can_create_in(flag, text, _existing_ancestor(flag, text, p.parent))
+        _check_can_create_in(flag, text, _existing_parent(flag, text, p))
         return p
     if not stat.S_ISDIR(st.st_mode):
         raise ValueError(f"{flag} {show(text)} is a file, not a folder")

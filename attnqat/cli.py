@@ -35,8 +35,8 @@ import threading
 
 from .errors import ComputeError, NonFiniteOutputError, OutputLockedError, OutputWriteError, one_line
 
-# name -> (module, one-line help, argument check run before the module's main or None). The check of
-# precompute lives in attnqat.checks while attnqat/train is being changed in another branch.
+# name -> (module, one-line help, argument check run before the module's main or None: precompute's,
+# attnqat.checks.check_precompute, refuses bad paths, limits and devices before the encoders load).
 COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "generate": ("attnqat.pipelines.generate",
                  "generate a video with Wan 2.1 text-to-video (attention in an attnqat mode)", None),

@@ -44,13 +44,14 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 __all__ = ["SHAPES", "COLOURS", "MOTIONS", "BACKGROUNDS", "BACKGROUND_TONES", "HELD_OUT_COLOUR_SHAPE",
            "HELD_OUT_SHAPE_MOTION", "HELD_OUT_PAIRS", "ClipSpec", "Corpus", "caption", "parse_prompt",
-           "is_held_out", "make_spec", "render", "shape_sdf", "MOTION_DIRECTIONS", "caption_words", "WORD_SYNONYMS"]
+           "is_held_out", "make_spec", "render", "shape_sdf", "MOTION_DIRECTIONS", "caption_words", "WORD_SYNONYMS",
+           "OPPOSITE_MOTION", "changed_captions"]
 
 # ------------------------------------------------------------------------------------------ attributes
 #: Eight shapes: 8 x 8 colours make 64 (colour, shape) pairs, so holding out one pair per colour
@@ -621,6 +622,30 @@ def caption(spec: ClipSpec, rng_or_variant: int | torch.Generator = 0) -> str:
         if len(text) <= MAX_CAPTION:
             return text
     return text
+
+
+#: Each motion's opposite: the reverse direction, grow <-> shrink.
+OPPOSITE_MOTION = {"left": "right", "right": "left", "up": "down", "down": "up", "up-left": "down-right",
+                   "down-right": "up-left", "up-right": "down-left", "down-left": "up-right", "grow": "shrink",
+                   "shrink": "grow"}
+
+
+def changed_captions(spec: ClipSpec, variant: int = 0) -> dict[str, str]:
+    """A clip's caption and the same caption with ONE attribute changed, to ask which words a model reads.
+
+    Every caption is ``caption(s, variant)`` of the spec ``s`` with that attribute replaced, so the template
+    and the synonyms drawn are the same and only that attribute's words differ.
+    Return: ``{"right": the clip's own, "motion": the opposite motion (:data:`OPPOSITE_MOTION`), "colour": the
+    next colour of :data:`COLOURS`, "shape": the next shape of :data:`SHAPES`, "empty": ""}``.
+    """
+    colours = list(COLOURS)
+    changed = {
+        "right": spec,
+        "motion": replace(spec, motion=OPPOSITE_MOTION[spec.motion]),
+        "colour": replace(spec, colour=colours[(colours.index(spec.colour) + 1) % len(colours)]),
+        "shape": replace(spec, shape=SHAPES[(SHAPES.index(spec.shape) + 1) % len(SHAPES)]),
+    }
+    return {**{name: caption(s, variant) for name, s in changed.items()}, "empty": ""}
 
 
 def caption_words() -> list[str]:

@@ -65,17 +65,21 @@ import torch.nn.functional as F
 
 from attnqat.checks import check_text, check_video_size
 from attnqat.errors import GenerationCancelled
+from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of, reference_first
 from attnqat.outputs import write_file_atomically
+from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # the metrics, defined with the detector
 
-__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr", "ssim", "psnr_frames_line",
+__all__ = ["DEMO_MODES", "MODE_LABELS", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr_frames_line",
            "difference_strip",
-           "heat_colors", "heat_scale", "demo_modes", "mode_label", "validate_request", "request_work",
+           "heat_colors", "heat_scale", "demo_modes", "mode_label", "mode_weights", "validate_request", "request_work",
            "page_defaults", "new_request_dir", "prune_requests", "register_output", "WORK_LIMITS", "SIZE_LIMITS",
            "model_kind",
            "REQUESTS_FOLDER", "KEEP_REQUESTS", "MAX_PROMPT_CHARS", "RequestLine", "LINE_WAITING", "PER_CLIENT"]
 
-#: The modes the demo compares, in page order; only those registered in attnqat.kernels appear.
-DEMO_MODES = ("bf16", "sage3", "attn_qat", "nvfp4")
+#: The modes the demo compares, in page order: those whose record has a ``demo_column``.
+DEMO_MODES = tuple(sorted(available_modes(lambda m: m.demo_column is not None),
+                          key=lambda name: mode_of(name).demo_column))
+#: Column titles: one line in a quarter of the page (about 25 characters), so the columns stay aligned.
 MODE_LABELS = {
     "bf16": "BF16 (reference)",
     "sage3": "SageAttention3 (emulated)",
@@ -84,7 +88,7 @@ MODE_LABELS = {
     "attn_qat_dropin": "Attn-QAT drop-in (ablation)",
     "sagebwd": "SageBwd (INT8)",
 }
-NO_CHECKPOINT_LABEL = "Attn-QAT: plain FP4 attention (no QAT checkpoint)"
+NO_CHECKPOINT_LABEL = "Attn-QAT (base weights)"
 HEAT_MAX = 64.0  # default top of the heat map's colour scale (|difference| on the 0-255 scale)
 
 # Per-request limits, so one visitor cannot ask the CPU-only tiny demo for minutes of work: each
@@ -118,31 +122,32 @@ _REQUEST_NAME = re.compile(r"^request-\d{8}-\d{6}-[0-9a-f]{8}$")  # new_request_
 
 
 def demo_modes(modes=None) -> list[str]:
-    """The demo's modes that are registered (``modes`` defaults to :data:`DEMO_MODES`); bf16 first."""
-    from attnqat.kernels import available_modes
-
-    registered = available_modes()
-    wanted = list(DEMO_MODES if modes is None else modes)
-    unknown = [m for m in wanted if m not in registered]
-    if modes is not None and unknown:
-        raise ValueError(f"unknown attention modes {unknown}; available: {', '.join(registered)}")
-    out = [m for m in wanted if m in registered]
-    return ["bf16"] + [m for m in out if m != "bf16"]
+    """``modes`` (default :data:`DEMO_MODES`), each a registered mode, bf16 first."""
+    wanted = DEMO_MODES if modes is None else modes
+    for m in wanted:
+        mode_of(m)
+    return reference_first(wanted)
 
 
-def mode_label(mode: str, qat_checkpoint: str | None = None, shipped: bool = False) -> str:
-    """A column's title; the Attn-QAT column's says which weights it runs on (``shipped``: ``qat_checkpoint``
-    is the QAT fine-tune installed with the model)."""
-    if mode == "attn_qat":
-        if not qat_checkpoint:
-            return NO_CHECKPOINT_LABEL
-        return f"Attn-QAT ({'shipped QAT fine-tune' if shipped else 'QAT checkpoint'} {Path(qat_checkpoint).name})"
+def mode_label(mode: str, qat_checkpoint: str | None = None) -> str:
+    """A column's title (:data:`MODE_LABELS`); the Attn-QAT column without QAT weights is
+    :data:`NO_CHECKPOINT_LABEL`. Which weights a column runs on is :func:`mode_weights`."""
+    if mode_of(mode).uses_qat_weights and not qat_checkpoint:
+        return NO_CHECKPOINT_LABEL
     return MODE_LABELS.get(mode, mode)
 
 
-# ---------------------------------------------------------------------------------------------- metrics
-from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # noqa: E402  (defined once, with the detector)
+def mode_weights(mode: str, qat_checkpoint: str | None = None, shipped: bool = False) -> str | None:
+    """The weights a column runs on, where they are not the model's own: the Attn-QAT column's (``shipped``:
+    ``qat_checkpoint`` is the QAT fine-tune installed with the model); None for the other columns."""
+    if not mode_of(mode).uses_qat_weights:
+        return None
+    if not qat_checkpoint:
+        return "no QAT checkpoint: plain FP4 attention"
+    return f"{'the QAT fine-tune shipped with the model' if shipped else 'QAT checkpoint'} {Path(qat_checkpoint).name}"
 
+
+# ---------------------------------------------------------------------------------------------- metrics
 _SPARK = "▁▂▃▄▅▆▇█"  # a per-frame curve in one line of text, lowest to highest
 
 
@@ -259,8 +264,6 @@ def validate_request(*, model: str, prompt: str, height: int, width: int, frames
     command's own (:func:`attnqat.checks.check_video_size`); the demo adds its upper limits per size
     (the sliders) and on the work of the whole request (:data:`WORK_LIMITS`).
     """
-    from attnqat.kernels import available_modes
-
     values = {k: _whole(k, v) for k, v in dict(height=height, width=width, frames=frames, steps=steps,
                                                  seed=seed).items()}
     high_k = _whole("bf16 steps (first/last k)", high_precision_steps)
@@ -270,8 +273,7 @@ def validate_request(*, model: str, prompt: str, height: int, width: int, frames
     if not modes:
         raise ValueError("no attention mode selected")
     for mode in modes:
-        if mode not in available_modes():
-            raise ValueError(f"unknown mode {mode!r}; available: {', '.join(available_modes())}")
+        mode_of(mode)
     check_video_size(values["height"], values["width"], values["frames"], values["steps"], prefix="")
     kind = model_kind(model)
     for k, top in SIZE_LIMITS[kind].items():
@@ -362,6 +364,7 @@ class ModeRun:
     heat_max: float | None = None        # top of the strip's colour scale (None for bf16)
     frames_zip: Path | None = None       # the lossless frames the metrics measure, PNG in a zip
     precision: str | None = None         # the precision schedule, e.g. "bf16 on steps 0, 3 of 4 (...)"
+    weights: str | None = None           # :func:`mode_weights` (None: the model's own)
 
     def summary(self) -> dict:
         """JSON-friendly metrics (``inf`` PSNR as the string "inf")."""
@@ -372,7 +375,8 @@ class ModeRun:
                 "psnr_db": num(self.psnr), "ssim": num(self.ssim),
                 "psnr_db_per_frame": [num(v) for v in self.psnr_frames],
                 "ssim_per_frame": [num(v) for v in self.ssim_frames],
-                "heat_max": self.heat_max, "precision": self.precision, "frames": int(self.frames.shape[0]),
+                "heat_max": self.heat_max, "precision": self.precision, "weights": self.weights,
+                "frames": int(self.frames.shape[0]),
                 "height": int(self.frames.shape[1]),
                 "width": int(self.frames.shape[2])}
 
@@ -414,7 +418,8 @@ class DemoEngine:
         from attnqat.checks import check_device
         from attnqat.kernels import backend_info
         from attnqat.pipelines import load_pipeline
-        from attnqat.pipelines.generate import DTYPE_NAMES, default_model, model_defaults, torch_dtype
+        from attnqat.pipelines.generate import DTYPE_NAMES, model_defaults, torch_dtype
+        from attnqat.pipelines.mini import default_model
         from attnqat.pipelines.loading import choose_qat_checkpoint
 
         if model is None:
@@ -441,7 +446,10 @@ class DemoEngine:
             self._live = name
 
     def label(self, mode: str) -> str:
-        return mode_label(mode, self.qat_checkpoint, self.qat_shipped)
+        return mode_label(mode, self.qat_checkpoint)
+
+    def weights(self, mode: str) -> str | None:
+        return mode_weights(mode, self.qat_checkpoint, self.qat_shipped)
 
     def vocabulary_note(self, prompt: str) -> str | None:
         """For mini, the line naming the prompt's words it does not know
@@ -474,7 +482,7 @@ class DemoEngine:
         from attnqat.pipelines import PrecisionSchedule, patch_attention
         from attnqat.pipelines.generate import FPS, generate_video, write_mp4
 
-        modes = ["bf16"] + [m for m in dict.fromkeys(modes) if m != "bf16"]
+        modes = reference_first(modes)
         validate_request(model=self.model, prompt=prompt, height=height, width=width, frames=frames, steps=steps,
                          seed=seed, modes=modes, high_precision_steps=high_precision_steps)
         k = int(high_precision_steps)
@@ -498,8 +506,8 @@ class DemoEngine:
                     if progress is not None:
                         progress(i, len(modes), mode, done, total)
 
-                self._use_weights("qat" if mode == "attn_qat" and "qat" in self._weights else "base")
-                scheduled = schedule if mode != "bf16" else None
+                self._use_weights("qat" if mode_of(mode).uses_qat_weights and "qat" in self._weights else "base")
+                scheduled = schedule if mode != REFERENCE_MODE else None
                 patch_attention(self.pipe.transformer, mode, timer=self.timer, schedule=scheduled)
                 result = generate_video(self.pipe, prompt, height=int(height), width=int(width), frames=int(frames),
                                         steps=int(steps), guidance=self.guidance, seed=int(seed), timer=self.timer,
@@ -511,7 +519,7 @@ class DemoEngine:
                               attention_seconds=result.attention_seconds, psnr=None, ssim=None,
                               frames_zip=write_frames_zip(result.frames, out_dir / f"{mode}_frames.zip"),
                               precision=None if scheduled is None else scheduled.describe(
-                                  int(steps), len(self.pipe.transformer.blocks)))
+                                  int(steps), len(self.pipe.transformer.blocks)), weights=self.weights(mode))
                 if runs:
                     run.psnr, run.psnr_frames = psnr(runs[0].frames, result.frames)
                     run.ssim, run.ssim_frames = ssim(runs[0].frames, result.frames)

@@ -32,15 +32,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of, reference_first
 from attnqat.pipelines.schedule import PrecisionSchedule
 
 #: Noise levels of the flow-loss evaluation (each clip at each level, same noise for every variant).
 EVAL_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
-#: Modes whose forward (all that inference runs) is another mode's: they differ from it only in the backward,
-#: so with the base weights they give that mode's numbers exactly (tests/test_quality_cli.py checks it).
-SAME_FORWARD = {"attn_qat": "nvfp4", "attn_qat_dropin": "nvfp4"}
-#: Modes an "FP4 without QAT" reference row may have (the naive NVFP4 forward).
-FP4_MODES = ("nvfp4", "attn_qat", "attn_qat_dropin")
 #: PSNR of a frame identical to the reference is infinite; per-frame values are capped here before averaging.
 PSNR_CAP_DB = 100.0
 
@@ -49,7 +45,7 @@ PSNR_CAP_DB = 100.0
 class Variant:
     """An attention mode with the transformer weights it runs with (``None``: the base weights)."""
     label: str
-    mode: str = "bf16"
+    mode: str = REFERENCE_MODE
     weights: dict | None = None         # a full transformer state dict (e.g. a QAT checkpoint)
     options: dict = field(default_factory=dict)
     high_precision_steps: tuple[int, ...] | PrecisionSchedule = ()
@@ -64,14 +60,12 @@ class Variant:
 
 
 def base_variants(modes: list[str] | None = None) -> list[Variant]:
-    """The base weights in every mode of ``modes`` (default: every registered mode whose forward is not
-    another's, see :data:`SAME_FORWARD`), bf16 first (the reference)."""
-    from attnqat.kernels import available_modes
-
+    """The base weights in every mode of ``modes`` (default: every registered mode whose forward is not another's:
+    ``Mode.same_forward_as``; with the base weights such a mode gives that mode's numbers exactly), bf16 first
+    (the reference)."""
     if modes is None:
-        modes = [m for m in available_modes() if m not in SAME_FORWARD]
-    modes = ["bf16"] + [m for m in dict.fromkeys(modes) if m != "bf16"]
-    return [Variant(m, m) for m in modes]
+        modes = available_modes(lambda m: m.same_forward_as is None)
+    return [Variant(m, m) for m in reference_first(modes)]
 
 
 def held_out_prompts(n: int, seed: int = 0) -> list[tuple[str, dict]]:
@@ -106,11 +100,11 @@ def _use_mode(transformer, variant: Variant) -> None:
     from attnqat.pipelines import patch_attention, unpatch_attention
 
     unpatch_attention(transformer)
-    if variant.mode != "bf16" or variant.schedule is not None:
+    if variant.mode != REFERENCE_MODE or variant.schedule is not None:
         patch_attention(transformer, variant.mode, "self", schedule=variant.schedule, **variant.options)
 
 
-_BF16 = Variant("bf16")
+_BF16 = Variant(REFERENCE_MODE)
 
 
 def bf16_sigma_indices(variant: Variant, scheduler, steps: int, sigmas=EVAL_SIGMAS) -> set[int]:
@@ -166,7 +160,7 @@ def flow_metrics(transformer, variants: list[Variant], x0: torch.Tensor, embeds:
                 vels.append(v.cpu())
         v_all = torch.cat(vels)
         row = {"flow_loss": loss_sum / count, "flow_loss_frames": (loss_frames / count).tolist()}
-        if ref is None and variant.mode == "bf16" and variant.weights is None and not in_bf16:
+        if ref is None and variant.mode == REFERENCE_MODE and variant.weights is None and not in_bf16:
             ref = v_all
         if ref is not None:
             row["velocity_distance"] = ((v_all - ref).pow(2).sum() / ref.pow(2).sum()).item()
@@ -235,10 +229,10 @@ def video_psnr(ref: np.ndarray, x: np.ndarray) -> float:
 
 
 def default_fp4_reference(variants: list[Variant]) -> str | None:
-    """The label of the first variant that is FP4 attention without QAT: a mode of :data:`FP4_MODES` on the
-    base weights, without bf16 steps (None when there is none)."""
+    """The label of the first variant that is FP4 attention without QAT: a mode whose forward is naive NVFP4
+    (``Mode.naive_fp4_forward``) on the base weights, without bf16 steps (None when there is none)."""
     for v in variants:
-        if v.mode in FP4_MODES and v.weights is None and v.schedule is None:
+        if mode_of(v.mode).naive_fp4_forward and v.weights is None and v.schedule is None:
             return v.label
     return None
 
@@ -267,7 +261,7 @@ def add_gap_closed(rows: dict[str, dict], fp4: str, bf16: str) -> None:
 def check_variants(variants: list[Variant]) -> None:
     """The first variant must be bf16 on the base weights (the reference); labels are unique."""
     first = variants[0] if variants else None
-    if first is None or first.mode != "bf16" or first.weights is not None or first.schedule is not None:
+    if first is None or first.mode != REFERENCE_MODE or first.weights is not None or first.schedule is not None:
         raise ValueError("the first variant must be bf16 attention on the base weights (the reference)")
     labels = [v.label for v in variants]
     dup = sorted({x for x in labels if labels.count(x) > 1})
@@ -275,18 +269,81 @@ def check_variants(variants: list[Variant]) -> None:
         raise ValueError(f"variant labels must be unique; repeated: {', '.join(dup)}")
 
 
-def held_out_clips(pipe, clips: int, *, size, corpus_seed: int = 0, batch: int = 8) -> dict[str, torch.Tensor]:
-    """The first ``clips`` clips of the corpus's held-out split at ``size`` (frames, height, width), encoded by
-    ``pipe``'s VAE and text encoder as ``attnqat train`` (``data.source: corpus``) encodes training clips:
-    ``{"x0": latents, "embeds": prompt embeddings}`` on ``pipe``'s device."""
+def corpus_source(pipe, *, size, corpus_seed: int = 0, batch: int = 8, text_len: int = 512):
+    """A :class:`~attnqat.train.corpus_source.CorpusSource` of corpus clips at ``size`` (frames, height, width),
+    encoded by ``pipe``'s VAE and text encoder on ``pipe``'s device as ``attnqat train`` (``data.source:
+    corpus``) encodes training clips, prompts padded to ``text_len`` tokens (``WanPipeline``'s 512)."""
     from attnqat.train.config import CorpusConfig
     from attnqat.train.corpus_source import CorpusSource
 
-    source = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae,
-                                          CorpusConfig(seed=corpus_seed, sizes=[list(size)], pool=0,
-                                                       encode_batch=batch),
-                                          text_len=512, device=pipe._execution_device)
-    return source.held_out(clips)
+    return CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae,
+                                        CorpusConfig(seed=corpus_seed, sizes=[list(size)], pool=0,
+                                                     encode_batch=batch),
+                                        text_len=text_len, device=pipe._execution_device)
+
+
+def held_out_clips(pipe, clips: int, *, size, corpus_seed: int = 0, batch: int = 8) -> dict[str, torch.Tensor]:
+    """The first ``clips`` clips of the corpus's held-out split at ``size`` (frames, height, width), encoded as
+    :func:`corpus_source` encodes them: ``{"x0": latents, "embeds": prompt embeddings}`` on ``pipe``'s device."""
+    return corpus_source(pipe, size=size, corpus_seed=corpus_seed, batch=batch).held_out(clips)
+
+
+#: The captions :func:`caption_losses` scores each clip under (:func:`attnqat.corpus.changed_captions`, and
+#: ``other``: the next clip's own caption).
+CAPTION_CONDITIONS = ("right", "motion", "colour", "shape", "empty", "other")
+
+
+@torch.no_grad()
+def caption_losses(transformer, source, split: str, indices: list[int], sigmas, *,
+                   conditions=CAPTION_CONDITIONS, seed: int = 0, chunk: int = 8) -> dict:
+    """Which words of the prompt does a model read? The flow loss ``|v - (noise - x0)|^2`` of corpus clips at
+    fixed noise under their own caption and under captions that differ from it (:data:`CAPTION_CONDITIONS`).
+
+    A model that reads an attribute's words pays more loss for the changed caption than for the own one; one
+    that ignores them pays the same (a ratio of 1.00, the own caption lower on half of the clips).
+
+    Arguments:
+        transformer: a Wan transformer (eval mode).
+        source: the :class:`~attnqat.train.corpus_source.CorpusSource` that renders and encodes the clips
+            (:func:`corpus_source`); the first of its sizes is used.
+        split, indices: the clips, ``source.corpora[split].spec(i)`` for ``i`` in ``indices`` (at least 2).
+        sigmas: noise levels in (0, 1]; each gets its own noise, shared by every condition.
+        conditions: which of :data:`CAPTION_CONDITIONS` to score.
+        seed: the noise's seed.
+    Return: ``{"losses": {sigma: {condition: (n,) per-clip losses}}, "motions": [each clip's motion],
+    "captions": [each clip's own caption]}``.
+    """
+    from attnqat.corpus import changed_captions
+
+    unknown = [c for c in conditions if c not in CAPTION_CONDITIONS]
+    if unknown:
+        raise ValueError(f"unknown caption conditions {unknown}; known: {', '.join(CAPTION_CONDITIONS)}")
+    if len(indices) < 2:
+        raise ValueError(f"caption_losses needs at least 2 clips (one's caption is another's 'other'), "
+                         f"got {len(indices)}")
+    specs = [source.corpora[split].spec(i) for i in indices]
+    x0, _ = source.encode_clips(split, list(indices), 0)
+    caps = [changed_captions(s, i) for s, i in zip(specs, indices)]
+    for i, c in enumerate(caps):
+        c["other"] = caps[(i + 1) % len(caps)]["right"]
+    emb = {c: source.embed([cp[c] for cp in caps]) for c in conditions}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for sigma in sigmas:
+        noise = torch.randn(x0.shape, generator=g).to(x0.device)
+        xt, target = (1 - sigma) * x0 + sigma * noise, noise - x0
+        per = {}
+        for c in conditions:
+            losses = []
+            for i in range(0, len(x0), chunk):
+                part = slice(i, i + chunk)
+                t = torch.full((xt[part].shape[0],), sigma * 1000.0, device=x0.device)
+                v = transformer(hidden_states=xt[part].to(transformer.dtype), timestep=t,
+                                encoder_hidden_states=emb[c][part].to(transformer.dtype), return_dict=False)[0]
+                losses.append((v.float() - target[part]).pow(2).mean(dim=(1, 2, 3, 4)).cpu())
+            per[c] = torch.cat(losses)
+        out[sigma] = per
+    return {"losses": out, "motions": [s.motion for s in specs], "captions": [c["right"] for c in caps]}
 
 
 def evaluate(pipe, variants: list[Variant], *, prompts: int = 32, clips: int = 32, size=(33, 256, 256),

@@ -126,7 +126,7 @@ def _label(flag: str, text: str) -> str:
 def parse_variant(text) -> tuple[str, str, str | None]:
     """``"LABEL=MODE[:CHECKPOINT]"`` -> (label, mode, checkpoint or None); the mode is checked, the
     checkpoint's files (headers only) too."""
-    from attnqat.kernels import available_modes
+    from attnqat.kernels import mode_of
     from attnqat.pipelines.loading import check_qat_checkpoint
 
     text = check_text("--variant", text)
@@ -137,8 +137,7 @@ def parse_variant(text) -> tuple[str, str, str | None]:
     label = _label("--variant", label.strip())
     mode, colon, checkpoint = rest.partition(":")
     mode = mode.strip()
-    if mode not in available_modes():
-        raise ValueError(f"--variant {label}: unknown mode {show(mode)}; available: {', '.join(available_modes())}")
+    mode_of(mode, f"--variant {label}'s mode")
     if colon and not checkpoint.strip():
         raise ValueError(f"--variant {label}: empty CHECKPOINT after ':' (leave out ':' for the base weights)")
     if checkpoint:
@@ -162,10 +161,10 @@ def parse_schedule(text, steps: int):
 def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     """Check every argument, the checkpoints' files and the output folder, before anything heavy loads;
     fill the device-dependent defaults. Sets ``args.rows`` to [(label, mode, checkpoint, bf16_steps)]."""
-    from attnqat.kernels import available_modes
+    from attnqat.kernels import mode_of
     from attnqat.pipelines.loading import check_model
 
-    from .evaluation import SAME_FORWARD
+    from .evaluation import base_variants
 
     check_model(args.model)
     device = check_device("--device", args.device)
@@ -185,14 +184,12 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     check_int("--batch", args.batch, 1, MAX_BATCH, "memory")
     check_int("--grid-prompts", args.grid_prompts, 1, 16, "a wider picture is unreadable")
 
-    if args.base_modes is None:
-        base = [m for m in available_modes() if m not in SAME_FORWARD]
-    else:
+    base = None
+    if args.base_modes is not None:
         base = [m.strip() for m in check_text("--base-modes", args.base_modes).split(",") if m.strip()]
-        bad = [m for m in base if m not in available_modes()]
-        if bad:
-            raise ValueError(f"--base-modes: unknown mode {show(bad[0])}; available: {', '.join(available_modes())}")
-    rows = [(m, m, None) for m in ["bf16"] + [m for m in dict.fromkeys(base) if m != "bf16"]]
+        for m in base:
+            mode_of(m, "--base-modes entry")
+    rows = [(v.label, v.mode, None) for v in base_variants(base)]
     for text in args.variant:
         label, mode, checkpoint = parse_variant(text)
         if label in [r[0] for r in rows]:

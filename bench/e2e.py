@@ -41,15 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 from attnqat.kernels import available_modes  # noqa: E402
 from attnqat.pipelines import AttentionTimer, TINY_TRANSFORMER_CONFIG, patch_attention, unpatch_attention  # noqa: E402
+from attnqat.pipelines.wan_configs import WAN21_14B_TRANSFORMER_CONFIG  # noqa: E402
 
 SECTION = "## End-to-end: Wan 2.1 14B transformer step"
 
-# Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (the WanTransformer3DModel arguments).
-WAN21_14B_CONFIG = dict(
-    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024,
-)
 # 480x832 pixels, 81 frames -> latents (16, 21, 60, 104): VAE 4x in time (+1 frame), 8x in space.
 LATENT_480P = (16, 21, 60, 104)
 TINY_LATENT = (16, 2, 8, 8)  # --tiny: 32 tokens (splits over 2 and 4 processes)
@@ -274,7 +269,7 @@ def main(argv=None) -> int:
         latent, text, name, resolution = TINY_LATENT, 32, "Tiny Wan 2.1-architecture transformer", "64×64×5 frames"
         text_dim = config["text_dim"]
     else:
-        config, dtype = WAN21_14B_CONFIG, torch.bfloat16
+        config, dtype = WAN21_14B_TRANSFORMER_CONFIG, torch.bfloat16
         latent, text, name, resolution = LATENT_480P, TEXT_TOKENS, "Wan 2.1 T2V 14B transformer", "480×832×81 frames"
         text_dim = config["text_dim"]
     layers = args.layers or config["num_layers"]

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Device runs that build the mini model (docs/mini.md). Usage on the GPU machine, from the repo root:
-#   bash bench/gpu_mini.sh vae MINUTES [again]     # init + train the VAE (again: train it further)
+#   bash bench/gpu_mini.sh vae MINUTES [again]     # init + train the VAE (again: train it further); environment:
+#                                                  # VAE_FROM (a trained VAE folder to start from), VAE_TRAIN
+#                                                  # (all|decoder), VAE_DECODER_DIM (a new decoder this wide),
+#                                                  # VAE_LR, VAE_BATCH; W (working folder)
 #   bash bench/gpu_mini.sh train MINUTES SLEEP [--set K=V ...|auto]
 #                                                  # (init from a carried runs/mini_vae if there is no model yet,
 #                                                  # warm-started from a carried runs/mini_from: an exported build;
@@ -25,7 +28,7 @@ if [ -d .whl ] && [ ! -d /tmp/site/diffusers ]; then  # once a machine: a second
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-W=runs/mini
+W=${W:-runs/mini}
 # Logs live in runs/logs (a background job outlives the call whose $OUT it started in); each call returns them
 # as one $OUT/logs.tar (a call brings back at most 8 files).
 LOGS=runs/logs; mkdir -p $LOGS
@@ -80,9 +83,11 @@ case "$1" in
   vae)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__)"
-    python3 -m attnqat.train.mini --out $W --stage init 2>&1 | grep -v Writing
+    python3 -m attnqat.train.mini --out $W --stage init ${VAE_FROM:+--vae "$VAE_FROM"} 2>&1 | grep -v Writing
     again=""; [ "${3:-}" = again ] && again=--vae-again
-    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" $again 2>&1 | tee -a "$LOGS/vae.log" | grep --line-buffered -v Warn
+    python3 -m attnqat.train.mini --out $W --stage vae --vae-minutes "$2" $again --vae-batch "${VAE_BATCH:-16}" \
+      --vae-lr "${VAE_LR:-1e-3}" --vae-train "${VAE_TRAIN:-all}" \
+      ${VAE_DECODER_DIM:+--vae-decoder-dim "$VAE_DECODER_DIM"} 2>&1 | tee -a "$W/vae.log" | grep --line-buffered -v Warn
     ;;
   train)
     init_model

@@ -34,7 +34,8 @@ from attnqat.kernels import available_modes  # noqa: E402
 from attnqat.pipelines import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from attnqat.pipelines.context_parallel import check_degrees, enable_context_parallel  # noqa: E402
 from attnqat.pipelines.launch import launch_from_env, process_group, rank_device  # noqa: E402
-import e2e  # noqa: E402 - bench/e2e.py: the 14B config, the timed step, write_section
+from attnqat.pipelines.wan_configs import WAN21_14B_TRANSFORMER_CONFIG  # noqa: E402
+import e2e  # noqa: E402 - bench/e2e.py: the timed step, write_section
 
 
 SECTION = "## Multi-GPU: Wan 2.1 14B step"
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     if unknown or bad:
         print(f"bench/multigpu.py: error: unknown modes {unknown} / resolutions {bad}", file=sys.stderr)
         return 2
-    config = TINY_TRANSFORMER_CONFIG if args.tiny else e2e.WAN21_14B_CONFIG
+    config = TINY_TRANSFORMER_CONFIG if args.tiny else WAN21_14B_TRANSFORMER_CONFIG
     ring, ulysses = (launch.world_size, 1) if args.parallel == "ring" else (1, launch.world_size)
     for mode in modes:
         check_degrees(ring, ulysses, heads=config["num_attention_heads"], mode=mode, needs_grad=False)

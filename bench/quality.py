@@ -8,8 +8,8 @@ Every option but --out, --docs and --no-write goes to `attnqat quality` as it is
 --model, --variant, --bf16-steps, --prompts, --clips, --size, --steps, --device ...). The run writes into --out
 (default bench/results/quality; an earlier output there is replaced). Then, unless --no-write, the table goes
 between the BEGIN/END quality markers of DOCS/quality.md (the rest of the page is left alone), the picture to
-DOCS/quality.png (at most 1800 pixels wide, 256 colours: the full-size grid stays in --out) and every number to
-DOCS/quality.json.
+DOCS/quality.png (at most --picture-width pixels wide, 1800 by default, 256 colours: the full-size grid stays in
+--out) and every number to DOCS/quality.json.
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality"), help="attnqat quality's --out")
     p.add_argument("--docs", default=str(ROOT / "docs"), help="folder of quality.md / .png / .json (default: docs/)")
     p.add_argument("--no-write", action="store_true", help="leave the docs alone (a smoke run)")
+    p.add_argument("--picture-width", type=int, default=DOC_PICTURE_WIDTH,
+                   help=f"the page's picture at most this wide (default {DOC_PICTURE_WIDTH})")
     args, rest = p.parse_known_args(argv)
     from attnqat.cli import main as attnqat
 
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     docs.mkdir(parents=True, exist_ok=True)
     if not (docs / "quality.md").exists():  # another folder (a smoke run): start from this page
         shutil.copyfile(ROOT / "docs" / "quality.md", docs / "quality.md")
-    write_doc_picture(out / "grid.png", docs / "quality.png")
+    write_doc_picture(out / "grid.png", docs / "quality.png", args.picture_width)
     shutil.copyfile(out / "table.json", docs / "quality.json")
     env = environment()
     command = " ".join(["python bench/quality.py", *rest])

@@ -32,14 +32,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _report import timed_steps  # noqa: E402
 
+from attnqat.pipelines.wan_configs import WAN21_1_3B_TRANSFORMER_CONFIG  # noqa: E402
+
 SECTION = "## Training step: Wan 2.1 1.3B-sized transformer"
 
-# Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json (the WanTransformer3DModel arguments).
-WAN21_1_3B_CONFIG = dict(
-    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024,
-)
 TEXT_TOKENS = 512
 
 
@@ -73,7 +69,8 @@ def build(config: dict, device: torch.device, num_layers: int | None):
 
 
 def run_mode(mode: str, args, config: dict, shape, device, autocast_dtype):
-    from attnqat.train.objectives import FeatureCapture, make_student_teacher, nmse
+    from attnqat.train.objectives import nmse
+    from attnqat.train.student_teacher import FeatureCapture, make_student_teacher
 
     transformer, cfg = build(config, device, args.layers)
     teacher_dtype = torch.bfloat16 if autocast_dtype is not None else torch.float32
@@ -147,7 +144,7 @@ def main(argv=None) -> int:
                   f"{args.height}x{args.width}x{args.frames}", file=sys.stderr)
             return 2
         device = torch.device("cuda")
-        config, autocast_dtype = WAN21_1_3B_CONFIG, torch.bfloat16
+        config, autocast_dtype = WAN21_1_3B_TRANSFORMER_CONFIG, torch.bfloat16
         shape = (16, (args.frames - 1) // 4 + 1, args.height // 8, args.width // 8)
     tokens = shape[1] * (shape[2] // 2) * (shape[3] // 2)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from attnqat.pipelines import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from attnqat.pipelines.launch import launch_from_env, process_group, rank_device  # noqa: E402
+from attnqat.pipelines.wan_configs import WAN21_14B_TRANSFORMER_CONFIG  # noqa: E402
 from _report import timed_steps  # noqa: E402
-import e2e  # noqa: E402 - bench/e2e.py: the 14B config, the timed step, write_section
+import e2e  # noqa: E402 - bench/e2e.py: its latent shapes, text length and write_section
 
 
 SECTION = "## Training step: Wan 2.1 14B, FSDP + sequence parallelism"
@@ -80,7 +81,7 @@ def _student(config, layers, mode, device, sp, tiny):
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     from attnqat.train import sequence_parallel
-    from attnqat.train.objectives import patch_for_training
+    from attnqat.train.student_teacher import patch_for_training
 
     model = _meta_model(config, layers)
     patch_for_training(model, mode, "self")
@@ -97,7 +98,7 @@ def _student(config, layers, mode, device, sp, tiny):
 
 def _teacher(config, layers, device, dtype, sp):
     from attnqat.train import sequence_parallel
-    from attnqat.train.objectives import patch_for_training
+    from attnqat.train.student_teacher import patch_for_training
 
     model = _meta_model(config, layers)
     for module in model.modules():
@@ -110,7 +111,8 @@ def _teacher(config, layers, device, dtype, sp):
 
 def run_mode(mode, args, config, layers, latent, device, sp):
     from attnqat.train import sequence_parallel
-    from attnqat.train.objectives import FeatureCapture, nmse
+    from attnqat.train.objectives import nmse
+    from attnqat.train.student_teacher import FeatureCapture
 
     dtype = torch.float32 if args.tiny else torch.bfloat16
     student = _student(config, layers, mode, device, sp, args.tiny)
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
     if launch is None:
         print("bench/train_step_sp.py: error: run it under torchrun --nproc-per-node N (N >= 2)", file=sys.stderr)
         return 2
-    config = TINY_TRANSFORMER_CONFIG if args.tiny else e2e.WAN21_14B_CONFIG
+    config = TINY_TRANSFORMER_CONFIG if args.tiny else WAN21_14B_TRANSFORMER_CONFIG
     latent = e2e.TINY_LATENT if args.tiny else e2e.LATENT_480P  # 32 / 32,760 tokens
     layers = args.layers or config["num_layers"]
     tokens = latent[1] * (latent[2] // 2) * (latent[3] // 2)

@@ -47,7 +47,7 @@ def main():
     ap.add_argument("--fused-dq", action="store_true",
                     help="only the backward: two kernels vs dQ fused into the dK/dV kernel (fp32 atomics), per config")
     ap.add_argument("--round2", action="store_true",
-                    help="issue 15's candidates: more forward tiles (inference, D=128), dK/dV stages, dQ tiles")
+                    help="a second round of candidates: more forward tiles (inference, D=128), dK/dV stages, dQ tiles")
     ap.add_argument("--forward", action="store_true",
                     help="only the forward: configs x head dims, inference and training, beside cuDNN SDPA")
     ap.add_argument("--bwd-phi", action="store_true",
@@ -127,7 +127,7 @@ def round2_sweep(res, q, k, v, do, sc, saved):
 
 
 def fused_dq_sweep(res, q, k, v, do, sc, saved):
-    """The route "one S recompute for dK, dV and dQ" of issue 15: two kernels vs FUSED_DQ per dK/dV config,
+    """The route "one S recompute for dK, dV and dQ": two kernels vs FUSED_DQ per dK/dV config,
     beside cuDNN's fwd and fwd+bwd in the same run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     o, o_aux, m, l, (qf, kf, vf) = saved

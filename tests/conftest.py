@@ -84,7 +84,7 @@ def poison(monkeypatch):
 
 
 def load_script(path: Path, name: str):
-    """Import a file that is not in a package (app.py, bench/*.py, scripts/*.py) as module ``name``."""
+    """Import a file that is not in a package (app.py, scripts/*.py) as module ``name``."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -178,6 +178,16 @@ def test_torch_compile_traces_without_graph_breaks():
             assert torch.equal(graph(q, k, v), eager)
 
 
+def test_dropin_backward_op_passes_opcheck():
+    """attn_qat_dropin's backward custom op: schema (no mutation, no aliasing), its fake against the real outputs
+    (shapes, dtypes and strides: q in diffusers' (B, L, H, D) layout as a transposed view), AOTAutograd."""
+    from attnqat.kernels.attn_qat import attn_qat_dropin_bwd, attn_qat_fwd
+
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in qkv(lq=48, lk=80))
+    o = attn_qat_fwd(q, k, v, 0.125, True, False)[0]
+    torch.library.opcheck(attn_qat_dropin_bwd, (torch.randn_like(o), q, k, v, o, 0.125, True))
+
+
 # --- Input contract: one check, the same on the Triton path and the reference path -----------------------------
 
 MODES = ["bf16", "nvfp4", "sage3", "attn_qat", "attn_qat_dropin", "sagebwd"]

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from attnqat.demo import (DEMO_MODES, NO_CHECKPOINT_LABEL, DemoEngine, demo_modes, difference_strip, heat_colors,
-                          heat_scale, psnr, ssim, validate_request)
+                          heat_scale, validate_request)
 from attnqat.kernels import available_modes
+from attnqat.quality import psnr, ssim
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +118,7 @@ def test_difference_strip_layout_and_shared_heat_scale():
     (dict(steps=0), "steps 0 must be at least 1"),
     (dict(prompt="  "), "prompt is empty"),
     (dict(width=512), "width 512 is above this demo's limit of 256 for the tiny CPU model"),
-    (dict(modes=["bf16", "nope"]), "unknown mode 'nope'"),
+    (dict(modes=["bf16", "nope"]), "unknown attention mode 'nope'; available: bf16"),
     (dict(height=32.5), "height must be a whole number"),
 ])
 def test_validate_request_messages(change, message):
@@ -128,10 +129,10 @@ def test_validate_request_messages(change, message):
 
 
 def test_demo_modes_follow_the_registry():
-    modes = demo_modes()
-    assert modes[0] == "bf16" and set(modes) <= set(DEMO_MODES) and set(modes) <= set(available_modes())
-    assert ("sage3" in modes) == ("sage3" in available_modes())
-    with pytest.raises(ValueError, match="unknown attention modes"):
+    assert DEMO_MODES == ("bf16", "sage3", "attn_qat", "nvfp4")  # the page's columns, left to right
+    assert demo_modes() == list(DEMO_MODES) and set(DEMO_MODES) <= set(available_modes())
+    assert demo_modes(["sage3", "bf16", "sage3"]) == ["bf16", "sage3"]
+    with pytest.raises(ValueError, match="unknown attention mode 'nope'; available: bf16"):
         demo_modes(["bf16", "nope"])
 
 
@@ -149,7 +150,8 @@ def test_engine_swaps_qat_weights_only_for_attn_qat(tmp_path):
     save_file({k: v.contiguous() for k, v in qat.state_dict().items()}, str(ckpt))
 
     engine = DemoEngine.load("tiny", qat_checkpoint=str(ckpt), device="cpu")
-    assert engine.label("attn_qat") == "Attn-QAT (QAT checkpoint qat.safetensors)"
+    assert (engine.label("attn_qat"), engine.weights("attn_qat")) == ("Attn-QAT", "QAT checkpoint qat.safetensors")
+    assert engine.weights("nvfp4") is None
     size = dict(height=H, width=W, frames=FRAMES, steps=STEPS, seed=3)
     runs = engine.run("p", modes=["attn_qat", "nvfp4"], out_dir=tmp_path, **size)
     bf16, attn_qat, nvfp4 = runs
@@ -161,7 +163,8 @@ def test_engine_swaps_qat_weights_only_for_attn_qat(tmp_path):
     assert all(torch.equal(v, base[k]) for k, v in engine.pipe.transformer.state_dict().items())
 
     plain = DemoEngine(engine.pipe, model="tiny", device=engine.device, dtype=engine.dtype)
-    assert plain.label("attn_qat") == NO_CHECKPOINT_LABEL == "Attn-QAT: plain FP4 attention (no QAT checkpoint)"
+    assert plain.label("attn_qat") == NO_CHECKPOINT_LABEL == "Attn-QAT (base weights)"
+    assert plain.weights("attn_qat") == "no QAT checkpoint: plain FP4 attention"
 
 
 # ------------------------------------------------------------------------------------ the served app
@@ -220,7 +223,9 @@ def test_app_generates_every_mode_with_metrics(served_app):
             assert isinstance(m["psnr_db"], float) and 10 < m["psnr_db"] < 200, (mode, m)
             assert 0 < m["ssim"] <= 1 and len(m["ssim_per_frame"]) == FRAMES
             assert "PSNR (RGB) vs BF16" in text and "SSIM (luma)" in text and "per frame: worst" in text
-    assert "plain FP4 attention (no QAT checkpoint)" in summary["modes"].get("attn_qat", {"label": "plain FP4 attention (no QAT checkpoint)"})["label"]
+    if "attn_qat" in summary["modes"]:  # the served app has no QAT checkpoint
+        assert summary["modes"]["attn_qat"]["label"] == NO_CHECKPOINT_LABEL
+        assert summary["modes"]["attn_qat"]["weights"] == "no QAT checkpoint: plain FP4 attention"
 
 
 def test_app_reports_bad_input_and_keeps_serving(served_app):
@@ -260,6 +265,9 @@ class _FlakyEngine:
 
     def label(self, mode):
         return DemoEngine.label(self, mode)
+
+    def weights(self, mode):
+        return DemoEngine.weights(self, mode)
 
     def vocabulary_note(self, prompt):
         return DemoEngine.vocabulary_note(self, prompt)
@@ -469,31 +477,88 @@ class _Progress:
         self.calls.append((progress, desc, unit))
 
 
-def test_handler_shows_each_column_when_done_with_step_progress_per_mode(tmp_path, app_module, tiny_engine):
+def test_handler_gives_each_column_its_own_progress(tmp_path, app_module, tiny_engine):
+    """Each column's text follows its own mode: the running one its denoising steps, the later ones "waiting", a
+    finished one its metrics, an unticked one "not selected" throughout. After a step only the texts are sent (the
+    videos, strips and zips stay as the page shows them); the first update clears every video, a column's video
+    comes when its mode is done, then all again at the end (the common heat scale); the request's overall progress
+    goes to gr.Progress."""
     import asyncio
+
+    import gradio as gr
 
     modes = demo_modes()
     handler = app_module.make_handler(tiny_engine, modes, tmp_path)
     progress = _Progress()
     selected = [m for m in modes if m != "bf16"][:2]
+    run_order = ["bf16", *[m for m in modes if m in selected]]
+    unticked = [m for m in modes if m not in run_order]
+    steps = 3
 
     async def drive():
-        return [o async for o in handler("p", 1, 3, H, W, FRAMES, selected, progress=progress)]
+        return [o async for o in handler("p", 1, steps, H, W, FRAMES, selected, progress=progress)]
 
     yields = asyncio.run(drive())
-    assert len(yields) == len(selected) + 2  # one per finished mode, then the final (common heat scale)
-    first = yields[0]
+    skip = gr.skip()
+    seen, full = [], []
+    for out in yields:
+        assert len(out) == 4 * len(modes) + 1
+        text = {m: out[4 * i + 1] for i, m in enumerate(modes)}
+        assert all(text[m].startswith(f"**{tiny_engine.label(m)}**") for m in modes)
+        assert all(text[m].endswith("not selected") for m in unticked)
+        if out[-1] != skip:
+            full.append(out)
+            continue
+        assert all(out[4 * i + k] == skip for i in range(len(modes)) for k in (0, 2, 3))
+        running = [m for m in run_order if text[m].endswith(f"of {steps}") or text[m].endswith("starting")]
+        assert len(running) == 1, text
+        at = run_order.index(running[0])
+        assert all("time **" in text[m] for m in run_order[:at]), text  # done: its metrics
+        assert all(text[m].endswith("waiting") for m in run_order[at + 1:]), text
+        seen.append((running[0], text[running[0]].split("  \n")[-1]))
+    bar = {k: "▰" * round(10 * k / steps) + "▱" * (10 - round(10 * k / steps)) for k in range(1, steps + 1)}
+    assert seen == [(m, "starting" if k == 0 else f"denoising {bar[k]} step {k} of {steps}")
+                    for m in run_order for k in range(steps + 1)]
+    assert len(full) == len(selected) + 3  # the start, one per finished mode, then the final (common heat scale)
+    start, first = full[0], full[1]
+    assert all(start[4 * i + k] is None for i in range(len(modes)) for k in (0, 2, 3))
+    assert all(start[4 * i + 1].endswith("waiting") for i, m in enumerate(modes) if m in run_order)
     assert first[0] and first[1].count("time") == 1  # bf16's column is shown ...
-    assert all("waiting" in first[4 * i + 1] for i, m in enumerate(modes) if m in selected)  # ... the others wait
-    for i, mode in enumerate(["bf16", *selected]):
+    assert all(first[4 * i + 1].endswith("waiting") for i, m in enumerate(modes) if m in selected)  # ... the rest wait
+    assert all(full[-1][4 * modes.index(m)] and "time **" in full[-1][4 * modes.index(m) + 1] for m in run_order)
+    for mode in run_order:
         label = tiny_engine.label(mode)
         steps_seen = [p for p, desc, unit in progress.calls if desc and desc.startswith(label + " (mode")]
-        assert steps_seen == [(0, 3), (1, 3), (2, 3), (3, 3)], (mode, progress.calls)
+        assert steps_seen == [(k, steps) for k in range(steps + 1)], (mode, progress.calls)
         assert all("denoising steps" in desc and unit == "steps" for _, desc, unit in progress.calls)
-    final = yields[-1]
+    final = full[-1]
     assert set(final[-1]["modes"]) == {"bf16", *selected}
     # only mini names the words it does not know; tiny reads bytes
     assert final[-1]["vocabulary_note"] is None and tiny_engine.vocabulary_note("a cat playing piano") is None
+
+
+def test_page_shows_the_request_progress_in_one_place_and_keeps_the_columns_level(tmp_path, app_module, tiny_engine):
+    """The overall progress bar is drawn on one element of the page, not over every column (Gradio's default);
+    every column is its video and its strip (fixed heights), then its texts, so the pictures stay level
+    whatever a column's text; the API's outputs keep their order; every column title is one short line."""
+    modes = demo_modes()
+    config = app_module.build_demo(tiny_engine, modes, tmp_path).config
+    elem = {c["id"]: c["props"].get("elem_id") for c in config["components"]}
+    dep = next(d for d in config["dependencies"] if d.get("api_name") == "generate")
+    assert [elem[i] for i in dep["show_progress_on"]] == ["request-progress"]
+    assert [elem[i] for i in dep["outputs"]][:-1] == [f"{kind}-{m}" for m in modes
+                                                      for kind in ("video", "metrics", "strip", "frames")]
+
+    def columns(node):
+        kids = [elem.get(c["id"]) for c in node.get("children", [])]
+        if any(k and k.startswith("video-") for k in kids):
+            yield kids
+        for c in node.get("children", []):
+            yield from columns(c)
+
+    assert list(columns(config["layout"])) == [[f"{kind}-{m}" for kind in ("video", "strip", "metrics", "frames")]
+                                               for m in modes]
+    assert all(len(tiny_engine.label(m)) <= 25 for m in modes)  # about a quarter of the page in bold
 
 
 def test_handler_runs_fp4_columns_with_bf16_first_and_last_steps(tmp_path, app_module, tiny_engine):
@@ -529,14 +594,17 @@ def test_cancelled_request_stops_at_its_next_denoising_step(tmp_path, app_module
     steps = 40
     try:
         async def cancel_after_first_column():
-            agen = handler("p", 1, steps, H, W, FRAMES, [m for m in modes if m != "bf16"], progress=_Progress())
-            await agen.__anext__()  # bf16 done
-            nxt = asyncio.ensure_future(agen.__anext__())
+            async def read_every_update():  # as the page does, until Gradio cancels it
+                async for _ in handler("p", 1, steps, H, W, FRAMES, [m for m in modes if m != "bf16"],
+                                       progress=_Progress()):
+                    pass
+
+            reading = asyncio.ensure_future(read_every_update())
             while len(calls) < 2 * steps + 4:  # two steps into the second mode
                 await asyncio.sleep(0.01)
-            nxt.cancel()
+            reading.cancel()
             with pytest.raises(asyncio.CancelledError):
-                await nxt
+                await reading
 
         asyncio.run(cancel_after_first_column())
         assert tiny_engine._lock.acquire(timeout=120)  # the worker let go of the engine ...

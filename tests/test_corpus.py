@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from attnqat.corpus import (BACKGROUND_TONES, BACKGROUNDS, COLOURS, HELD_OUT_COLOUR_SHAPE, HELD_OUT_PAIRS,
-                            HELD_OUT_SHAPE_MOTION, MOTION_DIRECTIONS, MOTIONS, SHAPES, ClipSpec, Corpus, caption,
-                            is_held_out, make_spec, parse_prompt, render)
+                            HELD_OUT_SHAPE_MOTION, MOTION_DIRECTIONS, MOTIONS, OPPOSITE_MOTION, SHAPES, ClipSpec,
+                            Corpus, caption, changed_captions, is_held_out, make_spec, parse_prompt, render)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -259,6 +259,27 @@ def test_every_combination_has_a_caption_that_parses_back():
         spec = make_spec(colour, shape, motion, BACKGROUNDS[k % len(BACKGROUNDS)])
         got = parse_prompt(caption(spec, k))
         assert (got["colour"], got["shape"], got["motion"]) == (colour, shape, motion)
+
+
+def test_changed_captions_name_one_other_attribute():
+    """changed_captions: each changed caption reads back (parse_prompt) with that attribute changed and every other
+    one the clip's own; the motion is the opposite one, and the opposite of the opposite is the motion again."""
+    assert set(OPPOSITE_MOTION) == set(MOTIONS)
+    seed, split = int(torch.randint(1000, ())), Corpus.SPLITS[int(torch.randint(len(Corpus.SPLITS), ()))]
+    corpus = Corpus(seed, split)
+    for index in torch.randint(100_000, (40,)).tolist():
+        spec = corpus.spec(index)
+        caps = changed_captions(spec, index)
+        assert caps["empty"] == "" and caps["right"] == caption(spec, index)
+        own = parse_prompt(caps["right"])
+        assert (own["colour"], own["shape"], own["motion"]) == (spec.colour, spec.shape, spec.motion)
+        for attr in ("motion", "colour", "shape"):
+            read = parse_prompt(caps[attr])
+            assert read[attr] != own[attr], (attr, caps[attr])
+            for other in {"colour", "shape", "motion", "background"} - {attr}:
+                assert read[other] == own[other], (attr, other, caps[attr], caps["right"])
+        assert parse_prompt(caps["motion"])["motion"] == OPPOSITE_MOTION[spec.motion]
+        assert OPPOSITE_MOTION[OPPOSITE_MOTION[spec.motion]] == spec.motion
 
 
 @pytest.mark.gpu

@@ -40,6 +40,31 @@ def test_docs_link_only_to_files_in_the_repository():
         assert must in numerics, must
 
 
+def test_scripts_named_in_the_docs_and_device_scripts_exist():
+    """Every bench/, experiments/ and scripts/ file the docs, CONTRIBUTING, the folders' READMEs and the device
+    scripts name is there (the CHANGELOG keeps history, so it may name files that have gone)."""
+    texts = [*DOCS, ROOT / "CONTRIBUTING.md", ROOT / "experiments" / "README.md", *(ROOT / "bench").glob("*.sh"),
+             *(ROOT / "bench").glob("*.py"), *(ROOT / "experiments").glob("*.py"), *(ROOT / "scripts").glob("*")]
+    named = {(doc.name, m) for doc in texts
+             for m in re.findall(r"\b(?:bench|experiments|scripts)/[\w./-]+\.(?:py|sh)\b", doc.read_text())}
+    assert len(named) > 20
+    missing = sorted((doc, m) for doc, m in named if not (ROOT / m).is_file())
+    assert not missing, missing
+
+
+def test_every_environment_variable_read_is_in_the_one_table():
+    """docs/environment.md's table names every ATTNQAT_* variable the package, app.py, the benchmarks, the
+    experiments, the scripts and the tests read, and each variable it names is read somewhere."""
+    sources = [ROOT / "app.py", *(ROOT / "attnqat").rglob("*.py"), *(ROOT / "tests").glob("*.py")]
+    for folder in ("bench", "experiments", "scripts"):
+        sources += [p for p in (ROOT / folder).glob("*") if p.suffix in (".py", ".sh")]
+    read = {name for p in sources for name in re.findall(r"ATTNQAT_[A-Z0-9_]*[A-Z0-9]\b", p.read_text())}
+    table = (ROOT / "docs" / "environment.md").read_text().split("| variable |")[1]
+    documented = set(re.findall(r"`(ATTNQAT_[A-Z0-9_]+)`", table))
+    assert read == documented, (sorted(read - documented), sorted(documented - read))
+    assert "(docs/environment.md)" in (ROOT / "README.md").read_text()
+
+
 def test_license_is_the_apache_2_text_pyproject_names():
     text = (ROOT / "LICENSE").read_text()
     assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()

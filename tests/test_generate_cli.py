@@ -30,7 +30,7 @@ def _read_mp4(path):
 
 
 def test_generate_tiny_writes_mp4_with_requested_frames_and_size(tmp_path):
-    out = tmp_path / "sub" / "corgi.mp4"
+    out = tmp_path / "corgi.mp4"
     r = _cli("generate", "--prompt", "a corgi surfing a wave", *SMALL, "--out", str(out),
              "--frames-dir", str(tmp_path / "png"))
     assert r.returncode == 0, r.stderr

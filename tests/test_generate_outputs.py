@@ -53,8 +53,8 @@ def no_loading(monkeypatch):
     monkeypatch.setattr(loading, "load_pipeline", boom)
 
 
-@pytest.mark.parametrize("case", ["folder", "parent-is-file", "suffix", "read-only", "frames-dir-not-empty",
-                                  "frames-dir-is-file"])
+@pytest.mark.parametrize("case", ["folder", "parent-is-file", "parent-missing", "suffix", "read-only",
+                                  "frames-dir-not-empty", "frames-dir-is-file", "frames-dir-parent-missing"])
 def test_bad_output_paths_refused_before_loading(tmp_path, capsys, no_loading, case):
     (tmp_path / "a-file").write_text("mine")
     (tmp_path / "full").mkdir()
@@ -64,6 +64,8 @@ def test_bad_output_paths_refused_before_loading(tmp_path, capsys, no_loading, c
         out, message = str(tmp_path / "full"), "is a folder"
     elif case == "parent-is-file":
         out, message = str(tmp_path / "a-file" / "v.mp4"), "is a file, not a folder"
+    elif case == "parent-missing":  # a typo is not made into new folders
+        out, message = str(tmp_path / "typo" / "v.mp4"), f"its folder {str(tmp_path / 'typo')!r} does not exist"
     elif case == "suffix":
         out, message = str(tmp_path / "v.txt"), "must end in .mp4"
     elif case == "read-only":  # /sys refuses new files even to root, unlike a chmod'ed folder
@@ -72,6 +74,8 @@ def test_bad_output_paths_refused_before_loading(tmp_path, capsys, no_loading, c
         extra, message = ["--frames-dir", str(tmp_path / "full")], "already exists and is not empty"
     elif case == "frames-dir-is-file":
         extra, message = ["--frames-dir", str(tmp_path / "a-file")], "is a file, not a folder"
+    elif case == "frames-dir-parent-missing":
+        extra, message = ["--frames-dir", str(tmp_path / "typo" / "f")], "does not exist; create it first"
     before = _snapshot(tmp_path)
     assert main(["generate", "--prompt", "p", *TINIEST, "--out", out, *extra]) == 2
     line = _one_line(capsys.readouterr().err)
@@ -135,11 +139,11 @@ def test_disk_full_mid_write_keeps_the_old_video(tmp_path, capsys, monkeypatch, 
 
 def test_video_that_does_not_read_back_is_not_reported_as_written(tmp_path, capsys, monkeypatch):
     _failing_writer(monkeypatch, after=2, exc=False)  # the writer "succeeds" with 2 of 5 frames
-    out = tmp_path / "new" / "v.mp4"
+    out = tmp_path / "v.mp4"
     assert main(["generate", "--prompt", "p", *TINIEST, "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert "reads back as 2 frames" in err and "nothing was written" in err and "wrote" not in err
-    assert list(tmp_path.iterdir()) == []  # neither the video nor the folder made for it
+    assert list(tmp_path.iterdir()) == []  # no video, no temporary file
 
 
 def test_frames_dir_failure_leaves_no_partial_folder(tmp_path, capsys, monkeypatch):

@@ -101,6 +101,8 @@ def runs(tmp_path_factory):
                                                   "--out", str(root / layout / "v.mp4"),
                                                   "--frames-dir", str(root / layout / "png")])
             for layout, mode in CASES]
+    for folder in {layout for layout, _ in CASES} | {"bf16", "attn_qat", "nvfp4"}:  # each run's output folder
+        (root / folder).mkdir()
     (root / "a_folder.mp4").mkdir()  # --out names a folder: refused by rank 0's output check
     plan.append(("refused", _free_port(), [*TINIEST, "--parallel", "ulysses", "--out", str(root / "a_folder.mp4")]))
     with tempfile.TemporaryDirectory() as tmp:

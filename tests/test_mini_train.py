@@ -373,17 +373,20 @@ def test_compiled_blocks_train_like_eager_ones(mini_folder, tmp_path):
 def test_step_profile_reports_every_size_and_part(mini_folder, tmp_path):
     """bench/profile_mini_step.py on a small config: one row per training size with the three parts of a
     step and the refresh's three parts, each a positive time; the build folder is left as it was."""
+    import os
     import pathlib
+    import subprocess
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-    from profile_mini_step import main
-
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = root / "bench" / "profile_mini_step.py"
     (tmp_path / "model").symlink_to(mini_folder)
     before = sorted(p.name for p in tmp_path.iterdir())
     sets = [a for kv in SMALL for a in ("--set", kv)]
-    assert main(["--out", str(tmp_path), "--steps", "3", "--warmup", "1", "--json", str(tmp_path / "p.json"),
-                 *sets]) == 0
+    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--steps", "3", "--warmup", "1",
+                          "--json", str(tmp_path / "p.json"), *sets], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)})  # this checkout's attnqat
+    assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads((tmp_path / "p.json").read_text())
     assert set(got["per_step_s"]) == set(got["refresh_parts_s"]) == {"5x32x32", "9x32x64"}
     for row in got["per_step_s"].values():
@@ -401,8 +404,10 @@ def test_vae_trains_on_every_size_in_turn_with_a_pixel_budget(monkeypatch):
     from attnqat.corpus import Corpus
     from attnqat.train.mini import VAE_SIZES, train_vae, vae_batch
 
-    assert {f for f, _, _ in VAE_SIZES} >= {9, 17, 33, 49} and {h for _, h, _ in VAE_SIZES} == {128, 256}
-    assert max(f for f, _, _ in VAE_SIZES) > 49 and min(f for f, _, _ in VAE_SIZES) == 1  # images: first frames
+    # the longest clip trains every shorter length (the VAE is causal: next test), one latent frame past the
+    # longest the model is used at; single frames weigh the first frame's own path
+    assert {h for _, h, _ in VAE_SIZES} == {128, 256} and max(f for f, _, _ in VAE_SIZES) > 49
+    assert {(f, h) for f, h, _ in VAE_SIZES} == {(1, 128), (1, 256), (57, 128), (57, 256)}
     assert vae_batch((17, 128, 128), 8) == 8 and vae_batch((33, 256, 256), 16) == 2 and vae_batch((57, 256, 256), 1) == 1
     seen, drawn, render, spec = [], [], Corpus.render, Corpus.spec
 
@@ -427,6 +432,73 @@ def test_vae_trains_on_every_size_in_turn_with_a_pixel_budget(monkeypatch):
     assert len(set(drawn)) == len(drawn) == facts["clips"] == sum(n for _, n in seen)  # every clip a new one
     assert facts["steps"] == 4
     assert any(not torch.equal(before[k], v) for k, v in vae.state_dict().items())
+
+
+def _tiny_wan_vae(**kw):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], **kw).eval()
+
+
+def test_wan_vae_round_trips_are_causal_so_the_longest_clip_trains_every_length():
+    """The round trip of a clip's first N frames equals that of the N-frame clip, bit for bit (VAE_SIZES
+    rests on it: 57-frame clips train every shorter length)."""
+    vae = _tiny_wan_vae()
+    clip = torch.rand(1, 3, 17, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.no_grad():
+        trip = lambda x: vae.decode(vae.encode(x).latent_dist.mode()).sample  # noqa: E731
+        whole = trip(clip)
+        for n in (1, 5, 9):
+            assert torch.equal(trip(clip[:, :, :n]), whole[:, :, :n])
+        later = clip.clone()
+        later[:, :, 9:] = -later[:, :, 9:]  # later frames changed: the first 9 come back the same
+        assert torch.equal(trip(later)[:, :, :9], whole[:, :, :9]) and not torch.equal(trip(later), whole)
+
+
+def test_a_new_decoder_of_another_width_decodes_the_same_latents():
+    from attnqat.train.mini import with_new_decoder
+
+    vae = _tiny_wan_vae()
+    wide = with_new_decoder(vae, 16)
+    assert wide.config.decoder_base_dim == 16 and wide.config.base_dim == 8
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n(wide.decoder) > 3 * n(vae.decoder) and n(wide.encoder) == n(vae.encoder)
+    clip = torch.rand(2, 3, 5, 32, 32, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    with torch.no_grad():
+        z = vae.encode(clip).latent_dist.mode()
+        assert torch.equal(wide.eval().encode(clip).latent_dist.mode(), z)
+        assert wide.decode(z).sample.shape == clip.shape
+    assert torch.equal(with_new_decoder(vae, 16).decoder.conv_out.weight, wide.decoder.conv_out.weight)  # seeded
+
+
+def test_decoder_only_vae_training_keeps_the_latents_exactly():
+    """decoder_only freezes the encoder side bit for bit (so the latents a transformer learned stay valid) and
+    trains the decoder; the whole-VAE default changes the encoder too."""
+    from diffusers import AutoencoderKLWan
+
+    from attnqat.corpus import Corpus
+    from attnqat.train.mini import train_vae
+
+    def trained(decoder_only):
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True])
+        before = {k: v.clone() for k, v in vae.state_dict().items()}
+        train_vae(vae, seconds=600, steps=2, batch=1, sizes=((5, 32, 32),), device="cpu", log=lambda *_: None,
+                  reference_voxels=5 * 32 * 32, decoder_only=decoder_only)
+        changed = {k.split(".")[0] for k, v in vae.state_dict().items() if not torch.equal(before[k], v)}
+        return vae, changed
+
+    vae, changed = trained(True)
+    assert changed == {"decoder", "post_quant_conv"}
+    c = Corpus(0, "held_out")
+    clip = c.render([c.spec(0)], frames=5, height=32, width=32)
+    torch.manual_seed(0)
+    fresh = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True])
+    with torch.no_grad():
+        assert torch.equal(vae.encode(clip).latent_dist.mode(), fresh.eval().encode(clip).latent_dist.mode())
+    assert {"encoder", "decoder"} <= trained(False)[1]
 
 
 class _CorruptingVAE(torch.nn.Module):

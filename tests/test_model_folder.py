@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from attnqat.cli import main
-from attnqat.pipelines.loading import ModelConfigError, check_model, load_pipeline, load_transformer
+from attnqat.pipelines.loading import check_model, load_pipeline, load_transformer
 from attnqat.pipelines.mini import MINI_QAT_WEIGHTS, mini_folder
+from attnqat.pipelines.model_folder import ModelConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINIEST = ["--height", "32", "--width", "32", "--frames", "1", "--steps", "1", "--device", "cpu"]

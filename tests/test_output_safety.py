@@ -237,6 +237,7 @@ def test_export_qat_never_writes_over_its_fine_tune(tmp_path, monkeypatch, capsy
     run = tmp_path / "run" / "final"
     run.mkdir(parents=True)
     os.link(ft, run / "transformer.safetensors")
+    (tmp_path / "sub").mkdir()  # sub/../ft.safetensors names ft.safetensors
     monkeypatch.setattr(qat_weights, "export_qat_weights", lambda *a, **k: pytest.fail("exported"))
     for frm, out in ((ft, ft), (ft, tmp_path / "sub" / ".." / "ft.safetensors"), (ft, tmp_path / "link.safetensors"),
                      (tmp_path / "link.safetensors", ft), (ft, tmp_path / "hard.safetensors"),
@@ -283,6 +284,48 @@ def test_no_command_writes_over_or_into_what_it_reads(tmp_path, monkeypatch, cap
         line = _one_line(capsys.readouterr().err)
         assert line.startswith(f"attnqat {command}: error:") and "inside" in line, line
     assert _snapshot(tmp_path) == before
+
+
+def test_an_output_in_a_folder_that_does_not_exist_is_refused_by_every_command(tmp_path, monkeypatch, capsys):
+    """A mistyped output path is refused in one line before anything loads, instead of creating a tree of folders:
+    generate's --out and --frames-dir, quality's, precompute's and export-qat's --out, the demo's --out-dir (each
+    may itself be new: only the folder it is in must exist). train's output_dir is the exception: its parents are
+    created, as its default runs/attnqat needs."""
+    import attnqat.pipelines.loading as loading
+    import attnqat.train.precompute as pre
+    from conftest import load_script
+
+    def boom(*a, **k):
+        pytest.fail("a model loaded")
+
+    monkeypatch.setattr(loading, "load_pipeline", boom)
+    monkeypatch.setattr(loading, "load_transformer", boom)
+    monkeypatch.setattr(pre, "load_encoders", boom)
+    _finetune(tmp_path / "ft.safetensors")
+    (tmp_path / "p.txt").write_text("a red ball\n")
+    typo = tmp_path / "typo" / "deeper"
+    generate = ["generate", "--prompt", "p", "--model", "tiny", "--height", "32", "--width", "32", "--frames", "5",
+                "--steps", "1", "--device", "cpu"]
+    cases = {
+        "generate --out": ["attnqat generate", [*generate, "--out", str(typo / "v.mp4")]],
+        "generate --frames-dir": ["attnqat generate", [*generate, "--out", str(tmp_path / "v.mp4"),
+                                                       "--frames-dir", str(typo / "frames")]],
+        "quality --out": ["attnqat quality", ["quality", "--model", "tiny", "--device", "cpu", "--out", str(typo / "q")]],
+        "precompute --out": ["attnqat precompute", ["precompute", "--prompts", str(tmp_path / "p.txt"), "--model", "tiny",
+                                                    "--device", "cpu", "--out", str(typo / "data")]],
+        "export-qat --out": ["attnqat export-qat", ["export-qat", "--from", str(tmp_path / "ft.safetensors"), "--model",
+                                                    "tiny", "--out", str(typo / "q.safetensors")]],
+    }
+    before = _snapshot(tmp_path)
+    for name, (prog, argv) in cases.items():
+        assert cli_main(argv) == 2, name
+        line = _one_line(capsys.readouterr().err)
+        assert line.startswith(f"{prog}: error:") and f"its folder {str(typo)!r} does not exist" in line, (name, line)
+    app = load_script(ROOT / "app.py", "attnqat_app_out_dir")
+    assert app.main(["--model", "tiny", "--device", "cpu", "--out-dir", str(typo / "demo")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("app.py: error:") and f"its folder {str(typo)!r} does not exist" in line, line
+    assert _snapshot(tmp_path) == before  # nothing created
 
 
 # -------------------------------------------------------------------------------------------------- YAML

@@ -15,7 +15,6 @@ from attnqat.pipelines import (AttentionTimer, AttnQATProcessor, CheckpointMisma
                                load_pipeline, load_qat_checkpoint, patch_attention, patched_attention,
                                unpatch_attention)
 from attnqat.kernels import attention
-from conftest import load_script
 
 # Quantized modes: NVFP4 ones, and SageBwd's INT8. Their Triton kernels (run by the interpreter here)
 # take bf16/fp16, so these tests use the tiny model in bf16 against the unpatched bf16 model.
@@ -276,31 +275,30 @@ def test_missing_models_say_how_to_download(tmp_path):
 
 
 def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
+    """bench/e2e.py --tiny --compile: diffusers' own processor first, each mode eager and under
+    torch.compile(fullgraph=True); its section of the docs page replaced, the rest left alone."""
     import json
+    import subprocess
+    import sys
     from pathlib import Path
 
-    e2e = load_script(Path(__file__).resolve().parents[1] / "bench" / "e2e.py", "bench_e2e")
+    root = Path(__file__).resolve().parents[1]
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n## End-to-end: Wan 2.1 14B transformer step\n\nold\n"
                     "\n## Later\n\nkeep me too\n")
-    assert e2e.main(["--tiny", "--modes", "bf16", "--repeats", "1", "--docs", str(docs),
-                     "--json", str(tmp_path / "e2e.json")]) == 0
-    text = docs.read_text()
-    assert text.count("## End-to-end") == 1 and "old" not in text
-    assert "keep me\n" in text and "## Later\n\nkeep me too" in text and "| bf16 |" in text
-    res = json.loads((tmp_path / "e2e.json").read_text())["results"]
-    assert res[0]["mode"] == "bf16" and res[0]["attention_calls_per_step"] == 4  # 2 blocks x (cond + uncond)
-    assert 0 < res[0]["attention_s"] < res[0]["step_s"]
-
-    # --compile: diffusers' own processor first, every mode also under torch.compile(fullgraph=True)
-    assert e2e.main(["--tiny", "--modes", "bf16,diffusers", "--compile", "--compile-backend", "aot_eager",
-                     "--repeats", "1", "--docs", str(docs), "--json", str(tmp_path / "e2e.json")]) == 0
+    run = subprocess.run([sys.executable, str(root / "bench" / "e2e.py"), "--tiny", "--modes", "bf16,diffusers",
+                          "--compile", "--compile-backend", "aot_eager", "--repeats", "1", "--docs", str(docs),
+                          "--json", str(tmp_path / "e2e.json")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "e2e.json").read_text())["results"]
     assert [r["mode"] for r in res] == ["diffusers", "bf16"]
-    assert res[0]["attention_calls_per_step"] == 0 and res[1]["attention_calls_per_step"] == 4
+    assert res[0]["attention_calls_per_step"] == 0 and res[1]["attention_calls_per_step"] == 4  # 2 blocks x 2
+    assert 0 < res[1]["attention_s"] < res[1]["step_s"]
     for r in res:
         assert r["compiled_step_s"] > 0 and r["compiled_rel_err"] < 1e-5, r
     text = docs.read_text()
+    assert text.count("## End-to-end") == 1 and "old" not in text
+    assert "keep me\n" in text and "## Later\n\nkeep me too" in text
     assert "| mode | step (s) | × diffusers | compiled step (s) | compiled × diffusers |" in text
     assert "| diffusers | " in text and "| bf16 | " in text and "(aot_eager)" in text
 
@@ -346,3 +344,35 @@ def test_fsdp_sequence_parallel_training_step_benchmark_on_two_cpu_processes():
     run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| `bf16` |" in run.stdout and "| `attn_qat` |" in run.stdout and run.stdout.count("| `bf16` |") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["attn_qat", "sage3", "nvfp4"])
+def test_compiled_and_offloaded_generation_match_eager_on_gpu(mode):
+    """What `attnqat generate --compile` and `--offload` run, with the compiled Triton kernels: diffusers' regional
+    compile of every block (fullgraph) and its model CPU offload give the video of the eager, resident pipeline
+    (tiny model, bf16, 4 steps), up to bf16 rounding under compilation."""
+    from attnqat.pipelines.generate import generate_video
+    from attnqat.quality import psnr
+
+    device = torch.device("cuda")
+
+    def video(compiled: bool, offload: bool):
+        torch._dynamo.reset()
+        pipe = load_pipeline("tiny", dtype=torch.bfloat16, device=None if offload else device)
+        timer = AttentionTimer(enabled=not compiled)  # as generate: a compiled graph has no timing points
+        patch_attention(pipe.transformer, mode, timer=timer)
+        if offload:
+            pipe.enable_model_cpu_offload(device=device)
+        if compiled:
+            pipe.transformer.compile_repeated_blocks(fullgraph=True)
+        pipe.set_progress_bar_config(disable=True)
+        return generate_video(pipe, "a fox", height=64, width=64, frames=9, steps=4, guidance=5.0, seed=0,
+                              timer=timer, device=device).frames
+
+    eager = video(False, False)
+    assert eager.shape == (9, 64, 64, 3) and eager.std() > 0
+    for compiled, offload in ((True, False), (False, True), (True, True)):
+        db, _ = psnr(eager, video(compiled, offload))
+        assert db > 30, (mode, compiled, offload, db)
+    torch._dynamo.reset()

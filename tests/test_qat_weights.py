@@ -193,14 +193,14 @@ def test_a_model_folder_given_as_checkpoint_is_its_transformer_not_the_qat_weigh
 # ----------------------------------------------------------------------------------- export's refusals
 def test_export_refuses_a_full_finetune_over_12_mb_in_one_line_and_writes_nothing(mini_base, tmp_path, capsys):
     _finetune(_base_state(mini_base), tmp_path / "full.safetensors", change=lambda k: True)
-    out = tmp_path / "out" / "attn_qat.safetensors"
+    out = tmp_path / "attn_qat.safetensors"
     assert main(["export-qat", "--from", str(tmp_path / "full.safetensors"), "--model", str(mini_base),
                  "--out", str(out), "--storage", "subset"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not diffusers' shard bar
     assert len(err) == 1 and err[0].startswith("attnqat export-qat: error: QAT weights of"), err
     assert "would be 18.2 MB as subset (" in err[0] and "over the 12 MB limit of a shipped file" in err[0], err
     assert "train.trainable=attention" in err[0] and "fp8-delta" in err[0]
-    assert not out.parent.exists()
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["full.safetensors"]
 
 
 def _fp8_round_bound(delta: torch.Tensor) -> torch.Tensor:
@@ -367,12 +367,14 @@ def test_demo_attn_qat_column_runs_the_shipped_weights_and_the_others_the_base(i
 
     engine = DemoEngine.load(device="cpu", dtype="fp32")
     assert engine.model == "mini" and engine.qat_shipped
-    assert engine.label("attn_qat") == "Attn-QAT (shipped QAT fine-tune attn_qat.safetensors)"
+    assert engine.label("attn_qat") == "Attn-QAT"
+    assert engine.weights("attn_qat") == "the QAT fine-tune shipped with the model attn_qat.safetensors"
     runs = _demo_runs(engine, tmp_path)
     assert [r.mode for r in runs] == ["bf16", "attn_qat", "nvfp4"]
     assert [_same(s, _expected(installed, qat=True)) for s in spy_generation] == [False, True, False]
     assert [_same(s, _expected(installed, qat=False)) for s in spy_generation] == [True, False, True]
-    assert runs[1].label == "Attn-QAT (shipped QAT fine-tune attn_qat.safetensors)"
+    assert (runs[1].label, runs[1].weights) == ("Attn-QAT", engine.weights("attn_qat"))
+    assert runs[0].weights is None and runs[2].weights is None
 
 
 def test_demo_explicit_checkpoint_wins_and_none_opts_out(installed, tiny_qat, tmp_path):
@@ -381,10 +383,11 @@ def test_demo_explicit_checkpoint_wins_and_none_opts_out(installed, tiny_qat, tm
     folder, tuned, _ = installed
     explicit = folder.parent / "finetune.safetensors"  # the full fine-tune the shipped file was exported from
     engine = DemoEngine.load(device="cpu", dtype="fp32", qat_checkpoint=str(explicit))
-    assert not engine.qat_shipped and engine.label("attn_qat") == "Attn-QAT (QAT checkpoint finetune.safetensors)"
+    assert not engine.qat_shipped and engine.weights("attn_qat") == "QAT checkpoint finetune.safetensors"
     assert torch.equal(engine._weights["qat"]["proj_out.weight"], tuned["proj_out.weight"])  # the full file's
     plain = DemoEngine.load(device="cpu", dtype="fp32", qat_checkpoint="none")
     assert plain.qat_checkpoint is None and plain.label("attn_qat") == NO_CHECKPOINT_LABEL
+    assert plain.weights("attn_qat") == "no QAT checkpoint: plain FP4 attention"
 
 
 def test_app_checks_and_names_the_shipped_weights(installed, tmp_path):

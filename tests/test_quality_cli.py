@@ -13,13 +13,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from attnqat.cli import main as cli_main
 from attnqat.corpus import parse_prompt
 from attnqat.quality import score
-from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--model", "tiny", "--size", "5x32x32", "--steps", "2", "--prompts", "2", "--clips", "2", "--batch", "2",
@@ -27,16 +27,18 @@ SMALL = ["--model", "tiny", "--size", "5x32x32", "--steps", "2", "--prompts", "2
 
 
 def test_modes_left_out_of_the_default_rows_have_nvfp4s_forward():
-    from attnqat.evaluation import SAME_FORWARD, base_variants
-    from attnqat.kernels import attention
+    from attnqat.evaluation import base_variants
+    from attnqat.kernels import attention, available_modes, mode_of
 
+    same_forward = {m: mode_of(m).same_forward_as for m in available_modes(lambda m: m.same_forward_as)}
+    assert same_forward == {"attn_qat": "nvfp4", "attn_qat_dropin": "nvfp4"}
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 64, generator=g) for _ in range(3))
     with torch.no_grad():
-        for mode, same in SAME_FORWARD.items():
+        for mode, same in same_forward.items():
             assert torch.equal(attention(q, k, v, mode), attention(q, k, v, same)), mode
     labels = [x.label for x in base_variants()]
-    assert labels[0] == "bf16" and "nvfp4" in labels and not set(SAME_FORWARD) & set(labels)
+    assert labels[0] == "bf16" and "nvfp4" in labels and not set(same_forward) & set(labels)
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +124,6 @@ def test_outputs_exist_parse_and_agree(run):
 
 def test_per_frame_columns_agree_with_the_averages(run):
     """Per latent frame (5 video frames: 2 latent frames) and per video frame, beside every average."""
-    import numpy as np
-
     from attnqat.quality import presence
 
     out, table, stdout, _ = run
@@ -312,23 +312,28 @@ def test_help_imports_no_torch():
 
 
 def test_bench_writes_the_docs_section_and_picture(tmp_path):
-    bench = load_script(ROOT / "bench" / "quality.py", "bench_quality")
-    docs = tmp_path / "docs"
-    rc = bench.main([*SMALL, "--base-modes", "bf16", "--prompts", "1", "--clips", "1", "--out", str(tmp_path / "q"),
-                     "--docs", str(docs)])
-    assert rc == 0 and (docs / "quality.png").is_file() and json.loads((docs / "quality.json").read_text())["rows"]
+    """bench/quality.py: attnqat quality's table into its section of DOCS/quality.md (the rest of the page left
+    alone), the numbers to quality.json, and the grid as the page's picture, scaled down to --picture-width in
+    256 colours (the full grid stays in --out)."""
+    from PIL import Image
+
+    docs, out = tmp_path / "docs", tmp_path / "q"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *SMALL, "--base-modes", "bf16",
+                          "--prompts", "1", "--clips", "1", "--out", str(out), "--docs", str(docs),
+                          "--picture-width", "40"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((docs / "quality.json").read_text())["rows"]
     page = (docs / "quality.md").read_text()
     section = page.split("<!-- BEGIN quality -->")[1].split("<!-- END quality -->")[0]
     assert "| **bf16** (bf16 ref.) |" in section and "](quality.png)" in section and "--model tiny" in section
     assert "No measured results yet: `bench/quality.py`" not in section
     assert page.split("<!-- BEGIN quality -->")[0] == (ROOT / "docs" / "quality.md").read_text().split(
         "<!-- BEGIN quality -->")[0]  # the rest of the page is left alone
-    # the page's picture is a scaled-down copy of a wide grid (the full one stays in --out)
-    from PIL import Image
-    Image.new("RGB", (3000, 1500), (200, 40, 90)).save(tmp_path / "wide.png")
-    bench.write_doc_picture(tmp_path / "wide.png", tmp_path / "small.png")
-    with Image.open(tmp_path / "small.png") as im:
-        assert im.size == (bench.DOC_PICTURE_WIDTH, 900) and im.convert("RGB").getpixel((5, 5)) == (200, 40, 90)
+    with Image.open(out / "grid.png") as grid, Image.open(docs / "quality.png") as small:
+        assert grid.width > 40 and small.size == (40, round(grid.height * 40 / grid.width)) and small.mode == "P"
+        # the same picture: the scaled-down grid, within what the 256-colour palette rounds
+        expected = np.asarray(grid.convert("RGB").resize(small.size, Image.LANCZOS), dtype=np.float64)
+        assert np.abs(np.asarray(small.convert("RGB"), dtype=np.float64) - expected).mean() < 4
 
 
 def test_mini_qat_config_and_every_driver_run_validate():

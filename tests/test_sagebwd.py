@@ -15,7 +15,7 @@ from triton.runtime.errors import OutOfResources
 from attnqat.kernels import attention, sagebwd_attention
 from attnqat.kernels import reference as R
 from attnqat.kernels import sagebwd as S
-from attnqat.kernels.api import get_mode
+from attnqat.kernels import mode_of
 
 
 def rel(a, b):
@@ -51,9 +51,9 @@ def _inputs(b, h, lq, lk, d, dtype, device, heavy=False, k_offset=0.0, seed=0):
     return [t.to(device=device, dtype=dtype) for t in (q, k, v, do)]
 
 
-def _run_kernel(q, k, v, do, **kw):
+def _run_kernel(q, k, v, do, attend=sagebwd_attention, **kw):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    o = sagebwd_attention(q, k, v, **kw)
+    o = attend(q, k, v, **kw)
     o.backward(do)
     return o.detach(), q.grad, k.grad, v.grad
 
@@ -284,7 +284,7 @@ def test_k_smoothing_helps_offset_keys():
 
 
 def test_api_mode_and_reference_path():
-    mode = get_mode("sagebwd")
+    mode = mode_of("sagebwd")
     assert mode.trainable
     q, k, v, do = _inputs(2, 2, 40, 56, 64, torch.float32, "cpu", k_offset=1.0)
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
@@ -310,6 +310,55 @@ def test_input_validation(device):
         sagebwd_attention(q.float(), q.float(), q.float())
 
 
+# --- torch.compile: the kernels are custom ops (attnqat::sagebwd_fwd, sagebwd_bwd) with fake implementations ------
+
+
+def _compiled_and_eager(q, k, v, do, backend, **kw):
+    """``attention(mode="sagebwd", **kw)`` under ``torch.compile(fullgraph=True, backend=backend)`` and eager:
+    ((o, dq, dk, dv), inference o) of each."""
+    torch._dynamo.reset()
+
+    def attend(q, k, v):
+        return attention(q, k, v, mode="sagebwd", **kw)
+
+    compiled = torch.compile(attend, fullgraph=True, backend=backend)
+    results = []
+    for fn in (compiled, attend):
+        with torch.no_grad():
+            inference = fn(q, k, v)
+        results.append((_run_kernel(q, k, v, do, attend=fn), inference))
+    torch._dynamo.reset()
+    return results
+
+
+@pytest.mark.parametrize("bwd", ["int8", "fp8", "bf16"])
+def test_compile_fullgraph_matches_eager(bwd, poison):
+    """Dynamo and AOTAutograd trace the forward and backward whole (fullgraph: no break), and the compiled graph
+    computes eager's O, dQ, dK, dV bit for bit (aot_eager runs the custom ops as they are); the inference forward
+    too. Every output of the forward op is in play: Q-smoothing's bias and mean, the K-major int8 copies (int8),
+    the e4m3 operands (fp8), the caller's Q and K (bf16); a causal mask, Lq != Lk, diffusers' (B, L, H, D)
+    layout as a transposed view."""
+    q, k, v, do = _inputs(1, 2, 80, 144, 64, torch.bfloat16, "cpu", k_offset=1.0, seed=3)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    (got, got_inf), (want, want_inf) = _compiled_and_eager(q, k, v, do, "aot_eager", causal=True, smooth_q=True,
+                                                           pv="fp8", bwd=bwd)
+    for name, g, w in zip(("o", "dq", "dk", "dv", "inference o"), (*got, got_inf), (*want, want_inf)):
+        assert torch.isfinite(w).all() and torch.equal(g, w), name
+
+
+def test_custom_ops_pass_opcheck():
+    """torch.library.opcheck: schema (no mutation, no aliasing), the fake implementations against the real outputs
+    (shapes, dtypes, strides), and AOTAutograd over both ops with dynamic shapes."""
+    q, k, v, do = _inputs(1, 2, 48, 72, 64, torch.bfloat16, "cpu", k_offset=1.0, seed=4)
+    for args in ((q, k, v, 0.125, True, True, True, "int8", "fp8", True, True),
+                 (q, k, v, 0.125, False, False, False, "bf16", "int8", False, False)):
+        torch.library.opcheck(S.sagebwd_fwd, args)
+    o, lse, q8, k8, sq, sk, qg, sqg, kg, skg, bias, qmean = S.sagebwd_fwd(q, k, v, 0.125, True, True, True, "int8",
+                                                                           "int8", True, True)
+    torch.library.opcheck(S.sagebwd_bwd, (do, q8, qg, k8, kg, v, sq, sq, sk, sk, bias, qmean, o, lse, 0.125, True,
+                                          True, True, "int8"))
+
+
 # --- GPU: compiled kernels at realistic sizes ---------------------------------------------------
 
 
@@ -325,6 +374,19 @@ def test_gpu_kernel_matches_reference(lq, lk, causal, d, poison):
         err, qerr = rel(g, r), rel(r, e)
         print(f"{name}: err vs ref {err:.2e}, ref vs exact {qerr:.2e}, cos vs exact {cos(g, e):.5f}")
         assert err < 0.3 * qerr, f"{name}: err vs reference {err:.2e}, quantization error {qerr:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pv,bwd", [("int8", "int8"), ("fp8", "fp8"), ("bf16", "bf16")])
+def test_gpu_compile_fullgraph_matches_eager(pv, bwd, poison):
+    """Inductor (the default backend) compiles sagebwd's forward and backward whole (fullgraph) on the GPU and,
+    the kernels being the same custom ops, gives eager's O, dQ, dK, dV and inference O bit for bit."""
+    q, k, v, do = _inputs(1, 4, 2000, 2100, 128, torch.bfloat16, "cuda", k_offset=1.0, seed=3)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    (got, got_inf), (want, want_inf) = _compiled_and_eager(q, k, v, do, "inductor", causal=True, smooth_q=True,
+                                                           pv=pv, bwd=bwd)
+    for name, g, w in zip(("o", "dq", "dk", "dv", "inference o"), (*got, got_inf), (*want, want_inf)):
+        assert torch.isfinite(w).all() and torch.equal(g, w), name
 
 
 PAPER_COSINES = {"dq": 0.966, "dk": 0.954, "dv": 0.999}  # the SageBwd paper's gradient cos-sims (SPEC §4)

@@ -85,7 +85,7 @@ def _fsdp_under_sequence_parallel(rank: int) -> tuple[float, float]:
 
     from attnqat.pipelines import build_tiny_transformer
     from attnqat.train import sequence_parallel
-    from attnqat.train.objectives import patch_for_training
+    from attnqat.train.student_teacher import patch_for_training
 
     def model():
         m = build_tiny_transformer().train()
@@ -233,14 +233,13 @@ def test_cli_refuses_in_one_line_before_any_process_group(tmp_path, capsys, monk
 
 
 def test_tokens_must_split_evenly(tmp_path):
-    from bench.train_step import WAN21_1_3B_CONFIG
+    from attnqat.pipelines.wan_configs import WAN21_1_3B_TRANSFORMER_CONFIG, WAN21_14B_TRANSFORMER_CONFIG
 
     cfg = load_config(TINY, [f"output_dir={tmp_path}", "train.sequence_parallel=2", "data.latent_shape=[16, 1, 6, 6]"])
     with pytest.raises(ValueError, match="must divide the 9 tokens of latent shape"):
         validate(cfg, world_size=2)
     cfg = load_config(ROOT / "configs" / "wan2.1-14b-sp.yaml", ["data.path=null"])
     assert cfg.train.sequence_parallel == 8
-    from bench.e2e import WAN21_14B_CONFIG
-    validate(cfg, transformer_config=WAN21_14B_CONFIG, device_type="cuda", world_size=16)  # 32,760 tokens / 8
+    validate(cfg, transformer_config=WAN21_14B_TRANSFORMER_CONFIG, device_type="cuda", world_size=16)  # 32,760 tokens / 8
     with pytest.raises(ValueError, match="12 attention heads"):
-        validate(cfg, transformer_config=WAN21_1_3B_CONFIG, device_type="cuda", world_size=16)
+        validate(cfg, transformer_config=WAN21_1_3B_TRANSFORMER_CONFIG, device_type="cuda", world_size=16)

@@ -125,9 +125,9 @@ def test_cli_prints_config_errors_in_one_line(tmp_path, capsys):
 
 
 def test_example_configs_validate():
-    from bench.train_step import WAN21_1_3B_CONFIG
-    from bench.e2e import WAN21_14B_CONFIG
-    for name, tc in (("wan2.1-1.3b", WAN21_1_3B_CONFIG), ("wan2.1-14b", WAN21_14B_CONFIG)):
+    from attnqat.pipelines.wan_configs import WAN21_1_3B_TRANSFORMER_CONFIG, WAN21_14B_TRANSFORMER_CONFIG
+
+    for name, tc in (("wan2.1-1.3b", WAN21_1_3B_TRANSFORMER_CONFIG), ("wan2.1-14b", WAN21_14B_TRANSFORMER_CONFIG)):
         cfg = load_config(ROOT / "configs" / f"{name}.yaml", ["data.path=null"])
         assert cfg.train.lr <= 1e-5 and cfg.train.weight_decay == 0.01 and cfg.train.grad_clip == 1.0
         assert cfg.train.mixed_precision == "bf16" and cfg.train.gradient_checkpointing
@@ -357,9 +357,9 @@ def nf_full(tmp_path_factory):
 
 @pytest.mark.parametrize("how", ["loss", "grad", "lr", "weights"])
 def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, how, nf_full):
-    """Before: a NaN loss or gradient trained on and exported NaN weights as final/. Now the step stops before the
-    optimizer updates anything (or, for weights that turned NaN, the checkpoint refuses to write them); no final/,
-    the last good checkpoint is intact, and --resume auto continues from it as if nothing had happened."""
+    """A NaN loss or gradient must not be trained on nor exported as final/: the step stops before the optimizer
+    updates anything (or, for weights that turned NaN, the checkpoint refuses to write them); no final/, the last
+    good checkpoint is intact, and --resume auto continues from it as if nothing had happened."""
     from attnqat.train import checkpoint as ck
     from attnqat.train.checkpoint import NonFiniteTrainingError
     from attnqat.train.loop import read_log
@@ -397,13 +397,13 @@ def test_cli_reports_non_finite_training_in_one_line(tmp_path, monkeypatch, caps
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_teacher_cast_copy_equals_deepcopy_then_cast(dtype):
-    """objectives.cast_copy: the same module as copy.deepcopy(m).to(dtype), every parameter and buffer bit for
+    """student_teacher.cast_copy: the same module as copy.deepcopy(m).to(dtype), every parameter and buffer bit for
     bit, in dtype, with the same requires_grad; independent of the original (a new tensor per parameter, and
     a parameter shared by two modules stays shared in the copy)."""
     import copy
 
     from attnqat.pipelines import build_tiny_transformer
-    from attnqat.train.objectives import cast_copy
+    from attnqat.train.student_teacher import cast_copy
 
     m = build_tiny_transformer().float()
     m.proj_out.weight.requires_grad_(False)

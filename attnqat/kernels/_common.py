@@ -21,14 +21,20 @@ def interpreting() -> bool:
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """True when a backward can follow: grad mode is on and one of ``tensors`` requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, name: str, sm_scale=None, causal=False,
               dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES, cpu_dtypes: tuple[torch.dtype, ...] = (),
               head_dims: tuple[int, ...] | None = SUPPORTED_HEAD_DIMS, kernel: bool = True) -> None:
     """Validate (B, H, L, D) attention inputs; raises ValueError naming the offending value.
 
-    The one input check of the package: :func:`attnqat.kernels.attention` runs it for every mode and path
-    (Triton kernels and PyTorch references alike, with the mode's ``dtypes`` and ``head_dims``), and every
-    kernel entry point runs it again with ``kernel=True`` (CPU tensors then need the interpreter).
+    The one input check of the package: :func:`attnqat.kernels.attention` runs it once for every mode and path
+    (Triton kernels and PyTorch references alike, with the mode's ``dtypes`` and ``head_dims``) and then calls
+    the mode's unchecked path; the public functions of the kernel modules (``attn_qat_attention`` ...) are
+    edges of their own and run it with ``kernel=True`` (CPU tensors then need the interpreter).
     ``cpu_dtypes`` are accepted on CPU only (fp32 for the references); ``head_dims=None`` takes any.
     """
     named = ((q, "q"), (k, "k"), (v, "v"))

@@ -24,16 +24,16 @@ NATIVE_FP4_ARCHS = (10, 12)  # compute capability majors with block-scaled FP4 M
 
 
 def fp8_cast(device: torch.device) -> bool:
-    """Whether the kernels may round to e4m3 with the hardware cast (sm_89+; ATTNQAT_NO_FP8_CAST=1 forces
-    the integer-arithmetic rounding, as on Ampere: tests use it)."""
-    if interpreting() or device.type != "cuda" or os.environ.get("ATTNQAT_NO_FP8_CAST", "0") != "0":
+    """Whether the kernels may round to e4m3 with the hardware cast (sm_89+), else with integer arithmetic (as on
+    Ampere; a GPU test forces that path by patching this probe and compares the two)."""
+    if interpreting() or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def fp4_mma_arch(device: torch.device) -> int:
     """sm_<arch> (e.g. 100, 120) when ``device`` is a GPU with block-scaled FP4 MMAs, else 0; also 0 under the
-    interpreter and with ATTNQAT_NATIVE_FP4=0 (keep the bf16 emulation)."""
+    interpreter and with ATTNQAT_NATIVE_FP4=0 (keep the bf16 emulation: a user's switch, docs/environment.md)."""
     if interpreting() or device.type != "cuda" or os.environ.get("ATTNQAT_NATIVE_FP4", "1") == "0":
         return 0
     cap = torch.cuda.get_device_capability(device)

@@ -1,33 +1,59 @@
-"""One attention entry point for every mode.
+"""One attention entry point for every mode, and the registry that says what each mode is.
 
     attention(q, k, v, mode="attn_qat")   # (batch, heads, seqlen, head_dim), like SDPA
+    mode_of("attn_qat").trainable         # True: every fact about a mode is a field of its Mode record
 
-Each mode is a small :class:`Mode` record in a registry: its Triton path (CUDA tensors, or CPU tensors
-under ``TRITON_INTERPRET=1``) and its PyTorch-reference path (plain CPU tensors: slow but exact, and
-differentiable for trainable modes, so the tiny model trains and generates on a laptop).
+Each mode is one :class:`Mode` record: its Triton path (CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1``), its PyTorch-reference path (plain CPU tensors: slow but exact, and differentiable for
+trainable modes, so the tiny model trains and generates on a laptop), and the facts the rest of the package
+asks about it (trainable, a log-sum-exp for ring attention, a forward shared with another mode, ...). No other
+module keeps a list of mode names: they ask :func:`mode_of` or :func:`available_modes`.
+
+Names are checked once per edge: :func:`attention` (and :func:`attention_with_lse`) here, the processors in
+``attnqat.pipelines``, each command's flags; :func:`mode_of` is that check, with one message. Past the edge the
+paths take valid input: :func:`attention` checks q, k, v and the options once and calls the mode's path.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ._common import KERNEL_DTYPES, P_BWD_CHOICES, SUPPORTED_HEAD_DIMS, check_qkv, interpreting
-from .formats import SAGEBWD_PRECISIONS
+from ._common import KERNEL_DTYPES, P_BWD_CHOICES, SUPPORTED_HEAD_DIMS, check_qkv, interpreting, needs_grad
+from .formats import LOG2E, P_SCALE, SAGEBWD_PRECISIONS
 
 
 @dataclass(frozen=True)
 class Mode:
-    """An attention mode: ``kernel`` runs on CUDA (or the interpreter), ``reference`` on plain CPU.
+    """An attention mode: how it runs, and every fact the package asks about it.
 
-    Both are called as ``fn(q, k, v, sm_scale=..., causal=..., **options)`` on (B, H, L, D) tensors.
-    ``trainable`` modes have a backward; the others refuse to run with grad enabled.
-    ``dtypes`` and ``head_dims`` (None: any) are what :func:`attention` accepts on every path (fp32 is
-    also accepted on CPU, where the reference runs); ``options`` lists each option's name and its
-    allowed values.
+    How it runs: ``kernel`` on CUDA (or the interpreter), ``reference`` on plain CPU tensors, both called as
+    ``fn(q, k, v, sm_scale=..., causal=..., **options)`` on (B, H, L, D) tensors that :func:`attention` has
+    checked. ``trainable`` modes have a backward; the others refuse to run with grad enabled. ``dtypes`` and
+    ``head_dims`` (None: any) are what :func:`attention` accepts on every path (fp32 is also accepted on CPU,
+    where the reference runs); ``options`` lists each option's name and its allowed values.
+
+    What it is, for the rest of the package:
+
+    - ``with_lse``: the forward that also returns the row log-sum-exp, called as
+      ``fn(q, k, v, sm_scale=..., causal=..., use_kernel=..., **options) -> (out, lse)``
+      (:func:`attention_with_lse`; context-parallel ring attention merges key chunks with it). None: ring
+      attention cannot run the mode.
+    - ``same_forward_as``: the mode whose forward (all that inference runs) this one runs; they differ only in
+      the backward, so with the same weights it gives that mode's outputs exactly (``attnqat quality`` leaves
+      it out of its default rows).
+    - ``naive_fp4_forward``: its forward is naive NVFP4 attention (phi on Q, K, V and P in blocks of 16): an
+      "FP4 without QAT" reference row may run it, and ring attention's key shares must be whole blocks to
+      give the one-process result to the bit.
+    - ``uses_qat_weights``: QAT fine-tunes are trained for it: a run in this mode loads the QAT weights
+      shipped with the model unless told otherwise (``--qat-checkpoint``), and the demo's column says so.
+    - ``high_precision``: a precision schedule may run it on its high-precision steps and blocks.
+    - ``demo_column``: its column's place on the demo page, left to right (None: the page offers it only when
+      the app's ``--modes`` names it); ``demo_ticked``: the column is ticked when the page opens.
     """
     name: str
     description: str
@@ -37,7 +63,32 @@ class Mode:
     dtypes: tuple = KERNEL_DTYPES
     head_dims: tuple | None = SUPPORTED_HEAD_DIMS
     options: tuple = ()  # ((name, (allowed values...)), ...)
+    with_lse: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    same_forward_as: str | None = None
+    naive_fp4_forward: bool = False
+    uses_qat_weights: bool = False
+    high_precision: bool = False
+    demo_column: int | None = None
+    demo_ticked: bool = True
 
+    def check_options(self, options: dict) -> None:
+        """Refuse options this mode does not take, and values outside their allowed set, by name (``ValueError``).
+        :func:`attention` runs it on every call; the processors and the training config before a model runs."""
+        allowed = dict(self.options)
+        unknown = sorted(map(str, set(options) - set(allowed)))
+        if unknown:
+            if not allowed:
+                raise ValueError(f"attention mode {self.name!r} takes no options, got {unknown}")
+            raise ValueError(f"attention mode {self.name!r} takes options {', '.join(allowed)}; got {unknown}")
+        for key, value in options.items():
+            choices = allowed[key]
+            if not any(type(value) is type(c) and value == c for c in choices):
+                raise ValueError(f"attention mode {self.name!r}: {key} {value!r} not in {choices}")
+
+
+#: The high-precision reference: unquantized attention (torch SDPA). Comparison tables put it first and measure
+#: the other modes against it, the QAT teacher runs it, and a precision schedule runs it unless told otherwise.
+REFERENCE_MODE = "bf16"
 
 _MODES: dict[str, Mode] = {}
 
@@ -47,38 +98,30 @@ def register_mode(mode: Mode) -> None:
     _MODES[mode.name] = mode
 
 
-def available_modes() -> list[str]:
-    """Names of every registered mode, in registration order."""
-    return list(_MODES)
+def available_modes(where: Callable[[Mode], bool] | None = None) -> list[str]:
+    """Names of the registered modes, in registration order; with ``where``, those whose record it accepts
+    (``available_modes(lambda m: m.trainable)``)."""
+    return [name for name, mode in _MODES.items() if where is None or where(mode)]
 
 
-def get_mode(name: str) -> Mode:
-    if not isinstance(name, str) or name not in _MODES:
-        raise ValueError(f"unknown attention mode {name!r}; available: {', '.join(_MODES)}")
-    return _MODES[name]
+def mode_of(name: str, what: str = "attention mode") -> Mode:
+    """The record of the registered mode ``name``; anything else is a ``ValueError`` naming the registered modes,
+    ``"unknown <what> 'name'; available: ..."`` (``what``: the flag or key at a command's edge, e.g. ``"--mode"``).
+    The one check of a mode name, run once at each edge."""
+    mode = _MODES.get(name) if isinstance(name, str) else None
+    if mode is None:
+        shown = repr(name) if len(repr(name)) <= 60 else f"{repr(name)[:28]}...{repr(name)[-28:]}"
+        raise ValueError(f"unknown {what} {shown}; available: {', '.join(_MODES)}")
+    return mode
 
 
-def check_options(mode: str, options: dict) -> None:
-    """Refuse options ``mode`` does not take, and values outside their allowed set, by name (``ValueError``).
-    :func:`attention` runs it on every call; the training config runs it before building a model."""
-    m = get_mode(mode)
-    allowed = dict(m.options)
-    unknown = sorted(map(str, set(options) - set(allowed)))
-    if unknown:
-        if not allowed:
-            raise ValueError(f"attention mode {mode!r} takes no options, got {unknown}")
-        raise ValueError(f"attention mode {mode!r} takes options {', '.join(allowed)}; got {unknown}")
-    for key, value in options.items():
-        choices = allowed[key]
-        if not any(type(value) is type(c) and value == c for c in choices):
-            raise ValueError(f"attention mode {mode!r}: {key} {value!r} not in {choices}")
+def reference_first(modes: Iterable[str]) -> list[str]:
+    """:data:`REFERENCE_MODE`, then ``modes`` in their order, each once: the rows of a comparison, whose first row
+    the others are measured against."""
+    return [REFERENCE_MODE] + [m for m in dict.fromkeys(modes) if m != REFERENCE_MODE]
 
 
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = "bf16", *,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = REFERENCE_MODE, *,
               sm_scale: float | None = None, causal: bool = False, **options) -> torch.Tensor:
     """Scaled dot-product attention in the given mode.
 
@@ -97,19 +140,56 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = "bf
         and non-finite values"); anything else the contract above excludes is a ``ValueError`` naming the value,
         the same on the Triton and the reference path.
     """
-    m = get_mode(mode)
-    check_qkv(q, k, v, name=f"attention(mode={mode!r})", sm_scale=sm_scale, causal=causal, dtypes=m.dtypes,
-              cpu_dtypes=(torch.float32,), head_dims=m.head_dims, kernel=False)
-    check_options(mode, options)
-    if not m.trainable and _needs_grad(q, k, v):
+    m = _checked(q, k, v, mode, "attention", sm_scale, causal, options)
+    if not m.trainable and needs_grad(q, k, v):
         raise ValueError(f"attention mode {mode!r} is inference-only (it has no backward); "
                          f"run it under torch.no_grad() or use a trainable mode: "
-                         f"{', '.join(n for n, x in _MODES.items() if x.trainable)}")
-    # CPU tensors take the Triton interpreter only when asked for (TRITON_INTERPRET=1) and in a dtype the
-    # kernels take; otherwise the PyTorch reference (fp32 welcome), so a CPU user never hits a refusal.
-    use_kernel = q.is_cuda or (interpreting() and q.dtype in (torch.bfloat16, torch.float16))
-    fn = m.kernel if use_kernel else m.reference
+                         f"{', '.join(available_modes(lambda x: x.trainable))}")
+    fn = m.kernel if _use_kernel(q) else m.reference
     return fn(q, k, v, sm_scale=sm_scale, causal=causal, **options)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = REFERENCE_MODE, *,
+                       sm_scale: float | None = None, causal: bool = False,
+                       **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention`'s output and the row log-sum-exp of the scaled logits, log(sum_j e^(s_ij)), as a
+    (batch, heads, seqlen_q) float32 tensor (natural log, as FlashAttention's). Inference only (no backward);
+    for the modes :func:`lse_modes` lists.
+
+    For the FP4 modes it is computed from the kernel's integer running max m and the unquantized row sum l,
+    so merging the outputs of key chunks with it (ring attention) gives the one-pass result up to fp32
+    rounding: the integer max makes every chunk's P~ a power-of-two rescaling of the one-pass P~, which
+    NVFP4 quantization commutes with (SPEC §2)."""
+    m = mode_of(mode)
+    if m.with_lse is None:
+        raise ValueError(f"attention mode {mode!r} does not return its log-sum-exp (needed by ring attention); "
+                         f"modes that do: {', '.join(lse_modes())}")
+    _checked(q, k, v, mode, "attention_with_lse", sm_scale, causal, options)
+    if needs_grad(q, k, v):
+        raise ValueError(f"attention_with_lse(mode={mode!r}) is inference-only (no backward); run it under "
+                         f"torch.no_grad()")
+    return m.with_lse(q, k, v, sm_scale=sm_scale, causal=causal, use_kernel=_use_kernel(q), **options)
+
+
+def lse_modes() -> list[str]:
+    """Modes :func:`attention_with_lse` runs (the ones context-parallel ring attention can merge)."""
+    return available_modes(lambda m: m.with_lse is not None)
+
+
+def _checked(q, k, v, mode: str, caller: str, sm_scale, causal, options: dict) -> Mode:
+    """The edge check of :func:`attention` and :func:`attention_with_lse`: the mode, q, k, v, sm_scale, causal
+    and the options, once; what passes on to a mode's path is valid."""
+    m = mode_of(mode)
+    check_qkv(q, k, v, name=f"{caller}(mode={mode!r})", sm_scale=sm_scale, causal=causal, dtypes=m.dtypes,
+              cpu_dtypes=(torch.float32,), head_dims=m.head_dims, kernel=False)
+    m.check_options(options)
+    return m
+
+
+def _use_kernel(q: torch.Tensor) -> bool:
+    """CPU tensors take the Triton interpreter only when asked for (TRITON_INTERPRET=1) and in a dtype the
+    kernels take; otherwise the PyTorch reference (fp32 welcome), so a CPU user never hits a refusal."""
+    return q.is_cuda or (interpreting() and q.dtype in KERNEL_DTYPES)
 
 
 def backend_info(device: torch.device | str | None = None) -> dict:
@@ -139,9 +219,9 @@ def backend_info(device: torch.device | str | None = None) -> dict:
     return info
 
 
-def _no_options(mode: str, options: dict) -> None:
-    if options:
-        raise ValueError(f"attention mode {mode!r} takes no options, got {sorted(options)}")
+# ---------------------------------------------------------------------------------------------------
+# The modes
+# ---------------------------------------------------------------------------------------------------
 
 
 def nonfinite_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -165,65 +245,47 @@ def mark_nonfinite(out: torch.Tensor, q, k, v, causal: bool) -> torch.Tensor:
     also zeroes +inf rows) and the drop-in backward (its P, from unquantized Q and K, is finite where the FP4
     forward was not)."""
     marker = nonfinite_rows(q, k, v, causal).to(out.dtype)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+    if needs_grad(q, k, v):
         zero = sum(torch.nan_to_num(x, 0.0, 0.0, 0.0).sum(dims, keepdim=True)
                    for x, dims in ((q, (-1,)), (k, (-2, -1)), (v, (-2, -1)))) * 0
         marker = marker * zero.to(out.dtype) + marker
     return out + marker
 
 
-def _sdpa(q, k, v, *, sm_scale=None, causal=False, **options):
-    _no_options("bf16", options)
+def _sdpa(q, k, v, *, sm_scale=None, causal=False):
     # SPEC §1: an inf input never gives a silent finite value
     return mark_nonfinite(F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale), q, k, v, causal)
 
 
-register_mode(Mode("bf16", "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True, _sdpa, _sdpa,
-                   dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=None))
+def _sdpa_with_lse(q, k, v, *, sm_scale, causal, use_kernel):
+    if q.is_cuda:  # FlashAttention returns its log-sum-exp (B, H, Lq) float32 (not exercised on CPU)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                       scale=sm_scale)[:2]
+        return out, lse
+    from .reference import _logits_log2
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    s = _logits_log2(q.float(), k.float(), scale, causal) / LOG2E
+    return _sdpa(q, k, v, sm_scale=sm_scale, causal=causal), torch.logsumexp(s, dim=-1)
 
 
-
-# Attn-QAT family (SPEC §2): one FP4 forward; the modes differ in their backward.
-def _attn_qat_kernel(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max", **options):
-    from .attn_qat import attn_qat_attention
-
-    _no_options("attn_qat (besides p_bwd)", options)
-    return attn_qat_attention(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
-
-
-def _attn_qat_reference(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max", **options):
-    from .reference import attn_qat_attention_ref
-
-    _no_options("attn_qat (besides p_bwd)", options)
-    if p_bwd not in P_BWD_CHOICES:
-        raise ValueError(f"p_bwd {p_bwd!r} not in {P_BWD_CHOICES}")
-    return attn_qat_attention_ref(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
-
-
-def _plain(mode: str, kernel_module: str, kernel_name: str, reference_name: str):
-    """A mode taking no options, calling ``<kernel_module>.<kernel_name>`` / ``reference.<reference_name>``
-    (imported on first call: the Triton modules load only when a mode runs)."""
+def _paths(kernel_module: str, kernel_name: str, reference_name: str):
+    """(kernel, reference): ``<kernel_module>.<kernel_name>`` and ``reference.<reference_name>``, each called with
+    the checked inputs and options (imported on first call: the Triton modules load only when a mode runs)."""
     def kernel(q, k, v, *, sm_scale=None, causal=False, **options):
-        from . import attn_qat, sage3  # a plain import: torch.compile traces it (importlib it cannot)
+        from . import attn_qat, sage3, sagebwd  # a plain import: torch.compile traces it (importlib it cannot)
 
-        _no_options(mode, options)
-        module = {"attn_qat": attn_qat, "sage3": sage3}[kernel_module]
-        return getattr(module, kernel_name)(q, k, v, sm_scale=sm_scale, causal=causal)
+        module = {"attn_qat": attn_qat, "sage3": sage3, "sagebwd": sagebwd}[kernel_module]
+        return getattr(module, kernel_name)(q, k, v, sm_scale=sm_scale, causal=causal, **options)
 
     def ref(q, k, v, *, sm_scale=None, causal=False, **options):
         from . import reference
 
-        _no_options(mode, options)
-        return getattr(reference, reference_name)(q, k, v, sm_scale=sm_scale, causal=causal)
+        return getattr(reference, reference_name)(q, k, v, sm_scale=sm_scale, causal=causal, **options)
 
     return kernel, ref
 
 
-register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
-                   *_plain("nvfp4", "attn_qat", "nvfp4_attention", "nvfp4_attention_ref")))
-register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
-                   "grad it is the nvfp4 forward)", True, _attn_qat_kernel, _attn_qat_reference,
-                   options=(("p_bwd", P_BWD_CHOICES),)))
 def _marked(fn):
     """``fn`` with :func:`mark_nonfinite` on its output (the drop-in ablation's backward needs it)."""
     def run(q, k, v, *, sm_scale=None, causal=False, **options):
@@ -232,72 +294,15 @@ def _marked(fn):
     return run
 
 
-register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
-                   "(unstable in training)", True,
-                   *map(_marked, _plain("attn_qat_dropin", "attn_qat", "attn_qat_dropin_attention",
-                                        "attn_qat_dropin_attention_ref"))))
-register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
-                   False, *_plain("sage3", "sage3", "sage3_attention", "sage3_attention_ref")))
-
-# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv, bwd.
-def _sagebwd_options(options: dict) -> None:
-    if options:
-        raise ValueError(f"attention mode 'sagebwd' takes options smooth_k, smooth_q, pv, bwd; got {sorted(options)}")
-
-
-def _sagebwd_kernel(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False, pv="int8", bwd="int8",
-                    **options):
-    from .sagebwd import sagebwd_attention
-
-    _sagebwd_options(options)
-    return sagebwd_attention(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q, pv=pv,
-                             bwd=bwd)
-
-
-def _sagebwd_reference(q, k, v, *, sm_scale=None, causal=False, smooth_k=True, smooth_q=False, pv="int8", bwd="int8",
-                       **options):
-    from .reference import sagebwd_attention_ref
-
-    _sagebwd_options(options)
-    return sagebwd_attention_ref(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q,
-                                 pv=pv, bwd=bwd)
-
-
-register_mode(Mode("sagebwd", "trainable INT8 attention: six of seven matmuls in INT8, dP in 16-bit (SageBwd)",
-                   True, _sagebwd_kernel, _sagebwd_reference,
-                   options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", SAGEBWD_PRECISIONS),
-                            ("bwd", SAGEBWD_PRECISIONS))))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Output and log-sum-exp (context-parallel ring attention merges per-chunk outputs with it)
-# ---------------------------------------------------------------------------------------------------
-
-
 def _fp4_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
     """Natural-log log-sum-exp of the scaled logits from the FP4 forwards' integer max m (log2 units) and
     l = sum of P~ = 2688 * 2^(S - m): log(sum e^(s)) = ln2 * (m + log2(l / 2688))."""
-    from .formats import P_SCALE
-
     return (m.float() + torch.log2(l.float()) - math.log2(P_SCALE)) * math.log(2.0)
 
 
-def _bf16_lse(q, k, v, *, sm_scale, causal, use_kernel, **options):
-    _no_options("bf16", options)
-    if q.is_cuda:  # FlashAttention returns its log-sum-exp (B, H, Lq) float32 (not exercised on CPU)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
-                                                                       scale=sm_scale)[:2]
-        return out, lse
-    from .reference import _logits_log2
-
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    s = _logits_log2(q.float(), k.float(), scale, causal) / LOG2E_F
-    return _sdpa(q, k, v, sm_scale=sm_scale, causal=causal), torch.logsumexp(s, dim=-1)
-
-
-def _nvfp4_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None, **options):
-    """The FP4 forward shared by nvfp4, attn_qat and attn_qat_dropin (their forwards are one and the same)."""
-    _no_options("nvfp4", options)
+def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None):
+    """The FP4 forward shared by nvfp4, attn_qat and attn_qat_dropin (their forwards are one and the same;
+    ``p_bwd``, attn_qat's option, is the backward's)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     if use_kernel:
         from .attn_qat import attn_qat_fwd
@@ -310,38 +315,30 @@ def _nvfp4_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None, **options):
     return o.to(q.dtype), _fp4_lse(m, l)
 
 
-LOG2E_F = 1.4426950408889634
-# Modes whose forward can also return its log-sum-exp (inference only: no backward through these). Not sage3:
-# its K smoothing subtracts the mean of all keys, so a chunk of keys gives other logits than the whole (its
-# per-chunk outputs do not merge into the one-pass result); not sagebwd (its lse is not exposed here yet).
-_LSE: dict[str, Callable] = {"bf16": _bf16_lse, "nvfp4": _nvfp4_lse, "attn_qat": _nvfp4_lse,
-                             "attn_qat_dropin": _nvfp4_lse}
-
-
-def lse_modes() -> list[str]:
-    """Modes :func:`attention_with_lse` runs (the ones context-parallel ring attention can merge)."""
-    return [m for m in _MODES if m in _LSE]
-
-
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = "bf16", *,
-                       sm_scale: float | None = None, causal: bool = False,
-                       **options) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention`'s output and the row log-sum-exp of the scaled logits, log(sum_j e^(s_ij)), as a
-    (batch, heads, seqlen_q) float32 tensor (natural log, as FlashAttention's). Inference only (no backward).
-
-    For the FP4 modes it is computed from the kernel's integer running max m and the unquantized row sum l,
-    so merging the outputs of key chunks with it (ring attention) gives the one-pass result up to fp32
-    rounding: the integer max makes every chunk's P~ a power-of-two rescaling of the one-pass P~, which
-    NVFP4 quantization commutes with (SPEC §2)."""
-    m = get_mode(mode)
-    if mode not in _LSE:
-        raise ValueError(f"attention mode {mode!r} does not return its log-sum-exp (needed by ring attention); "
-                         f"modes that do: {', '.join(lse_modes())}")
-    check_qkv(q, k, v, name=f"attention_with_lse(mode={mode!r})", sm_scale=sm_scale, causal=causal,
-              dtypes=m.dtypes, cpu_dtypes=(torch.float32,), head_dims=m.head_dims, kernel=False)
-    check_options(mode, options)
-    if _needs_grad(q, k, v):
-        raise ValueError(f"attention_with_lse(mode={mode!r}) is inference-only (no backward); run it under "
-                         f"torch.no_grad()")
-    use_kernel = q.is_cuda or (interpreting() and q.dtype in (torch.bfloat16, torch.float16))
-    return _LSE[mode](q, k, v, sm_scale=sm_scale, causal=causal, use_kernel=use_kernel, **options)
+# Registration order is the order of available_modes(). No log-sum-exp for sage3: its K smoothing subtracts the
+# mean of all keys, so a chunk of keys gives other logits than the whole (its per-chunk outputs do not merge into
+# the one-pass result); none for sagebwd yet (its kernel does not expose it).
+register_mode(Mode(REFERENCE_MODE, "high-precision attention (torch SDPA: cuDNN / FlashAttention on GPU)", True,
+                   _sdpa, _sdpa, dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=None,
+                   with_lse=_sdpa_with_lse, high_precision=True, demo_column=0))
+register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
+                   *_paths("attn_qat", "nvfp4_unchecked", "nvfp4_attention_ref"), with_lse=_nvfp4_with_lse,
+                   naive_fp4_forward=True, demo_column=3, demo_ticked=False))
+# Attn-QAT family (SPEC §2): one FP4 forward; the modes differ in their backward.
+register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
+                   "grad it is the nvfp4 forward)", True,
+                   *_paths("attn_qat", "attn_qat_unchecked", "attn_qat_attention_ref"),
+                   options=(("p_bwd", P_BWD_CHOICES),), with_lse=_nvfp4_with_lse, same_forward_as="nvfp4",
+                   naive_fp4_forward=True, uses_qat_weights=True, demo_column=2))
+register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
+                   "(unstable in training)", True,
+                   *map(_marked, _paths("attn_qat", "attn_qat_dropin_unchecked", "attn_qat_dropin_attention_ref")),
+                   with_lse=_nvfp4_with_lse, same_forward_as="nvfp4", naive_fp4_forward=True))
+register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
+                   False, *_paths("sage3", "sage3_unchecked", "sage3_attention_ref"), demo_column=1))
+# SageBwd (SPEC §4): INT8 forward and backward; options smooth_k (default True), smooth_q, pv, bwd. Its Triton path
+# is the public sagebwd_attention, which checks q, k, v again (kernels/sagebwd.py has no unchecked entry point).
+register_mode(Mode("sagebwd", "trainable INT8 attention: six of seven matmuls in INT8, dP in 16-bit (SageBwd)",
+                   True, *_paths("sagebwd", "sagebwd_attention", "sagebwd_attention_ref"),
+                   options=(("smooth_k", (True, False)), ("smooth_q", (True, False)), ("pv", SAGEBWD_PRECISIONS),
+                            ("bwd", SAGEBWD_PRECISIONS)), high_precision=True))

@@ -16,7 +16,8 @@ The file reads top to bottom, in the order of Triton's fused-attention tutorial 
 layers: ``@triton.jit`` helpers -> ``_attn_fwd`` -> ``_attn_bwd_preprocess`` -> ``_attn_bwd_dkdv`` ->
 ``_attn_bwd_dq`` -> launch configs -> the launchers :func:`attn_qat_forward` / :func:`attn_qat_backward`
 -> their ``torch.library`` custom ops (``attnqat::attn_qat_fwd`` / ``attn_qat_bwd``, with fake
-implementations, so ``torch.compile`` traces them) -> ``AttnQATFunction`` -> :func:`attn_qat_attention`.
+implementations, so ``torch.compile`` traces them) -> ``AttnQATFunction`` -> the modes' paths on checked inputs
+(:func:`attn_qat_unchecked` ..., what the registry calls) -> the public functions (:func:`attn_qat_attention` ...).
 The phi pre-pass over head_dim (``quantize_heads``) lives in ``nvfp4.py``, what the GPU can do (fp8 cast,
 block-scaled FP4 MMAs, compiles without a GPU) in ``_hardware.py``. ``QUANT_P=False`` turns the same
 forward into plain attention over quantized Q, K, V (tests use it to isolate P's quantization).
@@ -28,14 +29,13 @@ exact emulation of block-scaled FP4 MMAs. Under ``TRITON_INTERPRET=1`` every dot
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ._common import (P_BWD_CHOICES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting,
-                      pinned_config, work_dtype)
+                      needs_grad, pinned_config, work_dtype)
 from ._hardware import compile_for, first_that_compiles, fp4_mma_arch, fp8_cast
 from .formats import LOG2E
 from .nvfp4 import fake_quant_tile, quantize_heads, round_e2m1_nonneg, round_e4m3, tile_keys, unpack_tile
@@ -623,7 +623,7 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
 # ---------------------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), in one place. Pin with ATTNQAT_FWD_CONFIG /
-# ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests and benchmarks.
+# ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests, benchmarks and tuning (docs/environment.md).
 # Measured on an H100 at (1, 40, 32760, 128) by bench/tune_attn_qat.py (docs/kernels.md has the table).
 # Inference forward: 128x128 tiles, 8 warps, 3 stages (50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8); at
 # head_dim 64, 128x64/8 (32.5 ms vs 38.1 for 128x128).
@@ -636,7 +636,7 @@ FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 
 # transposed 32x64/4/4 181.1, 32x64/4/3 191.3 (the former phi there: 218.4). Compiled for sm_90 (Triton 3.9),
 # untransposed 128x64/8 is the one tile that does not spill (7 spill stores; 64x128/8: 394, 128x128/8: 319).
 # BWD_TRANSPOSED picks the layout per head_dim: untransposed where it was timed (128), transposed at 64, untimed
-# (ATTNQAT_BWD_TRANSPOSED=0/1 overrides both). dQ: 128x64.
+# (attn_qat_backward's transposed= overrides it). dQ: 128x64.
 BWD_CONFIG_GPU = {True: {64: LaunchConfig(32, 64, 4, 4), 128: LaunchConfig(32, 64, 4, 4)},
                   False: {64: LaunchConfig(128, 64, 8, 2), 128: LaunchConfig(128, 64, 8, 2)}}
 BWD_TRANSPOSED = {64: True, 128: False}
@@ -655,10 +655,8 @@ def fwd_config(head_dim: int, training: bool) -> LaunchConfig:
 
 
 def bwd_transposed(head_dim: int) -> bool:
-    """The dK/dV kernel's default layout at ``head_dim``: BWD_TRANSPOSED, unless ATTNQAT_BWD_TRANSPOSED=0 or 1
-    says otherwise."""
-    env = os.environ.get("ATTNQAT_BWD_TRANSPOSED", "")
-    return BWD_TRANSPOSED.get(head_dim, True) if env == "" else env != "0"
+    """The dK/dV kernel's default layout at ``head_dim`` (BWD_TRANSPOSED; transposed where untimed)."""
+    return BWD_TRANSPOSED.get(head_dim, True)
 
 
 def bwd_config(head_dim: int, transposed: bool) -> LaunchConfig:
@@ -785,26 +783,27 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
 
 def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, causal: bool,
                       p_bwd: str = "final_max", config: LaunchConfig | None = None,
-                      config_dq: LaunchConfig | None = None, quant_p: bool = True, fused_dq: bool | None = None,
+                      config_dq: LaunchConfig | None = None, quant_p: bool = True, fused_dq: bool = False,
                       transposed: bool | None = None, phi_from_s: bool = True):
     """Launch the backward. Returns (dq, dk, dv) in the layouts and dtype of q and k.
 
     ``config`` is the dK/dV kernel's (BLOCK_M: queries per step, BLOCK_N: keys per program),
     ``config_dq`` the dQ kernel's; ``quant_p=False`` drops phi(P) (benchmarks, the drop-in ablation).
-    ``fused_dq``: dQ from the dK/dV kernel's S recompute by fp32 atomics instead of a second kernel (default:
-    ATTNQAT_BWD_FUSED_DQ=1; off otherwise: 6-53% slower than two kernels per tile on an H100, docs/kernels.md).
-    Its sums run in another order, so dQ differs from the two-kernel dQ by fp32 rounding.
-    ``transposed``: the dK/dV kernel's layout (TRANSPOSED, see _attn_bwd_dkdv_inner; default: bwd_transposed(head_dim)),
-    ``phi_from_s=False``: its former phi (fake_quant_tile on P~, transposed only), kept to time and test against.
-    Neither changes a number: dk, dv are the same bit for bit at the same tiles (tested under the interpreter).
+    ``transposed``: the dK/dV kernel's layout (TRANSPOSED, see _attn_bwd_dkdv_inner; default: bwd_transposed(head_dim)).
+    Two ablation-only variants stay for tests/test_attn_qat.py (which holds them equal to the default) and
+    bench/tune_attn_qat.py (which times them, ``--fused-dq`` and ``--bwd-phi``); nothing else sets them:
+    ``fused_dq=True``: dQ from the dK/dV kernel's S recompute by fp32 atomics instead of a second kernel (6-53%
+    slower than two kernels per tile on an H100, docs/kernels.md); its sums run in another order, so dQ differs
+    from the two-kernel dQ by fp32 rounding.
+    ``phi_from_s=False``: phi as fake_quant_tile on P~ (transposed only) instead of from S.
+    Neither ``transposed`` nor ``phi_from_s`` changes a number: dk, dv are the same bit for bit at the same tiles
+    (tested under the interpreter).
     """
-    if fused_dq is None:
-        fused_dq = os.environ.get("ATTNQAT_BWD_FUSED_DQ") == "1"
     b, h, lq, d = qf.shape
     if transposed is None:
         transposed = bwd_transposed(d)
     if not (phi_from_s or transposed):
-        raise ValueError("attn_qat_backward: phi_from_s=False (the former phi) needs transposed=True")
+        raise ValueError("attn_qat_backward: phi_from_s=False (phi by fake_quant_tile on P~) needs transposed=True")
     lk = kf.shape[2]
     cfg = config or bwd_config(d, transposed)
     cfg_dq = config_dq or dq_config(d)
@@ -850,6 +849,7 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
 #
 #     attnqat::attn_qat_fwd  (q, k, v, sm_scale, causal, training) -> (o, o_aux, m, l, q^F, k^F, v^F)
 #     attnqat::attn_qat_bwd  (do, q, k, q^F, k^F, v^F, o_aux, m, l, sm_scale, causal, p_bwd) -> (dq, dk, dv)
+#     attnqat::attn_qat_dropin_bwd  (do, q, k, v, o, sm_scale, causal) -> (dq, dk, dv)   (the ablation's backward)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -885,6 +885,22 @@ def _(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale, causal, p_bwd):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
 
 
+@torch.library.custom_op("attnqat::attn_qat_dropin_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_qat_dropin_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                        sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # m and l of the unquantized logits (a FlashAttention forward would have saved its LSE), then the backward
+    # without phi, D from the FP4 forward's O
+    _, _, m, l, (qc, kc, vc) = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal, training=False,
+                                                quant_p=False, quant_qkv=False)
+    return attn_qat_backward(do, q, k, qc, kc, vc, o.contiguous(), m, l, sm_scale=sm_scale, causal=causal,
+                             quant_p=False)
+
+
+@attn_qat_dropin_bwd.register_fake
+def _(do, q, k, v, o, sm_scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Autograd
 # ---------------------------------------------------------------------------------------------------
@@ -914,27 +930,46 @@ class AttnQATDropinFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, causal):
-        o, *_ = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal, training=False)
+        o = attn_qat_fwd(q, k, v, sm_scale, causal, False)[0]
         ctx.save_for_backward(q, k, v, o)
         ctx.sm_scale, ctx.causal = sm_scale, causal
-        return o.to(q.dtype)
+        return o
 
     @staticmethod
     def backward(ctx, do):
         refuse_double_backward("attn_qat_dropin")
         q, k, v, o = ctx.saved_tensors
-        # m and l of the unquantized logits (a FlashAttention forward would have saved its LSE).
-        _, _, m, l, (qc, kc, vc) = attn_qat_forward(q, k, v, sm_scale=ctx.sm_scale, causal=ctx.causal,
-                                                    training=False, quant_p=False, quant_qkv=False)
-        o_work = o if o.stride(-1) == 1 and o.is_contiguous() else o.contiguous()
-        dq, dk, dv = attn_qat_backward(do, q, k, qc, kc, vc, o_work, m, l, sm_scale=ctx.sm_scale,
-                                       causal=ctx.causal, quant_p=False)
+        dq, dk, dv = attn_qat_dropin_bwd(do, q, k, v, o, ctx.sm_scale, ctx.causal)
         return dq, dk, dv, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
-# Public functions
+# The modes' paths (inputs already checked: the registry calls them after attention()'s one check), then the
+# public functions, which check their inputs first
 # ---------------------------------------------------------------------------------------------------
+
+
+def nvfp4_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                    causal: bool = False) -> torch.Tensor:
+    """The FP4 inference forward (nvfp4's, and attn_qat's and attn_qat_dropin's without grad) through its custom
+    op, without O'."""
+    return attn_qat_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal, False)[0]
+
+
+def attn_qat_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                       causal: bool = False, p_bwd: str = "final_max") -> torch.Tensor:
+    """:func:`attn_qat_attention` on checked inputs."""
+    if needs_grad(q, k, v):
+        return AttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal, p_bwd)
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
+
+
+def attn_qat_dropin_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                              causal: bool = False) -> torch.Tensor:
+    """:func:`attn_qat_dropin_attention` on checked inputs."""
+    if needs_grad(q, k, v):
+        return AttnQATDropinFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
 
 
 def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -958,10 +993,7 @@ def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
     check_qkv(q, k, v, name="attn_qat_attention", sm_scale=sm_scale, causal=causal)
     if p_bwd not in P_BWD_CHOICES:
         raise ValueError(f"p_bwd {p_bwd!r} not in {P_BWD_CHOICES}")
-    scale = default_scale(q.shape[-1], sm_scale)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return AttnQATFunction.apply(q, k, v, scale, causal, p_bwd)
-    return _fp4_inference(q, k, v, scale, causal)
+    return attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
 
 
 def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -969,10 +1001,7 @@ def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The ``attn_qat_dropin`` ablation: NVFP4 forward, high-precision backward (unstable in training).
     Arguments and return as :func:`attn_qat_attention`."""
     check_qkv(q, k, v, name="attn_qat_dropin_attention", sm_scale=sm_scale, causal=causal)
-    scale = default_scale(q.shape[-1], sm_scale)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return AttnQATDropinFunction.apply(q, k, v, scale, causal)
-    return _fp4_inference(q, k, v, scale, causal)
+    return attn_qat_dropin_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
 
 
 def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -980,12 +1009,7 @@ def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sca
     """Naive NVFP4 attention (inference only): phi on Q, K, V along head_dim and on P along keys.
     Arguments and return as :func:`attn_qat_attention`."""
     check_qkv(q, k, v, name="nvfp4_attention", sm_scale=sm_scale, causal=causal)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if needs_grad(q, k, v):
         raise ValueError("nvfp4_attention is inference-only (no backward): call it under torch.no_grad() "
                          "or train with attn_qat_attention")
-    return _fp4_inference(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
-
-
-def _fp4_inference(q, k, v, sm_scale: float, causal: bool) -> torch.Tensor:
-    """The shared FP4 inference forward, through its custom op (no O')."""
-    return attn_qat_fwd(q, k, v, sm_scale, causal, False)[0]
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)

@@ -11,7 +11,7 @@ code the other FP4 modes run.
 
 Top to bottom: ``_bf16_bits`` -> ``_delta_s`` -> launch config and pre-pass -> :func:`sage3_forward` (the
 launch) -> its custom op ``attnqat::sage3_fwd`` (with a fake implementation, so ``torch.compile`` traces
-it) -> :func:`sage3_attention`.
+it) -> :func:`sage3_unchecked` (the registry's path) -> :func:`sage3_attention` (the checked public function).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, work_dtype
+from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, needs_grad, work_dtype
 from .attn_qat import attn_qat_forward, fwd_config, native_fp4
 from .formats import SAGE3_Q_BLOCK
 from .nvfp4 import quantize_heads, tile_keys
@@ -147,6 +147,12 @@ def _(q, k, v, sm_scale, causal):
     return torch.empty_like(q)
 
 
+def sage3_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                    causal: bool = False) -> torch.Tensor:
+    """:func:`sage3_attention` on checked inputs, without grad (the registry's path: attention() checked them)."""
+    return sage3_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+
+
 def sage3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                     causal: bool = False) -> torch.Tensor:
     """SageAttention3 (emulated NVFP4 with Q/K smoothing and two-level P). Inference only.
@@ -160,6 +166,6 @@ def sage3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sca
         (batch, heads, seqlen_q, head_dim) in q's dtype and stride order.
     """
     check_qkv(q, k, v, name="sage3_attention", sm_scale=sm_scale, causal=causal)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if needs_grad(q, k, v):
         raise ValueError("sage3_attention is inference-only (no backward): call it under torch.no_grad()")
-    return sage3_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+    return sage3_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)

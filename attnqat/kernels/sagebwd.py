@@ -21,7 +21,9 @@ dK += (dS^T 1) mean(Q)^T.
 
 Layout of this file follows Triton's fused-attention tutorial: ``@triton.jit`` pieces by role
 (``_quant_rows``, ``_attn_fwd_inner``, ``_attn_fwd``, ``_attn_bwd_preprocess``, ``_attn_bwd_dkdv``,
-``_attn_bwd_dq``) -> :class:`_SageBwdAttention` (autograd) -> :func:`sagebwd_attention`.
+``_attn_bwd_dq``) -> launch configs -> the launchers :func:`sagebwd_forward` / :func:`sagebwd_backward` -> their
+``torch.library`` custom ops (``attnqat::sagebwd_fwd`` / ``sagebwd_bwd``, with fake implementations, so
+``torch.compile`` traces them) -> :class:`_SageBwdAttention` (autograd) -> :func:`sagebwd_attention`.
 
 Interpreter notes (tests run with ``TRITON_INTERPRET=1``): INT8 and FP8 ``tl.dot`` are exact there, a bf16
 ``tl.dot`` is not, and float->bf16/fp8 casts round wrongly (fp8: ties away from zero, subnormals off). So the
@@ -548,7 +550,8 @@ def step_down(cfg: LaunchConfig, keep: str) -> tuple[LaunchConfig, ...]:
 def kmajor() -> bool:
     """Whether the kernels read the B operand of every L-reducing 8-bit matmul (P V, P^T dO, dS^T Q,
     dS K) from a transposed (D, L) int8 copy. Default on; ``ATTNQAT_SAGEBWD_KMAJOR=0`` reads the
-    row-major copy through ``tl.trans`` instead (for measurements)."""
+    row-major copy through ``tl.trans`` instead: an ablation kept for tests/test_sagebwd.py and the benchmarks
+    that time it (bench/run_sagebwd_gpu.sh, bench/sagebwd_variants.py)."""
     return os.environ.get("ATTNQAT_SAGEBWD_KMAJOR", "1") != "0"
 
 
@@ -580,17 +583,188 @@ def _dot_dtype(x: torch.Tensor):
     return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
 
 
-def _gradient_operand(x: torch.Tensor, x8: torch.Tensor, x8t: torch.Tensor | None, sx: torch.Tensor, block: int,
-                      mean: torch.Tensor | None, bwd: str, km: bool):
-    """The right operand of dQ = dS K (x = K) or dK = dS^T Q (x = Q) and its block scales, per ``bwd``:
-    int8: the forward's psi(x_s) (its K-major copy when ``km``); fp8: e4m3 codes of x_s with s = amax / 448
-    per ``block`` rows, as int8 bits (masked loads need an integer 'other'); bf16: x itself."""
+def _e4m3_operand(x: torch.Tensor, block: int, mean: torch.Tensor | None, km: bool):
+    """e4m3 codes of x_s = x - mean with s = amax / 448 per ``block`` rows, K-major when ``km``, as int8 bits
+    (masked loads need an integer 'other'), and their scales: bwd="fp8"'s right operand of dQ = dS K (x = K)
+    or dK = dS^T Q (x = Q)."""
+    xq, xqt, s = quantize_int8_rows(x, block, mean, fp8=True, row=not km, col=km)
+    return (xqt if km else xq).view(torch.int8), s
+
+
+def _gradient_operand(x: torch.Tensor, x8: torch.Tensor, sx: torch.Tensor, xg: torch.Tensor, sxg: torch.Tensor,
+                      bwd: str, km: bool):
+    """The right operand of dQ = dS K (x = K) or dK = dS^T Q (x = Q) and its block scales, per ``bwd``, from
+    what :func:`sagebwd_forward` returned: int8: psi(x_s), x8 (its K-major copy xg when ``km``); fp8: the e4m3
+    codes xg and scales sxg; bf16: x itself (sx unused)."""
     if bwd == "int8":
-        return (x8t if km else x8), sx
+        return (xg if km else x8), sx
     if bwd == "fp8":
-        xq, xqt, s = quantize_int8_rows(x, block, mean, fp8=True, row=not km, col=km)
-        return (xqt if km else xq).view(torch.int8), s
-    return x, sx  # bf16: sx unused
+        return xg, sxg
+    return x, sx
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------
+
+
+def sagebwd_forward(q, k, v, *, sm_scale: float, causal: bool, smooth_k: bool, smooth_q: bool, pv: str, bwd: str,
+                    training: bool, km: bool):
+    """Launch the forward (quantization pre-pass, then ``_attn_fwd``).
+
+    Returns (o, lse, q8, k8, sq, sk, qg, sqg, kg, skg, bias, qmean): O in q's dtype and the log2-domain
+    log-sum-exp; psi(Q_s), psi(K_s) and their block scales; with ``training``, the backward's gradient operands
+    made here (bwd int8 with ``km``: the K-major int8 copies qg, kg; fp8: e4m3 codes qg, kg and scales sqg, skg;
+    see :func:`_gradient_operand`); Q-smoothing's per-key bias (log2 units) and mean(Q). None where there is
+    none. ``km``: the 8-bit B operands are K-major copies (:func:`kmajor`). All (B, H, ., .) contiguous.
+    """
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    interp = interpreting()
+    cfg = launch_configs(d, pv, bwd)["fwd"]
+    qk_scale = sm_scale * LOG2E  # exponents in log2 units: exp(x) = exp2(x * log2(e))
+    kmean = k.mean(dim=2, dtype=torch.float32).contiguous() if smooth_k else None
+    qmean = q.mean(dim=2, dtype=torch.float32).contiguous() if smooth_q else None
+    col8 = km and training and bwd == "int8"  # the K-major int8 copies serve only the int8 dQ and dK
+    q8, q8t, sq = quantize_int8_rows(q, Q_BLOCK, qmean, col=col8)
+    k8, k8t, sk = quantize_int8_rows(k, K_BLOCK, kmean, col=col8)
+    pv_code = SAGEBWD_PRECISIONS.index(pv)
+    if pv_code < 2:
+        v8, v8t, sv = quantize_int8_rows(v, K_BLOCK, fp8=pv_code == 1, row=not km, col=km)
+        v8 = (v8t if km else v8).view(torch.int8)  # fp8 codes travel as int8 bits (masked loads need an 'other')
+    else:
+        v8, sv = v, sk  # sv unused
+    bias = None
+    if smooth_q:  # S = Q_s K_s^T + mean(Q) . K_s,j: the exact rank-1 part, in fp32, log2 units
+        ks = k.float() - kmean[:, :, None, :] if smooth_k else k.float()
+        bias = ((ks @ qmean[..., None]).squeeze(-1) * qk_scale).contiguous()
+    o = _empty(q.shape, dtype=torch.float32 if interp else q.dtype, device=q.device)
+    lse = _empty(b, h, lq, dtype=torch.float32, device=q.device)
+
+    def launch(f):
+        _attn_fwd[(triton.cdiv(lq, f.block_m), b * h)](
+            q8, k8, v8, sq, sk, sv, bias if bias is not None else sk, o, lse, lq, lk, qk_scale,
+            sq.shape[-1], sk.shape[-1], BLOCK_M=f.block_m, BLOCK_N=f.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
+            KBLK=K_BLOCK, CAUSAL=causal, HAS_BIAS=bias is not None, PV=pv_code, KMAJOR=km and pv_code < 2,
+            EXACT_FP8=interp, DOT_DTYPE=_dot_dtype(q), num_warps=f.num_warps, num_stages=f.num_stages)
+
+    launch_fitting(launch, cfg, ("sagebwd forward", q.device, d, causal, pv_code, km, smooth_q),
+                   step_down(cfg, keep="n"))
+    o = o.to(q.dtype)
+    if training and bwd == "fp8":
+        (qg, sqg), (kg, skg) = _e4m3_operand(q, Q_BLOCK, qmean, km), _e4m3_operand(k, K_BLOCK, kmean, km)
+    else:
+        qg, kg, sqg, skg = q8t, k8t, None, None
+    return o, lse, q8, k8, sq, sk, qg, sqg, kg, skg, bias, qmean
+
+
+def sagebwd_backward(do, q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse, *, sm_scale: float, causal: bool,
+                     smooth_q: bool, km: bool, bwd: str):
+    """Launch the backward: ``_attn_bwd_preprocess``, then ``_attn_bwd_dkdv`` and ``_attn_bwd_dq``. Takes
+    :func:`sagebwd_forward`'s outputs, with the gradient operands qb, kb and their scales picked by
+    :func:`_gradient_operand` (bias and qmean are read only with ``smooth_q``). Returns (dq, dk, dv) in O's
+    dtype, contiguous (B, H, L, D)."""
+    do, v, qb, kb = do.contiguous(), v.contiguous(), qb.contiguous(), kb.contiguous()  # bwd bf16: the caller's Q, K
+    bwd_code = SAGEBWD_PRECISIONS.index(bwd)
+    b, h, lq, d = o.shape
+    lk = k8.shape[2]
+    interp = interpreting()
+    cfg = launch_configs(d, bwd=bwd)  # the dK/dV and dQ tiles depend on bwd alone
+    qk_scale = sm_scale * LOG2E
+    dot_dtype = _dot_dtype(o)
+    nq = triton.cdiv(lq, Q_BLOCK)
+    delta = _empty(b, h, lq, dtype=torch.float32, device=o.device)
+    if bwd_code < 2:  # psi(dO): int8 or e4m3 codes, K-major for dV = P^T dO when km
+        shape = (b, h, d, lq) if km else do.shape
+        do8 = _empty(shape, dtype=torch.float8_e4m3fn if bwd_code == 1 else torch.int8, device=o.device)
+        sdo = _empty(b, h, nq, dtype=torch.float32, device=o.device)
+    else:  # 16-bit dV reads dO itself
+        do8 = sdo = delta  # unused
+    _attn_bwd_preprocess[(nq, b * h)](o, do, delta, do8, sdo, lq, nq, BLK=Q_BLOCK, HEAD_DIM=d, KMAJOR=km,
+                                      BWD=bwd_code, EXACT_FP8=interp)
+    dob = do8.view(torch.int8) if bwd_code < 2 else do
+    gdt = torch.float32 if interp else o.dtype
+    dq = _empty(b, h, lq, d, dtype=gdt, device=o.device)
+    dk = _empty(b, h, lk, d, dtype=gdt, device=o.device)
+    dv = _empty(b, h, lk, d, dtype=gdt, device=o.device)
+    has_bias = smooth_q
+    variant = (o.device, d, causal, km, has_bias, bwd_code)
+
+    def launch_dkdv(kv):
+        _attn_bwd_dkdv[(triton.cdiv(lk, kv.block_n), b * h)](
+            q8, qb, k8, v, sq, sqb, sk, bias if has_bias else sk, qmean if has_bias else sk, do, dob,
+            sdo, lse, delta, dk, dv, lq, lk, qk_scale, sm_scale, nq, sk.shape[-1],
+            BLOCK_M1=kv.block_m, BLOCK_N1=kv.block_n, HEAD_DIM=d, QBLK=Q_BLOCK, KBLK=K_BLOCK,
+            CAUSAL=causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km, BWD=bwd_code,
+            EXACT_FP8=interp, DK_MEAN_TERM=has_bias and bwd_code < 2,
+            num_warps=kv.num_warps, num_stages=kv.num_stages)
+
+    def launch_dq(c):
+        _attn_bwd_dq[(triton.cdiv(lq, c.block_m), b * h)](
+            q8, k8, kb, v, sq, sk, skb, bias if has_bias else sk, do, lse, delta, dq, lq, lk, qk_scale,
+            sm_scale, nq, sk.shape[-1], BLOCK_M2=c.block_m, BLOCK_N2=c.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
+            KBLK=K_BLOCK, CAUSAL=causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km, BWD=bwd_code,
+            EXACT_FP8=interp, num_warps=c.num_warps, num_stages=c.num_stages)
+
+    launch_fitting(launch_dkdv, cfg["dkdv"], ("sagebwd backward (dK/dV)", *variant), step_down(cfg["dkdv"], keep="m"))
+    launch_fitting(launch_dq, cfg["dq"], ("sagebwd backward (dQ)", *variant), step_down(cfg["dq"], keep="n"))
+    dt = o.dtype
+    return dq.to(dt), dk.to(dt), dv.to(dt)
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.library custom ops over the launches, with fake (shape-only) implementations, so torch.compile
+# traces models that use them without graph breaks; Dynamo traces the autograd Function below.
+#
+#     attnqat::sagebwd_fwd  (q, k, v, sm_scale, causal, smooth_k, smooth_q, pv, bwd, training, km)
+#                           -> (o, lse, q8, k8, sq, sk, qg, sqg, kg, skg, bias, qmean)
+#     attnqat::sagebwd_bwd  (do, q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse, sm_scale, causal,
+#                            smooth_q, km, bwd) -> (dq, dk, dv)
+#
+# A custom op returns tensors only: what sagebwd_forward leaves out (None) is an empty tensor here.
+# ---------------------------------------------------------------------------------------------------
+
+_FWD_DTYPES = (None, torch.float32, torch.int8, torch.int8, torch.float32, torch.float32, torch.int8, torch.float32,
+               torch.int8, torch.float32, torch.float32, torch.float32)  # of each output; None: q's
+
+
+@torch.library.custom_op("attnqat::sagebwd_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def sagebwd_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool, smooth_k: bool,
+                smooth_q: bool, pv: str, bwd: str, training: bool,
+                km: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = sagebwd_forward(q, k, v, sm_scale=sm_scale, causal=causal, smooth_k=smooth_k, smooth_q=smooth_q, pv=pv,
+                          bwd=bwd, training=training, km=km)
+    return tuple(q.new_empty(0, dtype=dt) if t is None else t for t, dt in zip(out, _FWD_DTYPES))
+
+
+@sagebwd_fwd.register_fake
+def _(q, k, v, sm_scale, causal, smooth_k, smooth_q, pv, bwd, training, km):
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    nq, nk = triton.cdiv(lq, Q_BLOCK), triton.cdiv(lk, K_BLOCK)
+    codes = training and (bwd == "fp8" or (bwd == "int8" and km))  # qg, kg: K-major int8 or e4m3 copies
+    scales = training and bwd == "fp8"  # sqg, skg
+    shapes = ((b, h, lq, d), (b, h, lq), (b, h, lq, d), (b, h, lk, d), (b, h, nq), (b, h, nk),
+              ((b, h, d, lq) if km else (b, h, lq, d)) if codes else (0,), (b, h, nq) if scales else (0,),
+              ((b, h, d, lk) if km else (b, h, lk, d)) if codes else (0,), (b, h, nk) if scales else (0,),
+              (b, h, lk) if smooth_q else (0,), (b, h, d) if smooth_q else (0,))
+    return tuple(q.new_empty(s, dtype=dt or q.dtype) for s, dt in zip(shapes, _FWD_DTYPES))
+
+
+@torch.library.custom_op("attnqat::sagebwd_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def sagebwd_bwd(do: torch.Tensor, q8: torch.Tensor, qb: torch.Tensor, k8: torch.Tensor, kb: torch.Tensor,
+                v: torch.Tensor, sq: torch.Tensor, sqb: torch.Tensor, sk: torch.Tensor, skb: torch.Tensor,
+                bias: torch.Tensor, qmean: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, sm_scale: float,
+                causal: bool, smooth_q: bool, km: bool, bwd: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return sagebwd_backward(do, q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse, sm_scale=sm_scale,
+                            causal=causal, smooth_q=smooth_q, km=km, bwd=bwd)
+
+
+@sagebwd_bwd.register_fake
+def _(do, q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse, sm_scale, causal, smooth_q, km, bwd):
+    return o.new_empty(q8.shape), o.new_empty(k8.shape), o.new_empty(k8.shape)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -599,104 +773,24 @@ def _gradient_operand(x: torch.Tensor, x8: torch.Tensor, x8t: torch.Tensor | Non
 
 
 class _SageBwdAttention(torch.autograd.Function):
+    """The INT8 forward, saving psi(Q_s), psi(K_s), V, O, the log-sum-exp and the gradient operands; the
+    SageBwd backward."""
+
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal, smooth_k, smooth_q, pv, bwd, training):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        b, h, lq, d = q.shape
-        lk = k.shape[2]
-        interp = interpreting()
-        cfg = launch_configs(d, pv, bwd)
-        qk_scale = sm_scale * LOG2E  # exponents in log2 units: exp(x) = exp2(x * log2(e))
-        kmean = k.mean(dim=2, dtype=torch.float32).contiguous() if smooth_k else None
-        qmean = q.mean(dim=2, dtype=torch.float32).contiguous() if smooth_q else None
-        km = kmajor()
-        col8 = km and training and bwd == "int8"  # the K-major int8 copies serve only the int8 dQ and dK
-        q8, q8t, sq = quantize_int8_rows(q, Q_BLOCK, qmean, col=col8)
-        k8, k8t, sk = quantize_int8_rows(k, K_BLOCK, kmean, col=col8)
-        pv_code = SAGEBWD_PRECISIONS.index(pv)
-        if pv_code < 2:
-            v8, v8t, sv = quantize_int8_rows(v, K_BLOCK, fp8=pv_code == 1, row=not km, col=km)
-            v8 = (v8t if km else v8).view(torch.int8)  # fp8 codes travel as int8 bits (masked loads need an 'other')
-        else:
-            v8, sv = v, sk  # sv unused
-        bias = None
-        if smooth_q:  # S = Q_s K_s^T + mean(Q) . K_s,j: the exact rank-1 part, in fp32, log2 units
-            ks = k.float() - kmean[:, :, None, :] if smooth_k else k.float()
-            bias = ((ks @ qmean[..., None]).squeeze(-1) * qk_scale).contiguous()
-        o = _empty(q.shape, dtype=torch.float32 if interp else q.dtype, device=q.device)
-        lse = _empty(b, h, lq, dtype=torch.float32, device=q.device)
-
-        def launch(f):
-            _attn_fwd[(triton.cdiv(lq, f.block_m), b * h)](
-                q8, k8, v8, sq, sk, sv, bias if bias is not None else sk, o, lse, lq, lk, qk_scale,
-                sq.shape[-1], sk.shape[-1], BLOCK_M=f.block_m, BLOCK_N=f.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
-                KBLK=K_BLOCK, CAUSAL=causal, HAS_BIAS=bias is not None, PV=pv_code, KMAJOR=km and pv_code < 2,
-                EXACT_FP8=interp, DOT_DTYPE=_dot_dtype(q), num_warps=f.num_warps, num_stages=f.num_stages)
-
-        launch_fitting(launch, cfg["fwd"], ("sagebwd forward", q.device, d, causal, pv_code, km, smooth_q),
-                       step_down(cfg["fwd"], keep="n"))
-        o = o.to(q.dtype)
-        if training:
-            qb, sqb = _gradient_operand(q, q8, q8t, sq, Q_BLOCK, qmean, bwd, km)
-            kb, skb = _gradient_operand(k, k8, k8t, sk, K_BLOCK, kmean, bwd, km)
-        else:
-            qb = sqb = kb = skb = None
+    def forward(ctx, q, k, v, sm_scale, causal, smooth_k, smooth_q, pv, bwd, km):
+        o, lse, q8, k8, sq, sk, qg, sqg, kg, skg, bias, qmean = sagebwd_fwd(q, k, v, sm_scale, causal, smooth_k,
+                                                                             smooth_q, pv, bwd, True, km)
+        qb, sqb = _gradient_operand(q, q8, sq, qg, sqg, bwd, km)
+        kb, skb = _gradient_operand(k, k8, sk, kg, skg, bwd, km)
         ctx.save_for_backward(q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse)
-        ctx.sm_scale, ctx.causal, ctx.cfg, ctx.kmajor, ctx.bwd = sm_scale, causal, cfg, km, bwd
+        ctx.sm_scale, ctx.causal, ctx.smooth_q, ctx.km, ctx.bwd = sm_scale, causal, smooth_q, km, bwd
         return o
 
     @staticmethod
     def backward(ctx, do):
         refuse_double_backward("sagebwd")
-        q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, lse = ctx.saved_tensors
-        km = ctx.kmajor
-        bwd_code = SAGEBWD_PRECISIONS.index(ctx.bwd)
-        do = do.contiguous()
-        b, h, lq, d = o.shape
-        lk = k8.shape[2]
-        interp = interpreting()
-        cfg = ctx.cfg
-        qk_scale = ctx.sm_scale * LOG2E
-        dot_dtype = _dot_dtype(o)
-        nq = triton.cdiv(lq, Q_BLOCK)
-        delta = _empty(b, h, lq, dtype=torch.float32, device=o.device)
-        if bwd_code < 2:  # psi(dO): int8 or e4m3 codes, K-major for dV = P^T dO when km
-            shape = (b, h, d, lq) if km else do.shape
-            do8 = _empty(shape, dtype=torch.float8_e4m3fn if bwd_code == 1 else torch.int8, device=o.device)
-            sdo = _empty(b, h, nq, dtype=torch.float32, device=o.device)
-        else:  # 16-bit dV reads dO itself
-            do8 = sdo = delta  # unused
-        _attn_bwd_preprocess[(nq, b * h)](o, do, delta, do8, sdo, lq, nq, BLK=Q_BLOCK, HEAD_DIM=d, KMAJOR=km,
-                                          BWD=bwd_code, EXACT_FP8=interp)
-        dob = do8.view(torch.int8) if bwd_code < 2 else do
-        gdt = torch.float32 if interp else o.dtype
-        dq = _empty(b, h, lq, d, dtype=gdt, device=o.device)
-        dk = _empty(b, h, lk, d, dtype=gdt, device=o.device)
-        dv = _empty(b, h, lk, d, dtype=gdt, device=o.device)
-        has_bias = bias is not None
-        variant = (o.device, d, ctx.causal, km, has_bias, bwd_code)
-
-        def launch_dkdv(kv):
-            _attn_bwd_dkdv[(triton.cdiv(lk, kv.block_n), b * h)](
-                q8, qb, k8, v, sq, sqb, sk, bias if has_bias else sk, qmean if has_bias else sk, do, dob,
-                sdo, lse, delta, dk, dv, lq, lk, qk_scale, ctx.sm_scale, nq, sk.shape[-1],
-                BLOCK_M1=kv.block_m, BLOCK_N1=kv.block_n, HEAD_DIM=d, QBLK=Q_BLOCK, KBLK=K_BLOCK,
-                CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km, BWD=bwd_code,
-                EXACT_FP8=interp, DK_MEAN_TERM=has_bias and bwd_code < 2,
-                num_warps=kv.num_warps, num_stages=kv.num_stages)
-
-        def launch_dq(c):
-            _attn_bwd_dq[(triton.cdiv(lq, c.block_m), b * h)](
-                q8, k8, kb, v, sq, sk, skb, bias if has_bias else sk, do, lse, delta, dq, lq, lk, qk_scale,
-                ctx.sm_scale, nq, sk.shape[-1], BLOCK_M2=c.block_m, BLOCK_N2=c.block_n, HEAD_DIM=d, QBLK=Q_BLOCK,
-                KBLK=K_BLOCK, CAUSAL=ctx.causal, HAS_BIAS=has_bias, DOT_DTYPE=dot_dtype, KMAJOR=km, BWD=bwd_code,
-                EXACT_FP8=interp, num_warps=c.num_warps, num_stages=c.num_stages)
-
-        launch_fitting(launch_dkdv, cfg["dkdv"], ("sagebwd backward (dK/dV)", *variant),
-                       step_down(cfg["dkdv"], keep="m"))
-        launch_fitting(launch_dq, cfg["dq"], ("sagebwd backward (dQ)", *variant), step_down(cfg["dq"], keep="n"))
-        dt = o.dtype
-        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None, None
+        dq, dk, dv = sagebwd_bwd(do, *ctx.saved_tensors, ctx.sm_scale, ctx.causal, ctx.smooth_q, ctx.km, ctx.bwd)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -726,8 +820,7 @@ def sagebwd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_s
         raise ValueError(f"sagebwd_attention: pv {pv!r} not in {SAGEBWD_PRECISIONS}")
     if bwd not in SAGEBWD_PRECISIONS:
         raise ValueError(f"sagebwd_attention: bwd {bwd!r} not in {SAGEBWD_PRECISIONS}")
-    # training: whether a backward can follow (the backward-only operands are skipped otherwise; inside
-    # forward, ctx.needs_input_grad does not see torch.no_grad)
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return _SageBwdAttention.apply(q, k, v, default_scale(q.shape[-1], sm_scale), bool(causal),
-                                   bool(smooth_k), bool(smooth_q), pv, bwd, training)
+    args = (default_scale(q.shape[-1], sm_scale), bool(causal), bool(smooth_k), bool(smooth_q), pv, bwd)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _SageBwdAttention.apply(q, k, v, *args, kmajor())
+    return sagebwd_fwd(q, k, v, *args, False, kmajor())[0]  # inference: no backward-only operands

@@ -14,11 +14,12 @@ The names below load their submodule (torch, diffusers) on first use, so that im
 import importlib
 
 _EXPORTS = {
-    "loading": ("CheckpointMismatchError", "ModelConfigError", "ModelNotFoundError", "is_tiny", "load_pipeline",
-                "load_qat_checkpoint", "load_transformer"),
+    "loading": ("CheckpointMismatchError", "ModelNotFoundError", "is_tiny", "load_pipeline", "load_qat_checkpoint",
+                "load_transformer"),
+    "model_folder": ("ModelConfigError",),
     "processor": ("AttentionTimer", "AttnQATProcessor", "attention_modes", "patch_attention", "patched_attention",
                   "unpatch_attention"),
-    "schedule": ("HIGH_PRECISION_MODES", "PrecisionSchedule", "PrecisionSwitch"),
+    "schedule": ("PrecisionSchedule", "PrecisionSwitch"),
     "tiny": ("TINY_NOTICE", "TINY_TRANSFORMER_CONFIG", "build_tiny_pipeline", "build_tiny_text_encoder",
              "build_tiny_tokenizer", "build_tiny_transformer", "build_tiny_vae"),
 }
@@ -26,7 +27,7 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "patch_attention", "unpatch_attention", "patched_attention", "attention_modes", "AttnQATProcessor",
-    "AttentionTimer", "PrecisionSchedule", "PrecisionSwitch", "HIGH_PRECISION_MODES",
+    "AttentionTimer", "PrecisionSchedule", "PrecisionSwitch",
     "load_pipeline", "load_transformer", "load_qat_checkpoint", "is_tiny", "ModelNotFoundError", "ModelConfigError",
     "CheckpointMismatchError",
     "build_tiny_pipeline", "build_tiny_transformer", "build_tiny_text_encoder", "build_tiny_tokenizer",

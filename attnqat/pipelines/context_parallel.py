@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from attnqat.kernels.api import attention, attention_with_lse, get_mode, lse_modes
+from attnqat.kernels import attention, mode_of
+from attnqat.kernels.api import attention_with_lse, lse_modes
 
 __all__ = ["check_context_parallel", "check_degrees", "context_parallel_attention", "enable_context_parallel"]
 
@@ -47,6 +48,7 @@ def _cp_config(parallel_config: Any) -> Any:
 def check_degrees(ring: int, ulysses: int, *, heads: int, mode: str, needs_grad: bool) -> None:
     """Refuse, in one line, degrees :func:`context_parallel_attention` does not run with ``heads`` heads in
     ``mode`` (no device mesh needed: ``attnqat generate --parallel`` checks them before anything loads)."""
+    with_lse = mode_of(mode).with_lse
     if ring > 1 and ulysses > 1:
         raise ValueError(f"context parallelism with ring_degree={ring} and ulysses_degree={ulysses} together is "
                          f"not supported by AttnQATProcessor yet; use one of them")
@@ -58,7 +60,7 @@ def check_degrees(ring: int, ulysses: int, *, heads: int, mode: str, needs_grad:
             raise ValueError(f"ring attention (ring_degree={ring}) is inference-only in AttnQATProcessor: mode "
                              f"{mode!r} would need a ring backward; train with ulysses_degree instead, or run "
                              f"under torch.no_grad()")
-        if mode not in lse_modes():
+        if with_lse is None:
             raise ValueError(f"ring attention needs the log-sum-exp, which mode {mode!r} does not return; "
                              f"ring runs {', '.join(lse_modes())} (use ulysses_degree for {mode!r})")
 
@@ -121,7 +123,6 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     out, like ``dispatch_attention_fn``; ``parallel_config`` a set-up diffusers ``ParallelConfig``."""
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
-    get_mode(mode)
     if is_causal:
         raise ValueError("causal attention is not supported under context parallelism (diffusers' templated "
                          "functions refuse it too)")

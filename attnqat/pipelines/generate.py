@@ -43,15 +43,14 @@ from typing import Any
 
 import numpy as np
 
-from attnqat.checks import (SIZE_MULTIPLE,  # noqa: F401 - defined here before, still importable
-                            TIME_STRIDE, VAE_SPATIAL_STRIDE, LIMITS, check_device, check_float, check_int,
+from attnqat.checks import (TIME_STRIDE, VAE_SPATIAL_STRIDE, LIMITS, check_device, check_float, check_int,
                             check_limited, check_not_input, check_output_dir, check_output_file, check_text, check_video_size,
                             model_inputs, show)
 from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
 # DEFAULT_MODEL ("mini") and default_model(): the switch of the --model default, in one place (mini.py).
-from .mini import DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model  # noqa: F401
+from .mini import DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model
 
 # torch and diffusers are imported where they are used, so `attnqat generate --help` stays fast.
 
@@ -202,6 +201,8 @@ def parse_schedule(args: argparse.Namespace, n_blocks: int | None = None):
     """The :class:`~attnqat.pipelines.schedule.PrecisionSchedule` of ``--high-precision-steps``,
     ``--high-precision-blocks`` and ``--high-precision-mode`` (None when neither of the first two is
     given), checked against ``--steps``, ``--layers`` and ``n_blocks`` when it is known."""
+    from attnqat.kernels import REFERENCE_MODE
+
     from .schedule import PrecisionSchedule
 
     steps, blocks = getattr(args, "high_precision_steps", None), getattr(args, "high_precision_blocks", None)
@@ -214,14 +215,9 @@ def parse_schedule(args: argparse.Namespace, n_blocks: int | None = None):
                        ("--high-precision-mode", mode)):
         if text is not None:
             check_text(flag, text)
-    schedule = PrecisionSchedule.parse(steps, blocks, "bf16" if mode is None else mode,
+    schedule = PrecisionSchedule.parse(steps, blocks, REFERENCE_MODE if mode is None else mode,
                                        flags=("--high-precision-steps", "--high-precision-blocks",
                                               "--high-precision-mode"))
-    from attnqat.kernels import available_modes
-
-    if schedule.mode not in available_modes():
-        raise ValueError(f"--high-precision-mode {schedule.mode} is not registered in this attnqat build; "
-                         f"available: {', '.join(available_modes())}")
     schedule.resolve_steps(args.steps, "--high-precision-steps")
     if n_blocks is not None:
         chosen = schedule.resolve_blocks(n_blocks, "--high-precision-blocks")
@@ -237,7 +233,7 @@ def parse_schedule(args: argparse.Namespace, n_blocks: int | None = None):
 def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     """Fill model-dependent defaults and validate every generation setting, before anything heavy
     loads. The limits and their reasons are :data:`attnqat.checks.LIMITS`."""
-    from attnqat.kernels import available_modes
+    from attnqat.kernels import mode_of
 
     from .loading import (check_model, check_qat_checkpoint, choose_qat_checkpoint, model_num_blocks,
                           model_transformer_config)
@@ -267,13 +263,14 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     check_limited("--fps", args.fps, "fps")
     check_int("--seed", args.seed, 0, *LIMITS["seed"])
     check_text("--mode", args.mode)
-    if args.mode not in available_modes():
-        raise ValueError(f"unknown --mode {show(args.mode)}; available: {', '.join(available_modes())}")
+    mode_of(args.mode, "--mode")
+    # None for a hub id: its blocks and layout are checked once it has loaded (_generate)
+    args.transformer_config = model_transformer_config(args.model)
     n_blocks = model_num_blocks(args.model)
     if isinstance(args.layers, str):
         args.layers = parse_layers(args.layers, n_blocks)
     args.schedule = parse_schedule(args, n_blocks)
-    check_parallel_layout(args, model_transformer_config(args.model))
+    check_parallel_layout(args, args.transformer_config)
 
     if args.offload and device.type != "cuda":
         raise ValueError("--offload needs a CUDA device (it moves models between CPU and GPU)")
@@ -323,7 +320,7 @@ def video_tokens(args: argparse.Namespace, config) -> int:
 def check_parallel_layout(args: argparse.Namespace, config) -> None:
     """``--parallel``'s layout against the transformer's ``config`` (heads, patch size) and the video's size,
     the same on every rank and before any communication, so that a refusal stops every rank at once. ``config``
-    None (a hub id not loaded yet) is checked again once the model has loaded."""
+    None (a hub id not loaded yet): nothing to check yet (it is checked once the model has loaded)."""
     from .context_parallel import check_degrees
 
     if getattr(args, "launch", None) is None or config is None:
@@ -348,9 +345,10 @@ def parallel_note(args: argparse.Namespace, config) -> str | None:
     """A note for ring with an FP4 mode when a rank's share of the tokens is not whole NVFP4 blocks: P and V are
     quantized in blocks of 16 keys, and a share boundary inside a block gives other blocks (other scales) than one
     process has, so the video differs from the one-process video like another FP4 rounding would."""
+    from attnqat.kernels import mode_of
     from attnqat.kernels.formats import NVFP4_BLOCK
 
-    if getattr(args, "launch", None) is None or args.parallel != "ring" or args.mode == "bf16":
+    if getattr(args, "launch", None) is None or args.parallel != "ring" or not mode_of(args.mode).naive_fp4_forward:
         return None
     share = video_tokens(args, config) // args.launch.world_size
     if share % NVFP4_BLOCK == 0:
@@ -654,14 +652,16 @@ def _generate(args: argparse.Namespace, t_start: float) -> int:
     if schedule is not None:
         check_mode_runs(schedule.mode, pipe.transformer.config.attention_head_dim, device, dtype,
                         flag="--high-precision-mode")
-        schedule.resolve_blocks(len(pipe.transformer.blocks), "--high-precision-blocks")  # a hub model's count
+        if args.transformer_config is None:  # a hub model's block count is known only now
+            schedule.resolve_blocks(len(pipe.transformer.blocks), "--high-precision-blocks")
     timer = AttentionTimer(enabled=not args.compile)
     patch_attention(pipe.transformer, args.mode, args.layers, timer=timer, schedule=schedule)
     if args.launch is not None:
         from .context_parallel import enable_context_parallel
 
         config = dict(pipe.transformer.config)
-        check_parallel_layout(args, config)  # a hub id's config is known only now
+        if args.transformer_config is None:  # a hub id's config is known only now
+            check_parallel_layout(args, config)
         enable_context_parallel(pipe.transformer, args.parallel, args.launch.world_size)
         note = parallel_note(args, config)
         if note:

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import torch
 
+from attnqat.kernels import mode_of
+
 from .mini import is_mini, mini_folder
 from .model_folder import ModelConfigError, check_model_folder, check_regular_file
 from .tiny import build_tiny_pipeline, build_tiny_transformer
 
-__all__ = ["ModelNotFoundError", "ModelConfigError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
-           "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny", "is_mini",
+__all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
+           "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny",
            "resolve_model", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
            "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
 
@@ -234,8 +236,9 @@ def choose_qat_checkpoint(model: str, given: str | None, mode: str) -> tuple[str
 
     - ``none``: the base weights;
     - another path: that checkpoint, in any mode;
-    - nothing, in mode ``attn_qat``: the QAT fine-tune shipped with ``model`` (mini's
-      :data:`~attnqat.pipelines.mini.MINI_QAT_WEIGHTS`) where one is installed, else the base weights;
+    - nothing, in a mode whose record says ``uses_qat_weights`` (``attn_qat``): the QAT fine-tune shipped with
+      ``model`` (mini's :data:`~attnqat.pipelines.mini.MINI_QAT_WEIGHTS`) where one is installed, else the base
+      weights;
     - nothing, in another mode: the base weights (QAT weights are for attn_qat attention).
     """
     from .mini import is_shipped_mini, shipped_qat_weights
@@ -244,7 +247,7 @@ def choose_qat_checkpoint(model: str, given: str | None, mode: str) -> tuple[str
         return None, f"base weights (--qat-checkpoint {NO_QAT_CHECKPOINT})"
     if given is not None:
         return given, f"QAT checkpoint {given}"
-    if mode != "attn_qat":
+    if not mode_of(mode).uses_qat_weights:
         return None, None
     shipped = shipped_qat_weights(model)
     if shipped is not None:
@@ -347,7 +350,7 @@ def _read_subset(transformer: torch.nn.Module, file: Path) -> dict[str, torch.Te
 
 def cpu_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of ``module``'s state dict, detached: weights kept aside to load back later (the demo's
-    columns, a QAT weights file applied over the base, bench/qat_subsets.py's subsets)."""
+    columns, a QAT weights file applied over the base, experiments/qat_subsets.py's subsets)."""
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
 

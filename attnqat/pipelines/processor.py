@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from diffusers.models.attention_dispatch import DIFFUSERS_ATTN_BACKEND, AttentionBackendName, _AttentionBackendRegistry
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
-from attnqat.kernels.api import attention, available_modes, check_options
+from attnqat.kernels import REFERENCE_MODE, attention, mode_of
 
 if TYPE_CHECKING:
     from .schedule import PrecisionSchedule
@@ -169,10 +169,9 @@ class AttnQATProcessor(WanAttnProcessor):
     def __init__(self, mode: str, *, timer: AttentionTimer | None = None, high_precision_mode: str | None = None,
                  **options: Any):
         super().__init__()
-        for m in (mode, high_precision_mode):
-            if m is not None and m not in available_modes():
-                raise ValueError(f"unknown attention mode {m!r}; available: {', '.join(available_modes())}")
-        check_options(mode, options)
+        mode_of(mode).check_options(options)  # the processors are the pipeline's edge: what they hold is valid
+        if high_precision_mode is not None:
+            mode_of(high_precision_mode)
         self.mode = mode
         self.high_precision_mode = high_precision_mode
         self.high_precision = False  # flipped per denoising step by a PrecisionSwitch
@@ -240,7 +239,7 @@ class AttnQATProcessor(WanAttnProcessor):
 
             return context_parallel_attention(query, key, value, mode, parallel_config=parallel_config, **options)
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        if mode == "bf16":
+        if mode == REFERENCE_MODE:
             # diffusers' own call (its native backend), so bf16 costs nothing diffusers does not. attention()'s bf16
             # adds a non-finite marker for callers whose q or k may hold an inf (SDPA turns a -inf logit into a
             # zero weight); here Q and K come out of RMSNorm across heads, which turns an inf into NaN, and NaN
@@ -318,7 +317,8 @@ def _keep_parallel_config(old: Any, new: Any) -> None:
 
 def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "self", *,
                     cross_attention: bool | None = None, timer: AttentionTimer | None = None,
-                    schedule: PrecisionSchedule | None = None, **options: Any) -> list[str]:
+                    schedule: PrecisionSchedule | None = None,
+                    processor_class: type[AttnQATProcessor] = AttnQATProcessor, **options: Any) -> list[str]:
     """Run the selected attention layers of a Wan transformer through attnqat's ``mode``.
 
     Arguments:
@@ -333,6 +333,8 @@ def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "s
             ``blocks`` (which must be among the selected ones) run in its high-precision ``mode``
             always; every other patched layer also learns that mode, for the denoising steps that
             ``schedule.callback(transformer, num_steps)`` switches to high precision.
+        processor_class: the processor built for each layer: :class:`AttnQATProcessor` or a subclass (training
+            uses one that casts fp32 q/k/v to the autocast dtype).
         options: mode-specific keywords for ``attention`` (e.g. ``p_bwd="normalized"``), for ``mode``
             only (the schedule's high-precision mode runs without them).
     Return:
@@ -341,15 +343,14 @@ def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "s
     Calling it again replaces the previous patch (layers not selected this time go back to diffusers'
     processors). Weights and state-dict keys are never touched.
     """
-    if mode not in available_modes():
-        raise ValueError(f"unknown attention mode {mode!r}; available: {', '.join(available_modes())}")
+    # The processors check the mode and the options (built below before anything changes), the schedule its
+    # high-precision mode; this is for an unknown mode to be named first, also when every layer is a
+    # high-precision block.
+    mode_of(mode)
     names = _targets(transformer, layers, cross_attention)
     high_mode, high_blocks = None, set()
     if schedule is not None:
         high_mode = schedule.mode
-        if high_mode not in available_modes():
-            raise ValueError(f"the schedule's high-precision mode {high_mode!r} is not registered; available: "
-                             f"{', '.join(available_modes())}")
         high_blocks = set(schedule.resolve_blocks(len(transformer.blocks)))
         patched_blocks = {_block_of(name) for name in names}
         outside = sorted(high_blocks - patched_blocks)
@@ -359,9 +360,9 @@ def patch_attention(transformer: torch.nn.Module, mode: str, layers: Layers = "s
     new = {}
     for name in names:  # built (and their options checked) before anything changes
         if _block_of(name) in high_blocks:  # high precision at every step; mode's options are not its
-            new[name] = AttnQATProcessor(high_mode, timer=timer, high_precision_mode=high_mode)
+            new[name] = processor_class(high_mode, timer=timer, high_precision_mode=high_mode)
         else:
-            new[name] = AttnQATProcessor(mode, timer=timer, high_precision_mode=high_mode, **options)
+            new[name] = processor_class(mode, timer=timer, high_precision_mode=high_mode, **options)
     unpatch_attention(transformer)
     patched = {}
     for name, proc in new.items():

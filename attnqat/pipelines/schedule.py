@@ -24,8 +24,8 @@ step ``i`` (after the scheduler's update), so it sets step ``i + 1``'s precision
 when the callback is made (or by :meth:`PrecisionSwitch.start`), and after the last step every
 processor is back in its own mode.
 
-This module imports neither torch nor diffusers (``attnqat generate`` parses flags with it before
-anything heavy loads).
+This module imports neither torch nor diffusers at import time (``attnqat generate --help`` imports it); which
+modes are high-precision is read from the mode registry (``Mode.high_precision``) when a schedule is made.
 """
 from __future__ import annotations
 
@@ -35,10 +35,7 @@ from typing import Any
 
 from attnqat.checks import show
 
-__all__ = ["HIGH_PRECISION_MODES", "PrecisionSchedule", "PrecisionSwitch", "parse_steps", "parse_blocks"]
-
-#: The modes a schedule may use for its high-precision steps and blocks (default: bf16).
-HIGH_PRECISION_MODES = ("bf16", "sagebwd")
+__all__ = ["PrecisionSchedule", "PrecisionSwitch", "parse_steps", "parse_blocks"]
 
 _INDEX = re.compile(r"-?[0-9]+")  # ASCII digits only (int() would also take "١" or "1_0")
 _RANGE = re.compile(r"(first|last):([0-9]+)")
@@ -47,6 +44,15 @@ _MAX_DIGITS = 9  # more is out of range for any run (steps are at most 1000, Wan
 
 def _show(value: Any) -> str:
     return show(value, 60)
+
+
+def _check_high_precision_mode(mode: Any, what: str = "high-precision mode") -> None:
+    """Refuse a ``mode`` whose record does not say ``high_precision`` (an unknown name too), naming ``what``."""
+    from attnqat.kernels import available_modes  # here: the registry loads torch, and --help must not
+
+    allowed = available_modes(lambda m: m.high_precision)
+    if not isinstance(mode, str) or mode not in allowed:
+        raise ValueError(f"{what} {_show(mode)} not in {', '.join(allowed)}")
 
 
 def _items(text: Any, flag: str) -> list[str]:
@@ -141,7 +147,8 @@ class PrecisionSchedule:
         steps: more steps, by index (0-based; negative from the end: -1 is the last step).
         blocks: transformer blocks whose patched attention runs in high precision at every step
             (negative from the end).
-        mode: the high-precision mode, one of :data:`HIGH_PRECISION_MODES` (default ``"bf16"``).
+        mode: the high-precision mode: a mode whose record says ``high_precision`` (``bf16``, the default, or
+            ``sagebwd``).
 
     Indices are checked against a run by :meth:`resolve_steps` / :meth:`resolve_blocks` (the number
     of steps and blocks is not known before); ``steps`` and ``blocks`` are kept sorted, each once.
@@ -159,8 +166,7 @@ class PrecisionSchedule:
                 raise ValueError(f"{name} must be a whole number >= 0, got {_show(v)}")
         object.__setattr__(self, "steps", _check_ints("steps", self.steps))
         object.__setattr__(self, "blocks", _check_ints("blocks", self.blocks))
-        if self.mode not in HIGH_PRECISION_MODES:
-            raise ValueError(f"high-precision mode {_show(self.mode)} not in {', '.join(HIGH_PRECISION_MODES)}")
+        _check_high_precision_mode(self.mode)
 
     @classmethod
     def parse(cls, steps: str | None = None, blocks: str | None = None, mode: str = "bf16", *,
@@ -169,8 +175,7 @@ class PrecisionSchedule:
         ``None`` leaves a part empty; ``flags`` name the three values in error messages."""
         first, last, indices = (0, 0, ()) if steps is None else parse_steps(steps, flags[0])
         block_indices = () if blocks is None else parse_blocks(blocks, flags[1])
-        if not isinstance(mode, str) or mode not in HIGH_PRECISION_MODES:
-            raise ValueError(f"{flags[2]} {_show(mode)} not in {', '.join(HIGH_PRECISION_MODES)}")
+        _check_high_precision_mode(mode, flags[2])
         return cls(first, last, indices, block_indices, mode)
 
     @property

@@ -52,7 +52,7 @@ def _step_number(flag: str, text: str | None) -> int | None:
 
 
 def main(args) -> int:
-    from .config import load_config, validate
+    from .config import load_config, objective_of, validate
 
     if args.output_dir is not None and not args.output_dir.strip():
         raise ValueError("--output-dir is empty")
@@ -68,9 +68,8 @@ def main(args) -> int:
     if args.check:
         index = validate(cfg)
         check_request(cfg, args.resume, stop_after, args.overwrite, refuse_existing=False)
-        print(f"config OK: model {cfg.model}, objective {cfg.objective.type}"
-              f"{'/' + cfg.objective.target if cfg.objective.type != 'flow' else ''}, mode {cfg.attention.mode}, "
-              f"latents {index['latent_shape']}, {cfg.train.max_steps} steps at lr {cfg.train.lr:g}")
+        print(f"config OK: model {cfg.model}, objective {objective_of(cfg.objective).label}, "
+              f"mode {cfg.attention.mode}, latents {index['latent_shape']}, {cfg.train.max_steps} steps at lr {cfg.train.lr:g}")
         return 0
     validate(cfg)  # before check_request looks at output_dir: a bad config is reported first
     train(cfg, resume=args.resume, stop_after=stop_after, overwrite=args.overwrite)

@@ -26,7 +26,8 @@ from typing import Any, get_type_hints
 
 import yaml
 
-OBJECTIVES = ("distill", "flow", "mix")
+from .objectives import OBJECTIVES, Objective
+
 DISTILL_TARGETS = ("output", "features")
 LATENT_SOURCES = ("noise", "dataset", "teacher")
 TIMESTEP_SAMPLING = ("uniform", "shifted")
@@ -62,7 +63,7 @@ class AttentionConfig:
 
 @dataclass
 class ObjectiveConfig:
-    type: str = "distill"           # distill | flow | mix (= distill + flow_weight * flow)
+    type: str = "distill"           # objectives.OBJECTIVES: distill | flow | mix (= distill + flow_weight * flow)
     target: str = "features"        # distill target: output (velocity) | features (every block + output)
     output_weight: float = 1.0      # features: weight of the output term beside the mean block term
     flow_weight: float = 1.0        # mix: weight of the flow-matching term
@@ -318,6 +319,13 @@ def _one_of(value, choices, key):
         raise ValueError(f"{key} {_show(value)} is not one of {', '.join(map(str, choices))}")
 
 
+def objective_of(o: ObjectiveConfig) -> Objective:
+    """The objective ``objective.type`` names (:data:`.objectives.OBJECTIVES`), built from its section: the one
+    place a name becomes an objective."""
+    _one_of(o.type, tuple(OBJECTIVES), "objective.type")
+    return OBJECTIVES[o.type](o)
+
+
 def model_config(model: str) -> dict:
     """The ``WanTransformer3DModel`` config of ``model`` without loading any weight."""
     from attnqat.pipelines import TINY_TRANSFORMER_CONFIG, is_tiny
@@ -366,11 +374,10 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     """Check ``cfg`` against itself, its data folder, the transformer's config and the process count
     ``world_size`` (default: the launcher's ``WORLD_SIZE``, 1 without one); return the data index (``{}`` when
     data-free). Raises ValueError / FileNotFoundError naming the offending value."""
-    from attnqat.kernels import available_modes
-    from attnqat.kernels.api import check_options, get_mode
+    from attnqat.kernels import available_modes, mode_of
 
     a, o, t, d, tr, ck = cfg.attention, cfg.objective, cfg.timesteps, cfg.data, cfg.train, cfg.checkpoint
-    _one_of(o.type, OBJECTIVES, "objective.type")
+    objective = objective_of(o)
     _one_of(o.target, DISTILL_TARGETS, "objective.target")
     _one_of(o.latents, LATENT_SOURCES, "objective.latents")
     _one_of(t.sampling, TIMESTEP_SAMPLING, "timesteps.sampling")
@@ -380,17 +387,16 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     _one_of(ck.save_dtype, SAVE_DTYPES, "checkpoint.save_dtype")
     if tr.teacher_dtype is not None:
         _one_of(tr.teacher_dtype, SAVE_DTYPES, "train.teacher_dtype")
-    if not isinstance(a.mode, str) or a.mode not in available_modes():
-        raise ValueError(f"attention.mode {_show(a.mode)} is not one of {', '.join(available_modes())}")
-    if not get_mode(a.mode).trainable:
+    mode = mode_of(a.mode, "attention.mode")
+    if not mode.trainable:
         raise ValueError(f"attention.mode {a.mode!r} is inference-only; train with a trainable mode "
-                         f"(attn_qat, attn_qat_dropin, sagebwd, bf16)")
+                         f"({', '.join(available_modes(lambda m: m.trainable))})")
     if not (a.layers in ("self", "all") or (isinstance(a.layers, list) and a.layers
                                             and all(type(i) is int for i in a.layers))):
         raise ValueError(f"attention.layers {_show(a.layers)} must be 'self', 'all' or a list of block indices")
     if not isinstance(a.options, dict):
         raise ValueError(f"attention.options must be a mapping, got {_show(a.options)}")
-    check_options(a.mode, a.options)  # unknown options and values, before a model is built
+    mode.check_options(a.options)  # unknown options and values, before a model is built
     if not isinstance(cfg.output_dir, str) or not cfg.output_dir.strip():
         raise ValueError(f"output_dir must be a folder name, got {_show(cfg.output_dir)}")
     if d.path is not None and not d.path.strip():
@@ -438,15 +444,11 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     # Data
     index: dict = {}
     _one_of(d.source, DATA_SOURCES, "data.source")
-    needs_latents = o.type in ("flow", "mix") or o.latents == "dataset"
+    needs_latents = objective.latents == "dataset"
     corpus_shapes = _corpus_shapes(d.corpus)  # checked whatever the source: no setting is silently ignored
     if d.source == "corpus":
         if d.path is not None:
             raise ValueError("data.path and data.source 'corpus' exclude each other; set data.path: null")
-        if o.type in ("distill", "mix") and o.latents == "teacher":
-            # the corpus's clips are the clean latents of every objective; teacher samples would be ignored
-            raise ValueError("objective.latents 'teacher' does not apply to data.source 'corpus' (its clips are "
-                             "the clean latents); use 'dataset' or 'noise', or a precomputed data.path")
         shapes = corpus_shapes
         index["has_latents"] = True
     else:
@@ -454,7 +456,7 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
             from .data import read_index
             index = read_index(d.path)
         if needs_latents:
-            why = f"objective.type {o.type!r}" if o.type != "distill" else "objective.latents 'dataset'"
+            why = objective.latents_setting
             if d.path is None:
                 raise ValueError(f"{why} needs a dataset of video latents: set data.path to a folder written by "
                                  f"`attnqat precompute --videos ...`, or data.source: corpus")
@@ -462,6 +464,7 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
                 raise ValueError(f"{why} needs video latents, but data.path {d.path!r} holds prompt embeddings "
                                  f"only; run `attnqat precompute` with --videos")
         shapes = [list(index["latent_shape"]) if needs_latents else list(d.latent_shape)]
+    objective.check(d.source)
     for shape in shapes:
         if len(shape) != 4 or not all(type(x) is int and x > 0 for x in shape):
             raise ValueError(f"data.latent_shape must be 4 positive integers (C, F, H, W), got {_show(shape)}")
@@ -494,8 +497,10 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
         raise ValueError(f"prompt embeddings in {d.path!r} have width {index['text_dim']}, but the transformer's "
                          f"text_dim is {text_dim}: were they encoded with another model's text encoder?")
     head_dim = tc["attention_head_dim"]
-    if device_type == "cuda" and a.mode != "bf16" and head_dim not in (64, 128):
-        raise ValueError(f"attention mode {a.mode!r} on GPU needs head_dim 64 or 128; the model's is {head_dim}")
+    head_dims = mode.head_dims  # on the GPU; the CPU reference takes any
+    if device_type == "cuda" and head_dims is not None and head_dim not in head_dims:
+        raise ValueError(f"attention mode {a.mode!r} on GPU needs head_dim {' or '.join(map(str, head_dims))}; "
+                         f"the model's is {head_dim}")
     if isinstance(a.layers, list):
         bad = [i for i in a.layers if not 0 <= i < tc["num_layers"]]
         if bad:

@@ -1,4 +1,4 @@
-"""The Attn-QAT training loop on accelerate: distillation (output / features), flow matching, or a mix.
+"""The Attn-QAT training loop on accelerate, for the objective the config names (:mod:`.objectives`).
 
     from attnqat.train import load_config, train
     result = train(load_config("configs/tiny.yaml"))
@@ -37,9 +37,10 @@ from attnqat.locking import output_lock
 from . import checkpoint as ck
 from . import sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
-from .config import TrainConfig, model_config, save_config, tokens_per_sample, validate
+from .config import TrainConfig, model_config, objective_of, save_config, tokens_per_sample, validate
 from .data import ShardDataset, sample_indices
-from .objectives import FeatureCapture, make_student_teacher, nmse, noised, sample_sigmas, teacher_samples
+from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
+from .student_teacher import FeatureCapture, make_student_teacher
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "gap", "grad_norm", "lr", "tokens_per_s", "step_s",
@@ -90,8 +91,9 @@ def lr_lambda(cfg: TrainConfig):
 class Batcher:
     """Builds micro-batches (x0, noise, sigma, prompt embeddings) deterministically."""
 
-    def __init__(self, cfg: TrainConfig, tc: dict, shape: list[int], dataset: ShardDataset | None):
-        self.cfg, self.tc, self.shape, self.dataset = cfg, tc, shape, dataset
+    def __init__(self, cfg: TrainConfig, tc: dict, shape: list[int], dataset: ShardDataset | None,
+                 objective: Objective):
+        self.cfg, self.tc, self.shape, self.dataset, self.objective = cfg, tc, shape, dataset, objective
 
     def make(self, g: torch.Generator, n: int, indices: list[int] | None) -> dict[str, torch.Tensor]:
         cfg = self.cfg
@@ -101,7 +103,7 @@ class Batcher:
         noise = torch.randn(n, *self.shape, generator=g)
         t = cfg.timesteps
         sigma = sample_sigmas(n, g, t.sampling, t.shift, t.min_sigma, t.max_sigma)
-        if cfg.objective.type != "distill" or cfg.objective.latents == "dataset":
+        if self.objective.latents == "dataset":
             x0 = rows["latents"].float()
         else:
             x0 = torch.randn(n, *self.shape, generator=g)  # "noise"; "teacher" replaces it by teacher samples
@@ -116,7 +118,11 @@ def _generator(seed: int, *parts: int) -> torch.Generator:
 
 
 class Trainer:
-    """Holds the accelerator, student, teacher, optimizer and schedule of one run."""
+    """Holds the accelerator, objective, student, teacher, optimizer and schedule of one run.
+
+    The teacher is built when the objective needs it (its loss, or its clean latents) or the held-out gap is
+    measured (``data.held_out`` > 0); else ``teacher`` is None.
+    """
 
     def __init__(self, cfg: TrainConfig, accelerator=None):
         from accelerate import Accelerator
@@ -133,6 +139,7 @@ class Trainer:
                               world_size=acc.num_processes)
         self.sp = sequence_parallel.setup(tr.sequence_parallel, acc.process_index, acc.num_processes,
                                           acc.device.type)
+        self.objective = objective_of(cfg.objective)
         self.shape = self.index["latent_shape"]
         self.dataset = ShardDataset(cfg.data.path) if cfg.data.path else None
         set_seed(cfg.seed)
@@ -149,33 +156,37 @@ class Trainer:
             transformer = load_transformer(cfg.model, dtype=torch.float32)  # fp32 master weights
         tdt = tr.teacher_dtype or ("bf16" if mp == "bf16" else "fp32")
         self.teacher_dtype = DTYPES[tdt]
+        # the held-out gap is measured against the teacher too, whatever the objective
+        with_teacher = self.objective.needs_teacher or self.objective.latents == "teacher" or cfg.data.held_out > 0
         student, teacher = make_student_teacher(transformer, cfg.attention.mode, cfg.attention.layers,
                                                 cfg.attention.options, teacher_dtype=self.teacher_dtype,
-                                                trainable=tr.trainable)
+                                                trainable=tr.trainable, with_teacher=with_teacher)
         if tr.gradient_checkpointing:
             student.enable_gradient_checkpointing()
         if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are;
-            for block in student.blocks:  # static shapes: one graph per video size (a corpus run has a few)
+            # static shapes: one graph per video size and grad mode (a corpus run of 6 sizes with held-out
+            # evaluation needs ~14), past Dynamo's default of 8, which fullgraph turns into a hard failure
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            for block in student.blocks:
                 block.compile(dynamic=False, fullgraph=True)  # the patched attention traces inside
         if self.sp.degree > 1:
             # the teacher too: its block features must be the same sequence shards as the student's, and a
             # whole-sequence teacher forward would cost every process N times its share
             sequence_parallel.enable(student, self.sp)
-            sequence_parallel.enable(teacher, self.sp)
-        self.needs_teacher = cfg.objective.type in ("distill", "mix")
-        self.features = cfg.objective.target == "features" and self.needs_teacher
+            if teacher is not None:
+                sequence_parallel.enable(teacher, self.sp)
         optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=tr.lr, betas=tuple(float(b) for b in tr.betas),
                                       eps=tr.eps, weight_decay=tr.weight_decay)
         self.model_shapes = {k: tuple(v.shape) for k, v in student.state_dict().items()}  # checks a resume
         self.trainable_names = sorted(n for n, p in student.named_parameters() if p.requires_grad)
         self.student, self.optimizer = acc.prepare(student, optimizer)
-        self.teacher = teacher.to(acc.device)
+        self.teacher = teacher.to(acc.device) if teacher is not None else None
         # Not prepared: accelerate would step it once per process per step; the checkpoint saves it.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainerState()
         self.s_cap = FeatureCapture(self.student)
-        self.t_cap = FeatureCapture(self.teacher)
-        self.batcher = Batcher(cfg, self.tc, self.shape, self.dataset)
+        self.t_cap = FeatureCapture(self.teacher) if self.teacher is not None else None
+        self.batcher = Batcher(cfg, self.tc, self.shape, self.dataset, self.objective)
         self.tokens = tokens_per_sample(self.shape, self.tc)
         self.corpus = None
         if cfg.data.source == "corpus":
@@ -221,34 +232,24 @@ class Trainer:
         return {k: v.to(self.accelerator.device) for k, v in batch.items()}
 
     def losses(self, batch, *, grad: bool = True) -> dict[str, torch.Tensor]:
-        """Loss terms of one micro-batch (the student forward runs with grad if ``grad``)."""
-        cfg, acc = self.cfg, self.accelerator
-        out: dict[str, torch.Tensor] = {}
-        t_out = t_feat = None
-        if self.needs_teacher or not grad:
+        """The objective's terms of one micro-batch (the student forward runs with grad if ``grad``); held out
+        (``grad`` false), also the student-teacher gap, and on the corpus the flow loss."""
+        acc = self.accelerator
+        gaps: dict[str, torch.Tensor] = {}
+        run_teacher = self.objective.needs_teacher or not grad
+        if run_teacher:
             with torch.no_grad(), acc.autocast(), self.t_cap.capturing() as feats:
                 t_out = self._forward(self.teacher, batch, self.teacher_dtype)
                 t_feat = dict(feats)
         with torch.set_grad_enabled(grad), acc.autocast(), self.s_cap.capturing() as feats:
             s_out = self._forward(self.student, batch)
             s_feat = dict(feats)
-        if t_out is not None:
-            out["gap"] = nmse(s_out, t_out)  # the output is whole on every process (gathered under SP)
-            total = lambda x: sequence_parallel.sum_over_group(x, self.sp)  # noqa: E731 - features are shards
-            out["gap_features"] = torch.stack([nmse(s_feat[i], t_feat[i], total=total) for i in sorted(t_feat)]).mean()
-        if self.needs_teacher:
-            if self.features:
-                out["distill"] = out["gap_features"] + cfg.objective.output_weight * out["gap"]
-            else:
-                out["distill"] = out["gap"]
-        if cfg.objective.type in ("flow", "mix") or (not grad and self.corpus is not None):
-            out["flow"] = _flow_loss(s_out, batch)
-        if cfg.objective.type == "distill":
-            out["loss"] = out["distill"]
-        elif cfg.objective.type == "flow":
-            out["loss"] = out["flow"]
-        else:
-            out["loss"] = out["distill"] + cfg.objective.flow_weight * out["flow"]
+        if run_teacher:  # features are sequence shards under SP: their sums are totalled over the group
+            total = lambda x: sequence_parallel.sum_over_group(x, self.sp)  # noqa: E731
+            gaps = teacher_gaps(s_out, s_feat, t_out, t_feat, total=total)
+        out = {**gaps, **self.objective.terms(s_out, batch, gaps)}
+        if not grad and self.corpus is not None and "flow" not in out:
+            out["flow"] = flow_loss(s_out, batch)
         return out
 
     def micro_batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
@@ -266,7 +267,7 @@ class Trainer:
             data = sequence_parallel.share_batch(self.corpus.batch(step, micro, b, g, pos), self.sp)
             return self._noise(data, g)
         batch = self._to_device(self.batcher.make(g, b, indices))
-        if self.needs_teacher and cfg.objective.type == "distill" and cfg.objective.latents == "teacher":
+        if self.objective.latents == "teacher":
             with acc.autocast():
                 batch["x0"] = teacher_samples(self.teacher, torch.randn(batch["x0"].shape, generator=g).to(acc.device),
                                               batch["embeds"], cfg.objective.teacher_steps, cfg.timesteps.shift)
@@ -333,7 +334,7 @@ class Trainer:
         the prompt at all: about 1.00 means it ignores it (mini's byte-tokenizer build stayed at 1.001-1.011)."""
         batch = dict(batch, embeds=batch["embeds"].roll(1, dims=0))
         with self.accelerator.autocast():
-            return _flow_loss(self._forward(self.student, batch), batch).item()
+            return flow_loss(self._forward(self.student, batch), batch).item()
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
@@ -576,11 +577,6 @@ def select_checkpoint(output_dir: str | Path, log=print) -> tuple[Path, dict] | 
     return None
 
 
-def _flow_loss(s_out: torch.Tensor, batch: dict) -> torch.Tensor:
-    """The flow-matching loss: the velocity ``s_out`` against noise - x0."""
-    return (s_out.float() - (batch["noise"] - batch["x0"]).float()).pow(2).mean()
-
-
 def _eval_columns(ev: dict) -> dict:
     """log.csv's held-out columns from :meth:`Trainer.evaluate`'s result."""
     return {"eval_gap_output": ev["output"], "eval_gap_features": ev["features"], "eval_flow": ev.get("flow", ""),
@@ -753,7 +749,8 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
             return _train(trainer, cfg, resume, stop_after, overwrite, time_limit)
         finally:
             trainer.s_cap.remove()
-            trainer.t_cap.remove()
+            if trainer.t_cap is not None:
+                trainer.t_cap.remove()
             trainer.accelerator.end_training()
 
 
@@ -783,8 +780,8 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         return _finish(trainer, out_dir / "final")
     groups = f", sequence parallel {trainer.sp.degree} x {trainer.sp.dp_size}" if trainer.sp.degree > 1 else ""
     acc.print(f"attnqat train: {cfg.model}, {acc.num_processes} process(es) on {acc.device.type} "
-              f"({acc.distributed_type.value}{groups}), objective {cfg.objective.type}"
-              f"{'/' + cfg.objective.target if trainer.needs_teacher else ''}, student {cfg.attention.mode}, "
+              f"({acc.distributed_type.value}{groups}), objective {trainer.objective.label}, "
+              f"student {cfg.attention.mode}, "
               f"{trainer.tokens_at(start)} tokens/sample, steps {start}..{tr.max_steps}")
     logger = _Logger(cfg, acc, start, resuming=bool(resume))
     gap_before = trainer.evaluate()

@@ -72,14 +72,15 @@ def foreground_weights(video: torch.Tensor) -> torch.Tensor:
     return 1 + (FOREGROUND_WEIGHT - 1) * (saturation > 0.4).to(video.dtype)
 
 
-# The clip lengths and sizes the VAE trains on: every length the model is used at (4k + 1 frames, 9 to 49) and
-# one beyond, at both default sizes. Wan's causal VAE holds only the lengths it was trained on (measured: one
-# trained on 17-frame clips falls from 20-22 dB to 6-8 dB after frame 17 of 33; one trained on 33-frame clips
-# holds 33 but breaks after frame ~36 of 49), so the longest length used must be in the list. Single frames too:
-# a clip's first frame is encoded and decoded alone, as an image is, by a path no other frame takes; trained
-# only on clips it gets 1/F of the loss and was the worst frame of every length (H100, 8 minutes on 9-57
-# frames: 22.6 dB and the object's colour read on 2 of 4 clips, against 23-26 dB and 4 of 4 on later frames).
-VAE_SIZES = tuple((f, s, s) for s in (128, 256) for f in (1, 9, 17, 25, 33, 41, 49, 57))
+# The clip sizes the VAE trains on, cycled. Wan's VAE is causal: the round trip of a clip's first N frames is
+# exactly that of an N-frame clip (tests/test_mini_train.py checks it), so clips of the longest length used
+# and one latent frame beyond (57 frames) train every shorter length too, each frame position equally. A
+# cycle of lengths 9..57 weighted frame t by the share of clips longer than t, and the VAE trained on it
+# declined along the clip (H100: 26 dB at frame 7 to 23.6 dB at frame 32 on a static background). Single
+# frames too: the first frame is encoded and decoded alone, by a path no later frame takes, and was the
+# worst of every length (the object's hue shifted, red read as orange on 4 of 16 clips), so it gets a third
+# of the steps. Lengths a VAE never saw break it: one trained on 17 frames fell to 6-8 dB after frame 17.
+VAE_SIZES = ((57, 128, 128), (57, 256, 256), (1, 128, 128), (57, 128, 128), (57, 256, 256), (1, 256, 256))
 VAE_REFERENCE_VOXELS = 17 * 128 * 128  # ``batch`` clips of this many pixels a step; larger clips come fewer
 
 
@@ -89,20 +90,42 @@ def vae_batch(size, batch: int, reference: int = VAE_REFERENCE_VOXELS) -> int:
     return max(1, round(batch * reference / (f * h * w)))
 
 
+def with_new_decoder(vae, decoder_base_dim: int, seed: int = 0):
+    """A copy of ``vae`` whose decoder is new and ``decoder_base_dim`` wide (untrained, seeded), the encoder side
+    (``encoder``, ``quant_conv``) and ``post_quant_conv`` copied: the same latents, decoded by a decoder of another
+    capacity (train it with ``decoder_only``)."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    config = {k: v for k, v in vae.config.items() if k != "_use_default_values"}  # which lists decoder_base_dim
+    new = AutoencoderKLWan.from_config({**config, "decoder_base_dim": decoder_base_dim})
+    kept = {k: v for k, v in vae.state_dict().items() if not k.startswith("decoder.")}
+    missing, unexpected = new.load_state_dict(kept, strict=False)
+    assert not unexpected and all(k.startswith("decoder.") for k in missing), (missing, unexpected)
+    return new
+
+
 def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, sizes=VAE_SIZES, lr: float = 5e-4,
               kl_weight: float = 1e-4, seed: int = 0, device="cuda", log=print,
-              reference_voxels: int = VAE_REFERENCE_VOXELS) -> dict:
+              reference_voxels: int = VAE_REFERENCE_VOXELS, decoder_only: bool = False) -> dict:
     """Train ``vae`` for reconstruction on corpus clips until ``seconds`` pass (or ``steps`` are done).
 
     Steps cycle through ``sizes`` ((frames, height, width) each), with :func:`vae_batch` clips of each so that
     every step sees about the pixels of ``batch`` clips of ``reference_voxels``. The learning rate follows a
     cosine over the time budget (to 10%). Returns the last losses.
+
+    ``decoder_only`` freezes the encoder (and ``quant_conv``): the latents stay exactly what they were, so a
+    transformer trained on them carries over while the decoder improves.
     """
     from attnqat.corpus import Corpus
 
     corpus = Corpus(seed, "train")
     vae.to(device).train()
-    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    if decoder_only:
+        for module in (vae.encoder, vae.quant_conv):
+            module.requires_grad_(False).eval()
+    opt = torch.optim.AdamW([p for p in vae.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
+                            betas=(0.9, 0.99))
     t0, step, clip, l1 = time.perf_counter(), 0, 0, float("nan")
     use_amp = torch.device(device).type == "cuda"
     while True:
@@ -117,7 +140,8 @@ def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, 
         clip += n
         video = corpus.render(specs, frames=frames, height=height, width=width, device=device)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=use_amp):
-            posterior = vae.encode(video).latent_dist
+            with torch.set_grad_enabled(not decoder_only):
+                posterior = vae.encode(video).latent_dist
             recon = vae.decode(posterior.sample()).sample
         # Objects cover ~5% of the pixels: an unweighted L1 lets the VAE drop them (measured: a 3-minute run
         # reconstructed backgrounds at 16.6 dB and no object at all). Saturated pixels (the objects; the
@@ -125,12 +149,12 @@ def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, 
         rec = ((recon.float() - video).abs() * foreground_weights(video)).mean()
         mu, logvar = posterior.mean.float(), posterior.logvar.float()
         kl = 0.5 * (mu.pow(2) + logvar.exp() - 1 - logvar).mean()  # per latent element
-        loss = rec + kl_weight * kl
+        loss = rec + kl_weight * kl if not decoder_only else rec
         if not torch.isfinite(loss):
             raise FloatingPointError(f"VAE training diverged at step {step} (loss {loss.item()})")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in vae.parameters() if p.requires_grad], 1.0)
         opt.step()
         step += 1
         l1 = rec.item() if step % 50 == 0 or step < 3 else l1
@@ -184,8 +208,7 @@ def reconstruction_per_frame(vae, *, clips: int = 16, size=(33, 256, 256), seed:
 @torch.no_grad()
 def reconstruction_detection(vae, *, clips: int = 16, size=(33, 256, 256), seed: int = 0, device="cuda") -> dict:
     """How well the detector (:func:`attnqat.quality.detect`) reads colour, shape and motion off VAE
-    round trips of held-out clips: a VAE that drops the objects (the first build's did) scores ~0 here
-    whatever its PSNR, and no transformer trained on its latents can show an object."""
+    round trips of held-out clips: a VAE that drops the objects scores ~0 here whatever its PSNR, and no transformer trained on its latents can show an object."""
     from attnqat.corpus import Corpus
     from attnqat.quality import detect, score
 
@@ -254,11 +277,19 @@ def stage_vae(out: Path, args) -> None:
         return
     vae = AutoencoderKLWan.from_pretrained(folder, torch_dtype=torch.float32)
     t0 = time.perf_counter()
+    decoder_only = args.vae_train == "decoder"
+    if decoder_only and vae.config.latents_mean is None:
+        raise ValueError(f"--vae-train decoder: {folder} has no latent statistics; train the whole VAE first")
+    if args.vae_decoder_dim is not None:
+        vae = with_new_decoder(vae, args.vae_decoder_dim)
     facts = train_vae(vae, seconds=args.vae_minutes * 60, steps=args.vae_steps, batch=args.vae_batch,
-                      sizes=args.vae_sizes, lr=args.vae_lr, device=args.device)
+                      sizes=args.vae_sizes, lr=args.vae_lr, device=args.device, decoder_only=decoder_only)
     # CPU runs (tests, smoke runs) measure at a small size: the GPU's 64 clips of 33x128x128 take a minute there
     on_cpu = args.device == "cpu"
-    mean, std = latent_statistics(vae, device=args.device, **({"clips": 8, "size": (9, 64, 64)} if on_cpu else {}))
+    if decoder_only:  # the encoder is unchanged: its statistics (and the latents a transformer learned) stay
+        mean, std = vae.config.latents_mean, vae.config.latents_std
+    else:
+        mean, std = latent_statistics(vae, device=args.device, **({"clips": 8, "size": (9, 64, 64)} if on_cpu else {}))
     sizes = [(9, 64, 64)] if on_cpu else [(33, 128, 128), (49, 128, 128), (33, 256, 256), (49, 256, 256)]
     key = "{}x{}x{}".format
     per_frame = {key(*size): reconstruction_per_frame(vae, device=args.device, clips=args.eval_clips, size=size)
@@ -275,7 +306,8 @@ def stage_vae(out: Path, args) -> None:
               f"{min(pf['colour']):.0%}-{max(pf['colour']):.0%} of clips a frame")
     for name, acc in seen.items():
         print(f"vae: detector on {name} round trips: " + ", ".join(f"{k} {v:.0%}" for k, v in acc.items() if v is not None))
-    _record(out, "vae", time.perf_counter() - t0, steps=facts["steps"], clips=facts["clips"], l1=facts["l1"],
+    _record(out, "vae", time.perf_counter() - t0, trained=args.vae_train,
+            decoder_base_dim=vae.config.decoder_base_dim or vae.config.base_dim, steps=facts["steps"], clips=facts["clips"], l1=facts["l1"],
             psnr_db=per_frame[key(*sizes[0])]["mean_db"], per_frame=per_frame, detector=seen)
 
 
@@ -380,9 +412,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vae-batch", type=int, default=8, help="clips of 17x128x128 a VAE step; larger clips come "
                    "fewer, so every step sees about as many pixels (default 8)")
     p.add_argument("--vae-sizes", type=_sizes, default=VAE_SIZES, metavar="FxHxW,...",
-                   help="the clip sizes the VAE trains on, cycled (default: single frames and 9 to 57 frames in steps of 4, at "
-                        "128x128 and 256x256)")
+                   help="the clip sizes the VAE trains on, cycled (default: 57-frame clips, which train every shorter "
+                        "length of the causal VAE too, and single frames, at 128x128 and 256x256)")
     p.add_argument("--vae-lr", type=float, default=1e-3, help="VAE peak learning rate (default 1e-3)")
+    p.add_argument("--vae-train", choices=("all", "decoder"), default="all",
+                   help="what the VAE stage trains: all of it, or the decoder only (the latents, and a transformer "
+                        "trained on them, stay valid; needs a trained VAE, e.g. with --vae) (default all)")
+    p.add_argument("--vae-decoder-dim", type=int, metavar="N",
+                   help="with --vae-train decoder: replace the decoder by a new, untrained one N channels wide "
+                        "(the VAE's base_dim is 24) and train it on the unchanged latents")
     p.add_argument("--vae-again", action="store_true", help="train the VAE further even if already trained")
     p.add_argument("--eval-clips", type=int, default=16, help="held-out clips for the VAE's PSNR")
     p.add_argument("--minutes", type=float, default=9.0, help="transformer training time of this call (default 9)")
@@ -394,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, name)
         if not (math.isfinite(v) and 0 < v <= 24 * 60):
             p.error(f"--{name.replace('_', '-')} must be in (0, 1440], got {v}")
+    if args.vae_decoder_dim is not None and not (args.vae_train == "decoder" and 8 <= args.vae_decoder_dim <= 256):
+        p.error("--vae-decoder-dim needs --vae-train decoder and a width from 8 to 256")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         p.error(f"--out {out} is a file")

@@ -1,4 +1,4 @@
-"""The pieces of an Attn-QAT training step: student/teacher setup, noised inputs, feature capture, losses.
+"""The training objectives: what each needs (a teacher, where its clean latents come from) and its loss.
 
 Flow matching (Wan 2.1, rectified flow): with clean latents x0, noise e and sigma in [0, 1],
 
@@ -10,15 +10,18 @@ Distillation: the student (``attn_qat`` attention) and the frozen teacher (same 
 attention) see the same x_t, timestep and prompt embeddings. ``output`` matches the velocity
 predictions; ``features`` also matches every ``WanTransformerBlock``'s output hidden states (SPEC §7).
 Both use the normalized MSE ||s - t||^2 / ||t||^2, so blocks of different scale weigh alike.
+
+An objective is a small class registered under its ``objective.type`` name (:data:`OBJECTIVES`).
+``config.objective_of`` picks it once, when the config is validated; the ``Trainer`` builds a teacher if it
+``needs_teacher``, draws the clean latents its ``latents`` names, and optimizes the ``"loss"`` its
+:meth:`Objective.terms` returns.
 """
 from __future__ import annotations
 
-import copy
-from contextlib import contextmanager
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
-
-from attnqat.pipelines import AttnQATProcessor, patch_attention
 
 
 def nmse(student: torch.Tensor, teacher: torch.Tensor, eps: float = 1e-12, total=None) -> torch.Tensor:
@@ -32,93 +35,19 @@ def nmse(student: torch.Tensor, teacher: torch.Tensor, eps: float = 1e-12, total
     return err / ref.clamp_min(eps)
 
 
-class AutocastAttnProcessor(AttnQATProcessor):
-    """:class:`AttnQATProcessor` that casts fp32 Q/K/V to the autocast dtype when autocast is on.
-
-    With fp32 master weights under bf16 autocast, Wan's RMSNorm on Q/K (fp32 weight) and RoPE hand the
-    attention fp32 tensors. torch's SDPA is on autocast's low-precision list, so the bf16 mode would run
-    in bf16 anyway; the FP4 Triton kernels take only bf16/fp16. Casting here gives both the same inputs.
-    """
-
-    def _attention(self, query, key, value, *args, **kwargs):
-        dev = query.device.type
-        if query.dtype == torch.float32 and torch.is_autocast_enabled(dev):
-            dt = torch.get_autocast_dtype(dev)
-            query, key, value = query.to(dt), key.to(dt), value.to(dt)
-        return super()._attention(query, key, value, *args, **kwargs)
+def teacher_gaps(student: torch.Tensor, student_features: dict, teacher: torch.Tensor, teacher_features: dict,
+                 total=None) -> dict[str, torch.Tensor]:
+    """The student-teacher gap of one micro-batch: ``gap``, the nmse of the outputs (whole on every process),
+    and ``gap_features``, the mean over blocks of the nmse of their output hidden states (sequence shards under
+    sequence parallelism: ``total`` sums over the group, as in :func:`nmse`)."""
+    return {"gap": nmse(student, teacher),
+            "gap_features": torch.stack([nmse(student_features[i], teacher_features[i], total=total)
+                                         for i in sorted(teacher_features)]).mean()}
 
 
-def patch_for_training(transformer: torch.nn.Module, mode: str, layers="self", **options) -> list[str]:
-    """``patch_attention`` with :class:`AutocastAttnProcessor` processors (same layers, same mode)."""
-    names = patch_attention(transformer, mode, layers, **options)
-    for name in names:
-        transformer.get_submodule(name).set_processor(AutocastAttnProcessor(mode, **options))
-    return names
-
-
-def cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """``copy.deepcopy(module).to(dtype)`` without its full-precision intermediate: each floating-point
-    parameter and buffer is cast as it is copied (through deepcopy's memo), so the peak is the original
-    plus the copy in ``dtype`` (Wan 14B in fp32 with a bf16 teacher: 86 GB, not 114 GB, a process)."""
-    memo: dict[int, object] = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.is_floating_point() and id(t) not in memo:
-            c = t.detach().to(dtype, copy=True)
-            memo[id(t)] = torch.nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else c
-    return copy.deepcopy(module, memo).to(dtype)  # .to: whatever else Module.to casts (complex buffers)
-
-
-def make_student_teacher(transformer: torch.nn.Module, mode: str, layers="self", options: dict | None = None,
-                         teacher_dtype: torch.dtype = torch.float32, trainable: str = "all"):
-    """(student, teacher): the student trains ``mode`` attention; the teacher is a frozen deep copy with
-    bf16 (exact SDPA) attention in the same layers, cast to ``teacher_dtype``. ``trainable="attention"``
-    leaves only the patched attention modules' weights trainable."""
-    teacher = cast_copy(transformer, teacher_dtype).eval().requires_grad_(False)
-    patch_for_training(teacher, "bf16", layers)
-    student = transformer.train().requires_grad_(True)
-    names = patch_for_training(student, mode, layers, **(options or {}))
-    if trainable == "attention":
-        student.requires_grad_(False)
-        for name in names:
-            student.get_submodule(name).requires_grad_(True)
-    return student, teacher
-
-
-class FeatureCapture:
-    """Forward hooks on every ``WanTransformerBlock`` of a transformer, recording output hidden states.
-
-    Only records while :meth:`capturing` is active, so the recomputation of gradient checkpointing
-    during backward adds nothing (and keeps nothing alive).
-    """
-
-    def __init__(self, transformer: torch.nn.Module):
-        from diffusers.models.transformers.transformer_wan import WanTransformerBlock
-
-        self.features: dict[int, torch.Tensor] = {}
-        self._on = False
-        blocks = [m for m in transformer.modules() if isinstance(m, WanTransformerBlock)]
-        if not blocks:
-            raise TypeError(f"no WanTransformerBlock in {type(transformer).__name__}")
-        self._handles = [b.register_forward_hook(self._hook(i)) for i, b in enumerate(blocks)]
-
-    def _hook(self, i):
-        def hook(module, args, output):
-            if self._on:
-                self.features[i] = output
-        return hook
-
-    @contextmanager
-    def capturing(self):
-        self.features = {}
-        self._on = True
-        try:
-            yield self.features
-        finally:
-            self._on = False
-
-    def remove(self):
-        for h in self._handles:
-            h.remove()
+def flow_loss(velocity: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The flow-matching loss: the predicted ``velocity`` against noise - x0."""
+    return (velocity.float() - (batch["noise"] - batch["x0"]).float()).pow(2).mean()
 
 
 def sample_sigmas(n: int, generator: torch.Generator, sampling: str, shift: float, lo: float, hi: float) -> torch.Tensor:
@@ -145,3 +74,132 @@ def teacher_samples(teacher, noise: torch.Tensor, embeds: torch.Tensor, steps: i
         v = teacher(hidden_states=x.to(dt), timestep=t, encoder_hidden_states=embeds.to(dt), return_dict=False)[0]
         x = x + (b - a) * v.float()
     return x
+
+
+class Objective(ABC):
+    """A training objective, built from the config's ``objective`` section (``config.ObjectiveConfig``).
+
+    Arguments:
+        cfg: the ``objective`` section; the keys an objective reads are its own (``target``, ``flow_weight``...).
+
+    Subclasses set ``name`` (the ``objective.type`` that selects them) and ``needs_teacher``, and are added to
+    :data:`OBJECTIVES` with :func:`register_objective`.
+    """
+
+    name: ClassVar[str]
+    needs_teacher: ClassVar[bool]  # its loss reads the teacher's forward (gap, gap_features)
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    @property
+    def latents(self) -> str:
+        """Where the clean latents x0 come from: ``dataset`` (the data's video latents), ``noise`` (Gaussian,
+        data-free) or ``teacher`` (the teacher's samples from noise)."""
+        return "dataset"
+
+    @property
+    def latents_setting(self) -> str:
+        """The setting that asks for dataset latents, as a message names it."""
+        return f"objective.type {self.name!r}"
+
+    @property
+    def label(self) -> str:
+        """The objective as the run's first line and ``--check`` print it."""
+        return self.name
+
+    def check(self, data_source: str) -> None:
+        """Refuse (ValueError) what this objective cannot do with ``data.source``; ``config.validate`` calls it."""
+
+    @abstractmethod
+    def terms(self, velocity: torch.Tensor, batch: dict, gaps: dict) -> dict[str, torch.Tensor]:
+        """The loss terms of one micro-batch, ``"loss"`` (the one optimized) among them.
+
+        Arguments:
+            velocity: the student's output, (batch, C, F, H, W).
+            batch: ``x0``, ``noise``, ``sigma``, ``embeds``.
+            gaps: :func:`teacher_gaps` when the teacher ran (always if ``needs_teacher``), else empty.
+        Return:
+            named scalars; ``distill`` and ``flow`` are logged as log.csv's ``loss_distill``, ``loss_flow``.
+        """
+
+
+OBJECTIVES: dict[str, type[Objective]] = {}
+
+
+def register_objective(cls: type[Objective]) -> type[Objective]:
+    """Make ``cls`` selectable as ``objective.type: <cls.name>`` (a class decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Objective) and isinstance(getattr(cls, "name", None), str)
+            and isinstance(getattr(cls, "needs_teacher", None), bool)):
+        raise TypeError(f"{cls!r} is not an Objective subclass with a str name and a bool needs_teacher")
+    if cls.name in OBJECTIVES:
+        raise ValueError(f"objective {cls.name!r} is registered already ({OBJECTIVES[cls.name].__qualname__})")
+    OBJECTIVES[cls.name] = cls
+    return cls
+
+
+@register_objective
+class Distill(Objective):
+    """The student's output (``target: output``), or every block's features plus ``output_weight`` times the
+    output (``target: features``), against the teacher's."""
+
+    name = "distill"
+    needs_teacher = True
+
+    @property
+    def latents(self) -> str:
+        return self.cfg.latents
+
+    @property
+    def latents_setting(self) -> str:
+        return f"objective.latents {self.cfg.latents!r}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/{self.cfg.target}"
+
+    def check(self, data_source: str) -> None:
+        if data_source == "corpus" and self.cfg.latents == "teacher":
+            # the corpus's clips are the clean latents of every objective; teacher samples would be ignored
+            raise ValueError("objective.latents 'teacher' does not apply to data.source 'corpus' (its clips are "
+                             "the clean latents); use 'dataset' or 'noise', or a precomputed data.path")
+
+    def distill(self, gaps: dict) -> torch.Tensor:
+        if self.cfg.target == "features":
+            return gaps["gap_features"] + self.cfg.output_weight * gaps["gap"]
+        return gaps["gap"]
+
+    def terms(self, velocity, batch, gaps):
+        d = self.distill(gaps)
+        return {"distill": d, "loss": d}
+
+
+@register_objective
+class Flow(Objective):
+    """Flow matching: the student's velocity against noise - x0 of the data's latents. No teacher."""
+
+    name = "flow"
+    needs_teacher = False
+
+    def terms(self, velocity, batch, gaps):
+        f = flow_loss(velocity, batch)
+        return {"flow": f, "loss": f}
+
+
+@register_objective
+class Mix(Distill):
+    """Distillation plus ``flow_weight`` times flow matching, from one student forward on the data's latents."""
+
+    name = "mix"
+
+    @property
+    def latents(self) -> str:
+        return "dataset"
+
+    @property
+    def latents_setting(self) -> str:
+        return f"objective.type {self.name!r}"
+
+    def terms(self, velocity, batch, gaps):
+        d, f = self.distill(gaps), flow_loss(velocity, batch)
+        return {"distill": d, "flow": f, "loss": d + self.cfg.flow_weight * f}

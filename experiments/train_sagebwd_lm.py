@@ -4,8 +4,8 @@ Three runs from the same initialisation and the same batches: high-precision att
 ``bf16``: torch SDPA), ``sagebwd`` with K-smoothing (default) and ``sagebwd`` without. Writes the loss
 curves to ``docs/sagebwd_training.{png,json}``.
 
-    python bench/train_sagebwd_lm.py                       # CPU: sagebwd runs its PyTorch reference path
-    python bench/train_sagebwd_lm.py --device cuda --steps 600 --seq 512 --layers 4 --d-model 256
+    python experiments/train_sagebwd_lm.py                       # CPU: sagebwd runs its PyTorch reference path
+    python experiments/train_sagebwd_lm.py --device cuda --steps 600 --seq 512 --layers 4 --d-model 256
 
 On CPU, :func:`attnqat.kernels.attention` runs the differentiable reference of SPEC §4 (bit-for-bit the
 kernel's numerics up to float rounding, see tests/test_sagebwd.py); on CUDA it runs the Triton kernels.

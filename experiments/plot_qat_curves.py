@@ -1,7 +1,7 @@
 """Training curves of QAT fine-tunes side by side: training loss, gradient norm (before clipping) and the
 held-out FP4 flow loss of each run's log.csv (what `attnqat train` writes), as one picture.
 
-    python bench/plot_qat_curves.py flow=runs/mini_qat/flow/log.csv dropin=runs/mini_qat/dropin/log.csv ... \
+    python experiments/plot_qat_curves.py flow=runs/mini_qat/flow/log.csv dropin=runs/mini_qat/dropin/log.csv ... \
         --fp4 0.0740 --bf16 0.0676 --out docs/qat_curves.png
 
 --fp4 / --bf16: the held-out flow loss of the base model in FP4 and in bf16 attention (drawn as the two

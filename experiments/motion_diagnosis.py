@@ -1,7 +1,7 @@
 """How far do objects move, in the corpus and in a model's samples? (docs/mini.md, "Why motion is not learned yet")
 
-    python bench/motion_diagnosis.py scale                       # the corpus's motion in pixels, latent cells, tokens
-    python bench/motion_diagnosis.py samples [--model attnqat/models/mini] [--prompts 8] [--swaps 2] [--steps 20]
+    python experiments/motion_diagnosis.py scale                       # the corpus's motion in pixels, latent cells, tokens
+    python experiments/motion_diagnosis.py samples [--model attnqat/models/mini] [--prompts 8] [--swaps 2] [--steps 20]
 
 ``scale`` draws 4,000 train specs and reports, per motion kind, the displacement over a clip and the
 object's size in pixels, in VAE latent cells (8x8 pixels; 33 frames -> 9 latent frames) and in transformer

@@ -1,7 +1,7 @@
 """The README's picture of the quick-start command: frames 0, 16 and 32 of `attnqat generate` on the shipped
 mini, bf16 attention (top row) and `--mode attn_qat` with mini's shipped QAT weights (bottom row).
 
-    python bench/mini_sample.py --out docs/mini_sample.png     # CPU: about a minute
+    python scripts/mini_sample.py --out docs/mini_sample.png     # CPU: about a minute
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ transformer's tensors (the rest at the base weights), scored by the flow metrics
 size in bf16. It answers what a size-capped file of QAT weights (`attnqat export-qat`, 12 MB for mini) can
 keep of a full fine-tune.
 
-    python bench/qat_subsets.py --model runs/mini/mini --qat runs/mini_qat/flow [--clips 16] [--size 33x128x128]
+    python experiments/qat_subsets.py --model runs/mini/mini --qat runs/mini_qat/flow [--clips 16] [--size 33x128x128]
 
 Rows: bf16 and nvfp4 on the base weights (the two ends), the whole fine-tune, then each subset (regular
 expressions over the state-dict names, --subset NAME=REGEX to add your own). Prints a markdown table; --json

@@ -1,0 +1,105 @@
+"""The student and the teacher: one Wan transformer patched for training, and its frozen copy.
+
+The student runs a trainable attention mode (``attn_qat``) in the selected layers; the teacher, a copy of the
+same initial weights, runs the reference mode (bf16, exact SDPA) in the same layers. Both use
+:class:`AutocastAttnProcessor`, so under mixed precision their attention sees the same input dtype.
+:class:`FeatureCapture` records every block's output hidden states, for feature distillation and the
+held-out gap.
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+from attnqat.kernels import REFERENCE_MODE
+from attnqat.pipelines.processor import AttnQATProcessor, patch_attention
+
+
+class AutocastAttnProcessor(AttnQATProcessor):
+    """:class:`AttnQATProcessor` that casts fp32 Q/K/V to the autocast dtype when autocast is on.
+
+    With fp32 master weights under bf16 autocast, Wan's RMSNorm on Q/K (fp32 weight) and RoPE hand the
+    attention fp32 tensors. torch's SDPA is on autocast's low-precision list, so the bf16 mode would run
+    in bf16 anyway; the FP4 Triton kernels take only bf16/fp16. Casting here gives both the same inputs.
+    """
+
+    def _attention(self, query, key, value, *args, **kwargs):
+        dev = query.device.type
+        if query.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            query, key, value = query.to(dt), key.to(dt), value.to(dt)
+        return super()._attention(query, key, value, *args, **kwargs)
+
+
+def patch_for_training(transformer: torch.nn.Module, mode: str, layers="self", **options) -> list[str]:
+    """``patch_attention`` with :class:`AutocastAttnProcessor` processors; returns the patched modules' names."""
+    return patch_attention(transformer, mode, layers, processor_class=AutocastAttnProcessor, **options)
+
+
+def cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``copy.deepcopy(module).to(dtype)`` without its full-precision intermediate: each floating-point
+    parameter and buffer is cast as it is copied (through deepcopy's memo), so the peak is the original
+    plus the copy in ``dtype`` (Wan 14B in fp32 with a bf16 teacher: 86 GB, not 114 GB, a process)."""
+    memo: dict[int, object] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.is_floating_point() and id(t) not in memo:
+            c = t.detach().to(dtype, copy=True)
+            memo[id(t)] = torch.nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else c
+    return copy.deepcopy(module, memo).to(dtype)  # .to: whatever else Module.to casts (complex buffers)
+
+
+def make_student_teacher(transformer: torch.nn.Module, mode: str, layers="self", options: dict | None = None,
+                         teacher_dtype: torch.dtype = torch.float32, trainable: str = "all", *,
+                         with_teacher: bool = True):
+    """(student, teacher): the student trains ``mode`` attention; the teacher is a frozen deep copy with the
+    reference mode's attention in the same layers, cast to ``teacher_dtype`` (None when ``with_teacher`` is
+    false). ``trainable="attention"`` leaves only the patched attention modules' weights trainable."""
+    teacher = None
+    if with_teacher:  # copied before the student is patched: the copy starts from diffusers' processors
+        teacher = cast_copy(transformer, teacher_dtype).eval().requires_grad_(False)
+        patch_for_training(teacher, REFERENCE_MODE, layers)
+    student = transformer.train().requires_grad_(True)
+    names = patch_for_training(student, mode, layers, **(options or {}))
+    if trainable == "attention":
+        student.requires_grad_(False)
+        for name in names:
+            student.get_submodule(name).requires_grad_(True)
+    return student, teacher
+
+
+class FeatureCapture:
+    """Forward hooks on every ``WanTransformerBlock`` of a transformer, recording output hidden states.
+
+    Only records while :meth:`capturing` is active, so the recomputation of gradient checkpointing
+    during backward adds nothing (and keeps nothing alive).
+    """
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.features: dict[int, torch.Tensor] = {}
+        self._on = False
+        blocks = [m for m in transformer.modules() if isinstance(m, WanTransformerBlock)]
+        if not blocks:
+            raise TypeError(f"no WanTransformerBlock in {type(transformer).__name__}")
+        self._handles = [b.register_forward_hook(self._hook(i)) for i, b in enumerate(blocks)]
+
+    def _hook(self, i):
+        def hook(module, args, output):
+            if self._on:
+                self.features[i] = output
+        return hook
+
+    @contextmanager
+    def capturing(self):
+        self.features = {}
+        self._on = True
+        try:
+            yield self.features
+        finally:
+            self._on = False
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
