@@ -7,7 +7,14 @@ import zlib
 from pathlib import Path
 
 import pytest
-import torch
+
+# OpenMP threads that spin while they wait for each other (libgomp's default) make torch's CPU ops 10-30x slower
+# whenever another process holds a core (a small shared CI machine, this suite's own subprocesses); waiting
+# passively costs next to nothing when the cores are free. Read once, when torch loads OpenMP: set before the
+# import, and inherited by every subprocess a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Kernels are compiled for CUDA; without a GPU the suite runs them in Triton's CPU interpreter.
 # Must be set before triton.jit decorates anything, i.e. before attnqat is imported.

@@ -306,36 +306,44 @@ def test_nonfinite_inputs_stay_visible(mode, path, causal, monkeypatch, poison):
     non-finite; one in k's or v's row j makes every row that attends key j non-finite (all rows; rows i >= j
     when causal). Other rows may follow (shared block scales and means). For trainable modes the backward
     keeps it too: dq and dk hold a non-finite value, and dv as well when the bad value was in q or k
-    (dV = P^T dO does not read V). Each case: fresh inputs, a random bad position, on both paths."""
+    (dV = P^T dO does not read V). Each case: fresh inputs, a random bad position, on both paths.
+
+    The nine cases (q, k or v) x (NaN, inf, -inf) run as one call: batch b holds the bad value in q, k or v,
+    and head h of it one of the three values (a random pairing), every (b, h) its own attention; each is
+    checked on its own slice of the output and the gradients."""
     monkeypatch.setenv("TRITON_INTERPRET", PATHS[path])
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     lq, lk = 40, 72
-    for which in "qkv":
-        for bad in (float("nan"), float("inf"), float("-inf")):
-            q, k, v = (torch.randn(1, 2, n, 64, generator=g).bfloat16() for n in (lq, lk, lk))
-            t = {"q": q, "k": k, "v": v}[which]
+    q, k, v = (torch.randn(3, 3, n, 64, generator=g).bfloat16() for n in (lq, lk, lk))
+    cases = []
+    for b, which in enumerate("qkv"):
+        t = {"q": q, "k": k, "v": v}[which]
+        for head, bad in zip(torch.randperm(3, generator=g).tolist(), (float("nan"), float("inf"), float("-inf"))):
             row = int(torch.randint(min(t.shape[2], lq) if causal else t.shape[2], (1,), generator=g))  # seen
-            head, col = int(torch.randint(2, (1,), generator=g)), int(torch.randint(64, (1,), generator=g))
-            t[0, head, row, col] = bad
-            grad = mode in TRAINABLE
-            leaves = [x.clone().requires_grad_(grad) for x in (q, k, v)]
-            with torch.set_grad_enabled(grad):
-                out = attention(*leaves, mode=mode, causal=causal)
-            where = f"{mode}/{path}: {bad} in {which}[0, {head}, {row}, {col}], causal={causal}, seed {seed}"
-            rows_bad = ~torch.isfinite(out[0, head].float()).all(-1)
-            expect = torch.zeros(lq, dtype=torch.bool)
-            if which == "q":
-                expect[row] = True
-            else:
-                expect[row if causal else 0:] = True
-            assert rows_bad[expect].all(), f"{where}: finite rows {(expect & ~rows_bad).nonzero().flatten().tolist()}"
-            if grad:
-                out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
-                dq, dk, dv = (x.grad for x in leaves)
-                assert not torch.isfinite(dq).all() and not torch.isfinite(dk).all(), f"{where}: finite dq/dk"
-                if which != "v":
-                    assert not torch.isfinite(dv).all(), f"{where}: finite dv"
+            col = int(torch.randint(64, (1,), generator=g))
+            t[b, head, row, col] = bad
+            cases.append((b, head, which, row, f"{mode}/{path}: {bad} in {which}[{b}, {head}, {row}, {col}], "
+                                               f"causal={causal}, seed {seed}"))
+    grad = mode in TRAINABLE
+    leaves = [x.clone().requires_grad_(grad) for x in (q, k, v)]
+    with torch.set_grad_enabled(grad):
+        out = attention(*leaves, mode=mode, causal=causal)
+    if grad:
+        out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
+    for b, head, which, row, where in cases:
+        rows_bad = ~torch.isfinite(out[b, head].float()).all(-1)
+        expect = torch.zeros(lq, dtype=torch.bool)
+        if which == "q":
+            expect[row] = True
+        else:
+            expect[row if causal else 0:] = True
+        assert rows_bad[expect].all(), f"{where}: finite rows {(expect & ~rows_bad).nonzero().flatten().tolist()}"
+        if grad:
+            dq, dk, dv = (x.grad[b, head] for x in leaves)
+            assert not torch.isfinite(dq).all() and not torch.isfinite(dk).all(), f"{where}: finite dq/dk"
+            if which != "v":
+                assert not torch.isfinite(dv).all(), f"{where}: finite dv"
 
 
 def test_bf16_mode_marks_only_the_rows_that_saw_the_bad_value():

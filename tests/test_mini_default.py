@@ -323,14 +323,16 @@ def test_package_data_covers_every_file_of_a_mini_folder(mini_build, tmp_path):
 def test_shipped_mini_quality_smoke_on_cpu(tmp_path, capsys):
     """The shipped folder is within the size limits and, through the default command (`attnqat generate`
     with no --model and no size flags: 33x128x128, the default steps, on the CPU), draws the asked colour
-    in at least 3 of 4 held-out prompts, as the detector reads it."""
+    in both of the first 2 held-out prompts (red, green), as the detector reads it. Two because each run is a
+    whole default generation (half a minute of CI); mini draws the asked colour in each of the first 8
+    held-out prompts at these seeds, so a miss is a regression, not chance."""
     from attnqat.evaluation import held_out_prompts
     from attnqat.pipelines.mini import check_folder_size
     from attnqat.quality import detect
     from attnqat.quality_cli import _corpus_seed
 
     check_folder_size(mini.MINI_DIR)
-    prompts = held_out_prompts(4, seed=_corpus_seed("mini"))
+    prompts = held_out_prompts(2, seed=_corpus_seed("mini"))
     hits, report = 0, []
     for i, (prompt, truth) in enumerate(prompts):
         t0 = time.perf_counter()
@@ -344,4 +346,4 @@ def test_shipped_mini_quality_smoke_on_cpu(tmp_path, capsys):
         hits += found["colour"] == truth["colour"]
         report.append(f"{prompt!r}: asked {truth['colour']}, found {found['colour']} "
                       f"({time.perf_counter() - t0:.0f} s)")
-    assert hits >= 3, "; ".join(report)
+    assert hits == len(prompts), "; ".join(report)

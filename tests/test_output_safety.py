@@ -372,19 +372,31 @@ def test_mixed_precision_no_is_the_string_no(tmp_path):
 # ----------------------------------------------------------------------------------------- Ctrl-C early
 @pytest.mark.parametrize("command, delays", [("train", (0.3, 1.3)), ("precompute", (0.8, 2.0))])
 def test_ctrl_c_while_importing_is_one_line_and_130(tmp_path, command, delays):
+    """Ctrl-C at each of ``delays`` seconds after the start, while torch imports (1-5 s); an import cut part way
+    broke numpy. The command finishes its imports before it stops (the interrupt waits for them), so each run costs
+    a whole import (~5 s): the runs of the two delays start together, one process a core, each its own folder (the
+    two commands share the import path, so they share the four moments between them)."""
     (tmp_path / "p.txt").write_text("a red ball\n")
-    argv = {"train": ["train", *TINY, "--output-dir", str(tmp_path / "run")],
-            "precompute": ["precompute", "--prompts", str(tmp_path / "p.txt"), "--model", "tiny", "--out",
-                           str(tmp_path / "data"), "--device", "cpu"]}[command]
-    for delay in delays:  # while torch imports (1-5 s); an import cut part way broke numpy (the two commands
-        # share the import path, so they share the four moments between them: each run costs ~7 s of CI)
-        p = subprocess.Popen([sys.executable, "-m", "attnqat.cli", *argv], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-        while not os.path.exists(f"/proc/{p.pid}"):
-            time.sleep(0.01)
-        time.sleep(delay)
-        assert p.poll() is None, "the command ended before the signal"
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 130, (delay, p.returncode, err[-3000:])
-        assert _one_line(err) == f"attnqat {command}: interrupted", delay
+
+    def argv(i):
+        return {"train": ["train", *TINY, "--output-dir", str(tmp_path / f"run{i}")],
+                "precompute": ["precompute", "--prompts", str(tmp_path / "p.txt"), "--model", "tiny", "--out",
+                               str(tmp_path / f"data{i}"), "--device", "cpu"]}[command]
+
+    runs = [subprocess.Popen([sys.executable, "-m", "attnqat.cli", *argv(i)], cwd=ROOT, env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(len(delays))]
+    try:
+        start = time.perf_counter()
+        for p, delay in zip(runs, delays):
+            time.sleep(max(0.0, start + delay - time.perf_counter()))
+            assert p.poll() is None, "the command ended before the signal"
+            p.send_signal(signal.SIGINT)
+        for p, delay in zip(runs, delays):
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 130, (delay, p.returncode, err[-3000:])
+            assert _one_line(err) == f"attnqat {command}: interrupted", delay
+    finally:
+        for p in runs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()

@@ -346,8 +346,16 @@ def _break_at(monkeypatch, step: int, how: str):
         monkeypatch.setattr(torch.optim.AdamW, "step", opt_step)
 
 
+@pytest.fixture(scope="module")
+def nf_full(tmp_path_factory):
+    """The uninterrupted NF run's losses (training is seeded by its config: the same in every test)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "0")  # as reference_path does for each test
+        return train(tiny(tmp_path_factory.mktemp("nf_full"), *NF)).losses
+
+
 @pytest.mark.parametrize("how", ["loss", "grad", "lr", "weights"])
-def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, how):
+def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, how, nf_full):
     """A NaN loss or gradient must not be trained on nor exported as final/: the step stops before the optimizer
     updates anything (or, for weights that turned NaN, the checkpoint refuses to write them); no final/, the last
     good checkpoint is intact, and --resume auto continues from it as if nothing had happened."""
@@ -355,7 +363,6 @@ def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, 
     from attnqat.train.checkpoint import NonFiniteTrainingError
     from attnqat.train.loop import read_log
     from safetensors.torch import load_file
-    full = train(tiny(tmp_path / "full", *NF))
     with monkeypatch.context() as m:
         _break_at(m, 3 if how != "weights" else 4, how)
         what = {"loss": "non-finite loss nan", "grad": "grad_norm inf", "lr": "lr inf", "weights": "weight"}[how]
@@ -375,7 +382,7 @@ def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(tmp_path, 
             train(tiny(tmp_path, *NF), resume="auto")
         return
     rest = train(tiny(tmp_path, *NF), resume="auto")  # the bad step is redone, now finite
-    assert rest.losses == full.losses[2:]
+    assert rest.losses == nf_full[2:]
 
 
 def test_cli_reports_non_finite_training_in_one_line(tmp_path, monkeypatch, capsys):
