@@ -353,7 +353,7 @@ def test_compiled_and_offloaded_generation_match_eager_on_gpu(mode):
     compile of every block (fullgraph) and its model CPU offload give the video of the eager, resident pipeline
     (tiny model, bf16, 4 steps), up to bf16 rounding under compilation."""
     from attnqat.pipelines.generate import generate_video
-    from attnqat.quality import psnr
+    from attnqat.mini.quality import psnr
 
     device = torch.device("cuda")
 

@@ -281,7 +281,7 @@ def test_callback_refuses_what_it_cannot_schedule(clean):
 
 
 def test_evaluation_variants_use_the_schedule(clean):
-    from attnqat.evaluation import Variant, generate_videos
+    from attnqat.mini.evaluation import Variant, generate_videos
 
     pipe = clean
     size = dict(height=32, width=32, frames=5, steps=2, guidance=5.0, batch=1)

@@ -50,9 +50,9 @@ from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
 from .launch import LAUNCH_HINT, launch_from_env, process_group, rank_device, shared_check
-# DEFAULT_MODEL ("mini") and default_model(): the switch of the --model default, in one place (mini.py).
-from .mini import (DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model, is_mini,
-                   vocabulary_note)
+# DEFAULT_MODEL ("mini") and default_model(): the switch of the --model default, in one place (attnqat/mini/model.py).
+from attnqat.mini.model import (DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model,
+                                is_mini, vocabulary_note)
 
 # torch and diffusers are imported where they are used, so `attnqat generate --help` stays fast.
 
