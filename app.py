@@ -40,7 +40,7 @@ _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
 
 def parse_args(argv=None) -> argparse.Namespace:
     from attnqat.cli import OneLineParser
-    from attnqat.pipelines.mini import DEFAULT_MODEL, FALLBACK_MODEL
+    from attnqat.mini.model import DEFAULT_MODEL, FALLBACK_MODEL
 
     p = OneLineParser(prog="app.py", description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.RawTextHelpFormatter)
@@ -64,9 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve_model_default(args: argparse.Namespace) -> argparse.Namespace:
-    """--model left out: :func:`attnqat.pipelines.mini.default_model` ("mini"; "tiny" only on an installation
+    """--model left out: :func:`attnqat.mini.model.default_model` ("mini"; "tiny" only on an installation
     without mini's weights, and then ``args.model_note`` says so)."""
-    from attnqat.pipelines.mini import DEFAULT_MODEL, MINI_MISSING_NOTE, default_model
+    from attnqat.mini.model import DEFAULT_MODEL, MINI_MISSING_NOTE, default_model
 
     args.model_note = None
     if args.model is None:
@@ -377,7 +377,7 @@ def build_demo(engine, modes: list[str], out_root: str | Path, line=None):
                               model_kind, page_defaults, request_work)
     from attnqat.kernels import REFERENCE_MODE, mode_of
     from attnqat.pipelines import TINY_NOTICE
-    from attnqat.pipelines.mini import MINI_NOTICE
+    from attnqat.mini.model import MINI_NOTICE
 
     kind = model_kind(engine.model)
     d = page_defaults(engine.model, engine.device)

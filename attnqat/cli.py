@@ -46,7 +46,7 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "precompute": ("attnqat.train.precompute",
                    "encode prompts (and videos) into safetensors shards for `attnqat train`",
                    "attnqat.train.precompute:check_arguments"),
-    "quality": ("attnqat.quality_cli",
+    "quality": ("attnqat.mini.quality_cli",
                 "measure each attention mode's (and fine-tune's) flow loss, prompt following and PSNR/SSIM to bf16",
                 None),
     "export-qat": ("attnqat.export_qat_cli",

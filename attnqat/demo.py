@@ -71,8 +71,8 @@ from attnqat.pipelines import (AttentionTimer, PrecisionSchedule, is_tiny, load_
 from attnqat.pipelines.generate import (DTYPE_NAMES, FPS, generate_video, is_mini_model, model_defaults, torch_dtype,
                                         write_mp4)
 from attnqat.pipelines.loading import choose_qat_checkpoint, cpu_state_dict
-from attnqat.pipelines.mini import default_model, vocabulary_note
-from attnqat.quality import _check_videos, curve_summary, psnr, ssim  # the metrics, defined with the detector
+from attnqat.mini.model import default_model, vocabulary_note
+from attnqat.mini.quality import _check_videos, curve_summary, psnr, ssim  # the metrics, defined with the detector
 
 __all__ = ["DEMO_MODES", "HEAT_MAX", "ModeRun", "DemoEngine", "psnr_frames_line",
            "difference_strip",
@@ -397,7 +397,7 @@ class DemoEngine:
     def load(cls, model: str | None = None, *, qat_checkpoint: str | None = None, device: str | None = None,
              dtype: str | None = None) -> "DemoEngine":
         """Load the pipeline once. ``model`` defaults to
-        :func:`~attnqat.pipelines.mini.default_model` ("mini"; "tiny" where its weights are not
+        :func:`~attnqat.mini.model.default_model` ("mini"; "tiny" where its weights are not
         installed); ``device`` to cuda if available; ``dtype`` ("bf16", "fp16", "fp32") to bf16 on GPU
         and under the Triton interpreter (the FP4 kernels take 16-bit inputs), else fp32 (CPU runs each
         mode's PyTorch reference). ``qat_checkpoint``: the Attn-QAT column's weights, as
@@ -433,7 +433,7 @@ class DemoEngine:
 
     def vocabulary_note(self, prompt: str) -> str | None:
         """For mini, the line naming the prompt's words it does not know
-        (:func:`~attnqat.pipelines.mini.vocabulary_note`); None for other models or a prompt it knows."""
+        (:func:`~attnqat.mini.model.vocabulary_note`); None for other models or a prompt it knows."""
         if model_kind(self.model) != "mini":
             return None
         return vocabulary_note(self.pipe.tokenizer, prompt)

@@ -25,7 +25,7 @@ import argparse
 from attnqat.checks import check_not_input, check_output_file, check_text
 from attnqat.errors import one_line
 from attnqat.locking import output_lock
-from attnqat.pipelines.mini import DEFAULT_MODEL
+from attnqat.mini.model import DEFAULT_MODEL
 
 # torch and diffusers are imported where they are used, so `attnqat export-qat --help` stays fast.
 

@@ -2,9 +2,9 @@
 
     python bench/corpus.py [--device cpu|cuda] [--clips 640] [--seed 9000] [--no-write]
 
-- render time of ``attnqat.corpus.render`` for a few batch shapes (on CUDA with synchronisation);
-- accuracy of ``attnqat.quality.detect`` on corpus clips (half train, half held-out) at 17x64x64 and
-  17x128x128, clean and degraded (``attnqat.quality.degrade``: the tests' setting and a harsher one),
+- render time of ``attnqat.mini.corpus.render`` for a few batch shapes (on CUDA with synchronisation);
+- accuracy of ``attnqat.mini.quality.detect`` on corpus clips (half train, half held-out) at 17x64x64 and
+  17x128x128, clean and degraded (``attnqat.mini.quality.degrade``: the tests' setting and a harsher one),
   per attribute, with the shape confusions;
 - docs/corpus.png: first, middle and last frame of 8 clips (one per shape; the last row is the
   README's held-out example) with their captions, and 10 example captions.
@@ -23,8 +23,8 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from attnqat.corpus import SHAPES, Corpus, caption, make_spec  # noqa: E402
-from attnqat.quality import degrade, detect  # noqa: E402
+from attnqat.mini.corpus import SHAPES, Corpus, caption, make_spec  # noqa: E402
+from attnqat.mini.quality import degrade, detect  # noqa: E402
 from bench._report import ROOT, env_line, environment, update_section, write_json  # noqa: E402
 
 DOC = ROOT / "docs" / "corpus.md"

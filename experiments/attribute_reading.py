@@ -3,8 +3,8 @@ caption and under captions that differ from it (docs/mini.md, "It reads the word
 
     python experiments/attribute_reading.py [--model mini] [--weights RUN_OR_CHECKPOINT] [--size 33x128x128]
 
-Conditions (:func:`attnqat.evaluation.caption_losses`; the changed captions are
-:func:`attnqat.corpus.changed_captions`: the same template and synonyms, so only the attribute's words differ):
+Conditions (:func:`attnqat.mini.evaluation.caption_losses`; the changed captions are
+:func:`attnqat.mini.corpus.changed_captions`: the same template and synonyms, so only the attribute's words differ):
 
 - ``right``: the clip's own attributes;
 - ``motion``: the opposite motion (left <-> right, up <-> down, up-left <-> down-right, grow <-> shrink);
@@ -24,10 +24,10 @@ import json
 
 import torch
 
-from attnqat.evaluation import CAPTION_CONDITIONS, caption_losses, corpus_source
+from attnqat.mini.evaluation import CAPTION_CONDITIONS, caption_losses, corpus_source
 from attnqat.outputs import write_file_atomically
 from attnqat.pipelines import load_pipeline, load_qat_checkpoint
-from attnqat.quality_cli import parse_size
+from attnqat.mini.quality_cli import parse_size
 
 
 def summarise(res: dict, subset=None) -> dict:

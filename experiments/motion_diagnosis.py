@@ -10,7 +10,7 @@ clips with the detector as a check.
 
 ``samples`` generates held-out prompts (seed i for prompt i, the default sampler, guidance 5) and, for
 the same seeds, one prompt with its motion word set to left / right / up / down; it reads each video with
-the detector (:func:`attnqat.quality.detect`): the fitted displacement, the area ratio, and the path
+the detector (:func:`attnqat.mini.quality.detect`): the fitted displacement, the area ratio, and the path
 length (sum of frame-to-frame centroid steps: a blob that jitters in place has a long path and a
 small displacement), against the ground-truth clip of the same prompt.
 """
@@ -32,8 +32,8 @@ def _q(xs, qs=(0.1, 0.5, 0.9)):
 
 
 def scale(args) -> dict:
-    from attnqat.corpus import Corpus, MOTION_DIRECTIONS
-    from attnqat.quality import detect
+    from attnqat.mini.corpus import Corpus, MOTION_DIRECTIONS
+    from attnqat.mini.quality import detect
 
     corpus = Corpus(0, "train")
     specs = [corpus.spec(10 ** 6 + i) for i in range(4000)]
@@ -70,7 +70,7 @@ def scale(args) -> dict:
 
 def _centroids(video) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-frame centroids (pixels) and areas of the detector's object mask."""
-    from attnqat.quality import _frames_of, _object_mask, _refine_mask
+    from attnqat.mini.quality import _frames_of, _object_mask, _refine_mask
 
     frames = _frames_of(video)
     _, _, h, w = frames.shape
@@ -85,7 +85,7 @@ def _centroids(video) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _read(video, short: int) -> dict:
-    from attnqat.quality import detect
+    from attnqat.mini.quality import detect
 
     d = detect(video)
     c, area = _centroids(video)
@@ -100,8 +100,8 @@ def _read(video, short: int) -> dict:
 def samples(args) -> dict:
     import numpy as np
 
-    from attnqat.corpus import Corpus, render
-    from attnqat.evaluation import held_out_prompts
+    from attnqat.mini.corpus import Corpus, render
+    from attnqat.mini.evaluation import held_out_prompts
     from attnqat.pipelines.loading import load_pipeline
 
     torch.set_num_threads(2)

@@ -43,11 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from attnqat.evaluation import Variant, _Weights, add_gap_closed, flow_metrics, held_out_clips
+    from attnqat.mini.evaluation import Variant, _Weights, add_gap_closed, flow_metrics, held_out_clips
     from attnqat.pipelines import load_pipeline
     from attnqat.pipelines.loading import cpu_state_dict, read_qat_checkpoint
     from attnqat.pipelines.qat_weights import changed_tensors
-    from attnqat.quality_cli import parse_size
+    from attnqat.mini.quality_cli import parse_size
 
     subsets = {} if args.only else dict(SUBSETS)
     for item in args.subset:

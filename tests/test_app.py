@@ -15,7 +15,7 @@ import torch
 from attnqat.demo import (DEMO_MODES, NO_CHECKPOINT_LABEL, DemoEngine, demo_modes, difference_strip, heat_colors,
                           heat_scale, validate_request)
 from attnqat.kernels import available_modes
-from attnqat.quality import psnr, ssim
+from attnqat.mini.quality import psnr, ssim
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent

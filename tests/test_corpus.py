@@ -1,4 +1,4 @@
-"""The procedural corpus (attnqat/corpus.py): determinism, splits, geometry, captions, parse_prompt."""
+"""The procedural corpus (attnqat/mini/corpus.py): determinism, splits, geometry, captions, parse_prompt."""
 import colorsys
 import itertools
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnqat.corpus import (BACKGROUND_TONES, BACKGROUNDS, COLOURS, HELD_OUT_COLOUR_SHAPE, HELD_OUT_PAIRS,
+from attnqat.mini.corpus import (BACKGROUND_TONES, BACKGROUNDS, COLOURS, HELD_OUT_COLOUR_SHAPE, HELD_OUT_PAIRS,
                             HELD_OUT_SHAPE_MOTION, MOTION_DIRECTIONS, MOTIONS, OPPOSITE_MOTION, SHAPES, ClipSpec,
                             Corpus, caption, changed_captions, is_held_out, make_spec, parse_prompt, render)
 

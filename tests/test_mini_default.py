@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from attnqat.cli import main
-from attnqat.pipelines import mini
+from attnqat.mini import model as mini
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +30,7 @@ SMALL = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--
 def mini_build(tmp_path_factory):
     """An untrained mini, stored as the build stores it (bf16 transformer and text encoder, fp16 VAE,
     within the shipped size limits), with the build's record beside it."""
-    from attnqat.pipelines.mini import build_mini_pipeline, save_pipeline_folder
+    from attnqat.mini.model import build_mini_pipeline, save_pipeline_folder
 
     folder = save_pipeline_folder(build_mini_pipeline(), tmp_path_factory.mktemp("pkg") / "mini")
     (folder / "attnqat_mini.json").write_text('{"model": "attnqat mini (test build)"}')
@@ -78,7 +78,7 @@ def test_the_default_is_mini_once_its_folder_is_installed(installed):
 
 def test_without_the_folder_the_default_is_tiny_with_a_note(not_installed):
     from attnqat.pipelines.generate import default_model
-    from attnqat.pipelines.mini import MINI_MISSING_NOTE
+    from attnqat.mini.model import MINI_MISSING_NOTE
 
     assert default_model() == "tiny"
     args = _generate_args("--device", "cpu")
@@ -164,7 +164,7 @@ def test_generate_mini_end_to_end_offline_in_a_real_process(mini_build, tmp_path
     out = tmp_path / "square.mp4"
     script = (
         "import sys; from pathlib import Path\n"
-        "import attnqat.pipelines.mini as m\n"
+        "import attnqat.mini.model as m\n"
         f"m.MINI_DIR = Path({str(mini_build)!r})\n"
         "from diffusers import WanPipeline\n"
         "orig = WanPipeline.from_pretrained.__func__\n"
@@ -195,7 +195,7 @@ def test_generate_mini_end_to_end_offline_in_a_real_process(mini_build, tmp_path
 
 # ------------------------------------------------------------------------------------- mini's vocabulary
 def test_unknown_words_are_the_words_minis_tokenizer_reads_only_as_unk():
-    from attnqat.corpus import WORD_SYNONYMS, Corpus, caption_words
+    from attnqat.mini.corpus import WORD_SYNONYMS, Corpus, caption_words
 
     tok = mini.build_mini_tokenizer()
     unk = tok.unk_token_id
@@ -326,10 +326,10 @@ def test_shipped_mini_quality_smoke_on_cpu(tmp_path, capsys):
     in both of the first 2 held-out prompts (red, green), as the detector reads it. Two because each run is a
     whole default generation (half a minute of CI); mini draws the asked colour in each of the first 8
     held-out prompts at these seeds, so a miss is a regression, not chance."""
-    from attnqat.evaluation import held_out_prompts
-    from attnqat.pipelines.mini import check_folder_size
-    from attnqat.quality import detect
-    from attnqat.quality_cli import _corpus_seed
+    from attnqat.mini.evaluation import held_out_prompts
+    from attnqat.mini.model import check_folder_size
+    from attnqat.mini.quality import detect
+    from attnqat.mini.quality_cli import _corpus_seed
 
     check_folder_size(mini.MINI_DIR)
     prompts = held_out_prompts(2, seed=_corpus_seed("mini"))

@@ -4,7 +4,7 @@ of the prompt").
 At noise levels near the top, a video's trajectory cannot be seen in x_t, so only the caption can say where the
 object goes: a model that reads the direction pays more flow loss when the caption names the opposite motion
 (the shipped build: 1.96x on 32 held-out clips at sigma 0.97). This is that measurement
-(:func:`attnqat.evaluation.caption_losses`, experiments/attribute_reading.py) on a few random held-out clips
+(:func:`attnqat.mini.evaluation.caption_losses`, experiments/attribute_reading.py) on a few random held-out clips
 with fresh noise, at CI cost.
 
 Skipped where mini's weights are not installed."""
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnqat.evaluation import caption_losses, corpus_source
+from attnqat.mini.evaluation import caption_losses, corpus_source
 from attnqat.pipelines import load_pipeline
-from attnqat.pipelines.mini import MINI_DIR
+from attnqat.mini.model import MINI_DIR
 
 pytestmark = [
     pytest.mark.slow,

@@ -63,7 +63,7 @@ def test_size_cycle_counts():
 
 @pytest.fixture(scope="module")
 def mini_folder(tmp_path_factory):
-    from attnqat.pipelines.mini import build_mini_pipeline, save_pipeline_folder
+    from attnqat.mini.model import build_mini_pipeline, save_pipeline_folder
 
     return save_pipeline_folder(build_mini_pipeline(), tmp_path_factory.mktemp("m") / "model",
                                 vae_dtype=torch.float32, check_size=False)
@@ -189,7 +189,7 @@ def test_corpus_refuses_teacher_latents_it_would_ignore(mini_folder, tmp_path):
 
 
 def test_shipped_folder_writer_limits_and_refusals(tmp_path):
-    from attnqat.pipelines.mini import check_folder_size, save_pipeline_folder
+    from attnqat.mini.model import check_folder_size, save_pipeline_folder
 
     (tmp_path / "big").mkdir()
     (tmp_path / "big" / "w.bin").write_bytes(b"\0" * (16 * 2 ** 20))
@@ -225,7 +225,8 @@ def test_replace_dir_keeps_the_old_folder_until_the_new_one_verifies(tmp_path):
 
 
 def test_mini_missing_is_a_clear_error(monkeypatch, tmp_path):
-    from attnqat.pipelines import loading, mini
+    from attnqat.mini import model as mini
+    from attnqat.pipelines import loading
     from attnqat.pipelines.loading import ModelNotFoundError, resolve_model
 
     monkeypatch.setattr(mini, "MINI_DIR", tmp_path / "absent")
@@ -235,7 +236,7 @@ def test_mini_missing_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_foreground_weights_mark_saturated_pixels():
-    from attnqat.corpus import Corpus
+    from attnqat.mini.corpus import Corpus
     from attnqat.train.mini import FOREGROUND_WEIGHT, foreground_weights
 
     c = Corpus(0, "train")
@@ -249,7 +250,7 @@ def test_foreground_weights_mark_saturated_pixels():
 
 
 def test_gap_closed():
-    from attnqat.evaluation import gap_closed
+    from attnqat.mini.evaluation import gap_closed
 
     assert gap_closed(fp4=2.0, qat=1.5, bf16=1.0) == 0.5
     assert gap_closed(fp4=2.0, qat=1.0, bf16=1.0) == 1.0
@@ -259,7 +260,7 @@ def test_gap_closed():
 def test_flow_metrics_reference_and_a_changed_variant(mini_folder):
     from diffusers import WanTransformer3DModel
 
-    from attnqat.evaluation import Variant, flow_metrics
+    from attnqat.mini.evaluation import Variant, flow_metrics
 
     tr = WanTransformer3DModel.from_pretrained(str(mini_folder), subfolder="transformer", torch_dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -279,8 +280,8 @@ def test_mini_tokenizer_reads_every_caption_word_and_user_synonyms(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from attnqat.corpus import Corpus
-    from attnqat.pipelines.mini import build_mini_tokenizer
+    from attnqat.mini.corpus import Corpus
+    from attnqat.mini.model import build_mini_tokenizer
 
     tok = build_mini_tokenizer()
     unk = tok.unk_token_id
@@ -401,7 +402,7 @@ def test_vae_trains_on_every_size_in_turn_with_a_pixel_budget(monkeypatch):
     vae_batch's clip count at each (about the pixels of ``batch`` 17x128x128 clips), on fresh clips, and learns."""
     from diffusers import AutoencoderKLWan
 
-    from attnqat.corpus import Corpus
+    from attnqat.mini.corpus import Corpus
     from attnqat.train.mini import VAE_SIZES, train_vae, vae_batch
 
     # the longest clip trains every shorter length (the VAE is causal: next test), one latent frame past the
@@ -478,7 +479,7 @@ def test_decoder_only_vae_training_keeps_the_latents_exactly():
     trains the decoder; the whole-VAE default changes the encoder too."""
     from diffusers import AutoencoderKLWan
 
-    from attnqat.corpus import Corpus
+    from attnqat.mini.corpus import Corpus
     from attnqat.train.mini import train_vae
 
     def trained(decoder_only):
@@ -528,7 +529,7 @@ def test_reconstruction_per_frame_shows_a_late_collapse_that_the_mean_hides():
     objects before it, and the mean alone stays high."""
     import numpy as np
 
-    from attnqat.corpus import Corpus
+    from attnqat.mini.corpus import Corpus
     from attnqat.train.mini import reconstruction_per_frame
 
     start, shift, size = 6, 0.2, (9, 64, 64)

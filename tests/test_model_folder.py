@@ -17,7 +17,7 @@ import pytest
 
 from attnqat.cli import main
 from attnqat.pipelines.loading import check_model, load_pipeline, load_transformer
-from attnqat.pipelines.mini import MINI_QAT_WEIGHTS, mini_folder
+from attnqat.mini.model import MINI_QAT_WEIGHTS, mini_folder
 from attnqat.pipelines.model_folder import ModelConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -276,7 +276,8 @@ def test_missing_models_say_how_to_download(tmp_path):
 
 def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
     """bench/e2e.py --tiny --compile: diffusers' own processor first, each mode eager and under
-    torch.compile(fullgraph=True); its section of the docs page replaced, the rest left alone."""
+    torch.compile(fullgraph=True); its own section of the docs page (the compiled one) replaced, the rest (the
+    eager table included) left alone."""
     import json
     import subprocess
     import sys
@@ -284,8 +285,8 @@ def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     docs = tmp_path / "benchmarks.md"
-    docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n## End-to-end: Wan 2.1 14B transformer step\n\nold\n"
-                    "\n## Later\n\nkeep me too\n")
+    docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n## End-to-end: Wan 2.1 14B transformer step\n\neager\n"
+                    "\n## End-to-end, compiled: Wan 2.1 14B transformer step\n\nold\n\n## Later\n\nkeep me too\n")
     run = subprocess.run([sys.executable, str(root / "bench" / "e2e.py"), "--tiny", "--modes", "bf16,diffusers",
                           "--compile", "--compile-backend", "aot_eager", "--repeats", "1", "--docs", str(docs),
                           "--json", str(tmp_path / "e2e.json")], capture_output=True, text=True, timeout=300)
@@ -297,7 +298,8 @@ def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
     for r in res:
         assert r["compiled_step_s"] > 0 and r["compiled_rel_err"] < 1e-5, r
     text = docs.read_text()
-    assert text.count("## End-to-end") == 1 and "old" not in text
+    assert text.count("## End-to-end, compiled") == 1 and "old" not in text
+    assert "## End-to-end: Wan 2.1 14B transformer step\n\neager\n" in text  # the eager run's table stays
     assert "keep me\n" in text and "## Later\n\nkeep me too" in text
     assert "| mode | step (s) | × diffusers | compiled step (s) | compiled × diffusers |" in text
     assert "| diffusers | " in text and "| bf16 | " in text and "(aot_eager)" in text
@@ -353,7 +355,7 @@ def test_compiled_and_offloaded_generation_match_eager_on_gpu(mode):
     compile of every block (fullgraph) and its model CPU offload give the video of the eager, resident pipeline
     (tiny model, bf16, 4 steps), up to bf16 rounding under compilation."""
     from attnqat.pipelines.generate import generate_video
-    from attnqat.quality import psnr
+    from attnqat.mini.quality import psnr
 
     device = torch.device("cuda")
 

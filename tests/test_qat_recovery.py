@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnqat.pipelines.mini import MINI_DIR, MINI_QAT_WEIGHTS as QAT_FILE_NAME
+from attnqat.mini.model import MINI_DIR, MINI_QAT_WEIGHTS as QAT_FILE_NAME
 
 QAT_WEIGHTS = MINI_DIR / QAT_FILE_NAME
 
@@ -29,7 +29,7 @@ pytestmark = [
 
 
 def test_shipped_qat_weights_recover_part_of_the_fp4_gap_on_held_out_clips():
-    from attnqat.evaluation import Variant, _Weights, flow_metrics, held_out_clips
+    from attnqat.mini.evaluation import Variant, _Weights, flow_metrics, held_out_clips
     from attnqat.pipelines import load_pipeline
     from attnqat.pipelines.loading import read_qat_checkpoint
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from attnqat.cli import main
-from attnqat.pipelines import mini
+from attnqat.mini import model as mini
 from attnqat.pipelines.loading import (CheckpointMismatchError, load_qat_checkpoint, load_transformer,
                                        read_qat_checkpoint)
 from attnqat.pipelines.qat_export import export_qat_weights
@@ -41,7 +41,7 @@ def _attention(name: str) -> bool:
 @pytest.fixture(scope="module")
 def mini_base(tmp_path_factory):
     """An untrained mini folder, stored as the build stores it (bf16 transformer)."""
-    from attnqat.pipelines.mini import build_mini_pipeline, save_pipeline_folder
+    from attnqat.mini.model import build_mini_pipeline, save_pipeline_folder
 
     return save_pipeline_folder(build_mini_pipeline(), tmp_path_factory.mktemp("base") / "mini")
 
@@ -415,7 +415,7 @@ def test_app_checks_and_names_the_shipped_weights(installed, tmp_path):
 # ------------------------------------------------------------------------------------------- quality
 def test_quality_variant_takes_qat_weights(tiny_qat):
     from attnqat.pipelines import build_tiny_transformer
-    from attnqat.quality_cli import load_variants, parse_variant
+    from attnqat.mini.quality_cli import load_variants, parse_variant
 
     path, tuned = tiny_qat
     assert parse_variant(f"qat=attn_qat:{path}") == ("qat", "attn_qat", str(path))

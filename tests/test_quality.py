@@ -1,4 +1,4 @@
-"""The prompt-following detector and the fidelity metrics (attnqat/quality.py).
+"""The prompt-following detector and the fidelity metrics (attnqat/mini/quality.py).
 
 The accuracy tests use corpus seeds 7001-7004, which the detector was never tuned on (tuning used
 seeds 1-5 and 100-400).
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from attnqat import demo
-from attnqat.corpus import BACKGROUNDS, Corpus, make_spec, parse_prompt
-from attnqat.quality import (LAST_FRAMES, MIN_AREA_PIXELS, curve_summary, degrade, detect, detect_frames, object_mask,
-                             presence, psnr, score, ssim, to_uint8_frames)
+from attnqat.mini.corpus import BACKGROUNDS, Corpus, make_spec, parse_prompt
+from attnqat.mini.quality import (LAST_FRAMES, MIN_AREA_PIXELS, curve_summary, degrade, detect, detect_frames,
+                                  object_mask, presence, psnr, score, ssim, to_uint8_frames)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -271,7 +271,7 @@ class _ExactAutoencoder(torch.nn.Module):
 
 
 def test_vae_round_trip_reports_each_frame_and_catches_a_late_collapse():
-    from attnqat.evaluation import vae_round_trip
+    from attnqat.mini.evaluation import vae_round_trip
 
     video, _, specs = Corpus(7007, "held_out").batch(0, 3, frames=17, height=64, width=64)
     truths = [s.attributes for s in specs]
@@ -296,7 +296,7 @@ def test_vae_round_trip_reports_each_frame_and_catches_a_late_collapse():
 
 
 def test_vae_round_trip_of_a_real_vae_matches_an_independent_round_trip():
-    from attnqat.evaluation import vae_round_trip
+    from attnqat.mini.evaluation import vae_round_trip
     from attnqat.pipelines.tiny import build_tiny_vae
 
     vae = build_tiny_vae()

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from attnqat.cli import main as cli_main
-from attnqat.corpus import parse_prompt
-from attnqat.quality import score
+from attnqat.mini.corpus import parse_prompt
+from attnqat.mini.quality import score
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--model", "tiny", "--size", "5x32x32", "--steps", "2", "--prompts", "2", "--clips", "2", "--batch", "2",
@@ -27,7 +27,7 @@ SMALL = ["--model", "tiny", "--size", "5x32x32", "--steps", "2", "--prompts", "2
 
 
 def test_modes_left_out_of_the_default_rows_have_nvfp4s_forward():
-    from attnqat.evaluation import base_variants
+    from attnqat.mini.evaluation import base_variants
     from attnqat.kernels import attention, available_modes, mode_of
 
     same_forward = {m: mode_of(m).same_forward_as for m in available_modes(lambda m: m.same_forward_as)}
@@ -124,7 +124,7 @@ def test_outputs_exist_parse_and_agree(run):
 
 def test_per_frame_columns_agree_with_the_averages(run):
     """Per latent frame (5 video frames: 2 latent frames) and per video frame, beside every average."""
-    from attnqat.quality import presence
+    from attnqat.mini.quality import presence
 
     out, table, stdout, _ = run
     rows = table["rows"]
@@ -156,7 +156,7 @@ def test_per_frame_columns_agree_with_the_averages(run):
 
 
 def test_flow_metrics_per_latent_frame_match_an_independent_computation():
-    from attnqat.evaluation import EVAL_SIGMAS, Variant, flow_metrics
+    from attnqat.mini.evaluation import EVAL_SIGMAS, Variant, flow_metrics
     from attnqat.pipelines import build_tiny_transformer
 
     transformer = build_tiny_transformer()
@@ -194,7 +194,7 @@ def test_checkpoint_forms_resolve_to_the_exported_weights(run):
 
 
 def test_an_earlier_output_is_rewritten_other_folders_are_refused(run, tmp_path, capsys, monkeypatch):
-    from attnqat import quality_cli
+    from attnqat.mini import quality_cli
 
     out = run[0]
     assert quality_cli.is_our_output(out)
@@ -338,7 +338,7 @@ def test_bench_writes_the_docs_section_and_picture(tmp_path):
 
 def test_mini_qat_config_and_every_driver_run_validate():
     """configs/mini_qat.yaml with each of bench/gpu_qat.sh's switches is a valid config for the mini model."""
-    from attnqat.pipelines.mini import MINI_TRANSFORMER_CONFIG
+    from attnqat.mini.model import MINI_TRANSFORMER_CONFIG
     from attnqat.train.config import load_config, validate
 
     driver = (ROOT / "bench" / "gpu_qat.sh").read_text()

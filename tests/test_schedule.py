@@ -88,6 +88,27 @@ def test_schedule_values_are_checked_and_resolved():
         s.resolve_steps(0)
 
 
+def test_for_blocks_resolves_once_and_is_then_read_as_it_is(monkeypatch):
+    import attnqat.pipelines.schedule as schedule_module
+
+    s = PrecisionSchedule.parse("first:1", "0,-1")
+    bound = s.for_blocks(40)
+    assert (bound.blocks, bound.num_blocks, s.num_blocks) == ((0, 39), 40, None)
+    assert bound == PrecisionSchedule(first=1, blocks=(0, 39)) and bound.steps_text() == "first:1"
+    resolve = schedule_module._resolve
+    monkeypatch.setattr(schedule_module, "_resolve", lambda indices, n, what, flag: pytest.fail(
+        "blocks resolved again") if what == "block" else resolve(indices, n, what, flag))
+    assert bound.resolve_blocks(40) == [0, 39] and bound.for_blocks(40) is bound
+    assert bound.describe(4, 40) == "bf16 on step 0 of 4 (first:1); in blocks 0, 39 of 40 at every step"
+    with pytest.raises(ValueError, match="^--b: the schedule's blocks were resolved for a transformer of 40 blocks, "
+                                         "not 30$"):
+        bound.for_blocks(30, "--b")
+    with pytest.raises(ValueError, match=r"blocks \[-1\] are not resolved 0-based indices of 40 blocks"):
+        PrecisionSchedule(blocks=(-1,), num_blocks=40)
+    with pytest.raises(ValueError, match="num_blocks must be a whole number >= 1"):
+        PrecisionSchedule(num_blocks=0)
+
+
 # ------------------------------------------------------------------------------------ tiny pipeline
 @pytest.fixture(scope="module")
 def pipe():
@@ -260,7 +281,7 @@ def test_callback_refuses_what_it_cannot_schedule(clean):
 
 
 def test_evaluation_variants_use_the_schedule(clean):
-    from attnqat.evaluation import Variant, generate_videos
+    from attnqat.mini.evaluation import Variant, generate_videos
 
     pipe = clean
     size = dict(height=32, width=32, frames=5, steps=2, guidance=5.0, batch=1)
@@ -351,6 +372,35 @@ def test_generate_refuses_bad_schedules_before_loading(tmp_path, capsys, monkeyp
     assert len(err.strip().splitlines()) == 1 and err.startswith("attnqat generate: error: "), err
     assert re.search(message, err), err
     assert not (tmp_path / "v.mp4").exists()
+
+
+@pytest.mark.parametrize("config_known", [True, False], ids=["model-folder", "hub-id"])
+def test_generate_decides_the_blocks_and_the_layout_once(tmp_path, capsys, monkeypatch, config_known):
+    """One generate run resolves --high-precision-blocks once and checks the layout once: before loading where
+    the model's config reads, after loading for a hub id (whose config is known only then)."""
+    import attnqat.pipelines.generate as generate_module
+    import attnqat.pipelines.loading as loading
+    import attnqat.pipelines.schedule as schedule_module
+
+    if not config_known:
+        monkeypatch.setattr(loading, "model_transformer_config", lambda model: None)
+        monkeypatch.setattr(loading, "model_num_blocks", lambda model: None)
+    calls = {"blocks": 0, "layout": 0}
+    resolve, layout = schedule_module._resolve, generate_module.check_parallel_layout
+
+    def counted_resolve(indices, n, what, flag):
+        calls["blocks"] += what == "block"
+        return resolve(indices, n, what, flag)
+
+    def counted_layout(args, config):
+        calls["layout"] += config["num_layers"] == 2  # the tiny transformer's config, never a stand-in
+        return layout(args, config)
+
+    monkeypatch.setattr(schedule_module, "_resolve", counted_resolve)
+    monkeypatch.setattr(generate_module, "check_parallel_layout", counted_layout)
+    _generate(tmp_path, "once", "--mode", FP4, "--high-precision-blocks=-1")
+    assert calls == {"blocks": 1, "layout": 1}
+    assert "precision    bf16 in block 1 of 2 at every step; attn_qat elsewhere" in capsys.readouterr().err
 
 
 def test_generate_help_documents_the_flags(capsys):

@@ -29,16 +29,17 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the package's face (attention, available_modes) and the console script's table of commands
     "entry": ("attnqat", "attnqat.cli", "attnqat.__main__", "attnqat.train.__main__"),
     # what the commands and the demo run
-    "applications": ("attnqat.pipelines.generate", "attnqat.train.cli", "attnqat.train.mini", "attnqat.evaluation",
-                     "attnqat.quality_cli", "attnqat.export_qat_cli", "attnqat.demo"),
+    "applications": ("attnqat.pipelines.generate", "attnqat.train.cli", "attnqat.train.mini",
+                     "attnqat.mini.evaluation", "attnqat.mini.quality_cli", "attnqat.export_qat_cli", "attnqat.demo"),
     # the QAT loop, its config, data and objectives, precompute's encoding
     "train": ("attnqat.train", "attnqat.train.*"),
-    # the diffusers integration: processors, schedules, loading, checkpoints, the built-in models
-    "pipelines": ("attnqat.pipelines", "attnqat.pipelines.*"),
+    # the diffusers integration: processors, schedules, loading, checkpoints, the built-in models (mini's building)
+    "pipelines": ("attnqat.pipelines", "attnqat.pipelines.*", "attnqat.mini.model"),
     # what every layer above the kernels may use: errors, atomic writes, output locks, argument checks, the thread
-    # cap, and the corpus side (the procedural clips and captions, the pixel detector)
+    # cap, and the corpus side (the procedural clips and captions, the pixel detector; the mini package itself
+    # imports nothing, so that each of its modules can sit in its own layer)
     "shared": ("attnqat.errors", "attnqat.outputs", "attnqat.locking", "attnqat.checks", "attnqat.threads",
-               "attnqat.corpus", "attnqat.quality"),
+               "attnqat.mini", "attnqat.mini.corpus", "attnqat.mini.quality"),
     # attention(q, k, v, mode), the mode registry, the Triton kernels and their references
     "kernels": ("attnqat.kernels", "attnqat.kernels.*"),
 }
@@ -61,13 +62,13 @@ LAZY: dict[tuple[str, str], str] = {
         "attnqat.kernels", "attnqat.kernels.formats", "attnqat.pipelines.context_parallel",
         "attnqat.pipelines.loading", "attnqat.pipelines.processor", "attnqat.pipelines.schedule",
         "attnqat.pipelines.tiny")},
-    **{("attnqat.quality_cli", m): _HELP.format("quality") for m in (
-        "attnqat.evaluation", "attnqat.kernels", "attnqat.pipelines.loading", "attnqat.pipelines.schedule",
-        "attnqat.pipelines.tiny", "attnqat.quality")},
+    **{("attnqat.mini.quality_cli", m): _HELP.format("quality") for m in (
+        "attnqat.mini.evaluation", "attnqat.kernels", "attnqat.pipelines.loading", "attnqat.pipelines.schedule",
+        "attnqat.pipelines.tiny", "attnqat.mini.quality")},
     **{("attnqat.export_qat_cli", m): _HELP.format("export-qat") for m in (
         "attnqat.pipelines.loading", "attnqat.pipelines.qat_export")},
-    **{("attnqat.pipelines.mini", m): "the commands read mini's name and folder from here before --help" for m in (
-        "attnqat.corpus", "attnqat.pipelines.tiny")},
+    **{("attnqat.mini.model", m): "the commands read mini's name and folder from here before --help" for m in (
+        "attnqat.mini.corpus", "attnqat.pipelines.tiny")},
 }
 HEAVY = {"torch", "diffusers", "transformers", "triton", "gradio"}
 
@@ -159,7 +160,7 @@ def test_the_scan_sees_lazy_imports_relative_imports_and_parent_packages():
     assert {"attnqat.kernels.api", "attnqat.kernels.nvfp4", "attnqat.kernels.sagebwd"} <= edges()["attnqat.kernels"]
     assert "attnqat.pipelines.loading" in edges()["attnqat.pipelines.generate"]  # `from .loading import ...`
     assert "attnqat.pipelines" in edges()["attnqat.demo"]  # importing pipelines.generate runs pipelines/__init__
-    assert "attnqat.train" in edges()["attnqat.evaluation"]  # importing train.config runs train/__init__ too
+    assert "attnqat.train" in edges()["attnqat.mini.evaluation"]  # importing train.config runs train/__init__ too
     assert "attnqat.train" not in edges()["attnqat.train.loop"]  # a module's own package is already loading
     assert {"torch", "triton"} <= _loads_at_import("attnqat.kernels.formats")  # through the kernels package
     assert not _loads_at_import("attnqat.checks")

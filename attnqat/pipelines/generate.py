@@ -50,9 +50,9 @@ from attnqat.errors import NonFiniteOutputError, OutputWriteError
 from attnqat.outputs import write_dir_atomically, write_file_atomically
 
 from .launch import LAUNCH_HINT, launch_from_env, process_group, rank_device, shared_check
-# DEFAULT_MODEL ("mini") and default_model(): the switch of the --model default, in one place (mini.py).
-from .mini import (DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model, is_mini,
-                   vocabulary_note)
+# DEFAULT_MODEL ("mini") and default_model(): the switch of the --model default, in one place (attnqat/mini/model.py).
+from attnqat.mini.model import (DEFAULT_MODEL, FALLBACK_MODEL, MINI_MISSING_NOTE, MINI_QAT_WEIGHTS, default_model,
+                                is_mini, vocabulary_note)
 
 # torch and diffusers are imported where they are used, so `attnqat generate --help` stays fast.
 
@@ -197,10 +197,10 @@ def parse_layers(text: str, n_blocks: int | None = None):
     return indices
 
 
-def parse_schedule(args: argparse.Namespace, n_blocks: int | None = None):
+def parse_schedule(args: argparse.Namespace):
     """The :class:`~attnqat.pipelines.schedule.PrecisionSchedule` of ``--high-precision-steps``,
     ``--high-precision-blocks`` and ``--high-precision-mode`` (None when neither of the first two is
-    given), checked against ``--steps``, ``--layers`` and ``n_blocks`` when it is known."""
+    given), its steps checked against ``--steps``; its blocks are resolved by :func:`check_model_settings`."""
     from attnqat.kernels import REFERENCE_MODE
 
     from .schedule import PrecisionSchedule
@@ -219,15 +219,25 @@ def parse_schedule(args: argparse.Namespace, n_blocks: int | None = None):
                                        flags=("--high-precision-steps", "--high-precision-blocks",
                                               "--high-precision-mode"))
     schedule.resolve_steps(args.steps, "--high-precision-steps")
-    if n_blocks is not None:
-        chosen = schedule.resolve_blocks(n_blocks, "--high-precision-blocks")
+    return schedule
+
+
+def check_model_settings(args: argparse.Namespace, config: dict, n_blocks: int | None) -> None:
+    """The settings that depend on the transformer (its ``config``: heads, patch size; ``n_blocks``), checked
+    once a run: by :func:`resolve_settings` where the model folder's config reads before loading, else by
+    ``_generate`` once the model has loaded (a hub id). ``args.schedule``'s blocks are resolved here, against
+    ``n_blocks`` (None: an unreadable block count, then :func:`patch_attention` resolves them), and must be
+    among ``--layers``; ``--parallel``'s layout is checked (:func:`check_parallel_layout`)."""
+    schedule = args.schedule
+    if schedule is not None and n_blocks is not None:
+        args.schedule = schedule = schedule.for_blocks(n_blocks, "--high-precision-blocks")
         layers = getattr(args, "layers", "self")
         if not isinstance(layers, str):
-            outside = sorted(set(chosen) - set(layers))
+            outside = sorted(set(schedule.blocks) - set(layers))
             if outside:
                 raise ValueError(f"--high-precision-blocks: blocks {outside} are not among --layers "
                                  f"{','.join(map(str, layers))}")
-    return schedule
+    check_parallel_layout(args, config)
 
 
 def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
@@ -262,13 +272,14 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     check_int("--seed", args.seed, 0, *LIMITS["seed"])
     check_text("--mode", args.mode)
     mode_of(args.mode, "--mode")
-    # None for a hub id: its blocks and layout are checked once it has loaded (_generate)
+    # None for a hub id: what depends on its transformer is checked once it has loaded (_generate)
     args.transformer_config = model_transformer_config(args.model)
     n_blocks = model_num_blocks(args.model)
     if isinstance(args.layers, str):
         args.layers = parse_layers(args.layers, n_blocks)
-    args.schedule = parse_schedule(args, n_blocks)
-    check_parallel_layout(args, args.transformer_config)
+    args.schedule = parse_schedule(args)
+    if args.transformer_config is not None:
+        check_model_settings(args, args.transformer_config, n_blocks)
 
     if args.offload and device.type != "cuda":
         raise ValueError("--offload needs a CUDA device (it moves models between CPU and GPU)")
@@ -313,13 +324,13 @@ def video_tokens(args: argparse.Namespace, config) -> int:
     return (latent_frames // pt) * (height // VAE_SPATIAL_STRIDE // ph) * (width // VAE_SPATIAL_STRIDE // pw)
 
 
-def check_parallel_layout(args: argparse.Namespace, config) -> None:
+def check_parallel_layout(args: argparse.Namespace, config: dict) -> None:
     """``--parallel``'s layout against the transformer's ``config`` (heads, patch size) and the video's size,
-    the same on every rank and before any communication, so that a refusal stops every rank at once. ``config``
-    None (a hub id not loaded yet): nothing to check yet (it is checked once the model has loaded)."""
+    the same on every rank and before any communication, so that a refusal stops every rank at once (called by
+    :func:`check_model_settings`)."""
     from .context_parallel import check_degrees
 
-    if getattr(args, "launch", None) is None or config is None:
+    if getattr(args, "launch", None) is None:
         return
     world = args.launch.world_size
     where = f"--parallel {args.parallel} over {world} processes"
@@ -646,16 +657,15 @@ def _generate(args: argparse.Namespace, t_start: float) -> int:
     if schedule is not None:
         check_mode_runs(schedule.mode, pipe.transformer.config.attention_head_dim, device, dtype,
                         flag="--high-precision-mode")
-        if args.transformer_config is None:  # a hub model's block count is known only now
-            schedule.resolve_blocks(len(pipe.transformer.blocks), "--high-precision-blocks")
+    if args.transformer_config is None:  # a hub id's transformer is known only now
+        check_model_settings(args, dict(pipe.transformer.config), len(pipe.transformer.blocks))
+        schedule = args.schedule
     timer = AttentionTimer(enabled=not args.compile)
     patch_attention(pipe.transformer, args.mode, args.layers, timer=timer, schedule=schedule)
     if args.launch is not None:
         from .context_parallel import enable_context_parallel
 
         config = dict(pipe.transformer.config)
-        if args.transformer_config is None:  # a hub id's config is known only now
-            check_parallel_layout(args, config)
         enable_context_parallel(pipe.transformer, args.parallel, args.launch.world_size)
         note = parallel_note(args, config)
         if note:

@@ -17,7 +17,7 @@ from attnqat.checks import check_path_text, check_text
 from attnqat.errors import CheckpointMismatchError
 from attnqat.kernels import mode_of
 
-from .mini import is_mini, is_shipped_mini, mini_folder, shipped_qat_weights
+from attnqat.mini.model import is_mini, is_shipped_mini, mini_folder, shipped_qat_weights
 from .model_folder import ModelConfigError, check_model_folder, check_regular_file
 from .qat_weights import is_qat_weights, read_qat_weights, weights_fingerprint
 from .tiny import TINY_TRANSFORMER_CONFIG, build_tiny_pipeline, build_tiny_transformer
@@ -261,7 +261,7 @@ def choose_qat_checkpoint(model: str, given: str | None, mode: str) -> tuple[str
     - ``none``: the base weights;
     - another path: that checkpoint, in any mode;
     - nothing, in a mode whose record says ``uses_qat_weights`` (``attn_qat``): the QAT fine-tune shipped with
-      ``model`` (mini's :data:`~attnqat.pipelines.mini.MINI_QAT_WEIGHTS`) where one is installed, else the base
+      ``model`` (mini's :data:`~attnqat.mini.model.MINI_QAT_WEIGHTS`) where one is installed, else the base
       weights;
     - nothing, in another mode: the base weights (QAT weights are for attn_qat attention).
     """

@@ -4,7 +4,7 @@ The whole mini transformer is ~18 MB in bf16, more than the package ships in one
 attention-only fine-tune (``train.trainable: attention``) changes only the self-attention tensors (~4 MB).
 So a *QAT weights* file holds a SUBSET of a transformer's state dict, and names the base weights it applies
 to. The shipped one is ``attnqat/models/mini/attn_qat.safetensors``
-(:data:`attnqat.pipelines.mini.MINI_QAT_WEIGHTS`).
+(:data:`attnqat.mini.model.MINI_QAT_WEIGHTS`).
 
 A fine-tune of every weight does not fit in bf16 (18 MB); its *changes* do in FP8: a fine-tune moves each
 weight by a few percent of its size, so the change stored in float8 e4m3 with one scale per row
@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save
 
 from attnqat.errors import CheckpointMismatchError
 
-from .mini import MAX_QAT_WEIGHTS_BYTES
+from attnqat.mini.model import MAX_QAT_WEIGHTS_BYTES
 
 __all__ = ["FORMAT", "MAX_BYTES", "STORAGES", "QatWeights", "weights_fingerprint", "is_qat_weights",
            "read_qat_weights", "changed_tensors", "fp8_changes", "serialize"]

@@ -29,7 +29,7 @@ Which modes are high-precision is read from the mode registry (``Mode.high_preci
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from attnqat.checks import show
@@ -147,6 +147,8 @@ class PrecisionSchedule:
             (negative from the end).
         mode: the high-precision mode: a mode whose record says ``high_precision`` (``bf16``, the default, or
             ``sagebwd``).
+        num_blocks: the transformer's block count ``blocks`` were resolved against (None: not yet); set by
+            :meth:`for_blocks`, which a command calls once at its edge, so that nothing inward resolves them again.
 
     Indices are checked against a run by :meth:`resolve_steps` / :meth:`resolve_blocks` (the number
     of steps and blocks is not known before); ``steps`` and ``blocks`` are kept sorted, each once.
@@ -156,6 +158,7 @@ class PrecisionSchedule:
     steps: tuple[int, ...] = ()
     blocks: tuple[int, ...] = ()
     mode: str = "bf16"
+    num_blocks: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         for name in ("first", "last"):
@@ -165,6 +168,13 @@ class PrecisionSchedule:
         object.__setattr__(self, "steps", _check_ints("steps", self.steps))
         object.__setattr__(self, "blocks", _check_ints("blocks", self.blocks))
         _check_high_precision_mode(self.mode)
+        n = self.num_blocks
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"num_blocks must be a whole number >= 1, got {_show(n)}")
+            if not all(0 <= i < n for i in self.blocks):
+                raise ValueError(f"blocks {list(self.blocks)} are not resolved 0-based indices of {n} blocks: "
+                                 f"use for_blocks({n})")
 
     @classmethod
     def parse(cls, steps: str | None = None, blocks: str | None = None, mode: str = "bf16", *,
@@ -201,8 +211,22 @@ class PrecisionSchedule:
         return frozenset(chosen | set(_resolve(self.steps, num_steps, "step", flag)))
 
     def resolve_blocks(self, num_blocks: int, flag: str = "high-precision blocks") -> list[int]:
-        """The 0-based high-precision blocks of a transformer of ``num_blocks`` blocks."""
-        return _resolve(self.blocks, num_blocks, "block", flag)
+        """The 0-based high-precision blocks of a transformer of ``num_blocks`` blocks (those :meth:`for_blocks`
+        resolved, when it did)."""
+        if self.num_blocks is None:
+            return _resolve(self.blocks, num_blocks, "block", flag)
+        if num_blocks != self.num_blocks:
+            raise ValueError(f"{flag}: the schedule's blocks were resolved for a transformer of {self.num_blocks} "
+                             f"blocks, not {_show(num_blocks)}")
+        return list(self.blocks)
+
+    def for_blocks(self, num_blocks: int, flag: str = "high-precision blocks") -> "PrecisionSchedule":
+        """This schedule with its blocks resolved, once, against a transformer of ``num_blocks`` blocks
+        (0-based; ``ValueError`` naming ``flag`` for an index out of range)."""
+        if self.num_blocks is not None:
+            self.resolve_blocks(num_blocks, flag)  # resolved already: the same count, or a ValueError
+            return self
+        return replace(self, blocks=tuple(_resolve(self.blocks, num_blocks, "block", flag)), num_blocks=num_blocks)
 
     def describe(self, num_steps: int, num_blocks: int) -> str:
         """One line for a run's summary, e.g. ``"bf16 on steps 0-1, 49 of 50 (first:2,last:1); in

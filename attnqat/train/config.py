@@ -89,7 +89,7 @@ class TimestepConfig:
 
 @dataclass
 class CorpusConfig:
-    """``data.source: corpus``: clips of :mod:`attnqat.corpus`, encoded on the fly by the model's VAE."""
+    """``data.source: corpus``: clips of :mod:`attnqat.mini.corpus`, encoded on the fly by the model's VAE."""
     seed: int = 0                   # corpus seed (clip attributes and captions)
     sizes: list = field(default_factory=lambda: [[33, 256, 256]])  # video sizes (frames, height, width)
     size_weights: list | None = None  # integer weight of each size in the cycle of step sizes (default: 1 each)

@@ -1,4 +1,4 @@
-"""Training data drawn from the procedural corpus (:mod:`attnqat.corpus`), encoded on the fly.
+"""Training data drawn from the procedural corpus (:mod:`attnqat.mini.corpus`), encoded on the fly.
 
 Clips are rendered on the training device, encoded by the model's own (frozen) VAE and text encoder
 exactly as ``WanPipeline`` encodes a prompt and decodes latents, so what the transformer learns is what
@@ -25,7 +25,7 @@ from diffusers import AutoencoderKLWan
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer, UMT5EncoderModel
 
-from attnqat.corpus import Corpus
+from attnqat.mini.corpus import Corpus
 from attnqat.pipelines.loading import resolve_model
 
 from .config import CorpusConfig
@@ -56,7 +56,7 @@ def pool_clips(pool: int, refresh: int, use: int) -> list[int]:
 
 
 class CorpusSource:
-    """Micro-batches of (latents, prompt embeddings) from :class:`attnqat.corpus.Corpus`.
+    """Micro-batches of (latents, prompt embeddings) from :class:`attnqat.mini.corpus.Corpus`.
 
     Arguments:
         model: the diffusers folder (or ``mini``) whose ``vae``, ``text_encoder`` and ``tokenizer`` encode.

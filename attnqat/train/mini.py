@@ -1,4 +1,4 @@
-"""Train the ``mini`` text-to-video model from scratch (the model :mod:`attnqat.pipelines.mini` ships).
+"""Train the ``mini`` text-to-video model from scratch (the model :mod:`attnqat.mini.model` ships).
 
     python -m attnqat.train.mini --out runs/mini                      # every stage, on the GPU
     python -m attnqat.train.mini --out runs/mini --stage transformer  # continue one stage (resumable)
@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 
-from attnqat.corpus import Corpus
-from attnqat.evaluation import PSNR_CAP_DB, vae_round_trip
+from attnqat.mini.corpus import Corpus
+from attnqat.mini.evaluation import PSNR_CAP_DB, vae_round_trip
 from attnqat.outputs import replace_dir_atomically, write_file_atomically
 from attnqat.pipelines.loading import load_qat_checkpoint
-from attnqat.pipelines.mini import MINI_DIR, build_mini_pipeline, check_folder_size, save_pipeline_folder
-from attnqat.quality import detect, score
+from attnqat.mini.model import MINI_DIR, build_mini_pipeline, check_folder_size, save_pipeline_folder
+from attnqat.mini.quality import detect, score
 
 from .checkpoint import RUN_CONFIG
 from .config import load_config
@@ -187,7 +187,8 @@ def latent_statistics(vae, *, clips: int = 64, size=(33, 128, 128), seed: int = 
 
 @torch.no_grad()
 def reconstruction_per_frame(vae, *, clips: int = 16, size=(33, 256, 256), seed: int = 0, device="cuda") -> dict:
-    """VAE round trips of held-out corpus clips measured frame by frame (:func:`attnqat.evaluation.vae_round_trip`).
+    """VAE round trips of held-out corpus clips measured frame by frame
+    (:func:`attnqat.mini.evaluation.vae_round_trip`).
 
     Returns, per frame: ``frame_db`` (PSNR in dB, RGB in [-1, 1] as 0..255, the mean over clips), ``worst_db``
     (the worst clip), ``object_db`` (over the object's pixels), ``colour`` and ``shape`` (the fraction of clips
@@ -209,7 +210,7 @@ def reconstruction_per_frame(vae, *, clips: int = 16, size=(33, 256, 256), seed:
 
 @torch.no_grad()
 def reconstruction_detection(vae, *, clips: int = 16, size=(33, 256, 256), seed: int = 0, device="cuda") -> dict:
-    """How well the detector (:func:`attnqat.quality.detect`) reads colour, shape and motion off VAE
+    """How well the detector (:func:`attnqat.mini.quality.detect`) reads colour, shape and motion off VAE
     round trips of held-out clips: a VAE that drops the objects scores ~0 here whatever its PSNR, and no transformer trained on its latents can show an object."""
     corpus = Corpus(seed, "held_out")
     frames, height, width = size

@@ -19,7 +19,7 @@ Attributes (the four a caption names and :func:`parse_prompt` reads back):
   :data:`BACKGROUND_TONES` (HSV saturation <= 0.25: greys, beige, cream, slate, taupe, ...).
 
 The saturation gap is deliberate: backgrounds are never saturated and objects always are, so the
-detector of :mod:`attnqat.quality` finds the object from the pixels' chroma alone, whatever the
+detector of :mod:`attnqat.mini.quality` finds the object from the pixels' chroma alone, whatever the
 background. Each background tone also differs from the object in luma by at least
 :data:`MIN_OBJECT_CONTRAST`: video codecs keep chroma at half resolution, and an object exactly as
 bright as its background would keep only that blurred outline.

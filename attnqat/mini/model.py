@@ -1,14 +1,14 @@
 """The ``mini`` model: a small Wan 2.1-architecture text-to-video model trained by this project.
 
-It is trained from scratch on the procedural captioned-video corpus (:mod:`attnqat.corpus`: coloured
+It is trained from scratch on the procedural captioned-video corpus (:mod:`attnqat.mini.corpus`: coloured
 shapes moving over simple backgrounds, with English captions) and ships inside the package as an
 ordinary diffusers-format folder, so it loads through the same ``WanPipeline.from_pretrained(folder)``
 path as real Wan weights. Every component is Wan 2.1's class, only smaller:
 
 - tokenizer: a word-level ``PreTrainedTokenizerFast``, one token per word of the corpus's captions
-  (:func:`attnqat.corpus.caption_words`, 114 words), lowercased, other characters than letters and
+  (:func:`attnqat.mini.corpus.caption_words`, 114 words), lowercased, other characters than letters and
   ``, ; -`` dropped, common synonyms a person may type read as the caption word
-  (:data:`attnqat.corpus.WORD_SYNONYMS`: "violet" is "purple"), ``<unk>`` for any other word. A byte-level tokenizer (one token per byte) was tried first: after
+  (:data:`attnqat.mini.corpus.WORD_SYNONYMS`: "violet" is "purple"), ``<unk>`` for any other word. A byte-level tokenizer (one token per byte) was tried first: after
   2,370 steps the transformer had learnt to ignore the prompt (the flow loss with a wrong caption
   was within 1% of the right one's, and no sample had the asked colour), because a frozen encoder
   gives the cross-attention no single position that says "red";
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from attnqat.outputs import replace_dir_atomically
 
-from .wan_configs import wan_transformer_config
+from attnqat.pipelines.wan_configs import wan_transformer_config
 
 # torch is imported where it is used: `attnqat generate --help` reads the default model from here.
 
@@ -143,7 +143,7 @@ def build_mini_tokenizer():
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from attnqat.corpus import WORD_SYNONYMS, caption_words
+    from attnqat.mini.corpus import WORD_SYNONYMS, caption_words
 
     vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
     for word in caption_words():
@@ -216,7 +216,7 @@ def build_mini_pipeline(transformer=None, vae=None):
     """A ``WanPipeline`` of mini components (untrained ones where none are given)."""
     from diffusers import WanPipeline
 
-    from .tiny import build_tiny_scheduler
+    from attnqat.pipelines.tiny import build_tiny_scheduler
 
     return WanPipeline(tokenizer=build_mini_tokenizer(), text_encoder=build_mini_text_encoder(),
                        vae=vae if vae is not None else build_mini_vae(),

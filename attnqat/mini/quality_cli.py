@@ -11,10 +11,10 @@ CHECKPOINT is transformer weights: a .safetensors state dict, a folder of shards
 or what `attnqat train` writes: a run folder (OUTPUT: its final/, else its newest complete checkpoint), a
 checkpoint folder (OUTPUT/checkpoints/step-N) or OUTPUT/final. Nothing is unpickled.
 
-Columns, on the held-out attribute combinations of the procedural corpus (attnqat.corpus) with fixed seeds
+Columns, on the held-out attribute combinations of the procedural corpus (attnqat.mini.corpus) with fixed seeds
 (docs/quality.md): the flow-matching loss on --clips held-out clips at fixed noise levels; the velocity
 distance |v - v_bf16|^2 / |v_bf16|^2 to the base model in bf16; prompt following (colour, shape, motion,
-direction: motion over the prompts naming one of the 8 directions, all three) read by attnqat.quality.detect from --prompts generated videos; PSNR and SSIM of each video to
+direction: motion over the prompts naming one of the 8 directions, all three) read by attnqat.mini.quality.detect from --prompts generated videos; PSNR and SSIM of each video to
 the bf16 video of the same seed (the bf16 row is the reference: "ref"); and the gap closed
 (FP4 - X) / (FP4 - bf16) on the loss and on the accuracy, between --fp4-reference (default: the base weights
 in nvfp4) and --bf16-reference (default: bf16).
@@ -51,7 +51,7 @@ from attnqat.pipelines.generate import check_mode_runs
 # DEFAULT_MODEL ("mini") is generate's default too; unlike generate, no fallback to tiny where mini's weights
 # are not installed (a table of random weights would mean nothing): `quality` then stops with mini_folder()'s
 # one-line error, which says how to build mini.
-from attnqat.pipelines.mini import DEFAULT_MODEL
+from attnqat.mini.model import DEFAULT_MODEL
 
 # torch, diffusers and PIL are imported where they are used, so `attnqat quality --help` stays fast.
 
@@ -277,7 +277,7 @@ def _short_path(text: str, parts: int = 3) -> str:
 
 
 def format_table(result: dict) -> str:
-    """The markdown table of an :func:`attnqat.evaluation.evaluate` result (as table.json holds it)."""
+    """The markdown table of an :func:`attnqat.mini.evaluation.evaluate` result (as table.json holds it)."""
     refs = result["references"]
     head = ("| row | attention | weights | flow loss | velocity dist. | colour | shape | motion | direction | all "
             "| PSNR (dB) | SSIM | gap closed (loss) | gap closed (velocity) | gap closed (acc.) |")
@@ -313,10 +313,10 @@ def format_table(result: dict) -> str:
 
 
 def format_frames(result: dict) -> str:
-    """The per-frame table of an :func:`attnqat.evaluation.evaluate` result: each row's flow loss per latent
+    """The per-frame table of an :func:`attnqat.mini.evaluation.evaluate` result: each row's flow loss per latent
     frame, PSNR to the bf16 videos per frame and the asked object's presence per frame, as first / middle /
     end / worst, so that a collapse late in the clip shows even where the means above hide it."""
-    from attnqat.quality import LAST_FRAMES, curve_summary
+    from attnqat.mini.quality import LAST_FRAMES, curve_summary
 
     refs = result["references"]
     f = result["size"][0]
@@ -352,7 +352,7 @@ def format_frames(result: dict) -> str:
     note = (f"Frames counted from 0: {latent} latent frames (the VAE folds 4 video frames into one, the first "
             f"alone), {f} video frames. PSNR: the mean over the videos of each frame's PSNR to the bf16 video; "
             f"\"last {last}\": the mean of the last {last} frames. Asked object: the fraction of the videos in which "
-            f"attnqat.quality.detect_frames finds the object with the colour the prompt asked for, over all "
+            f"attnqat.mini.quality.detect_frames finds the object with the colour the prompt asked for, over all "
             f"frames and over the last {last}; the lower of the two is the presence statistic (table.json: "
             f"rows.*.presence.present).")
     return "\n".join(lines) + "\n\n" + note + "\n"
@@ -432,7 +432,7 @@ def write_outputs(out: Path, result: dict, videos: dict, grid_prompts: int) -> l
 
 # ------------------------------------------------------------------------------------------------- main
 def load_variants(rows, transformer) -> tuple[list, dict]:
-    """:class:`attnqat.evaluation.Variant` rows with their checkpoints read (and checked against the model;
+    """:class:`attnqat.mini.evaluation.Variant` rows with their checkpoints read (and checked against the model;
     a checkpoint named twice is read once), and {label: the file or folder its weights were read from}."""
     from attnqat.pipelines.loading import checkpoint_weights_path, read_qat_checkpoint
 

@@ -5,7 +5,7 @@ against the prompt's attributes, and PSNR / SSIM between two videos.
     score([det, ...], [parse_prompt(p), ...])["all"]
 
 The detector reads only pixels, never a spec. It relies on the corpus's one design rule
-(:mod:`attnqat.corpus`): the object is strongly saturated, the background is not. Per video:
+(:mod:`attnqat.mini.corpus`): the object is strongly saturated, the background is not. Per video:
 
 1. **Mask.** Chroma ``max(R,G,B) - min(R,G,B)`` of every pixel; the object's chroma level is the
    90th percentile over frames of each frame's highest 3x3-averaged chroma, the background's each
@@ -17,9 +17,9 @@ The detector reads only pixels, never a spec. It relies on the corpus's one desi
    projection recovers the sharp edge. No frame with at least :data:`MIN_AREA_PIXELS` of mask, or
    an object chroma below :data:`MIN_CHROMA`: ``found`` is False and every attribute None.
 2. **Colour.** The hue of every pixel well inside the chroma mask (>= :data:`CORE_MASK`) votes for
-   the :data:`~attnqat.corpus.COLOURS` entry of the nearest hue; the majority wins.
+   the :data:`~attnqat.mini.corpus.COLOURS` entry of the nearest hue; the majority wins.
 3. **Shape.** Scale-free template matching by simulation. For up to 6 frames where the object is
-   whole and large, every shape of :data:`~attnqat.corpus.SHAPES` is drawn at the observed centroid
+   whole and large, every shape of :data:`~attnqat.mini.corpus.SHAPES` is drawn at the observed centroid
    and area on the frame's pixel grid, blurred by each of a few Gaussian widths, and turned into a
    mask the way the video was; observed and hypothesised masks are resampled about their own
    centroids, scaled by their own areas, averaged over the frames, and compared (sum of squared
@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attnqat.corpus import COLOURS, MOTION_DIRECTIONS, SHAPES, shape_sdf
+from attnqat.mini.corpus import COLOURS, MOTION_DIRECTIONS, SHAPES, shape_sdf
 
 __all__ = ["detect", "score", "detect_frames", "presence", "curve_summary", "object_mask", "psnr", "ssim", "degrade",
            "to_uint8_frames", "MIN_AREA_PIXELS", "MIN_TRAVEL", "GROW_MAX_TRAVEL", "GROW_MIN_RATIO", "MAX_AREA_FRACTION",
@@ -185,7 +185,7 @@ def _canonical(mask: torch.Tensor) -> torch.Tensor:
 def _shape_distances(mask: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, area: torch.Tensor, *,
                      per_frame: bool = False) -> torch.Tensor:
     """(shapes, blurs) distance of the observed masks (N, H, W) of chosen frames (centroids cx, cy
-    and areas (N,)) to every shape of :data:`~attnqat.corpus.SHAPES` under every blur of
+    and areas (N,)) to every shape of :data:`~attnqat.mini.corpus.SHAPES` under every blur of
     :data:`_TEMPLATE_BLURS`; ``per_frame``: (shapes, blurs, N), each frame matched on its own.
 
     Each hypothesis goes through what the video went through: the shape is drawn on the frame's pixel
@@ -282,7 +282,7 @@ def _refine_mask(frames: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _nearest_colours(rgb: torch.Tensor) -> torch.Tensor:
-    """(P,) index into :data:`~attnqat.corpus.COLOURS` of the nearest hue of each pixel of (3, P)."""
+    """(P,) index into :data:`~attnqat.mini.corpus.COLOURS` of the nearest hue of each pixel of (3, P)."""
     hues = _hue_degrees(rgb.reshape(3, -1, 1))[:, 0]
     gap = (hues[:, None] - _COLOUR_HUES[None, :]).abs() % 360
     return torch.minimum(gap, 360 - gap).argmin(1)
@@ -316,7 +316,7 @@ def detect(video) -> dict:
     Return: {"colour": name | None, "shape": name | None, "motion": name | None, "found": bool,
     "area_ratio": float (last / first frame's object area, from a fit), "displacement": (dx, dy)
     (the centroid's motion over the clip in short sides, x right, y down)}. Names are those of
-    :data:`~attnqat.corpus.COLOURS`, :data:`~attnqat.corpus.SHAPES`, :data:`~attnqat.corpus.MOTIONS`.
+    :data:`~attnqat.mini.corpus.COLOURS`, :data:`~attnqat.mini.corpus.SHAPES`, :data:`~attnqat.mini.corpus.MOTIONS`.
     """
     frames = _frames_of(video)
     n, _, height, width = frames.shape
@@ -371,7 +371,7 @@ def score(videos_or_detections, truths) -> dict:
 
     Arguments:
         videos_or_detections: a list of videos (anything :func:`detect` takes) or of its results.
-        truths: a list of the same length of dicts like :func:`~attnqat.corpus.parse_prompt`'s;
+        truths: a list of the same length of dicts like :func:`~attnqat.mini.corpus.parse_prompt`'s;
             attributes that are None (or missing) are not scored.
     Return: {"colour", "shape", "motion": accuracy in [0, 1] or None when never scored, "direction": the
     motion accuracy over the prompts that ask for one of the eight directions (not grow / shrink), "all":
@@ -474,7 +474,7 @@ def presence(videos_or_readings, truths, *, last: int = LAST_FRAMES) -> dict:
     Arguments:
         videos_or_readings: videos (anything :func:`detect_frames` takes) or its results, all with the
             same number of frames.
-        truths: a list of the same length of dicts like :func:`~attnqat.corpus.parse_prompt`'s ("colour",
+        truths: a list of the same length of dicts like :func:`~attnqat.mini.corpus.parse_prompt`'s ("colour",
             and "shape" for ``shape_per_frame``).
         last: how many final frames are also read on their own (all of them in a shorter video).
     Return: {"present", "frames": fraction of all frames of all videos, "last": the same over the last

@@ -3,25 +3,25 @@
 One *variant* is an attention mode plus the transformer weights it runs with (the base weights, or a
 fine-tune such as a QAT checkpoint), optionally with a precision schedule (some denoising steps in bf16).
 For a list of variants, on the held-out attribute combinations of the procedural corpus
-(:mod:`attnqat.corpus`), with fixed noise and seeds shared by every variant:
+(:mod:`attnqat.mini.corpus`), with fixed noise and seeds shared by every variant:
 
 - **flow loss**: the flow-matching loss ``|v - (noise - x0)|^2`` on held-out clips at fixed noise levels
   (:data:`EVAL_SIGMAS`; the cleanest single number for "how much worse is FP4");
 - **velocity distance**: ``|v - v_bf16|^2 / |v_bf16|^2`` to the base model with bf16 attention at the
   same inputs (how far the variant's prediction moved);
 - **prompt following**: colour / shape / motion read off the generated videos by
-  :func:`attnqat.quality.detect` against the prompt's attributes (``acc_all``: every attribute right);
+  :func:`attnqat.mini.quality.detect` against the prompt's attributes (``acc_all``: every attribute right);
 - **PSNR / SSIM** of each video to the bf16 video of the same prompt and seed (the reference row has none);
 - **gap closed** ``(FP4 - X) / (FP4 - bf16)`` on the flow loss and on ``acc_all``, against an FP4 reference
   row (by default the base weights in nvfp4) and a bf16 reference row (by default the first row);
 - **per frame**, so that a video that falls apart late cannot hide in a mean: the flow loss, velocity distance
   and gap closed per latent frame, PSNR / SSIM per video frame, and the asked object's presence in its asked
-  colour per frame (:func:`attnqat.quality.presence`).
+  colour per frame (:func:`attnqat.mini.quality.presence`).
 
 :func:`vae_round_trip` measures a VAE the same way: every frame of round trips of clips, PSNR over the whole
 frame and the object, and the detector's colour and shape reading.
 
-``attnqat quality`` (:mod:`attnqat.quality_cli`) and ``bench/quality.py`` print and save the table.
+``attnqat quality`` (:mod:`attnqat.mini.quality_cli`) and ``bench/quality.py`` print and save the table.
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from attnqat.corpus import Corpus, changed_captions
+from attnqat.mini.corpus import Corpus, changed_captions
 from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of, reference_first
 from attnqat.pipelines import patch_attention, unpatch_attention
 from attnqat.pipelines.schedule import PrecisionSchedule
-from attnqat.quality import detect, detect_frames, object_mask, presence, psnr, score, ssim
+from attnqat.mini.quality import detect, detect_frames, object_mask, presence, psnr, score, ssim
 from attnqat.train.config import CorpusConfig
 from attnqat.train.corpus_source import CorpusSource
 
@@ -284,7 +284,7 @@ def held_out_clips(pipe, clips: int, *, size, corpus_seed: int = 0, batch: int =
     return corpus_source(pipe, size=size, corpus_seed=corpus_seed, batch=batch).held_out(clips)
 
 
-#: The captions :func:`caption_losses` scores each clip under (:func:`attnqat.corpus.changed_captions`, and
+#: The captions :func:`caption_losses` scores each clip under (:func:`attnqat.mini.corpus.changed_captions`, and
 #: ``other``: the next clip's own caption).
 CAPTION_CONDITIONS = ("right", "motion", "colour", "shape", "empty", "other")
 
@@ -426,13 +426,13 @@ def vae_round_trip(vae, clips: torch.Tensor, truths: list[dict] | None = None, *
         vae: an ``AutoencoderKLWan`` on any device, in any dtype (the clips go to its device and dtype).
         clips: (n, 3, frames, H, W) float in [-1, 1], the corpus layout (``Corpus.batch``'s videos).
         truths: per clip the attributes the detector should read (``{"colour", "shape"}``, e.g. a corpus
-            spec's ``attributes``); None: what :func:`attnqat.quality.detect` reads off the clip itself.
+            spec's ``attributes``); None: what :func:`attnqat.mini.quality.detect` reads off the clip itself.
         batch: clips per encode / decode.
     Return: per clip and frame (lists of lists, n x frames): ``"psnr"`` in dB over the whole frame (RGB,
     [-1, 1] taken as 0..255, the round trip clamped to it; ``inf`` where equal), ``"psnr_object"`` the same
-    over the clip's object region (the pixels where :func:`attnqat.quality.object_mask` of the clip is
+    over the clip's object region (the pixels where :func:`attnqat.mini.quality.object_mask` of the clip is
     >= 0.5; None where a frame has none), ``"colour_ok"`` and ``"shape_ok"``
-    (:func:`attnqat.quality.detect_frames` of the round trip reads the truth's colour, shape: an object not
+    (:func:`attnqat.mini.quality.detect_frames` of the round trip reads the truth's colour, shape: an object not
     found or cut by the border is wrong); ``"per_frame"``: each of the four averaged over the clips, frame
     by frame (PSNR as the mean dB; the checks as the fraction of clips right); ``"min"``: the lowest
     ``"psnr"`` and ``"psnr_object"`` of any frame of any clip and the lowest per-frame fraction of
