@@ -171,10 +171,11 @@ def _check_model(rank: int, results: dict):
     device), against the same model unsharded: output, and for Ulysses the parameter gradients (summed over ranks)."""
     from attnqat.pipelines import context_parallel as cp_module
     from attnqat.pipelines import patch_attention
+    from attnqat.pipelines import processor as processor_module
 
     calls = []
-    original = cp_module.context_parallel_attention
-    cp_module.context_parallel_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    original = processor_module.context_parallel_attention  # the name the processor calls
+    processor_module.context_parallel_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
     try:
         cases = (("ulysses", (1, 2), "attn_qat", False), ("ring", (2, 1), "nvfp4", False),
                  ("ulysses", (1, 2), "sage3", True))  # True: patched again after enable_parallelism
@@ -211,7 +212,7 @@ def _check_model(rank: int, results: dict):
                         worst = max(worst, ((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item())
                 results[key + "/grad"] = worst
     finally:
-        cp_module.context_parallel_attention = original
+        processor_module.context_parallel_attention = original
 
 
 def _weights(x):

@@ -287,6 +287,7 @@ def test_export_command_writes_and_reports(tiny_qat, tmp_path, capsys):
 @pytest.fixture
 def spy_generation(monkeypatch):
     """The transformer's weights at each generation (CPU copies), in order."""
+    from attnqat import demo
     from attnqat.pipelines import generate
 
     seen = []
@@ -296,7 +297,8 @@ def spy_generation(monkeypatch):
         seen.append({k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()})
         return original(pipe, *a, **kw)
 
-    monkeypatch.setattr(generate, "generate_video", spy)
+    monkeypatch.setattr(generate, "generate_video", spy)  # what `attnqat generate` calls
+    monkeypatch.setattr(demo, "generate_video", spy)  # the demo imported the name
     return seen
 
 
