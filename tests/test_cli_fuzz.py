@@ -165,6 +165,7 @@ EXPORT = {
 
 def test_export_qat_refuses_hostile_values(world, capsys, monkeypatch):
     import attnqat.pipelines.loading as loading
+    import attnqat.pipelines.qat_export as qat_export
     from safetensors.torch import save_file
 
     from attnqat.pipelines import build_tiny_transformer
@@ -173,6 +174,7 @@ def test_export_qat_refuses_hostile_values(world, capsys, monkeypatch):
         raise AssertionError("a model started loading: a hostile value passed validation")
 
     monkeypatch.setattr(loading, "load_transformer", boom)
+    monkeypatch.setattr(qat_export, "load_transformer", boom)  # export-qat's own import of it
     save_file(build_tiny_transformer().state_dict(), str(world / "ft.safetensors"))
     base = ["export-qat", "--from", str(world / "ft.safetensors"), "--model", "tiny", "--out",
             str(world / "new.safetensors")]

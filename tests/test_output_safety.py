@@ -293,7 +293,9 @@ def test_an_output_in_a_folder_that_does_not_exist_is_refused_by_every_command(t
     may itself be new: only the folder it is in must exist). train's output_dir is the exception: its parents are
     created, as its default runs/attnqat needs."""
     import attnqat.pipelines.loading as loading
+    import attnqat.pipelines.qat_export as qat_export
     import attnqat.train.precompute as pre
+    from attnqat import demo
     from conftest import load_script
 
     def boom(*a, **k):
@@ -301,7 +303,9 @@ def test_an_output_in_a_folder_that_does_not_exist_is_refused_by_every_command(t
 
     monkeypatch.setattr(loading, "load_pipeline", boom)
     monkeypatch.setattr(loading, "load_transformer", boom)
+    monkeypatch.setattr(qat_export, "load_transformer", boom)  # export-qat's own import of it
     monkeypatch.setattr(pre, "load_encoders", boom)
+    monkeypatch.setattr(demo, "load_pipeline", boom)  # the demo's own import of it
     _finetune(tmp_path / "ft.safetensors")
     (tmp_path / "p.txt").write_text("a red ball\n")
     typo = tmp_path / "typo" / "deeper"
