@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     print(table)
     docs = args.docs or (None if args.tiny else str(ROOT / "docs" / "benchmarks.md"))
     if docs:
-        section = COMPILED_SECTION if args.compile else SECTION
+        section = table.split("\n", 1)[0]  # markdown() chose it: the compiled run's own, or the eager one
         write_section(Path(docs), table, section)
         print(f"wrote section {section!r} of {docs}", file=sys.stderr)
     js = args.json or (None if args.tiny else str(ROOT / "bench" / "results" / "e2e.json"))
