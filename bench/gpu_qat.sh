@@ -43,6 +43,9 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     # DROPIN_STEPS: the drop-in ablation diverges (docs/quality.md); a cap leaves the GPU to the others
     dropin) echo "attention.mode=attn_qat_dropin ${DROPIN_STEPS:+train.max_steps=$DROPIN_STEPS}" ;;
     bf16_control) echo "attention.mode=bf16" ;;
+    # the two backward ablations under the recipe that ships (distillation), not the paper's flow objective
+    distill_pbwd_normalized) echo "$(overrides distill_output) attention.options.p_bwd=normalized" ;;
+    distill_dropin) echo "$(overrides distill_output) $(overrides dropin)" ;;
     # the cosine round: the learning rate decays to 0 at COS_STEPS (distillation flattens at a constant rate)
     distill_cos) echo "objective.type=distill objective.target=output $(cosine)" ;;
     distill_cos_1e-4) echo "objective.type=distill objective.target=output train.lr=1e-4 $(cosine)" ;;
@@ -116,6 +119,8 @@ case "${1:-}" in
     add qat_distill distill_output attn_qat
     add qat_pbwd_norm pbwd_normalized attn_qat
     add qat_dropin dropin attn_qat
+    add qat_distill_pbwd_norm distill_pbwd_normalized attn_qat
+    add qat_distill_dropin distill_dropin attn_qat
     add ctrl_fp4 bf16_control attn_qat
     add qat_lr2e-5 flow_lr2e-5 attn_qat
     add qat_lr1e-4 flow_lr1e-4 attn_qat
