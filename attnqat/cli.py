@@ -52,6 +52,11 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "export-qat": ("attnqat.export_qat_cli",
                    "write the tensors a QAT fine-tune changed (bf16, or their changes in FP8; at most 12 MB) as QAT "
                    "weights that ship beside its base", None),
+    "build-mini": ("attnqat.mini.build_cli",
+                   "train the mini text-to-video model from scratch (stages: init, vae, transformer, export; "
+                   "resumable)", None),
+    "demo": ("attnqat.demo_app",
+             "serve the side-by-side demo page: one prompt and seed in every attention mode (needs gradio)", None),
 }
 
 # ValueError covers argument validation and attnqat's own refusals; FileNotFoundError covers

@@ -369,7 +369,7 @@ def test_requests_line_is_bounded_in_all_and_per_client(tmp_path, capfd):
         demo.close()
     log = capfd.readouterr().err
     assert "Traceback" not in log
-    refused = [x for x in log.splitlines() if x.startswith("app.py: busy from 127.0.0.1: ")]
+    refused = [x for x in log.splitlines() if x.startswith("attnqat demo: busy from 127.0.0.1: ")]
     assert len(refused) == 2, log[-2000:]
 
 
@@ -389,7 +389,7 @@ def test_app_api_refuses_wrong_types_instead_of_coercing(served, change, message
     client = gradio_client.Client(served.url, verbose=False)
     with pytest.raises(Exception, match=message):
         _predict(client, [], **change)
-    lines = [x for x in served.log.read_text().splitlines() if x.startswith("app.py: invalid input from 127.0.0.1: ")]
+    lines = [x for x in served.log.read_text().splitlines() if x.startswith("attnqat demo: invalid input from 127.0.0.1: ")]
     assert re.search(message, lines[-1]), lines[-3:]
     assert "Traceback" not in served.log.read_text()
 
@@ -626,7 +626,7 @@ def test_page_names_every_input_and_output_and_shows_no_share_hint(served):
     labels = [p["label"] for p in ep["parameters"] + ep["returns"]]
     assert all(label and not label.startswith("value_") for label in labels), labels
     log = served.log.read_text()
-    assert "share=True" not in log and "app.py: serving modes" in log
+    assert "share=True" not in log and "attnqat demo: serving modes" in log
 
 
 def test_page_fonts_have_every_letter(served):

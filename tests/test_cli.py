@@ -19,7 +19,7 @@ def _run_in_fresh_python(code: str, env=None):
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=120)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["demo", "--help"]])
 def test_help_imports_neither_torch_nor_diffusers(argv):
     r = _run_in_fresh_python(f"""
         import sys
@@ -37,6 +37,8 @@ def test_help_imports_neither_torch_nor_diffusers(argv):
     if argv == ["--help"]:
         for name in COMMANDS:
             assert name in r.stdout
+    elif argv[0] == "demo":
+        assert "--qat-checkpoint" in r.stdout and "--share" in r.stdout
     else:
         assert "--prompt" in r.stdout and "--frames-dir" in r.stdout
 
@@ -47,6 +49,49 @@ def test_command_table_help_equals_the_modules_help():
         if check is not None:
             module_name, func = check.split(":")
             assert callable(getattr(importlib.import_module(module_name), func))
+
+
+def test_every_user_command_is_in_the_table_and_the_old_entry_points_run_it():
+    """The demo page and the mini build are commands too; ``python app.py`` and ``python -m attnqat.train.mini``
+    (which scripts call) still run them."""
+    assert {"generate", "train", "precompute", "quality", "export-qat", "build-mini", "demo"} <= set(COMMANDS)
+    r = subprocess.run([sys.executable, str(ROOT / "app.py"), "--help"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 0 and "usage: attnqat demo" in r.stdout and "--qat-checkpoint" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "attnqat.train.mini", "--help"], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0 and "--vae-minutes" in r.stdout and "attnqat build-mini" in r.stdout, r.stderr
+
+
+def test_demo_without_gradio_is_one_line_and_status_2(tmp_path):
+    """Valid arguments, gradio missing (made so, where it is installed): one line naming what to install."""
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _run_in_fresh_python(f"""
+        import sys
+        sys.modules["gradio"] = None  # `import gradio` raises ImportError, as where it is not installed
+        from attnqat.cli import main
+        sys.exit(main(["demo", "--model", "tiny", "--device", "cpu", "--port", "{port}",
+                       "--out-dir", {str(tmp_path)!r}]))
+    """)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == "attnqat demo: error: the demo needs gradio: pip install -e '.[app]'\n"
+    assert r.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_build_mini_refusals_are_one_line_and_create_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    for argv, message in [(["--minutes", "0"], "--minutes must be in (0, 1440], got 0.0"),
+                          (["--vae-decoder-dim", "64"], "--vae-decoder-dim needs --vae-train decoder"),
+                          (["--from", str(tmp_path)], "no attnqat_mini.json there")]:
+        assert main(["build-mini", "--out", str(out), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("attnqat build-mini: error: ") and message in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as e:
+        main(["build-mini", "--out", str(out), "--vae-sizes", "32x128x128"])
+    assert e.value.code == 2 and "4k+1" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_usage_errors_are_one_line(capsys):

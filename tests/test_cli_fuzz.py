@@ -220,7 +220,7 @@ def test_app_refuses_hostile_values(world, capsys, no_model_loads, app, busy_por
     cases = [[flag, v.format(w=world, busy=busy_port)] for flag, v in _cases(APP)] + [["--nope"], ["--port"]]
     for extra in cases:
         err = _refused(capsys, app.main, base + extra, world)
-        assert err.startswith("app.py: error: "), (extra, err)
+        assert err.startswith("attnqat demo: error: "), (extra, err)
     assert len(cases) >= 40
 
 
@@ -229,6 +229,6 @@ def test_port_in_use_is_one_line_in_a_real_process(busy_port, tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2, r.stderr
-    assert r.stderr == (f"app.py: error: --port {busy_port} is in use on 127.0.0.1; stop what listens there or pick "
+    assert r.stderr == (f"attnqat demo: error: --port {busy_port} is in use on 127.0.0.1; stop what listens there or pick "
                         f"another port (e.g. --port {busy_port + 1})\n")
     assert r.stdout == "" and list(tmp_path.iterdir()) == []

@@ -93,12 +93,12 @@ def test_without_the_folder_generate_runs_tiny_and_says_so_in_one_line(not_insta
     assert main(["generate", "--prompt", "p", *SMALL, "--out", str(out)]) == 0
     err = capsys.readouterr().err
     notes = [line for line in err.splitlines() if "the default model 'mini' is not in this installation" in line]
-    assert len(notes) == 1 and "--model tiny" in notes[0] and "python -m attnqat.train.mini" in notes[0]
+    assert len(notes) == 1 and "--model tiny" in notes[0] and "attnqat build-mini" in notes[0]
     assert "model        tiny  (RANDOM weights" in err
     # asked for explicitly: --model mini is a one-line error that says what to do
     assert main(["generate", "--prompt", "p", "--model", "mini", *SMALL, "--out", str(tmp_path / "w.mp4")]) == 2
     last = capsys.readouterr().err.strip().splitlines()
-    assert len(last) == 1 and "use --model tiny" in last[0] and "attnqat.train.mini" in last[0]
+    assert len(last) == 1 and "use --model tiny" in last[0] and "attnqat build-mini" in last[0]
 
 
 def test_model_defaults_per_device():

@@ -230,7 +230,7 @@ def test_mini_missing_is_a_clear_error(monkeypatch, tmp_path):
     from attnqat.pipelines.loading import ModelNotFoundError, resolve_model
 
     monkeypatch.setattr(mini, "MINI_DIR", tmp_path / "absent")
-    with pytest.raises(ModelNotFoundError, match="attnqat.train.mini"):
+    with pytest.raises(ModelNotFoundError, match="attnqat build-mini"):
         resolve_model("mini")
     assert loading.resolve_model("tiny") == "tiny"
 

@@ -329,7 +329,7 @@ def test_an_output_in_a_folder_that_does_not_exist_is_refused_by_every_command(t
     app = load_script(ROOT / "app.py", "attnqat_app_out_dir")
     assert app.main(["--model", "tiny", "--device", "cpu", "--out-dir", str(typo / "demo")]) == 2
     line = _one_line(capsys.readouterr().err)
-    assert line.startswith("app.py: error:") and f"its folder {str(typo)!r} does not exist" in line, line
+    assert line.startswith("attnqat demo: error:") and f"its folder {str(typo)!r} does not exist" in line, line
     assert _snapshot(tmp_path) == before  # nothing created
 
 

@@ -294,7 +294,7 @@ def test_hostile_arguments_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch
     # the default model is the shipped mini: absent here, that too is one line
     if not (ROOT / "attnqat" / "models" / "mini" / "model_index.json").is_file():
         assert cli_main(["quality", "--out", str(tmp_path / "new")]) == 2
-        assert "python -m attnqat.train.mini" in capsys.readouterr().err
+        assert "attnqat build-mini" in capsys.readouterr().err
 
 
 def test_help_imports_no_torch():

@@ -30,7 +30,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "entry": ("attnqat", "attnqat.cli", "attnqat.__main__", "attnqat.train.__main__"),
     # what the commands and the demo run
     "applications": ("attnqat.pipelines.generate", "attnqat.train.cli", "attnqat.train.mini",
-                     "attnqat.mini.evaluation", "attnqat.mini.quality_cli", "attnqat.export_qat_cli", "attnqat.demo"),
+                     "attnqat.mini.evaluation", "attnqat.mini.quality_cli", "attnqat.mini.build_cli", "attnqat.export_qat_cli",
+                     "attnqat.demo", "attnqat.demo_app"),
     # the QAT loop, its config, data and objectives, precompute's encoding
     "train": ("attnqat.train", "attnqat.train.*"),
     # the diffusers integration: processors, schedules, loading, checkpoints, the built-in models (mini's building)
@@ -65,6 +66,8 @@ LAZY: dict[tuple[str, str], str] = {
     **{("attnqat.mini.quality_cli", m): _HELP.format("quality") for m in (
         "attnqat.mini.evaluation", "attnqat.kernels", "attnqat.pipelines.loading", "attnqat.pipelines.schedule",
         "attnqat.pipelines.tiny", "attnqat.mini.quality")},
+    **{("attnqat.demo_app", m): _HELP.format("demo") for m in (
+        "attnqat.demo", "attnqat.kernels", "attnqat.pipelines.loading", "attnqat.pipelines.tiny")},
     **{("attnqat.export_qat_cli", m): _HELP.format("export-qat") for m in (
         "attnqat.pipelines.loading", "attnqat.pipelines.qat_export")},
     **{("attnqat.mini.model", m): "the commands read mini's name and folder from here before --help" for m in (

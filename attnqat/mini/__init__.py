@@ -2,6 +2,6 @@
 (:mod:`.quality`), the building and saving of its diffusers folder (:mod:`.model`), the evaluation of attention
 modes and checkpoints on it (:mod:`.evaluation`) and the ``attnqat quality`` command (:mod:`.quality_cli`).
 
-The shipped weights stay package data in ``attnqat/models/mini``; ``python -m attnqat.train.mini`` builds them.
+The shipped weights stay package data in ``attnqat/models/mini``; ``attnqat build-mini`` builds them.
 Nothing is imported here: each part is imported by its own name, in the layer tests/test_structure.py gives it.
 """

@@ -23,7 +23,7 @@ path as real Wan weights. Every component is Wan 2.1's class, only smaller:
   with ``attnqat train`` (flow matching on the corpus, bf16 attention, EMA weights);
 - scheduler: ``UniPCMultistepScheduler`` in flow-prediction mode, as Wan 2.1 ships it.
 
-``python -m attnqat.train.mini`` reproduces the whole model from scratch (docs/mini.md).
+``attnqat build-mini`` reproduces the whole model from scratch (docs/mini.md).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ DEFAULT_MODEL = "mini"
 FALLBACK_MODEL = "tiny"
 MINI_MISSING_NOTE = ("the default model 'mini' is not in this installation (attnqat/models/mini/ holds no weights), "
                      "so --model defaults to 'tiny'; pass --model tiny to silence this note, or build mini with "
-                     "`python -m attnqat.train.mini` (docs/mini.md)")
+                     "`attnqat build-mini` (docs/mini.md)")
 #: One line on what mini can draw (it knows only the procedural corpus's world), for summaries and pages.
 MINI_NOTICE = ("model 'mini' is attnqat's own small Wan 2.1-architecture model, trained on its procedural corpus: "
                "it draws one coloured shape moving over a simple background, e.g. \"a blue square moves up over a "
@@ -130,7 +130,7 @@ def mini_folder() -> Path:
     """The shipped ``mini`` folder; :class:`FileNotFoundError` with the way to build it when absent."""
     if not mini_installed():
         raise FileNotFoundError(f"the mini model's weights are not in this installation ({MINI_DIR} has no "
-                                f"model_index.json); rebuild them with `python -m attnqat.train.mini` "
+                                f"model_index.json); rebuild them with `attnqat build-mini` "
                                 f"(docs/mini.md) or use --model tiny")
     return MINI_DIR
 

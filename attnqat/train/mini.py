@@ -1,7 +1,9 @@
 """Train the ``mini`` text-to-video model from scratch (the model :mod:`attnqat.mini.model` ships).
 
-    python -m attnqat.train.mini --out runs/mini                      # every stage, on the GPU
-    python -m attnqat.train.mini --out runs/mini --stage transformer  # continue one stage (resumable)
+    attnqat build-mini --out runs/mini                      # every stage, on the GPU
+    attnqat build-mini --out runs/mini --stage transformer  # continue one stage (resumable)
+
+(``python -m attnqat.train.mini ...`` is the same command, for scripts that start a module.)
 
 Stages, each skipped when its output exists (so a killed or time-limited run just continues):
 
@@ -379,9 +381,10 @@ def _sizes(text: str) -> tuple:
     return sizes
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attnqat.train.mini", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+HELP = "train the mini text-to-video model from scratch (stages: init, vae, transformer, export; resumable)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="working folder (model/, run/, mini/, timings.json)")
     p.add_argument("--stage", choices=("all",) + STAGES, default="all")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -411,23 +414,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override configs/mini.yaml (e.g. --set train.max_steps=100)")
     p.add_argument("--ship", action="store_true", help="export: copy the folder into attnqat/models/mini")
-    args = p.parse_args(argv)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The checks no argument type makes, before anything is created (ValueError)."""
     for name in ("vae_minutes", "minutes"):
         v = getattr(args, name)
         if not (math.isfinite(v) and 0 < v <= 24 * 60):
-            p.error(f"--{name.replace('_', '-')} must be in (0, 1440], got {v}")
+            raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1440], got {v}")
     if args.vae_decoder_dim is not None and not (args.vae_train == "decoder" and 8 <= args.vae_decoder_dim <= 256):
-        p.error("--vae-decoder-dim needs --vae-train decoder and a width from 8 to 256")
+        raise ValueError("--vae-decoder-dim needs --vae-train decoder and a width from 8 to 256")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        p.error(f"--out {out} is a file")
-    if args.from_folder is not None:  # refused before anything is created
+        raise ValueError(f"--out {out} is a file")
+    if args.from_folder is not None:
         if (out / "model" / "model_index.json").is_file():
-            p.error(f"--from: {out / 'model'} exists already; a warm start begins in a new --out")
-        try:
-            read_card(Path(args.from_folder))
-        except ValueError as e:
-            p.error(str(e))
+            raise ValueError(f"--from: {out / 'model'} exists already; a warm start begins in a new --out")
+        read_card(Path(args.from_folder))
+
+
+def build(args: argparse.Namespace) -> int:
+    """Run the stages ``args`` select (checked by :func:`check_arguments`)."""
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stages = STAGES if args.stage == "all" else (args.stage,)
     if ("init" in stages or "vae" in stages) and not (out / "model" / "model_index.json").is_file():
@@ -439,6 +447,20 @@ def main(argv: list[str] | None = None) -> int:
     if "export" in stages:
         stage_export(out, args)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m attnqat.train.mini``: ``attnqat build-mini`` (:mod:`attnqat.mini.build_cli`) for scripts that
+    start a module; usage errors exit with status 2."""
+    p = argparse.ArgumentParser(prog="python -m attnqat.train.mini", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        check_arguments(args)
+    except ValueError as e:
+        p.error(str(e))
+    return build(args)
 
 
 if __name__ == "__main__":
