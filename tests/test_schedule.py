@@ -384,7 +384,6 @@ def test_generate_decides_the_blocks_and_the_layout_once(tmp_path, capsys, monke
 
     if not config_known:
         monkeypatch.setattr(loading, "model_transformer_config", lambda model: None)
-        monkeypatch.setattr(loading, "model_num_blocks", lambda model: None)
     calls = {"blocks": 0, "layout": 0}
     resolve, layout = schedule_module._resolve, generate_module.check_parallel_layout
 

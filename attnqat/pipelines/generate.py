@@ -245,7 +245,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     loads. The limits and their reasons are :data:`attnqat.checks.LIMITS`."""
     from attnqat.kernels import mode_of
 
-    from .loading import (check_model, check_qat_checkpoint, choose_qat_checkpoint, model_num_blocks,
+    from .loading import (check_model, check_qat_checkpoint, choose_qat_checkpoint, config_num_blocks,
                           model_transformer_config)
 
     args.model_note = None
@@ -274,7 +274,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     mode_of(args.mode, "--mode")
     # None for a hub id: what depends on its transformer is checked once it has loaded (_generate)
     args.transformer_config = model_transformer_config(args.model)
-    n_blocks = model_num_blocks(args.model)
+    n_blocks = config_num_blocks(args.transformer_config)  # the config read once
     if isinstance(args.layers, str):
         args.layers = parse_layers(args.layers, n_blocks)
     args.schedule = parse_schedule(args)

@@ -24,7 +24,8 @@ from .tiny import TINY_TRANSFORMER_CONFIG, build_tiny_pipeline, build_tiny_trans
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny",
-           "resolve_model", "model_inputs", "check_model", "model_num_blocks", "model_transformer_config", "check_qat_checkpoint",
+           "resolve_model", "model_inputs", "check_model", "model_num_blocks", "config_num_blocks",
+           "model_transformer_config", "check_qat_checkpoint",
            "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
 
 # DIFFUSERS_LATE: diffusers (seconds to import) is imported where a model loads, so that the checks of a command's
@@ -142,7 +143,13 @@ def model_transformer_config(model: str) -> dict | None:
 def model_num_blocks(model: str) -> int | None:
     """The transformer's number of blocks, read from its config without loading weights (None for a
     hub id or an unreadable config: then it is known once the model loads)."""
-    n = (model_transformer_config(model) or {}).get("num_layers")
+    return config_num_blocks(model_transformer_config(model))
+
+
+def config_num_blocks(config: dict | None) -> int | None:
+    """The number of blocks a transformer config (:func:`model_transformer_config`'s) names, None if it names
+    none."""
+    n = (config or {}).get("num_layers")
     return n if isinstance(n, int) else None
 
 
