@@ -195,6 +195,13 @@ def test_shipped_folder_writer_limits_and_refusals(tmp_path):
     (tmp_path / "big" / "w.bin").write_bytes(b"\0" * (16 * 2 ** 20))
     with pytest.raises(ValueError, match="MiB"):
         check_folder_size(tmp_path / "big")
+    # the total's limit: 24 MB by default, a larger build's own limit where it is given
+    (tmp_path / "wide").mkdir()
+    for i in range(3):
+        (tmp_path / "wide" / f"w{i}.bin").write_bytes(b"\0" * (10 * 10 ** 6))
+    with pytest.raises(ValueError, match="30.0 MB, over the 24 MB limit"):
+        check_folder_size(tmp_path / "wide")
+    assert check_folder_size(tmp_path / "wide", 40 * 10 ** 6) == 30 * 10 ** 6
     user = tmp_path / "mine"
     user.mkdir()
     (user / "notes.txt").write_text("keep")
@@ -546,6 +553,36 @@ def test_reconstruction_per_frame_shows_a_late_collapse_that_the_mean_hides():
     assert got["mean_db"] > 60  # ... which the mean alone hides
     assert min(got["object_db"][:start]) == 100 and max(got["object_db"][start:]) < 30
     assert min(got["colour"][:start]) == 1.0 and len(got["colour"]) == len(got["shape"]) == size[0]
+
+
+def test_init_builds_a_transformer_of_the_size_asked(tmp_path):
+    """--transformer-size (a capacity sweep) changes the untrained transformer's dimensions and nothing else."""
+    import json
+
+    from attnqat.mini.model import MINI_TRANSFORMER_CONFIG
+    from attnqat.train.mini import main
+
+    assert main(["--out", str(tmp_path / "o"), "--stage", "init", "--device", "cpu",
+                 "--transformer-size", "heads=2,layers=3,ffn=96"]) == 0
+    got = json.loads((tmp_path / "o" / "model" / "transformer" / "config.json").read_text())
+    want = {**MINI_TRANSFORMER_CONFIG, "num_attention_heads": 2, "num_layers": 3, "ffn_dim": 96}
+    assert {k: got[k] for k in want} == {k: (list(v) if isinstance(v, tuple) else v) for k, v in want.items()}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--transformer-size", "heads=6,depth=2"], "KEY=N with KEY one of heads, layers, ffn"),
+    (["--transformer-size", "heads=0"], "N >= 1"),
+    (["--max-folder-mb", "41"], "must be in \\(0, 40\\]"),
+    (["--max-folder-mb", "nan"], "must be in"),
+    (["--transformer-size", "heads=6", "--from", "elsewhere"], "a warm start \\(--from\\) keeps its own"),
+])
+def test_capacity_arguments_are_checked(tmp_path, capsys, args, message):
+    from attnqat.train.mini import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "o"), "--stage", "init", *args])
+    assert e.value.code == 2 and re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("value, message", [("33x128", "expected FxHxW"), ("32x128x128", "4k\\+1"),

@@ -87,6 +87,11 @@ _SEED_TEXT_ENCODER, _SEED_VAE, _SEED_TRANSFORMER = 10, 11, 12
 #: Size limits of the shipped folder: the repository stays light.
 MAX_FILE_BYTES = 15 * 2 ** 20
 MAX_FOLDER_BYTES = 24 * 10 ** 6
+#: ... and the most a larger build may take (``attnqat build-mini --max-folder-mb``), where measurements show that
+#: the 24 MB model cannot meet a quality bar: a wider transformer or VAE, the CPU quick start still under a minute.
+MAX_LARGER_FOLDER_BYTES = 40 * 10 ** 6
+#: The transformer dimensions a build may change (``attnqat build-mini --transformer-size``), by their short names.
+TRANSFORMER_SIZE_KEYS = {"heads": "num_attention_heads", "layers": "num_layers", "ffn": "ffn_dim"}
 #: ... and of the QAT weights beside it (:data:`MINI_QAT_WEIGHTS`), not counted in MAX_FOLDER_BYTES: a folder of
 #: 22.7 MB leaves no room for them, and mini's attention tensors alone are ~4 MB.
 MAX_QAT_WEIGHTS_BYTES = 12 * 10 ** 6
@@ -202,14 +207,16 @@ def build_mini_vae():
         return AutoencoderKLWan(**MINI_VAE_CONFIG)
 
 
-def build_mini_transformer(seed: int = _SEED_TRANSFORMER):
-    """An untrained ``WanTransformer3DModel`` of the mini size (seeded)."""
+def build_mini_transformer(seed: int = _SEED_TRANSFORMER, size: dict | None = None):
+    """An untrained ``WanTransformer3DModel`` of the mini size (seeded); ``size`` changes the dimensions named in
+    :data:`TRANSFORMER_SIZE_KEYS` (heads stay 64 wide: the FP4 kernels' head_dim)."""
     import torch
     from diffusers import WanTransformer3DModel
 
+    config = {**MINI_TRANSFORMER_CONFIG, **{TRANSFORMER_SIZE_KEYS[k]: v for k, v in (size or {}).items()}}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return WanTransformer3DModel(**MINI_TRANSFORMER_CONFIG)
+        return WanTransformer3DModel(**config)
 
 
 def build_mini_pipeline(transformer=None, vae=None):
@@ -225,13 +232,15 @@ def build_mini_pipeline(transformer=None, vae=None):
 
 
 def save_pipeline_folder(pipe, folder: str | os.PathLike, *, transformer_dtype=None, vae_dtype=None,
-                         text_encoder_dtype=None, check_size: bool = True) -> Path:
+                         text_encoder_dtype=None, check_size: bool = True,
+                         max_folder_bytes: int = MAX_FOLDER_BYTES) -> Path:
     """Write ``pipe`` as a diffusers-format folder, atomically (a temporary folder, then one rename).
 
     Weights are stored small: the transformer and text encoder in bf16, the VAE in fp16 (it runs in
     fp32; loading upcasts). Safetensors files are sharded to at most 15 MiB. An existing ``folder`` is
     replaced only after the new one is complete, and only if it is itself a diffusers folder
-    (``model_index.json``), never an unrelated directory. ``check_size`` enforces the shipped limits.
+    (``model_index.json``), never an unrelated directory. ``check_size`` enforces the shipped limits
+    (:func:`check_folder_size`, the folder's total at most ``max_folder_bytes``).
     The ``*_dtype`` arguments override those storage dtypes (None: bf16, fp16, bf16).
     """
     import torch
@@ -252,12 +261,16 @@ def save_pipeline_folder(pipe, folder: str | os.PathLike, *, transformer_dtype=N
             for name, dtype in originals.items():
                 torch.nn.Module.to(getattr(pipe, name), dtype)
 
-    return replace_dir_atomically(folder, write, check_folder_size if check_size else None)
+    def check(path: Path) -> int:
+        return check_folder_size(path, max_folder_bytes)
+
+    return replace_dir_atomically(folder, write, check if check_size else None)
 
 
-def check_folder_size(folder: str | os.PathLike) -> int:
+def check_folder_size(folder: str | os.PathLike, max_folder_bytes: int = MAX_FOLDER_BYTES) -> int:
     """Total bytes of ``folder`` (the QAT weights beside the model, :data:`MINI_QAT_WEIGHTS`, not counted: they
-    have their own limit); ValueError when a file or the total is over the shipped limits."""
+    have their own limit); ValueError when a file or the total is over the shipped limits (the total's:
+    ``max_folder_bytes``)."""
     qat = Path(folder) / MINI_QAT_WEIGHTS
     if qat.is_file() and qat.stat().st_size > MAX_QAT_WEIGHTS_BYTES:
         raise ValueError(f"{qat} is {qat.stat().st_size / 1e6:.1f} MB, over the {MAX_QAT_WEIGHTS_BYTES / 1e6:g} MB "
@@ -270,7 +283,7 @@ def check_folder_size(folder: str | os.PathLike) -> int:
                 raise ValueError(f"{p} is {size / 2 ** 20:.1f} MiB, over the {MAX_FILE_BYTES / 2 ** 20:.0f} MiB "
                                  f"limit of a shipped file")
             total += size
-    if total > MAX_FOLDER_BYTES:
-        raise ValueError(f"{folder} holds {total / 1e6:.1f} MB, over the {MAX_FOLDER_BYTES / 1e6:.0f} MB limit")
+    if total > max_folder_bytes:
+        raise ValueError(f"{folder} holds {total / 1e6:.1f} MB, over the {max_folder_bytes / 1e6:.0f} MB limit")
     return total
 

@@ -44,7 +44,8 @@ from attnqat.mini.corpus import Corpus
 from attnqat.mini.evaluation import PSNR_CAP_DB, vae_round_trip
 from attnqat.outputs import replace_dir_atomically, write_file_atomically
 from attnqat.pipelines.loading import load_qat_checkpoint
-from attnqat.mini.model import MINI_DIR, build_mini_pipeline, check_folder_size, save_pipeline_folder
+from attnqat.mini.model import (MAX_FOLDER_BYTES, MAX_LARGER_FOLDER_BYTES, MINI_DIR, TRANSFORMER_SIZE_KEYS,
+                                build_mini_pipeline, build_mini_transformer, check_folder_size, save_pipeline_folder)
 from attnqat.mini.quality import detect, score
 
 from .checkpoint import RUN_CONFIG
@@ -231,12 +232,15 @@ def reconstruction_detection(vae, *, clips: int = 16, size=(33, 256, 256), seed:
 # The stages
 
 
-def stage_init(out: Path, vae_folder: str | None = None, from_folder: str | None = None) -> None:
+def stage_init(out: Path, vae_folder: str | None = None, from_folder: str | None = None,
+               transformer_size: dict | None = None) -> None:
     from diffusers import AutoencoderKLWan, WanPipeline
 
     vae = None if vae_folder is None else AutoencoderKLWan.from_pretrained(vae_folder, torch_dtype=torch.float32)
     if from_folder is None:
-        save_pipeline_folder(build_mini_pipeline(vae=vae), out / "model", vae_dtype=torch.float32, check_size=False)
+        transformer = build_mini_transformer(size=transformer_size) if transformer_size else None
+        save_pipeline_folder(build_mini_pipeline(transformer=transformer, vae=vae), out / "model",
+                             vae_dtype=torch.float32, check_size=False)
         return
     card = read_card(Path(from_folder))
     if vae is None:
@@ -342,7 +346,8 @@ def stage_export(out: Path, args) -> Path:
     vae = AutoencoderKLWan.from_pretrained(out / "model", subfolder="vae", torch_dtype=torch.float32)
     pipe = WanPipeline.from_pretrained(out / "model", vae=vae, torch_dtype=torch.float32)
     load_qat_checkpoint(pipe.transformer, ckpt / "transformer.safetensors")
-    target = save_pipeline_folder(pipe, out / "mini")
+    limit = round(args.max_folder_mb * 1e6)
+    target = save_pipeline_folder(pipe, out / "mini", max_folder_bytes=limit)
     state = json.loads((ckpt / "trainer_state.json").read_text())
     timings = json.loads((out / "timings.json").read_text()) if (out / "timings.json").is_file() else []
     before = json.loads((out / CONTINUED).read_text()) if (out / CONTINUED).is_file() else None
@@ -354,7 +359,7 @@ def stage_export(out: Path, args) -> Path:
             "gpu_seconds": {s: sum(r["seconds"] for r in timings if r["stage"] == s) for s in ("vae", "transformer")},
             "device": sorted({r["device"] for r in timings}), "timings": timings}
     (target / "attnqat_mini.json").write_text(json.dumps(card, indent=1))
-    size = check_folder_size(target)
+    size = check_folder_size(target, limit)
     print(f"export: {target} ({size / 1e6:.1f} MB) from {ckpt} (step {state['step']}; "
           f"{card['transformer_steps']} transformer steps in all)")
     if args.ship:
@@ -381,6 +386,18 @@ def _sizes(text: str) -> tuple:
     return sizes
 
 
+def _transformer_size(text: str) -> dict:
+    """``--transformer-size`` "heads=6,layers=10,ffn=1536" as {"heads": 6, "layers": 10, "ffn": 1536}."""
+    size = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in TRANSFORMER_SIZE_KEYS or not value.strip().isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected KEY=N with KEY one of "
+                                             f"{', '.join(TRANSFORMER_SIZE_KEYS)} and N >= 1, e.g. heads=6,layers=10")
+        size[key.strip()] = int(value)
+    return size
+
+
 HELP = "train the mini text-to-video model from scratch (stages: init, vae, transformer, export; resumable)"
 
 
@@ -395,6 +412,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="from_folder", metavar="FOLDER",
                    help="init: warm start from an earlier build's exported folder (OUT/mini, with its "
                         "attnqat_mini.json): its transformer is the starting point, its steps and timings carry over")
+    p.add_argument("--transformer-size", type=_transformer_size, metavar="heads=H,layers=L,ffn=F",
+                   help="init: a transformer of other dimensions than mini's (4 heads of 64, 8 layers, ffn 1024), "
+                        "e.g. heads=6,layers=10,ffn=1536 for a capacity sweep; its export may need --max-folder-mb")
+    p.add_argument("--max-folder-mb", type=float, default=MAX_FOLDER_BYTES / 1e6,
+                   help=f"export: the exported folder's size limit in MB (default {MAX_FOLDER_BYTES / 1e6:g}, the "
+                        f"shipped model's; at most {MAX_LARGER_FOLDER_BYTES / 1e6:g} for a larger build)")
     p.add_argument("--vae-steps", type=int, help="stop VAE training after this many steps (tests)")
     p.add_argument("--vae-batch", type=int, default=8, help="clips of 17x128x128 a VAE step; larger clips come "
                    "fewer, so every step sees about as many pixels (default 8)")
@@ -424,6 +447,10 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1440], got {v}")
     if args.vae_decoder_dim is not None and not (args.vae_train == "decoder" and 8 <= args.vae_decoder_dim <= 256):
         raise ValueError("--vae-decoder-dim needs --vae-train decoder and a width from 8 to 256")
+    if not (0 < args.max_folder_mb <= MAX_LARGER_FOLDER_BYTES / 1e6):
+        raise ValueError(f"--max-folder-mb must be in (0, {MAX_LARGER_FOLDER_BYTES / 1e6:g}], got {args.max_folder_mb}")
+    if args.transformer_size and args.from_folder is not None:
+        raise ValueError("--transformer-size makes a new transformer; a warm start (--from) keeps its own")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file")
@@ -439,7 +466,7 @@ def build(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stages = STAGES if args.stage == "all" else (args.stage,)
     if ("init" in stages or "vae" in stages) and not (out / "model" / "model_index.json").is_file():
-        stage_init(out, args.vae, args.from_folder)
+        stage_init(out, args.vae, args.from_folder, args.transformer_size)
     if "vae" in stages:
         stage_vae(out, args)
     if "transformer" in stages:
