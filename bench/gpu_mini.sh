@@ -19,7 +19,8 @@
 #   bash bench/gpu_mini.sh wait SECONDS [tests]    # let it train; copy logs to $OUT (tests: meanwhile run
 #                                                  # `pytest -m gpu` beside it: correctness only, it shares the GPU)
 #   bash bench/gpu_mini.sh profile [--set K=V ...] # where a training step's time goes (before train)
-#   bash bench/gpu_mini.sh export                  # export runs/mini/mini and pack it into $OUT (2 parts)
+#   bash bench/gpu_mini.sh export                  # export runs/mini/mini and pack it into $OUT (2 parts; MAX_FOLDER_MB
+#                                                  # for a larger build, TRANSFORMER_SIZE at `train`'s init)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 if [ -d .whl ] && [ ! -d /tmp/site/diffusers ]; then  # once a machine: a second install would rewrite modules
@@ -39,17 +40,18 @@ init_model() {
   if [ -f runs/mini_from/attnqat_mini.json ]; then
     python3 -m attnqat.train.mini --out $W --stage init --from runs/mini_from --vae runs/mini_vae/model/vae 2>&1 \
       | grep -v Writing
-  elif [ -d runs/mini_vae/model/vae ]; then
-    python3 -m attnqat.train.mini --out $W --stage init --vae runs/mini_vae/model/vae 2>&1 | grep -v Writing
+  elif [ -d runs/mini_vae/model/vae ]; then  # TRANSFORMER_SIZE (environment): a capacity sweep's new transformer
+    python3 -m attnqat.train.mini --out $W --stage init --vae runs/mini_vae/model/vae \
+      ${TRANSFORMER_SIZE:+--transformer-size "$TRANSFORMER_SIZE"} 2>&1 | grep -v Writing
     cp runs/mini_vae/timings.json $W/timings.json
   fi
 }
 # The transformer stage behind its gate (the detector must read the colour of most held-out VAE round trips
 # at the CPU size), in the foreground of the calling process: MINUTES [--set K=V ...|auto].
 train_transformer() {
-  if ! python3 - <<'PY'
+  if ! python3 - "$W/timings.json" <<'PY'
 import json, sys
-rows = [r for r in json.load(open("runs/mini/timings.json")) if r["stage"] == "vae"]
+rows = [r for r in json.load(open(sys.argv[1])) if r["stage"] == "vae"]
 acc = rows[-1].get("detector", {}).get("33x128x128", {})
 print("vae gate:", acc)
 sys.exit(0 if (acc.get("colour") or 0) >= 0.8 else 1)
@@ -129,7 +131,7 @@ case "$1" in
     ;;
   export)
     while pgrep -f "attnqat.train.mini" > /dev/null; do sleep 5; done
-    python3 -m attnqat.train.mini --out $W --stage export 2>&1 | tail -3
+    python3 -m attnqat.train.mini --out $W --stage export ${MAX_FOLDER_MB:+--max-folder-mb "$MAX_FOLDER_MB"} 2>&1 | tail -3
     tar -C $W -cf /tmp/mini.tar mini && split -b 15M /tmp/mini.tar "$OUT/mini.tar.part-"
     # the fp32 VAE the transformer was trained with (a warm start's --vae: the export holds it in fp16)
     tar -C $W -cf "$OUT/mini_vae.tar" model/vae timings.json
