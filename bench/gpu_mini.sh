@@ -37,7 +37,7 @@ LOGS=runs/logs; mkdir -p $LOGS
 # exported build carried as runs/mini_from (its OUT/mini) is continued: a warm start (docs/mini.md).
 init_model() {
   [ -f $W/model/model_index.json ] && return
-  if [ -f runs/mini_from/attnqat_mini.json ]; then
+  if [ -z "${TRANSFORMER_SIZE:-}" ] && [ -f runs/mini_from/attnqat_mini.json ]; then  # a new size starts afresh
     python3 -m attnqat.train.mini --out $W --stage init --from runs/mini_from --vae runs/mini_vae/model/vae 2>&1 \
       | grep -v Writing
   elif [ -d runs/mini_vae/model/vae ]; then  # TRANSFORMER_SIZE (environment): a capacity sweep's new transformer
