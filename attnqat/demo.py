@@ -461,7 +461,7 @@ class DemoEngine:
         validate_request(model=self.model, prompt=prompt, height=height, width=width, frames=frames, steps=steps,
                          seed=seed, modes=modes, high_precision_steps=high_precision_steps)
         k = int(high_precision_steps)
-        schedule = PrecisionSchedule(first=k, last=k) if k else None
+        schedule = PrecisionSchedule(first=k, last=k).for_steps(int(steps)) if k else None  # resolved once, every column
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         runs: list[ModeRun] = []

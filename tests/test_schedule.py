@@ -109,6 +109,27 @@ def test_for_blocks_resolves_once_and_is_then_read_as_it_is(monkeypatch):
         PrecisionSchedule(num_blocks=0)
 
 
+def test_for_steps_resolves_once_and_is_then_read_as_it_is(monkeypatch):
+    import attnqat.pipelines.schedule as schedule_module
+
+    s = PrecisionSchedule.parse("first:2,-1", "0")
+    bound = s.for_steps(8, "--s").for_blocks(40)
+    assert (bound.num_steps, bound.high_steps, bound.num_blocks, s.num_steps) == (8, {0, 1, 7}, 40, None)
+    assert bound == PrecisionSchedule(first=2, steps=(-1,), blocks=(0,)) and bound.steps_text() == "first:2,-1"
+    monkeypatch.setattr(schedule_module, "_resolve", lambda *a: pytest.fail("resolved again"))
+    assert bound.resolve_steps(8) == {0, 1, 7} and bound.for_steps(8) is bound
+    assert bound.describe(8, 40) == "bf16 on steps 0-1, 7 of 8 (first:2,-1); in block 0 of 40 at every step"
+    with pytest.raises(ValueError, match="^--s: the schedule's steps were resolved for a run of 8 denoising steps, "
+                                         "not 5$"):
+        bound.for_steps(5, "--s")
+    with pytest.raises(ValueError, match="--s: first:2 is more than the run's 1 denoising steps"):
+        s.for_steps(1, "--s")
+    for bad in (dict(num_steps=8), dict(high_steps=frozenset({0})), dict(num_steps=2, high_steps=frozenset({2})),
+                dict(num_steps=2, high_steps={0})):
+        with pytest.raises(ValueError, match="num_steps and high_steps are a run's step count"):
+            PrecisionSchedule(**bad)
+
+
 # ------------------------------------------------------------------------------------ tiny pipeline
 @pytest.fixture(scope="module")
 def pipe():
@@ -376,19 +397,20 @@ def test_generate_refuses_bad_schedules_before_loading(tmp_path, capsys, monkeyp
 
 @pytest.mark.parametrize("config_known", [True, False], ids=["model-folder", "hub-id"])
 def test_generate_decides_the_blocks_and_the_layout_once(tmp_path, capsys, monkeypatch, config_known):
-    """One generate run resolves --high-precision-blocks once and checks the layout once: before loading where
-    the model's config reads, after loading for a hub id (whose config is known only then)."""
+    """One generate run resolves --high-precision-steps once (at the edge), --high-precision-blocks once and checks
+    the layout once: before loading where the model's config reads, after loading for a hub id (whose config is
+    known only then)."""
     import attnqat.pipelines.generate as generate_module
     import attnqat.pipelines.loading as loading
     import attnqat.pipelines.schedule as schedule_module
 
     if not config_known:
         monkeypatch.setattr(loading, "model_transformer_config", lambda model: None)
-    calls = {"blocks": 0, "layout": 0}
+    calls = {"steps": 0, "blocks": 0, "layout": 0}
     resolve, layout = schedule_module._resolve, generate_module.check_parallel_layout
 
     def counted_resolve(indices, n, what, flag):
-        calls["blocks"] += what == "block"
+        calls["steps" if what == "step" else "blocks"] += 1
         return resolve(indices, n, what, flag)
 
     def counted_layout(args, config):
@@ -397,9 +419,10 @@ def test_generate_decides_the_blocks_and_the_layout_once(tmp_path, capsys, monke
 
     monkeypatch.setattr(schedule_module, "_resolve", counted_resolve)
     monkeypatch.setattr(generate_module, "check_parallel_layout", counted_layout)
-    _generate(tmp_path, "once", "--mode", FP4, "--high-precision-blocks=-1")
-    assert calls == {"blocks": 1, "layout": 1}
-    assert "precision    bf16 in block 1 of 2 at every step; attn_qat elsewhere" in capsys.readouterr().err
+    _generate(tmp_path, "once", "--mode", FP4, "--high-precision-blocks=-1", "--high-precision-steps", "first:1")
+    assert calls == {"steps": 1, "blocks": 1, "layout": 1}
+    assert ("precision    bf16 on step 0 of 3 (first:1); in block 1 of 2 at every step; attn_qat elsewhere"
+            in capsys.readouterr().err)
 
 
 def test_generate_help_documents_the_flags(capsys):

@@ -214,6 +214,23 @@ def test_imports_inside_functions_are_only_the_listed_ones_and_each_earns_its_pl
     assert not light, f"lazily imported, though importing them is light: {light}; import them at the top"
 
 
+def test_every_name_in_a_modules_all_exists():
+    """``__all__`` is the public list (``from m import *``, the docs' API lists): a missing comma between two
+    names joins them into one that does not exist. Imports every module but the ``__main__`` ones (importing
+    those runs the command)."""
+    import importlib
+
+    listed, missing = set(), []
+    for m in (m for m in MODULES if m.rpartition(".")[2] != "__main__"):
+        module = importlib.import_module(m)
+        names = getattr(module, "__all__", None)
+        if names is not None:
+            listed.add(m)
+            missing += [f"{m}: {n!r}" for n in names if not (isinstance(n, str) and hasattr(module, n))]
+    assert {"attnqat", "attnqat.pipelines", "attnqat.pipelines.loading", "attnqat.train"} <= listed
+    assert not missing, "names in __all__ that the module does not define:\n" + "\n".join(missing)
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 def test_reference_imports_no_kernel_module():
     found = SCANS["attnqat.kernels.reference"]

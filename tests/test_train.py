@@ -131,7 +131,7 @@ def test_example_configs_validate():
         cfg = load_config(ROOT / "configs" / f"{name}.yaml", ["data.path=null"])
         assert cfg.train.lr <= 1e-5 and cfg.train.weight_decay == 0.01 and cfg.train.grad_clip == 1.0
         assert cfg.train.mixed_precision == "bf16" and cfg.train.gradient_checkpointing
-        assert validate(cfg, transformer_config=tc, device_type="cuda")["latent_shape"] == [16, 21, 60, 104]
+        assert validate(cfg, transformer_config=tc, device_type="cuda").index["latent_shape"] == [16, 21, 60, 104]
     # the dataclass defaults follow the published recipe
     d = config_from_dict({})
     assert (d.train.lr, d.train.weight_decay, d.train.grad_clip, d.objective.type) == (1e-6, 0.01, 1.0, "distill")
@@ -422,3 +422,16 @@ def test_teacher_cast_copy_equals_deepcopy_then_cast(dtype):
     with torch.no_grad():
         got.proj_out.weight.add_(1.0)
     assert not torch.equal(m.proj_out.weight.to(dtype), got.proj_out.weight)
+
+
+def test_a_config_checked_for_another_run_is_refused(tmp_path):
+    """train() takes validate()'s checked config as it is, for the device type and process count it was checked
+    for; another accelerator is refused in one line before a model is built."""
+    from attnqat.train import Trainer
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"output_dir={tmp_path / 'run'}", "log.progress=false"])
+    checked = validate(cfg, device_type="cpu", world_size=2)
+    cfg.train.max_steps = 0  # the checked config is a copy: a later change to the caller's does not reach it
+    assert checked.config.train.max_steps > 0 and checked.world_size == 2
+    with pytest.raises(ValueError, match=r"checked for 2 process\(es\) on cpu, but the run has 1 on cpu"):
+        Trainer(checked)

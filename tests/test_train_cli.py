@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnqat.cli import main
 from attnqat.train import TrainConfig, train
@@ -59,9 +60,8 @@ ABSURD = [
     "timesteps.max_sigma=2", "attention.layers=[0, 99]", "attention.layers=[true]", "attention.layers=[]",
     "attention.options={p_bwd: nope}", "attention.options={p_bwd: 1}", "attention.mode=attn",
     "attention.options={smooth_k: 1}", "attention.mode=nvfp4", "model=/nonexistent/model",
-    "data.path=/nonexistent/data", "objective.type=flow", "train.mixed_precision=fp16",
-    "train.sequence_parallel=2", "train.sequence_parallel=0",
-]
+    "data.path=/nonexistent/data", "objective.type=flow", "train.sequence_parallel=2", "train.sequence_parallel=0",
+] + ([] if torch.cuda.is_available() else ["train.mixed_precision=fp16"])  # fp16 needs a GPU
 ABSURD_KEYS = {s.split("=", 1)[0] for s in ABSURD}
 MALFORMED = ["train.lr", "=1", ".lr=1", "train..lr=1", "train.lr.x=1", "nosuch.key=1", "train=5", "train.lr=[1",
              "train.lr=!!python/object/apply:os.system ['touch pwned']", "train.lr={", "train.lr=@x", "a" * 10000,
@@ -204,3 +204,34 @@ def test_overwrite_from_the_cli(existing_run, tmp_path, capsys):
     assert "--overwrite removed the earlier run" in capsys.readouterr().out
     assert (run / "notes.txt").read_text() == "the user's"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000001"]
+
+
+def test_fp16_is_checked_for_the_device_the_run_gets(tmp_path, monkeypatch, capsys):
+    """train.mixed_precision=fp16 is judged by the device the trainer's accelerator will use: accepted where torch
+    reports a GPU, refused where it reports none or the launcher asks for the CPU (`accelerate launch --cpu`)."""
+    argv = ["train", "--config", str(TINY), "--output-dir", str(tmp_path / "run"), "--set",
+            "train.mixed_precision=fp16", "--check"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(argv) == 0 and "config OK" in capsys.readouterr().out
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert main(argv) == 2 and "'fp16' needs a GPU; use 'no' on CPU" in capsys.readouterr().err
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(argv) == 2 and "'fp16' needs a GPU; use 'no' on CPU" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_from_the_cli_validates_its_config_once(tmp_path, monkeypatch):
+    from attnqat.train import cli, config, loop
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return config.validate(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "validate", counting)
+    monkeypatch.setattr(loop, "validate", counting)
+    assert main(["train", "--config", str(TINY), "--output-dir", str(tmp_path / "run"), "--set", "log.progress=false",
+                 "--set", "data.held_out=0", "--set", "data.batch_size=1", "--max-steps", "1"]) == 0
+    assert len(calls) == 1 and (tmp_path / "run" / "final").is_dir()

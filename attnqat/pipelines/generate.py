@@ -200,7 +200,8 @@ def parse_layers(text: str, n_blocks: int | None = None):
 def parse_schedule(args: argparse.Namespace):
     """The :class:`~attnqat.pipelines.schedule.PrecisionSchedule` of ``--high-precision-steps``,
     ``--high-precision-blocks`` and ``--high-precision-mode`` (None when neither of the first two is
-    given), its steps checked against ``--steps``; its blocks are resolved by :func:`check_model_settings`."""
+    given), its steps resolved here, once, for ``--steps`` (the callback and the summary read them as they are);
+    its blocks are resolved by :func:`check_model_settings`."""
     from attnqat.kernels import REFERENCE_MODE
 
     from .schedule import PrecisionSchedule
@@ -218,8 +219,7 @@ def parse_schedule(args: argparse.Namespace):
     schedule = PrecisionSchedule.parse(steps, blocks, REFERENCE_MODE if mode is None else mode,
                                        flags=("--high-precision-steps", "--high-precision-blocks",
                                               "--high-precision-mode"))
-    schedule.resolve_steps(args.steps, "--high-precision-steps")
-    return schedule
+    return schedule.for_steps(args.steps, "--high-precision-steps")
 
 
 def check_model_settings(args: argparse.Namespace, config: dict, n_blocks: int | None) -> None:

@@ -149,6 +149,9 @@ class PrecisionSchedule:
             ``sagebwd``).
         num_blocks: the transformer's block count ``blocks`` were resolved against (None: not yet); set by
             :meth:`for_blocks`, which a command calls once at its edge, so that nothing inward resolves them again.
+        num_steps, high_steps: the run's number of denoising steps and its 0-based high-precision steps, resolved
+            from ``first``, ``last`` and ``steps`` (None: not yet); set together by :meth:`for_steps`, which a
+            command calls once at its edge: the callback and :meth:`describe` then read them as they are.
 
     Indices are checked against a run by :meth:`resolve_steps` / :meth:`resolve_blocks` (the number
     of steps and blocks is not known before); ``steps`` and ``blocks`` are kept sorted, each once.
@@ -159,6 +162,8 @@ class PrecisionSchedule:
     blocks: tuple[int, ...] = ()
     mode: str = "bf16"
     num_blocks: int | None = field(default=None, repr=False, compare=False)
+    num_steps: int | None = field(default=None, repr=False, compare=False)
+    high_steps: frozenset[int] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         for name in ("first", "last"):
@@ -175,6 +180,12 @@ class PrecisionSchedule:
             if not all(0 <= i < n for i in self.blocks):
                 raise ValueError(f"blocks {list(self.blocks)} are not resolved 0-based indices of {n} blocks: "
                                  f"use for_blocks({n})")
+        n, high = self.num_steps, self.high_steps
+        if (n is None) != (high is None) or not (n is None or (
+                not isinstance(n, bool) and isinstance(n, int) and n >= 1 and isinstance(high, frozenset)
+                and all(type(i) is int and 0 <= i < n for i in high))):
+            raise ValueError(f"num_steps and high_steps are a run's step count and its resolved steps (a frozenset of "
+                             f"0-based indices), set together by for_steps; got {_show(n)}, {_show(high)}")
 
     @classmethod
     def parse(cls, steps: str | None = None, blocks: str | None = None, mode: str = "bf16", *,
@@ -200,8 +211,13 @@ class PrecisionSchedule:
         return ",".join(map(str, self.blocks))
 
     def resolve_steps(self, num_steps: int, flag: str = "high-precision steps") -> frozenset[int]:
-        """The 0-based high-precision steps of a run of ``num_steps`` steps; ``ValueError`` for a
-        ``first``/``last`` above ``num_steps`` or an index out of range."""
+        """The 0-based high-precision steps of a run of ``num_steps`` steps (those :meth:`for_steps` resolved, when
+        it did); ``ValueError`` for a ``first``/``last`` above ``num_steps`` or an index out of range."""
+        if self.num_steps is not None:
+            if num_steps != self.num_steps:
+                raise ValueError(f"{flag}: the schedule's steps were resolved for a run of {self.num_steps} "
+                                 f"denoising steps, not {_show(num_steps)}")
+            return self.high_steps
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"the number of denoising steps must be a whole number >= 1, got {_show(num_steps)}")
         for name, k in (("first", self.first), ("last", self.last)):
@@ -219,6 +235,14 @@ class PrecisionSchedule:
             raise ValueError(f"{flag}: the schedule's blocks were resolved for a transformer of {self.num_blocks} "
                              f"blocks, not {_show(num_blocks)}")
         return list(self.blocks)
+
+    def for_steps(self, num_steps: int, flag: str = "high-precision steps") -> "PrecisionSchedule":
+        """This schedule with its steps resolved, once, for a run of ``num_steps`` denoising steps (``ValueError``
+        naming ``flag`` for a ``first``/``last`` above ``num_steps`` or an index out of range)."""
+        if self.num_steps is not None:
+            self.resolve_steps(num_steps, flag)  # resolved already: the same count, or a ValueError
+            return self
+        return replace(self, num_steps=num_steps, high_steps=self.resolve_steps(num_steps, flag))
 
     def for_blocks(self, num_blocks: int, flag: str = "high-precision blocks") -> "PrecisionSchedule":
         """This schedule with its blocks resolved, once, against a transformer of ``num_blocks`` blocks

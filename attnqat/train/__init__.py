@@ -9,11 +9,12 @@ weights with bf16 attention is the teacher. Objectives (:mod:`.objectives`, a re
 on precomputed video latents), ``mix``. Runs on accelerate (CPU, one GPU, DDP, FSDP), optionally with Ulysses
 sequence parallelism (``train.sequence_parallel``). See docs/training.md.
 """
-from .config import DISTILL_TARGETS, TrainConfig, config_from_dict, load_config, model_config, save_config, validate
+from .config import (DISTILL_TARGETS, CheckedConfig, TrainConfig, config_from_dict, load_config, model_config,
+                     save_config, validate)
 from .checkpoint import CheckpointError, NonFiniteTrainingError
 from .loop import TrainResult, Trainer, latest_checkpoint, train
 from .objectives import OBJECTIVES, Objective, register_objective
 
-__all__ = ["TrainConfig", "load_config", "config_from_dict", "save_config", "validate", "model_config", "train",
-           "Trainer", "TrainResult", "latest_checkpoint", "OBJECTIVES", "Objective", "register_objective",
+__all__ = ["TrainConfig", "CheckedConfig", "load_config", "config_from_dict", "save_config", "validate", "model_config",
+           "train", "Trainer", "TrainResult", "latest_checkpoint", "OBJECTIVES", "Objective", "register_objective",
            "DISTILL_TARGETS", "CheckpointError", "NonFiniteTrainingError"]

@@ -65,12 +65,14 @@ def main(args) -> int:
     if max_steps is not None:
         cfg.train.max_steps = max_steps
 
+    # for the device and process count the run gets, before check_request looks at output_dir: a bad config is
+    # reported first
+    checked = validate(cfg)
     if args.check:
-        index = validate(cfg)
         check_request(cfg, args.resume, stop_after, args.overwrite, refuse_existing=False)
         print(f"config OK: model {cfg.model}, objective {objective_of(cfg.objective).label}, "
-              f"mode {cfg.attention.mode}, latents {index['latent_shape']}, {cfg.train.max_steps} steps at lr {cfg.train.lr:g}")
+              f"mode {cfg.attention.mode}, latents {checked.index['latent_shape']}, {cfg.train.max_steps} steps "
+              f"at lr {cfg.train.lr:g}")
         return 0
-    validate(cfg)  # before check_request looks at output_dir: a bad config is reported first
-    train(cfg, resume=args.resume, stop_after=stop_after, overwrite=args.overwrite)
+    train(checked, resume=args.resume, stop_after=stop_after, overwrite=args.overwrite)
     return 0

@@ -11,6 +11,7 @@ before any model is loaded or step is taken.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -24,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+import torch
 import yaml
+from accelerate.utils import parse_flag_from_env
 from diffusers import WanTransformer3DModel
 
 from attnqat.checks import latent_shape
@@ -370,11 +373,34 @@ def model_config(model: str) -> dict:
                                  f"({type(e).__name__})") from e
 
 
-def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device_type: str = "cpu",
-             world_size: int | None = None) -> dict:
-    """Check ``cfg`` against itself, its data folder, the transformer's config and the process count
-    ``world_size`` (default: the launcher's ``WORLD_SIZE``, 1 without one); return the data index (``{}`` when
-    data-free). Raises ValueError / FileNotFoundError naming the offending value."""
+def run_device_type() -> str:
+    """The device type a run started here trains on (:class:`~.loop.Trainer` builds its accelerator for it):
+    ``"cuda"`` where torch sees a GPU, unless the launcher asked for the CPU (``accelerate launch --cpu``)."""
+    return "cuda" if torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU") else "cpu"
+
+
+@dataclass(frozen=True)
+class CheckedConfig:
+    """A :class:`TrainConfig` that :func:`validate` accepted for one device type and process count, with what the
+    check read: the data index and the transformer's config. :func:`~.loop.train` and :class:`~.loop.Trainer` take
+    it as it is (a raw ``TrainConfig`` they validate themselves)."""
+    config: TrainConfig         # a copy: changing the caller's config afterwards does not change the checked one
+    index: dict                 # the data index (``{}`` data-free) with latent_shape and latent_shapes
+    transformer_config: dict
+    device_type: str            # "cpu" or "cuda"
+    world_size: int             # processes
+
+
+def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device_type: str | None = None,
+             world_size: int | None = None) -> CheckedConfig:
+    """Check ``cfg`` against itself, its data folder, the transformer's config (default: the model's), the device
+    type (default: :func:`run_device_type`) and the process count ``world_size`` (default: the launcher's
+    ``WORLD_SIZE``, 1 without one); return the :class:`CheckedConfig`. Raises ValueError / FileNotFoundError naming
+    the offending value."""
+    if device_type is None:
+        device_type = run_device_type()
+    if world_size is None:  # torchrun and accelerate launch set WORLD_SIZE: checked before a process group exists
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     a, o, t, d, tr, ck = cfg.attention, cfg.objective, cfg.timesteps, cfg.data, cfg.train, cfg.checkpoint
     objective = objective_of(o)
     _one_of(o.target, DISTILL_TARGETS, "objective.target")
@@ -508,16 +534,14 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     _check_sequence_parallel(tr.sequence_parallel, tc, shapes, world_size)
     index["latent_shape"] = shapes[0]
     index["latent_shapes"] = shapes
-    return index
+    return CheckedConfig(copy.deepcopy(cfg), index, dict(tc), device_type, world_size)
 
 
-def _check_sequence_parallel(degree: int, tc: dict, shapes: list[list[int]], world_size: int | None) -> None:
+def _check_sequence_parallel(degree: int, tc: dict, shapes: list[list[int]], world: int) -> None:
     """``train.sequence_parallel`` N against the processes (groups of N), the heads (Ulysses hands each process
     heads / N of them) and the tokens (diffusers splits the sequence in N equal parts)."""
     if degree == 1:
         return
-    # torchrun and accelerate launch set WORLD_SIZE: the CLI refuses before a process group or model exists
-    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world % degree:
         raise ValueError(f"train.sequence_parallel {degree} must divide the process count {world}: each group of "
                          f"{degree} consecutive processes shares one sample's sequence")

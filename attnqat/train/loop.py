@@ -38,7 +38,7 @@ from attnqat.pipelines.loading import CHECKPOINTS_DIR, load_transformer, model_i
 from . import checkpoint as ck
 from . import sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
-from .config import TrainConfig, model_config, objective_of, save_config, tokens_per_sample, validate
+from .config import CheckedConfig, TrainConfig, objective_of, save_config, tokens_per_sample, validate
 from .corpus_source import CorpusSource
 from .data import ShardDataset, sample_indices
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
@@ -119,26 +119,46 @@ def _generator(seed: int, *parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(s)
 
 
+def checked_for(cfg: TrainConfig | CheckedConfig, accelerator=None) -> CheckedConfig:
+    """``cfg`` as it is if already checked, else validated for ``accelerator`` (without one: for the device type
+    and process count of the accelerator :class:`Trainer` builds, :func:`.config.run_device_type` and
+    ``WORLD_SIZE``)."""
+    if isinstance(cfg, CheckedConfig):
+        return cfg
+    if accelerator is None:
+        return validate(cfg)
+    return validate(cfg, device_type=accelerator.device.type, world_size=accelerator.num_processes)
+
+
 class Trainer:
     """Holds the accelerator, objective, student, teacher, optimizer and schedule of one run.
 
     The teacher is built when the objective needs it (its loss, or its clean latents) or the held-out gap is
     measured (``data.held_out`` > 0); else ``teacher`` is None.
+
+    ``cfg``: a :class:`.config.CheckedConfig` (checked for this accelerator's device type and process count), or a
+    ``TrainConfig``, validated here for the accelerator.
     """
 
-    def __init__(self, cfg: TrainConfig, accelerator=None):
+    def __init__(self, cfg: TrainConfig | CheckedConfig, accelerator=None):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
-        self.cfg = cfg
+        checked = checked_for(cfg, accelerator)
+        if accelerator is None:  # for the device type it was checked for; on the CPU (no GPU, or `accelerate
+            # launch --cpu`) torchrun / accelerate processes join one gloo group
+            accelerator = Accelerator(mixed_precision=checked.config.train.mixed_precision,
+                                      cpu=checked.device_type == "cpu")
+        self.accelerator = acc = accelerator
+        if (checked.device_type, checked.world_size) != (acc.device.type, acc.num_processes):
+            raise ValueError(f"the config was checked for {checked.world_size} process(es) on {checked.device_type}, "
+                             f"but the run has {acc.num_processes} on {acc.device.type}: validate it for this "
+                             f"accelerator, or pass the TrainConfig itself")
+        self.cfg = cfg = checked.config
         tr = cfg.train
         mp = tr.mixed_precision
-        # cpu=True without a GPU: then torchrun / `accelerate launch --cpu` processes join one gloo group.
-        self.accelerator = accelerator or Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
-        acc = self.accelerator
-        self.tc = model_config(cfg.model)
-        self.index = validate(cfg, transformer_config=self.tc, device_type=acc.device.type,
-                              world_size=acc.num_processes)
+        self.tc = checked.transformer_config
+        self.index = checked.index
         self.sp = sequence_parallel.setup(tr.sequence_parallel, acc.process_index, acc.num_processes,
                                           acc.device.type)
         self.objective = objective_of(cfg.objective)
@@ -715,11 +735,13 @@ def _held_out_line(step: int, now: dict, before: dict | None = None, *, with_gap
     return f"held-out at step {step}: " + "; ".join(parts)
 
 
-def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None = None,
+def train(cfg: TrainConfig | CheckedConfig, *, resume: str | None = None, stop_after: int | None = None,
           time_limit: float | None = None, accelerator=None, overwrite: bool = False) -> TrainResult:
     """Run (or continue) training as ``cfg`` says.
 
     Arguments:
+        cfg: a :class:`.config.CheckedConfig` from :func:`.config.validate`, or a ``TrainConfig``, validated here
+            (for ``accelerator``'s device type and process count, else the ones this machine's run gets).
         resume: a checkpoint folder (``OUTPUT/checkpoints/step-N``), or ``"auto"`` for the newest intact one in
             ``cfg.output_dir`` (starts fresh if there is none). Resuming a finished run (checkpoint at
             ``train.max_steps``) only (re)writes a missing or stale ``final/``.
@@ -736,13 +758,15 @@ def train(cfg: TrainConfig, *, resume: str | None = None, stop_after: int | None
         ``NonFiniteTrainingError`` (a NaN/inf loss, gradient norm, learning rate or weight: training stops
         before the optimizer step, and nothing non-finite is written).
     """
+    checked = checked_for(cfg, accelerator)  # a bad config is reported before output_dir is looked at
+    cfg = checked.config
     check_request(cfg, resume, stop_after, overwrite)  # before any model is built
     # One run writes output_dir at a time. The main process (global rank 0) holds the lock; if it refuses, a
     # launcher (torchrun, accelerate launch) stops the other processes.
     main_process = int(os.environ.get("RANK", "0")) == 0
     with output_lock(cfg.output_dir, "attnqat train") if main_process else contextlib.nullcontext():
         check_request(cfg, resume, stop_after, overwrite)  # again: another run may have finished meanwhile
-        trainer = Trainer(cfg, accelerator)
+        trainer = Trainer(checked, accelerator)
         try:
             return _train(trainer, cfg, resume, stop_after, overwrite, time_limit)
         finally:
