@@ -585,6 +585,32 @@ def test_capacity_arguments_are_checked(tmp_path, capsys, args, message):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("stage", ["all", "transformer"])
+def test_training_settings_are_checked_before_the_first_stage(tmp_path, capsys, stage):
+    """A bad --set fails before init and the VAE's minutes, not when the transformer stage reads it."""
+    from attnqat.train.mini import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "o"), "--stage", stage, "--device", "cpu", "--set", "train.max_steps=2"])
+    assert e.value.code == 2 and "train.warmup_steps 300 > train.max_steps 2" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["--transformer-size", "heads=2,layers=2"]])
+def test_good_training_settings_pass_the_early_check_on_a_fresh_folder(tmp_path, extra):
+    import argparse
+
+    from attnqat.train import mini
+
+    p = argparse.ArgumentParser()
+    mini.add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / "o"), "--device", "cpu", "--set", "train.max_steps=400", *extra])
+    mini.check_arguments(args)  # no model folder yet: checked against the transformer init will write
+    planned = mini._planned_transformer_config(tmp_path / "o", args)
+    assert planned["num_layers"] == (2 if extra else 8) and planned["num_attention_heads"] == (2 if extra else 4)
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("value, message", [("33x128", "expected FxHxW"), ("32x128x128", "4k\\+1"),
                                             ("33x100x128", "multiples of 16"), ("9x16x32", "at least 32"), ("a", "expected FxHxW")])
 def test_vae_sizes_are_checked(tmp_path, capsys, value, message):

@@ -44,12 +44,13 @@ from attnqat.mini.corpus import Corpus
 from attnqat.mini.evaluation import PSNR_CAP_DB, vae_round_trip
 from attnqat.outputs import replace_dir_atomically, write_file_atomically
 from attnqat.pipelines.loading import load_qat_checkpoint
-from attnqat.mini.model import (MAX_FOLDER_BYTES, MAX_LARGER_FOLDER_BYTES, MINI_DIR, TRANSFORMER_SIZE_KEYS,
-                                build_mini_pipeline, build_mini_transformer, check_folder_size, save_pipeline_folder)
+from attnqat.mini.model import (MAX_FOLDER_BYTES, MAX_LARGER_FOLDER_BYTES, MINI_DIR, MINI_TRANSFORMER_CONFIG,
+                                TRANSFORMER_SIZE_KEYS, build_mini_pipeline, build_mini_transformer, check_folder_size,
+                                save_pipeline_folder)
 from attnqat.mini.quality import detect, score
 
 from .checkpoint import RUN_CONFIG
-from .config import load_config
+from .config import load_config, validate
 from .loop import latest_checkpoint, train
 
 STAGES = ("init", "vae", "transformer", "export")
@@ -458,6 +459,19 @@ def check_arguments(args: argparse.Namespace) -> None:
         if (out / "model" / "model_index.json").is_file():
             raise ValueError(f"--from: {out / 'model'} exists already; a warm start begins in a new --out")
         read_card(Path(args.from_folder))
+    if args.stage in ("all", "transformer"):  # a bad --set fails now, not after the VAE's minutes
+        validate(transformer_config(out, args.set), transformer_config=_planned_transformer_config(out, args),
+                 device_type=torch.device(args.device).type)
+
+
+def _planned_transformer_config(out: Path, args: argparse.Namespace) -> dict:
+    """The config of the transformer the transformer stage will train: the one in OUT/model, else the one init
+    will write (a warm start's, or mini's with --transformer-size)."""
+    for folder in (out / "model", Path(args.from_folder or out / "model")):
+        if (folder / "transformer" / "config.json").is_file():
+            return json.loads((folder / "transformer" / "config.json").read_text())
+    return {**MINI_TRANSFORMER_CONFIG,
+            **{TRANSFORMER_SIZE_KEYS[k]: v for k, v in (args.transformer_size or {}).items()}}
 
 
 def build(args: argparse.Namespace) -> int:
@@ -485,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         check_arguments(args)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
     return build(args)
 
