@@ -86,10 +86,11 @@ def test_output_does_not_depend_on_tile_width(poison):
 
 
 def test_backward_quantized_p_is_the_forwards_at_long_length():
-    """SPEC §2 property 2, at L = 4096 on diffuse attention: dV from the backward's P^F keeps
-    cos >= 0.999 to the forward-consistent dV; the published 'normalized' choice visibly fails."""
+    """SPEC §2 property 2, at L = 1024 on diffuse attention: dV from the backward's P^F keeps
+    cos >= 0.999 to the forward-consistent dV; the published 'normalized' choice visibly fails (its cos is
+    0.0000 on seeds 0-4 here, as at L = 4096, against 1.000000 for P^F)."""
     torch.manual_seed(0)
-    L, d = 4096, 64
+    L, d = 1024, 64
     q, k, v = (torch.randn(1, 1, L, d) * 0.5 for _ in range(3))  # small logits: diffuse rows
     do = torch.randn(1, 1, L, d)
     p_fwd = R.forward_quantized_p_ref(q, k, v)
@@ -102,11 +103,11 @@ def test_backward_quantized_p_is_the_forwards_at_long_length():
 
 
 def test_kernel_backward_uses_forward_quantized_p(poison):
-    """The same property through the fused kernels (interpreter, L = 512: the normalized choice's dV is already
-    far off there, cos 0.02-0.05 on seeds 1-3 against 0.999998 for the forward's P)."""
+    """The same property through the fused kernels (interpreter, L = 256: the normalized choice's dV is already
+    far off there, cos 0.67-0.72 on seeds 1-5 against 0.999999 for the forward's P)."""
     torch.manual_seed(1)
-    q, k, v = (t.requires_grad_() for t in qkv(1, 1, 512, 512, 64, scale=0.5))
-    do = torch.randn(1, 1, 512, 64, dtype=torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in qkv(1, 1, 256, 256, 64, scale=0.5))
+    do = torch.randn(1, 1, 256, 64, dtype=torch.bfloat16)
     attn_qat_attention(q, k, v).backward(do)
     p_fwd = R.forward_quantized_p_ref(q.detach(), k.detach(), v.detach())
     assert cos_sim(v.grad, p_fwd.transpose(-1, -2) @ do.float()) >= 0.999
