@@ -25,12 +25,13 @@ done_() { [ -f "$1/mini/attnqat_mini.json" ]; }
 done_ "$out/mini4" || mini --out "$out/mini4" --vae-minutes 10 --vae-batch 16 --minutes 14 "${both[@]}"
 
 warm() {  # NAME FROM MINUTES [--set ...]: a warm start of FROM's export, trained MINUTES more, exported
+  # One call runs the stages in order: init from FROM's export (its card's timings hold the VAE's, so the VAE stage
+  # is skipped), the transformer, the export. A killed run continues in its own folder (no --from there).
   local name=$1 from=$2 minutes=$3; shift 3
   done_ "$out/$name" && { echo "$name: exported already, skipped"; return; }
-  [ -f "$out/$name/model/model_index.json" ] \
-    || mini --out "$out/$name" --stage init --from "$out/$from/mini" --vae "$out/mini4/model/vae"
-  mini --out "$out/$name" --stage transformer --minutes "$minutes" "${both[@]}" --set timesteps.shift=8.0 "$@"
-  mini --out "$out/$name" --stage export
+  local start=(--from "$out/$from/mini" --vae "$out/mini4/model/vae")
+  [ -f "$out/$name/model/model_index.json" ] && start=()
+  mini --out "$out/$name" ${start[@]+"${start[@]}"} --minutes "$minutes" "${both[@]}" --set timesteps.shift=8.0 "$@"
 }
 # 2. 22 more minutes at flow shift 8 (9,782 steps on an H200)
 warm mini5 mini4 22

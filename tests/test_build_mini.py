@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,12 @@ def test_builds_the_three_stage_chain_and_skips_what_is_done(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "mini5: exported already, skipped" in again.stdout and "mini6: exported already, skipped" in again.stdout
     assert {n: (out / n / "mini" / "attnqat_mini.json").read_bytes() for n in cards} == before
+    # a build killed before its export continues in its own folder (no second warm start over it)
+    shutil.rmtree(out / "mini6" / "mini")
+    resumed = _build(out)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    card = json.loads((out / "mini6" / "mini" / "attnqat_mini.json").read_text())
+    assert card["transformer_steps"] == 6 and [r["warm_start"] for r in card["runs"]] == [False, True, True]
 
 
 @pytest.mark.parametrize("args, message", [((), "usage"), (("x", "--shp"), "usage"), (("x", "--ship", "y"), "usage"),
