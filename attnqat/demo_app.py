@@ -67,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "temporary folder); only the app's own request folders there are ever pruned")
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``attnqat demo``'s arguments as the command reads them, --model's default resolved."""
+    p = argparse.ArgumentParser(prog=PROG)
+    add_arguments(p)
+    return resolve_model_default(p.parse_args(argv))
+
+
 def resolve_model_default(args: argparse.Namespace) -> argparse.Namespace:
     """--model left out: :func:`attnqat.mini.model.default_model` ("mini"; "tiny" only on an installation
     without mini's weights, and then ``args.model_note`` says so)."""

@@ -294,7 +294,7 @@ def _gray_bf16_run(frames, height, width, out_dir):
 
 
 def test_app_reports_out_of_memory_and_keeps_serving(tmp_path):
-    app = load_script(ROOT / "app.py", "attnqat_app")
+    from attnqat import demo_app as app
     demo = app.build_demo(_FlakyEngine(), ["bf16", *OPTIONAL], str(tmp_path))
     port = browser_check.free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, allowed_paths=[str(tmp_path)],
@@ -340,7 +340,7 @@ def test_requests_line_is_bounded_in_all_and_per_client(tmp_path, capfd):
     reason, logged as one line each (no traceback), and the admitted ones still finish."""
     from attnqat.demo import RequestLine
 
-    app = load_script(ROOT / "app.py", "attnqat_app_line")
+    from attnqat import demo_app as app
     engine, line = _SlowEngine(), RequestLine(waiting=1, per_client=5)
     demo = app.build_demo(engine, ["bf16", *OPTIONAL], str(tmp_path), line=line)
     port = browser_check.free_port()
@@ -459,7 +459,9 @@ def test_validate_request_caps_the_work_of_a_request(change, message):
 
 @pytest.fixture(scope="module")
 def app_module():
-    return load_script(ROOT / "app.py", "attnqat_app_module")
+    from attnqat import demo_app
+
+    return demo_app
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 ``app.py``: each must end in exit status 2 with exactly one line on stderr (no traceback, nothing on stdout),
 before any model loads, leaving no file behind and everything that existed as it was.
 
-The commands run in-process (``attnqat.cli.main`` / ``app.main``) for speed; loading a model is
+The commands run in-process (``attnqat.cli.main``) for speed; loading a model is
 patched to fail the test, so a value that slips through validation shows as a failure, not as a
 slow generation. Read-only places are real ones (/sys refuses new files even to root)."""
 import os
@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from attnqat.cli import main as cli_main
-from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = str(10 ** 12)
@@ -186,9 +185,8 @@ def test_export_qat_refuses_hostile_values(world, capsys, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------- app.py
-@pytest.fixture(scope="module")
-def app():
-    return load_script(ROOT / "app.py", "attnqat_app_fuzz")
+def _demo_main(argv: list[str]) -> int:  # what ``python app.py ARGV`` runs
+    return cli_main(["demo", *argv])
 
 
 @pytest.fixture
@@ -212,14 +210,14 @@ APP = {
 }
 
 
-def test_app_refuses_hostile_values(world, capsys, no_model_loads, app, busy_port):
+def test_app_refuses_hostile_values(world, capsys, no_model_loads, busy_port):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     base = ["--port", str(free), "--device", "cpu", "--out-dir", str(world / "app-out")]
     cases = [[flag, v.format(w=world, busy=busy_port)] for flag, v in _cases(APP)] + [["--nope"], ["--port"]]
     for extra in cases:
-        err = _refused(capsys, app.main, base + extra, world)
+        err = _refused(capsys, _demo_main, base + extra, world)
         assert err.startswith("attnqat demo: error: "), (extra, err)
     assert len(cases) >= 40
 

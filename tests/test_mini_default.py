@@ -20,7 +20,6 @@ import torch
 
 from attnqat.cli import main
 from attnqat.mini import model as mini
-from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--device", "cpu"]
@@ -132,7 +131,9 @@ def test_app_default_model_and_note(installed, monkeypatch, tmp_path):
 
 
 def _app():
-    return load_script(ROOT / "app.py", "attnqat_app_minidef")
+    from attnqat import demo_app
+
+    return demo_app
 
 
 # ----------------------------------------------------------------------------- loading through the folder

@@ -296,7 +296,6 @@ def test_an_output_in_a_folder_that_does_not_exist_is_refused_by_every_command(t
     import attnqat.pipelines.qat_export as qat_export
     import attnqat.train.precompute as pre
     from attnqat import demo
-    from conftest import load_script
 
     def boom(*a, **k):
         pytest.fail("a model loaded")
@@ -326,8 +325,7 @@ def test_an_output_in_a_folder_that_does_not_exist_is_refused_by_every_command(t
         assert cli_main(argv) == 2, name
         line = _one_line(capsys.readouterr().err)
         assert line.startswith(f"{prog}: error:") and f"its folder {str(typo)!r} does not exist" in line, (name, line)
-    app = load_script(ROOT / "app.py", "attnqat_app_out_dir")
-    assert app.main(["--model", "tiny", "--device", "cpu", "--out-dir", str(typo / "demo")]) == 2
+    assert cli_main(["demo", "--model", "tiny", "--device", "cpu", "--out-dir", str(typo / "demo")]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.startswith("attnqat demo: error:") and f"its folder {str(typo)!r} does not exist" in line, line
     assert _snapshot(tmp_path) == before  # nothing created

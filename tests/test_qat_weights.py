@@ -23,7 +23,6 @@ from attnqat.pipelines.loading import (CheckpointMismatchError, load_qat_checkpo
                                        read_qat_checkpoint)
 from attnqat.pipelines.qat_export import export_qat_weights
 from attnqat.pipelines.qat_weights import FORMAT, MAX_BYTES, read_qat_weights, serialize, weights_fingerprint
-from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--device", "cpu"]
@@ -401,7 +400,7 @@ def test_app_checks_and_names_the_shipped_weights(installed, tmp_path):
 
     from attnqat.demo import DemoEngine, demo_modes
 
-    app = load_script(ROOT / "app.py", "attnqat_app_qatw")
+    from attnqat import demo_app as app
     with socket.socket() as s:  # a free port, for check_args
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
