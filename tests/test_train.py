@@ -279,14 +279,19 @@ def test_two_processes_gloo(tmp_path):
     assert [r["step"] for r in cut] == ["1", "2", "3", "4"] and [r["loss"] for r in cut] == [r["loss"] for r in ref]
 
 
-def test_generate_loads_final_checkpoint(tmp_path):
+def test_generate_loads_final_checkpoint(tmp_path, monkeypatch, capsys):
+    """`attnqat generate --qat-checkpoint` on a run's final/ (in this process, on the PyTorch reference attention as
+    ENV's processes; tests/test_generate_cli.py runs the command in a real process)."""
+    from attnqat.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     r = train(tiny(tmp_path, "train.max_steps=1", "data.held_out=0", "data.batch_size=1"))
     out = tmp_path / "v.mp4"
-    p = subprocess.run([sys.executable, "-m", "attnqat.cli", "generate", "--prompt", "x", "--model", "tiny",
-                        "--mode", "attn_qat", "--qat-checkpoint", r.final_checkpoint, "--steps", "1", "--height", "32",
-                        "--width", "32", "--frames", "5", "--out", str(out)], env=ENV, capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
+    capsys.readouterr()
+    assert main(["generate", "--prompt", "x", "--model", "tiny", "--mode", "attn_qat", "--qat-checkpoint",
+                 r.final_checkpoint, "--steps", "1", "--height", "32", "--width", "32", "--frames", "5",
+                 "--out", str(out)]) == 0
+    assert f"weights      QAT checkpoint {r.final_checkpoint}" in capsys.readouterr().err
     assert out.exists() and out.stat().st_size > 0
 
 
