@@ -2,7 +2,7 @@
 
 - a folder holding a run is refused unless --resume or --overwrite (which deletes only that run);
 - log.csv survives a kill at any point of a resume's rewrite;
-- a kill at every file-system step of a run (checkpoint, final export, log, config) is recovered by
+- a kill at every kind of file-system step of a run (checkpoint, final export, log, config) is recovered by
   --resume auto: the same final weights and losses as an uninterrupted run, no .tmp/.old left;
 - a corrupt checkpoint is caught by its sha256 manifest and --resume auto falls back, saying so;
 - --resume never unpickles anything: a malicious pickle in a checkpoint folder is never run;
@@ -14,6 +14,7 @@ import hashlib
 import os
 import pickle
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -73,15 +74,6 @@ def reference(tmp_path_factory):
 # of file-system step of the 5-step reference in 41 kill points instead of 54, on shorter runs; a resume from step-2
 # still trains two steps, so a scheduler state that was not restored shows (the optimizer's lr only covers one)
 SHORT = ("train.max_steps=4", "checkpoint.every=2", "checkpoint.keep=1")
-
-
-@pytest.fixture(scope="module")
-def short_reference(tmp_path_factory):
-    """An uninterrupted run of SHORT: its losses and final weights."""
-    out = tmp_path_factory.mktemp("short")
-    r = train(cfg(out, *SHORT))
-    assert len(set(r.losses)) == 4
-    return {"losses": r.losses, "final": final_weights(out)}
 
 
 @pytest.fixture(scope="module")
@@ -199,46 +191,63 @@ def test_a_line_cut_by_a_kill_is_dropped(tmp_path, reference, stopped):
 # --- 3. a kill anywhere -----------------------------------------------------------------------------------------------
 
 class KillAt:
-    """Counts the file-system steps that make a write durable or visible (os.replace, os.fsync, shutil.rmtree,
-    in attnqat.train.checkpoint and loop) and raises Killed at number ``n``."""
+    """Records the file-system steps that make a write durable or visible (os.replace, os.fsync, shutil.rmtree,
+    in attnqat.train.checkpoint and loop), each as its name and paths, and raises Killed at number ``n`` (never for
+    ``n=0``)."""
 
     def __init__(self, monkeypatch, n: int):
-        self.n, self.count, self.where = n, 0, None
+        self.n, self.steps, self.where = n, [], None
         for name in ("replace", "fsync"):  # ck.os and loop.os are the os module
             monkeypatch.setattr(os, name, self._wrap(getattr(os, name), f"os.{name}"))
         monkeypatch.setattr(shutil, "rmtree", self._wrap(shutil.rmtree, "rmtree"))
 
     def _wrap(self, real, name):
         def f(*a, **k):
-            self.count += 1
-            if self.count == self.n:
-                self.where = f"{name}{tuple(str(x)[-40:] for x in a)}"
+            paths = [os.readlink(f"/proc/self/fd/{x}") if name == "os.fsync" else str(x) for x in a]
+            self.steps.append((name, *paths))
+            if len(self.steps) == self.n:
+                self.where = f"{name}{tuple(x[-40:] for x in paths)}"
                 raise Killed(self.where)
             return real(*a, **k)
         return f
 
 
-def test_a_kill_at_every_step_is_recovered_by_resume(tmp_path, short_reference, monkeypatch):
-    """Kill a 4-step run (SHORT) at every file-system step (checkpoints at 2 and 4, the pruning of step-2, the final
-    export, the log and config writes); then kill the resume at a random step too; a last --resume auto must give
-    the uninterrupted run's final weights and losses, a complete log, and no .tmp / .old left (nothing deleted that
-    was the only copy)."""
+def kill_point_kinds(steps: list[tuple], out: Path) -> dict[tuple, list[int]]:
+    """The kill points (1-based numbers of ``steps``) by kind: a step, and the step before it (what a kill there
+    leaves is that one done and this one not). The fsyncs of the data files of a folder being written (before its
+    manifest) are one step: a kill at any of them leaves that .tmp folder with some data files and no manifest."""
+    def general(step):
+        return (step[0], *(re.sub(r"\.tmp/(?!manifest\.json\.tmp$).*", ".tmp/<data file>", p.replace(str(out), ""))
+                           for p in step[1:]))
+    kinds: dict[tuple, list[int]] = {}
+    for n, step in enumerate(steps, 1):
+        kinds.setdefault((general(step), general(steps[n - 2]) if n > 1 else None), []).append(n)
+    return kinds
+
+
+def test_a_kill_at_every_step_is_recovered_by_resume(tmp_path, monkeypatch):
+    """Kill a 4-step run (SHORT) at every kind of file-system step (checkpoints at 2 and 4, the pruning of step-2,
+    the final export, the log and config writes; among the data files of one folder being written, a random one
+    per run); then kill the resume at a random step too; a last --resume auto must give the uninterrupted run's
+    final weights and losses, a complete log, and no .tmp / .old left (nothing deleted that was the only copy)."""
+    with monkeypatch.context() as m:  # the uninterrupted run, its file-system steps recorded
+        recorder = KillAt(m, 0)
+        reference = train(cfg(tmp_path / "whole", *SHORT))
+    assert len(set(reference.losses)) == 4 and len(recorder.steps) >= 40, recorder.steps
+    reference_final = final_weights(tmp_path / "whole")
+    kinds = kill_point_kinds(recorder.steps, tmp_path / "whole")
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    n, trials = 0, []
-    while True:
-        n += 1
+    points = sorted(rng.choice(ns) for ns in kinds.values())
+    trials = []
+    for n in points:
         t0 = time.perf_counter()
         out = tmp_path / f"kill{n}"
-        shutil.rmtree(out, ignore_errors=True)
         with monkeypatch.context() as m:
             killer = KillAt(m, n)
-            try:
+            with pytest.raises(Killed):
                 train(cfg(out, *SHORT))
-                finished = True
-            except Killed:
-                finished = False
-        if finished:
-            break
+        assert killer.steps[:n] == [tuple(p.replace("/whole", f"/kill{n}") for p in s)
+                                    for s in recorder.steps[:n]]  # the same run, up to the step killed
         second = None
         if rng.random() < 0.5 and out.exists():  # kill the resume as well (its recovery included)
             with monkeypatch.context() as m:
@@ -249,17 +258,16 @@ def test_a_kill_at_every_step_is_recovered_by_resume(tmp_path, short_reference, 
                     second = k2.where
         r = train(cfg(out, *SHORT), resume="auto")
         where = f"kill at {killer.where}, then {second}"
-        assert same_weights(final_weights(out), short_reference["final"]), where
+        assert same_weights(final_weights(out), reference_final), where
         assert ck.verify(out / "final")["step"] == 4, where
         rows = read_log(out / "log.csv")
         assert [int(x["step"]) for x in rows] == [1, 2, 3, 4], where
-        assert [float(x["loss"]) for x in rows] == short_reference["losses"], where
+        assert [float(x["loss"]) for x in rows] == reference.losses, where
         assert leftovers(out) == [], where
         assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000004"], where
         trials.append((where, time.perf_counter() - t0))
         shutil.rmtree(out)
-    assert len(trials) >= 40  # every step of the run was a kill point
-    print(f"\n{len(trials)} kill points recovered, {sum(t for _, t in trials):.1f} s")
+    print(f"\n{len(trials)} kill points ({len(recorder.steps)} steps) recovered, {sum(t for _, t in trials):.1f} s")
 
 
 def test_a_finished_run_resumed_rewrites_a_missing_final(tmp_path, reference):

@@ -378,29 +378,31 @@ def test_compiled_blocks_train_like_eager_ones(mini_folder, tmp_path):
     assert runs["True"] == runs["False"]
 
 
-def test_step_profile_reports_every_size_and_part(mini_folder, tmp_path):
-    """bench/profile_mini_step.py on a small config: one row per training size with the three parts of a
-    step and the refresh's three parts, each a positive time; the build folder is left as it was."""
-    import os
+def test_step_profile_reports_every_size_and_part(mini_folder, tmp_path, capsys):
+    """bench/profile_mini_step.py (its main, in this process: a subprocess would spend most of the test importing
+    torch and diffusers) on a small config: one row per training size with the three parts of a step and the
+    refresh's three parts, each a positive time, printed and in its JSON; the build folder is left as it was."""
     import pathlib
-    import subprocess
-    import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    script = root / "bench" / "profile_mini_step.py"
+    from conftest import load_script
+
+    profile = load_script(pathlib.Path(__file__).resolve().parents[1] / "bench" / "profile_mini_step.py",
+                          "profile_mini_step")
     (tmp_path / "model").symlink_to(mini_folder)
     before = sorted(p.name for p in tmp_path.iterdir())
     sets = [a for kv in SMALL for a in ("--set", kv)]
-    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--steps", "3", "--warmup", "1",
-                          "--json", str(tmp_path / "p.json"), *sets], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(root)})  # this checkout's attnqat
-    assert run.returncode == 0, run.stderr[-3000:]
+    capsys.readouterr()
+    assert profile.main(["--out", str(tmp_path), "--steps", "3", "--warmup", "1", "--json", str(tmp_path / "p.json"),
+                         *sets]) == 0
+    printed = capsys.readouterr().out
     got = json.loads((tmp_path / "p.json").read_text())
     assert set(got["per_step_s"]) == set(got["refresh_parts_s"]) == {"5x32x32", "9x32x64"}
     for row in got["per_step_s"].values():
         assert set(row) == {"batch", "forward_backward", "optimizer_ema"} and all(v > 0 for v in row.values())
     for row in got["refresh_parts_s"].values():
         assert set(row) == {"render", "vae_encode", "embed"} and all(v > 0 for v in row.values())
+    for key, row in got["per_step_s"].items():
+        assert f"{key}: step {sum(row.values()) * 1e3:.1f} ms" in printed, printed
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["p.json"])
 
 

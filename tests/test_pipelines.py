@@ -275,22 +275,21 @@ def test_missing_models_say_how_to_download(tmp_path):
 
 
 def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
-    """bench/e2e.py --tiny --compile: diffusers' own processor first, each mode eager and under
-    torch.compile(fullgraph=True); its own section of the docs page (the compiled one) replaced, the rest (the
-    eager table included) left alone."""
+    """bench/e2e.py --tiny --compile (its main, in this process: a subprocess would spend most of the test
+    importing): diffusers' own processor first, each mode eager and under torch.compile(fullgraph=True); its own
+    section of the docs page (the compiled one) replaced, the rest (the eager table included) left alone."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    from conftest import load_script
+
+    e2e = load_script(Path(__file__).resolve().parents[1] / "bench" / "e2e.py", "bench_e2e")
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n## End-to-end: Wan 2.1 14B transformer step\n\neager\n"
                     "\n## End-to-end, compiled: Wan 2.1 14B transformer step\n\nold\n\n## Later\n\nkeep me too\n")
-    run = subprocess.run([sys.executable, str(root / "bench" / "e2e.py"), "--tiny", "--modes", "bf16,diffusers",
-                          "--compile", "--compile-backend", "aot_eager", "--repeats", "1", "--docs", str(docs),
-                          "--json", str(tmp_path / "e2e.json")], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert e2e.main(["--tiny", "--modes", "bf16,diffusers", "--compile", "--compile-backend", "aot_eager",
+                     "--repeats", "1", "--docs", str(docs), "--json", str(tmp_path / "e2e.json")]) == 0
+    torch._dynamo.reset()
     res = json.loads((tmp_path / "e2e.json").read_text())["results"]
     assert [r["mode"] for r in res] == ["diffusers", "bf16"]
     assert res[0]["attention_calls_per_step"] == 0 and res[1]["attention_calls_per_step"] == 4  # 2 blocks x 2

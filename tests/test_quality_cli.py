@@ -312,16 +312,18 @@ def test_help_imports_no_torch():
 
 
 def test_bench_writes_the_docs_section_and_picture(tmp_path):
-    """bench/quality.py: attnqat quality's table into its section of DOCS/quality.md (the rest of the page left
-    alone), the numbers to quality.json, and the grid as the page's picture, scaled down to --picture-width in
-    256 colours (the full grid stays in --out)."""
+    """bench/quality.py (its main, in this process: a subprocess would spend most of the test importing): attnqat
+    quality's table into its section of DOCS/quality.md (the rest of the page left alone), the numbers to
+    quality.json, and the grid as the page's picture, scaled down to --picture-width in 256 colours (the full grid
+    stays in --out)."""
     from PIL import Image
 
+    from conftest import load_script
+
+    bench = load_script(ROOT / "bench" / "quality.py", "bench_quality")
     docs, out = tmp_path / "docs", tmp_path / "q"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *SMALL, "--base-modes", "bf16",
-                          "--prompts", "1", "--clips", "1", "--out", str(out), "--docs", str(docs),
-                          "--picture-width", "40"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert bench.main([*SMALL, "--base-modes", "bf16", "--prompts", "1", "--clips", "1", "--out", str(out),
+                       "--docs", str(docs), "--picture-width", "40"]) == 0
     assert json.loads((docs / "quality.json").read_text())["rows"]
     page = (docs / "quality.md").read_text()
     section = page.split("<!-- BEGIN quality -->")[1].split("<!-- END quality -->")[0]

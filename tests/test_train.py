@@ -258,43 +258,66 @@ def test_precompute_then_flow_and_mix(tmp_path):
 def test_two_processes_gloo(tmp_path):
     """2 processes (torchrun; accelerate's MULTI_CPU DDP over gloo) run, stop, then resume, from the CLI.
     (`accelerate launch --cpu --num_processes 2` starts one process on accelerate 1.15: use torchrun on CPU.)"""
-    base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "attnqat.train",
-            "--config", str(TINY), "--output-dir", str(tmp_path), "--set", "log.progress=false",
-            "--set", "data.held_out=2", "--set", "data.batch_size=2", "--max-steps", "4", "--set", "checkpoint.every=2"]
-    p = subprocess.run(base + ["--stop-after", "2"], env=ENV, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-2000:]
-    state = tmp_path / "checkpoints" / "step-0000002" / "state"
-    assert (state / "rng-0.safetensors").exists() and (state / "rng-1.safetensors").exists()  # one per process
-    assert not [f for f in state.parent.rglob("*") if f.suffix in (".pkl", ".bin", ".pt")]  # no pickle anywhere
-    p = subprocess.run(base + ["--resume", "auto"], env=ENV, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert "resumed from" in p.stdout + p.stderr and "2 process(es) on cpu (MULTI_CPU)" in p.stdout + p.stderr
-    assert (tmp_path / "final" / "transformer.safetensors").exists()
+    def command(out):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",  # a free port
+                "-m", "attnqat.train", "--config", str(TINY), "--output-dir", str(out), "--set", "log.progress=false",
+                "--set", "data.held_out=2", "--set", "data.batch_size=2", "--max-steps", "4",
+                "--set", "checkpoint.every=2"]
+    cut = tmp_path / "cut"
+    # the uninterrupted run, the reference of the resumed one, runs beside the other two (its processes wait on
+    # each other and on their start as much as they compute)
+    with open(tmp_path / "whole.err", "w") as err:
+        whole = subprocess.Popen(command(tmp_path / "whole"), env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        p = subprocess.run(command(cut) + ["--stop-after", "2"], env=ENV, capture_output=True, text=True, timeout=240)
+        assert p.returncode == 0, p.stderr[-2000:]
+        state = cut / "checkpoints" / "step-0000002" / "state"
+        assert (state / "rng-0.safetensors").exists() and (state / "rng-1.safetensors").exists()  # one per process
+        assert not [f for f in state.parent.rglob("*") if f.suffix in (".pkl", ".bin", ".pt")]  # no pickle anywhere
+        p = subprocess.run(command(cut) + ["--resume", "auto"], env=ENV, capture_output=True, text=True, timeout=240)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "resumed from" in p.stdout + p.stderr and "2 process(es) on cpu (MULTI_CPU)" in p.stdout + p.stderr
+        assert (cut / "final" / "transformer.safetensors").exists()
+        assert whole.wait(timeout=240) == 0, (tmp_path / "whole.err").read_text()[-2000:]
+    finally:
+        if whole.poll() is None:  # a failure above: stop it (torchrun passes SIGTERM on to its processes)
+            whole.terminate()
+            whole.wait(timeout=60)
     # the resumed run (model and optimizer broadcast from process 0) repeats the uninterrupted one exactly
-    whole = [a.replace(str(tmp_path), str(tmp_path / "whole")) for a in base]
-    p = subprocess.run(whole, env=ENV, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-2000:]
     from attnqat.train.loop import read_log
-    cut, ref = read_log(tmp_path / "log.csv"), read_log(tmp_path / "whole" / "log.csv")
-    assert [r["step"] for r in cut] == ["1", "2", "3", "4"] and [r["loss"] for r in cut] == [r["loss"] for r in ref]
+    resumed, ref = read_log(cut / "log.csv"), read_log(tmp_path / "whole" / "log.csv")
+    assert [r["step"] for r in resumed] == ["1", "2", "3", "4"]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in ref]
 
 
-def test_generate_loads_final_checkpoint(tmp_path):
+def test_generate_loads_final_checkpoint(tmp_path, monkeypatch, capsys):
+    """`attnqat generate --qat-checkpoint` on a run's final/ (in this process, on the PyTorch reference attention as
+    ENV's processes; tests/test_generate_cli.py runs the command in a real process)."""
+    from attnqat.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     r = train(tiny(tmp_path, "train.max_steps=1", "data.held_out=0", "data.batch_size=1"))
     out = tmp_path / "v.mp4"
-    p = subprocess.run([sys.executable, "-m", "attnqat.cli", "generate", "--prompt", "x", "--model", "tiny",
-                        "--mode", "attn_qat", "--qat-checkpoint", r.final_checkpoint, "--steps", "1", "--height", "32",
-                        "--width", "32", "--frames", "5", "--out", str(out)], env=ENV, capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
+    capsys.readouterr()
+    assert main(["generate", "--prompt", "x", "--model", "tiny", "--mode", "attn_qat", "--qat-checkpoint",
+                 r.final_checkpoint, "--steps", "1", "--height", "32", "--width", "32", "--frames", "5",
+                 "--out", str(out)]) == 0
+    assert f"weights      QAT checkpoint {r.final_checkpoint}" in capsys.readouterr().err
     assert out.exists() and out.stat().st_size > 0
 
 
-def test_bench_train_step_tiny():
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "train_step.py"), "--tiny"], env=ENV,
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert "| `attn_qat` |" in p.stdout and "| `bf16` |" in p.stdout
+def test_bench_train_step_tiny(monkeypatch, capsys):
+    """bench/train_step.py --tiny, its main in this process (a subprocess would spend most of the test importing),
+    on the PyTorch reference attention as ENV's processes: a row per student mode, the docs left alone."""
+    from conftest import load_script
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    bench = load_script(ROOT / "bench" / "train_step.py", "bench_train_step")
+    docs = (ROOT / "docs" / "benchmarks.md").read_bytes()
+    assert bench.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "| `attn_qat` |" in out and "| `bf16` |" in out
+    assert (ROOT / "docs" / "benchmarks.md").read_bytes() == docs
 
 
 # --- Non-finite training stops, and writes nothing non-finite ------------------------------------------------------
