@@ -31,8 +31,8 @@ fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 W=${W:-runs/mini}
 # Logs live in runs/logs (a background job outlives the call whose $OUT it started in); each call returns them
-# as one $OUT/logs.tar (a call brings back at most 8 files).
-LOGS=runs/logs; mkdir -p $LOGS
+# as one $OUT/logs.tar (a call brings back at most 8 files; $OUT/NAME.tar for LOGS=runs/NAME).
+LOGS=${LOGS:-runs/logs}; mkdir -p $LOGS  # LOGS (environment): a second build beside the first keeps its own
 # A VAE trained by an earlier build (carried as runs/mini_vae: its model/vae and timings.json) is reused; an
 # exported build carried as runs/mini_from (its OUT/mini) is continued: a warm start (docs/mini.md).
 init_model() {
@@ -132,14 +132,16 @@ case "$1" in
   export)
     while pgrep -f "attnqat.train.mini" > /dev/null; do sleep 5; done
     python3 -m attnqat.train.mini --out $W --stage export ${MAX_FOLDER_MB:+--max-folder-mb "$MAX_FOLDER_MB"} 2>&1 | tail -3
-    tar -C $W -cf /tmp/mini.tar mini && split -b 15M /tmp/mini.tar "$OUT/mini.tar.part-"
+    # named after W (runs/mini: mini.tar.part-*, mini_vae.tar), so two builds' exports come back side by side
+    name=$(basename $W)
+    tar -C $W -cf /tmp/$name.tar mini && split -b 15M /tmp/$name.tar "$OUT/$name.tar.part-"
     # the fp32 VAE the transformer was trained with (a warm start's --vae: the export holds it in fp16)
-    tar -C $W -cf "$OUT/mini_vae.tar" model/vae timings.json
+    tar -C $W -cf "$OUT/${name}_vae.tar" model/vae timings.json
     ;;
 esac
 tr '\r' '\n' < $W/train.log 2>/dev/null | grep -v "it/s\]$" | tail -n 12
 cp $W/train.log $W/run/log.csv $W/timings.json $LOGS/ 2>/dev/null
-tar -cf "$OUT/logs.tar" $LOGS
+tar -cf "$OUT/$(basename $LOGS).tar" $LOGS
 tail -n 3 $W/run/log.csv 2>/dev/null
 # the held-out rows: flow loss and wrong/right caption loss (about 1.00 = the prompt is ignored)
 python3 - $W/run/log.csv <<'PY' 2>/dev/null
