@@ -90,11 +90,12 @@ MAX_FOLDER_BYTES = 24 * 10 ** 6
 #: ... and the most a larger build may take (``attnqat build-mini --max-folder-mb``), where measurements show that
 #: the 24 MB model cannot meet a quality bar: a wider transformer or VAE, the CPU quick start still under a minute.
 MAX_LARGER_FOLDER_BYTES = 40 * 10 ** 6
-#: The transformer dimensions a build may change (``attnqat build-mini --transformer-size``), by their short names.
-TRANSFORMER_SIZE_KEYS = {"heads": "num_attention_heads", "layers": "num_layers", "ffn": "ffn_dim"}
 #: ... and of the QAT weights beside it (:data:`MINI_QAT_WEIGHTS`), not counted in MAX_FOLDER_BYTES: a folder of
 #: 22.7 MB leaves no room for them, and mini's attention tensors alone are ~4 MB.
 MAX_QAT_WEIGHTS_BYTES = 12 * 10 ** 6
+
+#: The transformer dimensions a build may change (``attnqat build-mini --transformer-size``), by their short names.
+TRANSFORMER_SIZE_KEYS = {"heads": "num_attention_heads", "layers": "num_layers", "ffn": "ffn_dim"}
 
 
 def is_mini(model: str) -> bool:
@@ -207,16 +208,20 @@ def build_mini_vae():
         return AutoencoderKLWan(**MINI_VAE_CONFIG)
 
 
+def mini_transformer_config(size: dict | None = None) -> dict:
+    """Mini's transformer config, with the dimensions ``size`` names (:data:`TRANSFORMER_SIZE_KEYS`) changed
+    (heads stay 64 wide: the FP4 kernels' head_dim)."""
+    return {**MINI_TRANSFORMER_CONFIG, **{TRANSFORMER_SIZE_KEYS[k]: v for k, v in (size or {}).items()}}
+
+
 def build_mini_transformer(seed: int = _SEED_TRANSFORMER, size: dict | None = None):
-    """An untrained ``WanTransformer3DModel`` of the mini size (seeded); ``size`` changes the dimensions named in
-    :data:`TRANSFORMER_SIZE_KEYS` (heads stay 64 wide: the FP4 kernels' head_dim)."""
+    """An untrained ``WanTransformer3DModel`` of :func:`mini_transformer_config` (seeded)."""
     import torch
     from diffusers import WanTransformer3DModel
 
-    config = {**MINI_TRANSFORMER_CONFIG, **{TRANSFORMER_SIZE_KEYS[k]: v for k, v in (size or {}).items()}}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return WanTransformer3DModel(**config)
+        return WanTransformer3DModel(**mini_transformer_config(size))
 
 
 def build_mini_pipeline(transformer=None, vae=None):

@@ -44,9 +44,9 @@ from attnqat.mini.corpus import Corpus
 from attnqat.mini.evaluation import PSNR_CAP_DB, vae_round_trip
 from attnqat.outputs import replace_dir_atomically, write_file_atomically
 from attnqat.pipelines.loading import load_qat_checkpoint
-from attnqat.mini.model import (MAX_FOLDER_BYTES, MAX_LARGER_FOLDER_BYTES, MINI_DIR, MINI_TRANSFORMER_CONFIG,
-                                TRANSFORMER_SIZE_KEYS, build_mini_pipeline, build_mini_transformer, check_folder_size,
-                                save_pipeline_folder)
+from attnqat.mini.model import (MAX_FOLDER_BYTES, MAX_LARGER_FOLDER_BYTES, MINI_DIR, TRANSFORMER_SIZE_KEYS,
+                                build_mini_pipeline, build_mini_transformer, check_folder_size,
+                                mini_transformer_config, save_pipeline_folder)
 from attnqat.mini.quality import detect, score
 
 from .checkpoint import RUN_CONFIG
@@ -467,11 +467,10 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _planned_transformer_config(out: Path, args: argparse.Namespace) -> dict:
     """The config of the transformer the transformer stage will train: the one in OUT/model, else the one init
     will write (a warm start's, or mini's with --transformer-size)."""
-    for folder in (out / "model", Path(args.from_folder or out / "model")):
+    for folder in [out / "model"] + ([Path(args.from_folder)] if args.from_folder else []):
         if (folder / "transformer" / "config.json").is_file():
             return json.loads((folder / "transformer" / "config.json").read_text())
-    return {**MINI_TRANSFORMER_CONFIG,
-            **{TRANSFORMER_SIZE_KEYS[k]: v for k, v in (args.transformer_size or {}).items()}}
+    return mini_transformer_config(args.transformer_size)
 
 
 def build(args: argparse.Namespace) -> int:
