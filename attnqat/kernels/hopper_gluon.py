@@ -183,7 +183,7 @@ if not _MISSING:
         tma.store_wait(0)
 
     @gluon.jit
-    def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seqlen_q, seqlen_k, qk_scale, num_heads,
+    def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seqlen_k, qk_scale, num_heads,
                   HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                   num_warps: gl.constexpr):
         """One program per (BLOCK_M query rows, batch * head): allocate the ring and its barriers, then fork
@@ -269,7 +269,7 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sc
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
     _attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
-                    _descriptor(out, block_m), seqlen_q, seqlen_k, scale * LOG2E, heads,
+                    _descriptor(out, block_m), seqlen_k, scale * LOG2E, heads,
                     HEAD_DIM=head_dim, CAUSAL=bool(causal), NUM_STAGES=stages, num_warps=warps)
     return out
 
