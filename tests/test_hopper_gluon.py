@@ -52,7 +52,7 @@ def test_unavailable_says_why():
         pytest.skip("this machine can run the kernel")
     assert not ok and why and "\n" not in why
     with pytest.raises(RuntimeError, match=re.escape(why)):
-        q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
+        q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
         hopper_gluon.hopper_attention(q, q, q)
 
 

@@ -25,12 +25,10 @@ without a GPU. Triton 3.6 and 3.9 name the TMA copies differently (``async_copy_
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
-from ._common import interpreting
+from ._common import check_qkv, default_scale, interpreting
 from ._hardware import compile_for
 
 try:
@@ -248,28 +246,23 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sc
 
     Arguments:
         q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); bf16 or fp16, on an
-            sm_90 GPU, head_dim 64 or 128, seqlen_k >= 1; any strides whose last dim is contiguous.
+            sm_90 GPU, head_dim 64 or 128; any strides whose last dim is contiguous.
         sm_scale: softmax scale; default 1/sqrt(head_dim).
         causal: top-left aligned causal mask (SDPA's ``is_causal``).
     Return:
         (batch, heads, seqlen_q, head_dim) in q's dtype, a new tensor.
     """
+    check_qkv(q, k, v, name="hopper_attention", sm_scale=sm_scale, causal=causal, head_dims=HEAD_DIMS)
     ok, why = available(q.device)
     if not ok:
         raise RuntimeError(f"hopper_attention: {why}")
-    from ._common import check_qkv
-    check_qkv(q, k, v, name="hopper_attention", sm_scale=sm_scale, causal=causal, head_dims=HEAD_DIMS)
     batch, heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
-    if seqlen_k < 1:
-        raise ValueError(f"hopper_attention: seqlen_k must be >= 1, got {seqlen_k}")
     block_m, block_n, stages, warps = FWD_CONFIG[head_dim]
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     out = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
     _attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
-                    _descriptor(out, block_m), seqlen_k, scale * LOG2E, heads,
+                    _descriptor(out, block_m), k.shape[2], default_scale(head_dim, sm_scale) * LOG2E, heads,
                     HEAD_DIM=head_dim, CAUSAL=bool(causal), NUM_STAGES=stages, num_warps=warps)
     return out
 
