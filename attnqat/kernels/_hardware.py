@@ -2,7 +2,7 @@
 
     fp8_cast(device)                 round to e4m3 with the hardware cast (sm_89+), else integer arithmetic
     fp4_mma_arch(device)             sm_<arch> of a GPU with block-scaled FP4 MMAs (sm_100/103, sm_120/121)
-    compile_for(kernel, arch, ...)   compile a ``@triton.jit`` kernel for sm_<arch>, no GPU needed
+    compile_for(kernel, arch, ...)   compile a ``@triton.jit`` (or ``@gluon.jit``) kernel for sm_<arch>, no GPU
     first_that_compiles(build, ..)   the first kernel form that this Triton compiles (its failures hushed)
 
 Nothing here knows a kernel, so every kernel module can import it: ``attn_qat.native_fp4`` puts the last
@@ -42,8 +42,8 @@ def fp4_mma_arch(device: torch.device) -> int:
 
 def compile_for(kernel, arch: int, *, types: dict[str, str], constexprs: dict, aligned: Iterable[str],
                 num_warps: int, num_stages: int):
-    """Compile ``kernel`` (a ``@triton.jit`` function) for sm_<arch> without a GPU; returns Triton's compiled
-    kernel (``.asm["ptx"]``, ``.metadata.shared`` etc.).
+    """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for sm_<arch> without a GPU; returns
+    Triton's compiled kernel (``.asm["ptx"]``, ``.metadata.shared`` etc.).
 
     ``types``: Triton type of each argument that is not an i32 (``"*bf16"``, ``"fp32"``, ...); ``constexprs``:
     the value of each constexpr argument (one left out takes its default, as at a launch); ``aligned``: pointer arguments to declare 16-byte aligned, as torch
@@ -55,8 +55,11 @@ def compile_for(kernel, arch: int, *, types: dict[str, str], constexprs: dict, a
     constexprs = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, attrs=attrs,
-                                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    source = triton.compiler.ASTSource
+    if kernel.is_gluon():  # Gluon kernels are already TTGIR: their own source class skips Triton's layout passes
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=kernel, signature=sig, attrs=attrs,
+                 constexprs={(names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 

@@ -1,0 +1,287 @@
+"""Flash-attention forward for Hopper (sm_90) in Gluon: TMA, mbarriers, wgmma and warp specialisation.
+
+The algorithm is FlashAttention's online softmax (exp2, running row max m and row sum l), laid out the way
+FlashAttention-3 lays it out on H100, which plain Triton does not emit on sm_90:
+
+- a **load partition** (one warp, few registers) issues TMA copies: the Q tile once, then K and V tiles into a
+  ring of ``NUM_STAGES`` shared-memory slots, each slot guarded by a ``ready`` mbarrier (TMA's byte count
+  lands) and an ``empty`` one (the MMA that read it finished);
+- the **default partition** (``num_warps`` warps, i.e. one or two consumer warpgroups splitting BLOCK_M rows)
+  runs both matmuls on wgmma: S = Q K^T with both operands in shared memory, O += P V with P from registers.
+  It overlaps one block's softmax with the tensor cores by issuing S_{j} = Q K_j^T and then
+  O += P_{j-1} V_{j-1} before waiting for S_j alone (FlashAttention-3's intra-warpgroup pipelining);
+  the PV of block j-1 runs while block j's softmax computes.
+
+Inputs are (batch, heads, seqlen, head_dim) with any strides whose last dim is contiguous; each is read
+through a 4-d TMA descriptor, so ragged tails (Lq, Lk not multiples of the tiles, Lq != Lk) come back
+zero-filled from TMA, keys past Lk are masked to -inf, and output rows past Lq are clipped by the TMA store.
+Causal masking is top-left aligned (SDPA's ``is_causal``).
+
+This module is a fast path in preparation: nothing dispatches to it yet. :func:`available` says whether it
+can run here (Triton's Gluon API for Hopper, an sm_90 GPU); :func:`compile_forward` compiles it for sm_90a
+without a GPU. Triton 3.6 and 3.9 name the TMA copies differently (``async_copy_global_to_shared`` /
+``async_copy_shared_to_global`` in 3.6, ``async_load`` / ``async_store`` in 3.9, where the old names raise);
+:data:`_tma_load` / :data:`_tma_store` bind whichever this Triton has.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ._common import check_qkv, default_scale, interpreting
+from ._hardware import compile_for
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _MISSING = "" if hasattr(gl, "warp_specialize") else "triton.experimental.gluon has no warp_specialize"
+except (ImportError, AttributeError) as exc:  # Triton older than 3.6: no Gluon Hopper API
+    _MISSING = f"Triton {triton.__version__} lacks Gluon's Hopper API ({exc}); needs Triton >= 3.6"
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the softmax runs in exp2, the MUFU instruction
+HEAD_DIMS = (64, 128)
+# (BLOCK_M, BLOCK_N, NUM_STAGES, num_warps) per head_dim. Two consumer warpgroups (8 warps) each own 64 of
+# BLOCK_M=128 query rows, as FlashAttention-3's forward; 2 stages of K and V plus Q fit H100's 227 KB of shared
+# memory at head_dim 128 (32 + 2*32 + 2*32 KB), 3 stages at head_dim 64.
+FWD_CONFIG = {64: (128, 128, 3, 8), 128: (128, 128, 2, 8)}
+
+
+def available(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether the Gluon Hopper forward can run on ``device`` (default: the current CUDA device), and if not,
+    the one reason why."""
+    if _MISSING:
+        return False, _MISSING
+    if interpreting():
+        return False, "TRITON_INTERPRET is set: Gluon kernels do not run in Triton's interpreter"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU"
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda":
+        return False, f"device {device} is not a CUDA GPU"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return False, f"GPU is sm_{cap[0]}{cap[1]}; this kernel uses wgmma and setmaxnreg of sm_90 (H100/H200)"
+    return True, "Gluon sm_90 forward available"
+
+
+if not _MISSING:
+    # The load partition only issues TMA: one warp, and setmaxnreg hands its registers to the softmax warps.
+    LOADER_WARPS = gl.constexpr(1)
+    LOADER_REGS = gl.constexpr(24)
+
+    @gluon.jit
+    def _attn_load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
+                   off_b, off_h, off_m, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Load partition: Q once, then K_j and V_j into ring slot j % NUM_STAGES as soon as it is free."""
+        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [off_b, off_h, off_m, 0], q_ready, q_smem)
+        for j in range(n_blocks):
+            slot = j % NUM_STAGES
+            # A fresh barrier is in phase 0, so waiting on parity 1 passes: the first lap finds every slot free.
+            free_phase = ((j // NUM_STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(slot), free_phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)  # out-of-bounds rows count too
+            _tma_load(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(slot), k_bufs.index(slot))
+            mbarrier.wait(v_empty.index(slot), free_phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot))
+
+    @gluon.jit
+    def _issue_scores(q, k_bufs, k_ready, j, zero, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      NUM_STAGES: gl.constexpr):
+        """Start S_j = Q K_j^T on the tensor cores once K_j has landed; returns wgmma's pending accumulator."""
+        slot = j % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
+        k = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # a view: wgmma reads K^T in place
+        return warpgroup_mma(q, k, zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _issue_pv(p, v_bufs, v_ready, acc, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  NUM_STAGES: gl.constexpr):
+        """Start O += P_j V_j once V_j has landed (P in registers, V in shared memory)."""
+        slot = j % NUM_STAGES
+        mbarrier.wait(v_ready.index(slot), (j // NUM_STAGES) & 1)
+        return warpgroup_mma(p, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+
+    @gluon.jit
+    def _masked_logits(s, j, offs_m, seqlen_k, qk_scale, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """S_j in log2 units (scaled by sm_scale * log2(e)), -inf where key j*BLOCK_N+n is past Lk (TMA's
+        zero fill of the ragged tail) or, causal, after the query."""
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s.type.layout))
+        keep = offs_n[None, :] < seqlen_k
+        if CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        return gl.where(keep, s * qk_scale, -float("inf"))
+
+    @gluon.jit
+    def _attn_softmax_mma(o_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
+                          off_b, off_h, off_m, n_blocks, seqlen_k, qk_scale, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                          CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """Default partition: both matmuls and the online softmax, then O / l through shared memory and TMA."""
+        # wgmma's accumulator layouts: instruction M=16 per warp, warps stacked along M (4 per warpgroup),
+        # N = the whole tile, K = 16 bf16 elements (256 bits).
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        acc_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_smem.dtype
+
+        offs_m = off_m + gl.arange(0, BLOCK_M, row_layout)
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        mbarrier.wait(q_ready, 0)
+        q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+
+        # Block 0 alone: its logits start the running max (finite for every row: key 0 is always attended).
+        s = _issue_scores(q, k_bufs, k_ready, 0, zero, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        s = warpgroup_mma_wait(0, deps=[s])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        s = _masked_logits(s, 0, offs_m, seqlen_k, qk_scale, BLOCK_N, CAUSAL)
+        m_i = gl.max(s, axis=1)
+        p = gl.exp2(s - m_i[:, None])
+        l_i = gl.sum(p, axis=1)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+
+        for j in range(1, n_blocks):
+            # S_j first, then P_{j-1} V_{j-1}; waiting until one group is pending leaves the PV running while
+            # block j's softmax computes (wgmma groups complete in issue order).
+            s = _issue_scores(q, k_bufs, k_ready, j, zero, BLOCK_N, HEAD_DIM, NUM_STAGES)
+            acc = _issue_pv(p, v_bufs, v_ready, acc, j - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+            s = warpgroup_mma_wait(1, deps=[s])
+            mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
+            s = _masked_logits(s, j, offs_m, seqlen_k, qk_scale, BLOCK_N, CAUSAL)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p_next = gl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p_next, axis=1)
+            m_i = m_new
+            # P_{j-1} stays a dependency until its wgmma is done: its registers are that MMA's A operand.
+            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+            mbarrier.arrive(v_empty.index((j - 1) % NUM_STAGES), count=1)
+            acc = acc * gl.convert_layout(alpha, acc_row_layout)[:, None]
+            p = gl.convert_layout(p_next.to(dtype), p_layout)
+
+        acc = _issue_pv(p, v_bufs, v_ready, acc, n_blocks - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+        out = acc / gl.convert_layout(l_i, acc_row_layout)[:, None]
+
+        # Q's slot is free once the last S finished (above): O goes out through it; TMA clips rows past Lq.
+        q.store(out.to(dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [off_b, off_h, off_m, 0], q_smem)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seqlen_k, qk_scale, num_heads,
+                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """One program per (BLOCK_M query rows, batch * head): allocate the ring and its barriers, then fork
+        into the load partition and the softmax/MMA partition."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        gl.static_assert(q_desc.block_type.shape[3] == HEAD_DIM)
+        off_m = gl.program_id(0) * BLOCK_M
+        off_b = gl.program_id(1) // num_heads
+        off_h = gl.program_id(1) % num_heads
+        if CAUSAL:  # top-left aligned: query i sees keys 0..i, so blocks past the tile's last row are skipped
+            n_blocks = gl.cdiv(gl.minimum(seqlen_k, off_m + BLOCK_M), BLOCK_N)
+        else:
+            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
+
+        gl.warp_specialize([
+            (_attn_softmax_mma, (o_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
+                                 off_b, off_h, off_m, n_blocks, seqlen_k, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                 NUM_STAGES, CAUSAL, num_warps)),
+            (_attn_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
+                          v_empty, off_b, off_h, off_m, n_blocks, BLOCK_N, NUM_STAGES)),
+        ], [LOADER_WARPS], [LOADER_REGS])
+
+
+def _tile_layout(block: list[int], dtype: torch.dtype):
+    """The shared-memory layout of a TMA tile (128-byte swizzle for a 64- or 128-wide bf16/fp16 row)."""
+    return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(dtype).removeprefix("torch.")))
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
+    """A 4-d TMA descriptor over (B, H, L, D) ``t`` that loads or stores one (1, 1, rows, D) tile."""
+    block = [1, 1, rows, t.shape[3]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _tile_layout(block, t.dtype))
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when TMA can read it (16-byte aligned base and strides, unit last stride), else a
+    contiguous copy."""
+    size = t.element_size()
+    aligned = t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:3]) and t.stride(3) == 1
+    return t if aligned else t.contiguous()
+
+
+def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                     causal: bool = False) -> torch.Tensor:
+    """Softmax(Q K^T * sm_scale) V with the Gluon sm_90 forward.
+
+    Arguments:
+        q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim); bf16 or fp16, on an
+            sm_90 GPU, head_dim 64 or 128; any strides whose last dim is contiguous.
+        sm_scale: softmax scale; default 1/sqrt(head_dim).
+        causal: top-left aligned causal mask (SDPA's ``is_causal``).
+    Return:
+        (batch, heads, seqlen_q, head_dim) in q's dtype, a new tensor.
+    """
+    check_qkv(q, k, v, name="hopper_attention", sm_scale=sm_scale, causal=causal, head_dims=HEAD_DIMS)
+    ok, why = available(q.device)
+    if not ok:
+        raise RuntimeError(f"hopper_attention: {why}")
+    batch, heads, seqlen_q, head_dim = q.shape
+    block_m, block_n, stages, warps = FWD_CONFIG[head_dim]
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    out = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
+    _attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
+                    _descriptor(out, block_m), k.shape[2], default_scale(head_dim, sm_scale) * LOG2E, heads,
+                    HEAD_DIM=head_dim, CAUSAL=bool(causal), NUM_STAGES=stages, num_warps=warps)
+    return out
+
+
+def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16):
+    """Compile the forward for sm_90a without a GPU (what a launch at ``head_dim`` would build); returns
+    Triton's compiled kernel (``.asm["ptx"]``, ``.metadata.shared``, ...)."""
+    if _MISSING:
+        raise RuntimeError(f"hopper_gluon: {_MISSING}")
+    block_m, block_n, stages, warps = FWD_CONFIG[head_dim]
+    gl_dtype = str(dtype).removeprefix("torch.")
+    short = {"bfloat16": "bf16", "float16": "fp16"}[gl_dtype]
+
+    def desc(rows):
+        block = [1, 1, rows, head_dim]
+        return f"tensordesc<{short}[{', '.join(map(str, block))}],{_tile_layout(block, dtype)!r}>"
+
+    types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n), "o_desc": desc(block_m),
+             "qk_scale": "fp32"}
+    return compile_for(_attn_fwd, 90, types=types, aligned=(), num_warps=warps, num_stages=stages,
+                       constexprs={"HEAD_DIM": head_dim, "CAUSAL": bool(causal), "NUM_STAGES": stages,
+                                   "num_warps": warps})

@@ -1,0 +1,60 @@
+"""Time the Gluon sm_90 forward (attnqat/kernels/hopper_gluon.py) beside cuDNN and flash SDPA in the same run.
+
+    python bench/gluon_hopper.py                         # Wan 14B's (1, 40, 32760, 128) and (1, 40, 8192, 128)
+    python bench/gluon_hopper.py --shapes 1,40,8192,64 --causal
+
+Prints one line per shape and kernel: median ms (``triton.testing.do_bench``), TFLOP/s (4*B*H*Lq*Lk*D, halved
+when causal) and the ratio to cuDNN; and the Gluon output's relative error to cuDNN's as a sanity check.
+Nothing is written to docs: the kernel is not dispatched to yet.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from bench._report import bench_ms, env_line, environment  # noqa: E402
+from attnqat.kernels import hopper_gluon  # noqa: E402
+
+
+def sdpa(backend, q, k, v, causal):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def run(shape, causal):
+    b, h, length, d = shape
+    q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * b * h * length * length * d / (2 if causal else 1)
+    fns = {"cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal),
+           "flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal),
+           "gluon_sm90": lambda: hopper_gluon.hopper_attention(q, k, v, causal=causal)}
+    err = ((fns["gluon_sm90"]().float() - fns["cudnn"]().float()).norm() / fns["cudnn"]().float().norm()).item()
+    times = {name: bench_ms(fn) for name, fn in fns.items()}
+    for name, ms in times.items():
+        print(f"{str(shape):>22} causal={causal!s:<5} {name:>10}: {ms:8.2f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  "
+              f"{ms / times['cudnn']:.2f}x cuDNN")
+    print(f"{str(shape):>22} gluon_sm90 vs cuDNN relative error {err:.2e}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["1,40,32760,128", "1,40,8192,128"],
+                        help="B,H,L,D (self-attention, Lq = Lk = L)")
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args(argv)
+    ok, why = hopper_gluon.available()
+    if not ok:
+        sys.exit(f"gluon_hopper: {why}")
+    print(env_line(environment()))
+    for shape in args.shapes:
+        run(tuple(int(x) for x in shape.split(",")), args.causal)
+
+
+if __name__ == "__main__":
+    main()

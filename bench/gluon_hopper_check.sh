@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One device call on an H100/H200: the Gluon sm_90 forward's compile and GPU tests, then its timings beside
+# cuDNN and flash SDPA. Every step has a timeout (a pipeline deadlock hangs the GPU, not the script).
+# Logs to $OUT (default /tmp/gluon_hopper_out).
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gluon_hopper_out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.log"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.log"
+timeout ${T_TEST:-180} python -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_hopper_gluon.py 2>&1 \
+  | tee "$OUT/pytest.log" | tail -30
+timeout ${T_BENCH:-240} python bench/gluon_hopper.py 2>&1 | tee "$OUT/bench.log"
+timeout ${T_CAUSAL:-120} python bench/gluon_hopper.py --shapes 1,40,8192,128 2,24,4096,64 --causal 2>&1 \
+  | tee "$OUT/bench_causal.log"
