@@ -378,6 +378,22 @@ def test_compiled_blocks_train_like_eager_ones(mini_folder, tmp_path):
     assert runs["True"] == runs["False"]
 
 
+def test_compiled_blocks_may_compile_a_graph_per_block_shape_and_grad_mode(monkeypatch):
+    """train.compile's limits cover a deep transformer on many sizes: fullgraph turns Dynamo's recompile limit
+    into a hard failure, and a 16-block mini on 6 training sizes hit the old fixed limit of 64 on the GPU."""
+    import torch._dynamo
+
+    from attnqat.train.loop import _allow_block_graphs
+
+    cfg = torch._dynamo.config
+    monkeypatch.setattr(cfg, "recompile_limit", 8)
+    monkeypatch.setattr(cfg, "accumulated_recompile_limit", 256)
+    _allow_block_graphs(16, 6)
+    assert cfg.recompile_limit >= 16 * 6 * 2 and cfg.accumulated_recompile_limit >= 16 * 6 * 2
+    _allow_block_graphs(2, 1)  # never lowered
+    assert cfg.recompile_limit >= 16 * 6 * 2
+
+
 def test_step_profile_reports_every_size_and_part(mini_folder, tmp_path, capsys):
     """bench/profile_mini_step.py (its main, in this process: a subprocess would spend most of the test importing
     torch and diffusers) on a small config: one row per training size with the three parts of a step and the

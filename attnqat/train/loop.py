@@ -60,6 +60,17 @@ class TrainResult:
     log_rows: list[dict] = field(default_factory=list)
 
 
+def _allow_block_graphs(blocks: int, shapes: int) -> None:
+    """Raise Dynamo's recompile limits to the graphs compiled blocks can need, which fullgraph=True turns from a
+    warning into a hard failure: static shapes make one graph per video shape and grad mode (training, held-out
+    evaluation), and on some torch versions (2.11 on the H200s) each block instance compiles its own, so a
+    16-block transformer on 6 sizes failed at the old fixed limit of 64 after 8 steps (8 blocks fitted)."""
+    graphs = blocks * shapes * 2 + 8  # + 8: autocast and other one-off guards
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, graphs)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, graphs + 256)
+
+
 class TrainerState:
     """Step and data position, saved as trainer_state.json in every checkpoint."""
 
@@ -183,10 +194,8 @@ class Trainer:
                                                 trainable=tr.trainable, with_teacher=with_teacher)
         if tr.gradient_checkpointing:
             student.enable_gradient_checkpointing()
-        if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are;
-            # static shapes: one graph per video size and grad mode (a corpus run of 6 sizes with held-out
-            # evaluation needs ~14), past Dynamo's default of 8, which fullgraph turns into a hard failure
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are
+            _allow_block_graphs(len(student.blocks), len(self.index.get("latent_shapes") or [self.shape]))
             for block in student.blocks:
                 block.compile(dynamic=False, fullgraph=True)  # the patched attention traces inside
         if self.sp.degree > 1:
