@@ -49,6 +49,7 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     # the cosine round: the learning rate decays to 0 at COS_STEPS (distillation flattens at a constant rate)
     distill_cos) echo "objective.type=distill objective.target=output $(cosine)" ;;
     distill_cos_1e-4) echo "objective.type=distill objective.target=output train.lr=1e-4 $(cosine)" ;;
+    distill_cos_2e-4) echo "objective.type=distill objective.target=output train.lr=2e-4 $(cosine)" ;;  # ships
     features_cos) echo "objective.type=distill objective.target=features $(cosine)" ;;
     mix_cos) echo "objective.type=mix objective.target=output objective.flow_weight=0.1 $(cosine)" ;;
     bf16_control_cos) echo "attention.mode=bf16 $(cosine)" ;;
@@ -128,6 +129,7 @@ case "${1:-}" in
     add ctrl_bf16 bf16_control bf16
     add qat_distill_cos distill_cos attn_qat
     add qat_distill_cos_1e-4 distill_cos_1e-4 attn_qat
+    add qat_distill_cos_2e-4 distill_cos_2e-4 attn_qat
     add qat_features_cos features_cos attn_qat
     add qat_mix_cos mix_cos attn_qat
     add ctrl_cos_fp4 bf16_control_cos attn_qat
@@ -158,8 +160,10 @@ PY
     while running; do sleep 10; done
     mkdir -p $W/ship; args=()
     for name in ${SHIP:?the runs to export, e.g. SHIP=distill_output}; do
+      # export-qat keeps at most 200 characters of --trained (EXTRA's six training sizes alone are ~90)
+      trained="attn_qat fine-tune '$name' (configs/mini_qat.yaml, bench/gpu_qat.sh: $(overrides "$name")${EXTRA:+ $EXTRA})"
       python3 -m attnqat export-qat --model "$MODEL" --from "$W/$name" --out "$W/ship/$name.safetensors" \
-        --trained "attn_qat fine-tune '$name' (configs/mini_qat.yaml, bench/gpu_qat.sh: $(overrides "$name")${EXTRA:+ $EXTRA})" \
+        --trained "${trained:0:200}" \
         2>&1 | tail -n 2 \
         && [ -f "$W/ship/$name.safetensors" ] && args+=(--variant "ship_$name=attn_qat:$W/ship/$name.safetensors")
     done
