@@ -5,9 +5,9 @@
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gluon_hopper_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.log"
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.log"
-timeout ${T_TEST:-180} python -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_hopper_gluon.py 2>&1 \
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.log"
+timeout ${T_TEST:-180} python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_hopper_gluon.py 2>&1 \
   | tee "$OUT/pytest.log" | tail -30
-timeout ${T_BENCH:-240} python bench/gluon_hopper.py 2>&1 | tee "$OUT/bench.log"
-timeout ${T_CAUSAL:-120} python bench/gluon_hopper.py --shapes 1,40,8192,128 2,24,4096,64 --causal 2>&1 \
+timeout ${T_BENCH:-240} python3 bench/gluon_hopper.py 2>&1 | tee "$OUT/bench.log"
+timeout ${T_CAUSAL:-120} python3 bench/gluon_hopper.py --shapes 1,40,8192,128 2,24,4096,64 --causal 2>&1 \
   | tee "$OUT/bench_causal.log"
