@@ -159,11 +159,12 @@ PY
     # as a user loads them beside the base rows; the files come back in $OUT (a new base needs new QAT weights)
     while running; do sleep 10; done
     mkdir -p $W/ship; args=()
+    trained_max=$(python3 -c "from attnqat.export_qat_cli import MAX_TRAINED_CHARS as m; print(m)") || exit 1
     for name in ${SHIP:?the runs to export, e.g. SHIP=distill_output}; do
-      # export-qat keeps at most 200 characters of --trained (EXTRA's six training sizes alone are ~90)
+      # export-qat refuses a --trained longer than its limit (EXTRA's six training sizes alone are ~90 characters)
       trained="attn_qat fine-tune '$name' (configs/mini_qat.yaml, bench/gpu_qat.sh: $(overrides "$name")${EXTRA:+ $EXTRA})"
       python3 -m attnqat export-qat --model "$MODEL" --from "$W/$name" --out "$W/ship/$name.safetensors" \
-        --trained "${trained:0:200}" \
+        --trained "${trained:0:$trained_max}" \
         2>&1 | tail -n 2 \
         && [ -f "$W/ship/$name.safetensors" ] && args+=(--variant "ship_$name=attn_qat:$W/ship/$name.safetensors")
     done
