@@ -117,6 +117,7 @@ def _check(spec: str | None, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    threads.prefer_passive_waits()  # before any command imports torch
     command = _selected_command(argv)
     try:  # Ctrl-C is one line from the first moment: importing a command's module (torch) takes seconds
         return _run(argv, command)

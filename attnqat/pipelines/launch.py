@@ -104,6 +104,10 @@ def process_group(device, timeout_minutes: float | None = None) -> Iterator[None
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     try:
         yield
+        # every rank done before any tears its group down: a rank that left first while rank 0 still worked was
+        # aborted by gloo ("terminate called without an active exception") on a loaded 2-CPU CI machine. Only on
+        # success: a rank that failed is not coming, and torchrun stops the others when it exits.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
