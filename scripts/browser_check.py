@@ -91,6 +91,8 @@ def check(url: str, out: str | Path, *, chromium: str | None = None, timeout: fl
                 boxes = page.locator("input[type=checkbox]:not(:checked)")
                 for _ in range(boxes.count()):
                     boxes.first.check()
+            # bf16 always runs; every ticked mode adds a column that must show its video before the check is done
+            expected = 1 + page.locator("input[type=checkbox]:checked").count()
             page.locator("#generate").click()
             # Gradio renders a <video> in a column once its file is served; wait until every shown
             # column's video element has decoded enough to paint a frame (readyState >= 2).
@@ -105,12 +107,13 @@ def check(url: str, out: str | Path, *, chromium: str | None = None, timeout: fl
                     return {id: el.id, ready: v ? v.readyState : -1, width: v ? v.videoWidth : 0,
                             height: v ? v.videoHeight : 0, duration: v ? v.duration : 0};
                 })""")
-                shown = [v for v in videos if v["ready"] != -1]
-                if shown and all(v["ready"] >= 2 for v in shown) and not page.locator(".progress-text").count():
+                # columns fill one after another: a column with no <video> yet (ready -1) is still running
+                ready = [v for v in videos if v["ready"] >= 2]
+                if len(ready) >= expected and not page.locator(".progress-text").count():
                     break
                 time.sleep(0.5)
             else:
-                raise RuntimeError(f"videos did not load within {timeout:.0f} s: {videos}")
+                raise RuntimeError(f"{expected} videos did not load within {timeout:.0f} s: {videos}")
             page.evaluate("""() => document.querySelectorAll('video').forEach(v => { v.pause(); v.currentTime = 0.1; })""")
             time.sleep(1.0)
             page.screenshot(path=str(out), full_page=True)

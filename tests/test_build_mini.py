@@ -1,6 +1,7 @@
-"""bench/build_mini.sh, the one command that builds the shipped mini from nothing: its three trainings run in
-order as warm starts of each other with the recipe's settings, a finished build is not trained again, and bad
-arguments are refused. CPU, small sizes and two steps a training (EXTRA)."""
+"""bench/build_mini.sh, the one command that builds the shipped mini from nothing: the VAE's trainings (a 17-frame
+VAE, then the shipped VAE's whole-VAE training and three of its decoder alone) and the transformer's four runs, in
+order, as warm starts of each other with the recipe's settings; a finished build is not trained again, and bad
+arguments are refused. CPU, small sizes, one VAE step and two transformer steps a training (EXTRA)."""
 from __future__ import annotations
 
 import json
@@ -28,34 +29,42 @@ def _build(out: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_builds_the_three_stage_chain_and_skips_what_is_done(tmp_path):
+def test_builds_the_whole_chain_and_skips_what_is_done(tmp_path):
     out = tmp_path / "build"
     run = _build(out)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert f"built: {out / 'mini6' / 'mini'}" in run.stdout
-    cards = {n: json.loads((out / n / "mini" / "attnqat_mini.json").read_text()) for n in ("mini4", "mini5", "mini6")}
-    # each build continues the one before: the steps and runs of the chain add up
-    assert [c["transformer_steps"] for c in cards.values()] == [2, 4, 6]
-    assert [r["warm_start"] for r in cards["mini6"]["runs"]] == [False, True, True]
-    assert [r["stage"] for r in cards["mini6"]["timings"]] == ["vae", "transformer", "transformer", "transformer"]
-    # the recipe's settings (the test's EXTRA only shrinks sizes and steps)
-    shifts = [c["config"]["timesteps"]["shift"] for c in cards.values()]
-    schedules = [c["config"]["train"]["lr_schedule"] for c in cards.values()]
-    assert shifts == [3.0, 8.0, 8.0] and schedules == ["constant", "constant", "cosine"]
-    assert cards["mini6"]["config"]["train"]["min_lr_ratio"] == 0.1
-    assert all(c["config"]["train"]["from_scratch"] is (n == "mini4") for n, c in cards.items())
-    # the same command again: every stage is exported, nothing is trained again
-    before = {n: (out / n / "mini" / "attnqat_mini.json").read_bytes() for n in cards}
+    assert f"built: {out / 't4' / 'mini'}" in run.stdout
+    runs = ("t1", "t2", "t3", "t4")
+    cards = {n: json.loads((out / n / "mini" / "attnqat_mini.json").read_text()) for n in runs}
+    # the VAE: the 17-frame one on its own, then the shipped VAE's four trainings (the whole VAE, then its decoder)
+    assert [r["stage"] for r in json.loads((out / "vae17" / "timings.json").read_text())] == ["vae"]
+    vae_rows = json.loads((out / "vae" / "timings.json").read_text())
+    assert [r["trained"] for r in vae_rows] == ["all", "decoder", "decoder", "decoder"]
+    # each run continues the one before: the steps and runs of the chain add up, the VAE's trainings counted once
+    assert [c["transformer_steps"] for c in cards.values()] == [2, 4, 6, 8]
+    assert [r["warm_start"] for r in cards["t4"]["runs"]] == [False, True, True, True]
+    assert [r["stage"] for r in cards["t4"]["timings"]] == ["vae"] * 4 + ["transformer"] * 4
+    assert cards["t4"]["timings"][:4] == vae_rows
+    # the recipe's settings (the test's EXTRA only shrinks sizes, pools and steps)
+    train = [c["config"]["train"] for c in cards.values()]
+    assert [c["config"]["timesteps"]["shift"] for c in cards.values()] == [8.0] * 4
+    assert [t["lr_schedule"] for t in train] == ["constant", "constant", "cosine", "cosine"]
+    assert [t["lr"] for t in train] == [3e-4, 3e-4, 3e-4, 1e-4] and train[3]["min_lr_ratio"] == 0.0
+    assert [t["from_scratch"] for t in train] == [True, False, False, False]
+    # the same command again: every training is recorded, nothing is trained again
+    files = [out / n / "mini" / "attnqat_mini.json" for n in runs] + [out / n / "timings.json" for n in ("vae17", "vae")]
+    before = {f: f.read_bytes() for f in files}
     again = _build(out)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "mini5: exported already, skipped" in again.stdout and "mini6: exported already, skipped" in again.stdout
-    assert {n: (out / n / "mini" / "attnqat_mini.json").read_bytes() for n in cards} == before
-    # a build killed before its export continues in its own folder (no second warm start over it)
-    shutil.rmtree(out / "mini6" / "mini")
+    assert "vae: VAE training 4 done already, skipped" in again.stdout
+    assert all(f"{n}: exported already, skipped" in again.stdout for n in runs)
+    assert {f: f.read_bytes() for f in files} == before
+    # a run killed before its export continues in its own folder (no second warm start over it)
+    shutil.rmtree(out / "t4" / "mini")
     resumed = _build(out)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    card = json.loads((out / "mini6" / "mini" / "attnqat_mini.json").read_text())
-    assert card["transformer_steps"] == 6 and [r["warm_start"] for r in card["runs"]] == [False, True, True]
+    card = json.loads((out / "t4" / "mini" / "attnqat_mini.json").read_text())
+    assert card["transformer_steps"] == 8 and [r["warm_start"] for r in card["runs"]] == [False, True, True, True]
 
 
 @pytest.mark.parametrize("args, message", [((), "usage"), (("x", "--shp"), "usage"), (("x", "--ship", "y"), "usage"),
