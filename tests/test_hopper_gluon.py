@@ -151,3 +151,62 @@ def test_gpu_sm_scale_and_rows_independent(poison):
     v[0, 1] = float("nan")
     out = hopper_gluon.hopper_attention(q, k, v)
     assert torch.isfinite(out[0, 0]).all() and torch.isnan(out[0, 1]).all()
+
+
+def _fp4_bound(ref):
+    """attn_qat's GPU criterion: twice what rounding the exact result to bf16 costs, plus 2e-3 for the rare P
+    element that compiled exp2 (approximate) puts on the neighbouring grid value (SPEC §1 allows it)."""
+    return 2 * rel_err(ref.to(torch.bfloat16), ref) + 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [
+    (1, 2, 97, 97, 64, False, "bhld"),
+    (1, 2, 1025, 1025, 128, True, "bhld"),
+    (2, 3, 300, 1025, 128, False, "blhd"),   # Lq < Lk, both ragged
+    (2, 3, 1025, 300, 64, True, "blhd"),     # Lq > Lk causal: rows past Lk see every key
+    (1, 4, 4096, 512, 128, False, "bhld"),   # Wan's cross-attention: 512 text tokens
+    (1, 2, 4096, 4096, 64, True, "bhld"),
+    (1, 1, 1, 129, 128, True, "bhld"),
+])
+def test_gpu_fp4_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, poison):
+    """The Gluon FP4 forward against attn_qat's Triton FP4 forward (the nvfp4 mode, same numerics) and the PyTorch
+    reference (SPEC §2 in fp32). Both kernels are held to the same bound against the reference, and to each
+    other; a forward that skipped P's quantization would be ~0.1 off (FP4 noise), far outside it."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = _inputs(b, h, lq, lk, d, layout)
+    with torch.no_grad():
+        out = hopper_gluon.hopper_fp4_attention(q, k, v, causal=causal)
+        triton_out = nvfp4_attention(q, k, v, causal=causal)
+    ref = R.attn_qat_forward_ref(q, k, v, causal=causal, training=False)[0]
+    assert out.shape == (b, h, lq, d) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    assert rel_err(triton_out, ref) <= _fp4_bound(ref)
+    assert rel_err(out, ref) <= _fp4_bound(ref)
+    assert rel_err(out, triton_out) <= _fp4_bound(ref)
+    # and it is FP4 attention, not exact attention (FP4 noise: ~0.1-0.2 relative)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    assert rel_err(out, exact) > 5 * rel_err(out, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_fp4_sm_scale_fp16_and_nan_stays_in_its_head(poison):
+    """A non-default sm_scale, fp16 inputs (P's rounding in f16x2), and a NaN in one head's V: its block of 16 values
+    turns NaN in every row of that head's output and nowhere else (the tile-order pre-pass keeps rows apart and
+    pads with zeros)."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = (t.to(torch.float16) for t in _inputs(1, 2, 300, 333, 128, "bhld"))
+    with torch.no_grad():
+        out = hopper_gluon.hopper_fp4_attention(q, k, v, sm_scale=0.3)
+        ref = R.attn_qat_forward_ref(q, k, v, sm_scale=0.3, training=False)[0]
+        assert out.dtype == torch.float16
+        assert rel_err(out, ref) <= 2 * rel_err(ref.to(torch.float16), ref) + 2e-3
+        assert rel_err(out, nvfp4_attention(q, k, v, sm_scale=0.3)) <= 2 * rel_err(ref.to(torch.float16), ref) + 2e-3
+        v[0, 1, 7, 3] = float("nan")
+        out = hopper_gluon.hopper_fp4_attention(q, k, v)
+    assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[0, 1, :, 16:]).all()
+    assert torch.isnan(out[0, 1, :, :16]).all()
