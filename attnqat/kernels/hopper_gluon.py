@@ -193,8 +193,8 @@ if not _MISSING:
 
     @gluon.jit
     def _per_row(x, layout: gl.constexpr):
-        """A per-row statistic as a (BLOCK_M,) vector in ``layout`` (the FP4 step keeps them 5-d)."""
-        return gl.convert_layout(gl.reshape(x, [x.shape[0]]), layout)
+        """A per-row statistic as a (BLOCK_M,) vector in ``layout`` (the FP4 step keeps them 5-d); moves no data."""
+        return gl.convert_layout(gl.reshape(x, [x.shape[0]]), layout, assert_trivial=True)
 
     @gluon.jit
     def _attn_softmax_mma(o_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
