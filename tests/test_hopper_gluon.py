@@ -105,6 +105,19 @@ def test_key_tile_prepass_is_phi_in_tile_order(n, block_n, poison):
     assert torch.isnan(got).sum() == 16  # the NaN's block of 16, in its row only
 
 
+# (B, H, Lq, Lk, D, causal, layout) for both variants' GPU tests: ragged lengths, Lq != Lk both ways, both head dims
+GPU_SHAPES = [
+    (1, 2, 97, 97, 64, False, "bhld"),
+    (1, 2, 1025, 1025, 128, True, "bhld"),
+    (2, 3, 300, 1025, 128, False, "blhd"),   # Lq < Lk, both ragged
+    (2, 3, 1025, 300, 64, True, "blhd"),     # Lq > Lk causal: rows past Lk see every key
+    (1, 4, 4096, 512, 128, False, "bhld"),   # Wan's cross-attention: 512 text tokens
+    (1, 2, 4096, 4096, 64, True, "bhld"),
+    (1, 1, 1, 129, 64, True, "bhld"),
+    (1, 1, 1, 129, 128, True, "bhld"),
+]
+
+
 def _inputs(b, h, lq, lk, d, layout):
     """bf16 q, k, v; ``"bhld"`` contiguous, ``"blhd"`` diffusers' (B, L, H, D) tensors seen as (B, H, L, D)."""
     def one(n):
@@ -115,14 +128,7 @@ def _inputs(b, h, lq, lk, d, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [
-    (1, 2, 97, 97, 64, False, "bhld"),
-    (1, 2, 1025, 1025, 128, True, "bhld"),
-    (2, 3, 300, 1025, 128, False, "blhd"),   # Lq < Lk, both ragged
-    (2, 3, 1025, 300, 64, True, "blhd"),     # Lq > Lk causal: rows past Lk see every key
-    (1, 4, 4096, 512, 128, False, "bhld"),   # Wan's cross-attention: 512 text tokens
-    (1, 1, 1, 129, 64, True, "bhld"),
-])
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
 def test_gpu_matches_sdpa(b, h, lq, lk, d, causal, layout, poison):
     ok, why = hopper_gluon.available()
     if not ok:
@@ -160,15 +166,7 @@ def _fp4_bound(ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [
-    (1, 2, 97, 97, 64, False, "bhld"),
-    (1, 2, 1025, 1025, 128, True, "bhld"),
-    (2, 3, 300, 1025, 128, False, "blhd"),   # Lq < Lk, both ragged
-    (2, 3, 1025, 300, 64, True, "blhd"),     # Lq > Lk causal: rows past Lk see every key
-    (1, 4, 4096, 512, 128, False, "bhld"),   # Wan's cross-attention: 512 text tokens
-    (1, 2, 4096, 4096, 64, True, "bhld"),
-    (1, 1, 1, 129, 128, True, "bhld"),
-])
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
 def test_gpu_fp4_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, poison):
     """The Gluon FP4 forward against attn_qat's Triton FP4 forward (the nvfp4 mode, same numerics) and the PyTorch
     reference (SPEC §2 in fp32). Both kernels are held to the same bound against the reference, and to each
