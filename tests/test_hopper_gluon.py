@@ -73,13 +73,14 @@ def test_unavailable_says_why(fn):
         fn(q, q, q)
 
 
-def test_fp4_forward_refuses_grad_and_bad_inputs_first():
+def test_fp4_forward_refuses_grad_and_bad_inputs_first(device):
     """Input errors come before the hardware check, on any machine: the FP4 forward has no backward."""
-    q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
     with pytest.raises(ValueError, match="inference-only"):
         hopper_gluon.hopper_fp4_attention(q, q, q)
     with pytest.raises(ValueError, match="head_dim 32"):
-        hopper_gluon.hopper_fp4_attention(*(torch.randn(1, 1, 8, 32, dtype=torch.bfloat16) for _ in range(3)))
+        hopper_gluon.hopper_fp4_attention(*(torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device)
+                                            for _ in range(3)))
 
 
 def _tile_key(c, block_n):
@@ -89,16 +90,16 @@ def _tile_key(c, block_n):
 
 
 @pytest.mark.parametrize("n,block_n", [(200, 64), (97, 128), (256, 128)])
-def test_key_tile_prepass_is_phi_in_tile_order(n, block_n, poison):
+def test_key_tile_prepass_is_phi_in_tile_order(n, block_n, device, poison):
     """quantize_heads(key_tile=n), the FP4 forward's K and V: phi along head_dim, each tile's rows in tile order,
     zeros (not left unwritten) past the last key; a NaN row stays in its row."""
-    x = torch.randn(2, 3, n, 64) * 3
+    x = torch.randn(2, 3, n, 64, device=device) * 3
     x[1, 2, n // 2, 5] = float("nan")
     got = quantize_heads(x, torch.float32, key_tile=block_n)
     tiles = -(-n // block_n)
-    want = torch.zeros(2, 3, tiles * block_n, 64)
+    want = torch.zeros(2, 3, tiles * block_n, 64, device=device)
     want[:, :, :n] = R.fake_quant_nvfp4_ref(x)
-    cols = torch.arange(tiles * block_n)
+    cols = torch.arange(tiles * block_n, device=device)
     order = (cols // block_n) * block_n + _tile_key(cols % block_n, block_n)
     assert got.shape == (2, 3, tiles * block_n, 64)
     torch.testing.assert_close(got, want[:, :, order], rtol=0, atol=0, equal_nan=True)
