@@ -33,8 +33,8 @@ def test_forward_compiles_for_sm90a():
     kernel: sm_90a wgmma with P as a register operand, 4-d TMA copies completing on mbarriers, setmaxnreg from
     the warp-specialised load partition; and it fits in H100's shared memory. The FP4 variant adds P's
     quantization in registers only: the hardware e4m3 cast of the block scales and the packed bf16 e2m1
-    rounding, and no shared-memory traffic or barrier beyond the bf16 variant's (its 16-key blocks lie in
-    one thread; its reshapes are asserted free at compile time). A compile only, outside the interpreter
+    rounding, and no shuffle, shared-memory traffic or barrier beyond the bf16 variant's (its 16-key blocks lie
+    in one thread; its reshapes are asserted free at compile time). A compile only, outside the interpreter
     (whose gl.max is not compilable), in a subprocess."""
     if hopper_gluon._MISSING:
         pytest.skip(f"cannot compile the Gluon sm_90 forward here: {hopper_gluon._MISSING}")
@@ -44,7 +44,7 @@ def test_forward_compiles_for_sm90a():
         fp4 = out[f"{head_dim},True"]["ptx"]
         assert "cvt.rn.satfinite.e4m3x2.f32" in fp4 and "cvt.rn.satfinite.e4m3x2.f32" not in bf16
         assert "fma.rn.bf16x2" in fp4
-        for op in ("st.shared", "ld.shared", "bar.sync", "bar.arrive"):
+        for op in ("st.shared", "ld.shared", "bar.sync", "bar.arrive", "shfl.sync"):
             assert fp4.count(op) == bf16.count(op), op
     for key, compiled in out.items():
         head_dim = int(key.split(",")[0])

@@ -158,7 +158,7 @@ if not _MISSING:
         BLOCK_M: gl.constexpr = s.shape[0]
         s5 = gl.reshape(s, [BLOCK_M, BLOCK_N // 64, 8, 4, 2])
         smax = gl.max(gl.max(s5, axis=4, keep_dims=True), axis=2, keep_dims=True)  # each block's max S
-        row_max = gl.max(gl.max(smax, axis=3, keep_dims=True), axis=1, keep_dims=True)
+        row_max = gl.max(gl.max(smax, axis=1, keep_dims=True), axis=3, keep_dims=True)  # registers, then lanes
         if FIRST:
             m_i = gl.full_like(row_max, float("-inf"))
             l_i = gl.zeros_like(row_max)
