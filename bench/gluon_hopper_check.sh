@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One device call on an H100/H200: the Gluon sm_90 forward's compile and GPU tests, then its timings beside
-# cuDNN and flash SDPA. Every step has a timeout (a pipeline deadlock hangs the GPU, not the script).
-# Logs to $OUT (default /tmp/gluon_hopper_out).
+# One device call on an H100/H200 (under 10 minutes): the Gluon sm_90 forward's compile and GPU tests (bf16 and
+# FP4 inference variants), then their timings beside cuDNN, flash SDPA and attn_qat's Triton FP4 forward. Every
+# step has a timeout (a pipeline deadlock hangs the GPU, not the script). Logs to $OUT (default
+# /tmp/gluon_hopper_out).
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gluon_hopper_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.log"
-timeout ${T_TEST:-180} python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_hopper_gluon.py 2>&1 \
-  | tee "$OUT/pytest.log" | tail -30
-timeout ${T_BENCH:-240} python3 bench/gluon_hopper.py 2>&1 | tee "$OUT/bench.log"
+timeout ${T_TEST:-240} python3 -m pytest -q -rs -p no:cacheprovider -m "gpu or not gpu" tests/test_hopper_gluon.py 2>&1 \
+  | tee "$OUT/pytest.log" | tail -40
+timeout ${T_BENCH:-180} python3 bench/gluon_hopper.py 2>&1 | tee "$OUT/bench.log"
 timeout ${T_CAUSAL:-120} python3 bench/gluon_hopper.py --shapes 1,40,8192,128 2,24,4096,64 --causal 2>&1 \
   | tee "$OUT/bench_causal.log"

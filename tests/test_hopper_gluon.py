@@ -1,5 +1,6 @@
-"""The Gluon sm_90 forward (attnqat/kernels/hopper_gluon.py): it compiles for sm_90a on any machine whose Triton
-has Gluon's Hopper API, and on an H100/H200 it matches SDPA on ragged, causal and Lq != Lk shapes."""
+"""The Gluon sm_90 forward (attnqat/kernels/hopper_gluon.py): both variants compile for sm_90a on any machine whose
+Triton has Gluon's Hopper API; on an H100/H200 the bf16 one matches SDPA and the FP4 inference one matches attn_qat's
+Triton forward and the PyTorch reference, on ragged, causal and Lq != Lk shapes."""
 import re
 
 import pytest
@@ -7,6 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from attnqat.kernels import hopper_gluon
+from attnqat.kernels import reference as R
+from attnqat.kernels.attn_qat import nvfp4_attention
+from attnqat.kernels.nvfp4 import quantize_heads
 from conftest import compiled_outside_interpreter, rel_err
 
 H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
@@ -17,22 +21,34 @@ import json
 from attnqat.kernels.hopper_gluon import compile_forward
 out = {}
 for head_dim, causal in ((64, False), (128, True)):
-    compiled = compile_forward(head_dim, causal)
-    out[head_dim] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}
+    for fp4 in (False, True):
+        compiled = compile_forward(head_dim, causal, fp4=fp4)
+        out[f"{head_dim},{fp4}"] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}
 print(json.dumps(out))
 """
 
 
 def test_forward_compiles_for_sm90a():
-    """At head_dim 64 (non-causal) and 128 (causal) the kernel lowers to what makes it a Hopper kernel: sm_90a
-    wgmma with P as a register operand, 4-d TMA copies completing on mbarriers, setmaxnreg from the
-    warp-specialised load partition; and it fits in H100's shared memory. A compile only, outside the
-    interpreter (whose gl.max is not compilable), in a subprocess."""
+    """At head_dim 64 (non-causal) and 128 (causal), bf16 and FP4, the kernel lowers to what makes it a Hopper
+    kernel: sm_90a wgmma with P as a register operand, 4-d TMA copies completing on mbarriers, setmaxnreg from
+    the warp-specialised load partition; and it fits in H100's shared memory. The FP4 variant adds P's
+    quantization in registers only: the hardware e4m3 cast of the block scales and the packed bf16 e2m1
+    rounding, and no shuffle, shared-memory traffic or barrier beyond the bf16 variant's (its 16-key blocks lie
+    in one thread; its reshapes are asserted free at compile time). A compile only, outside the interpreter
+    (whose gl.max is not compilable), in a subprocess."""
     if hopper_gluon._MISSING:
         pytest.skip(f"cannot compile the Gluon sm_90 forward here: {hopper_gluon._MISSING}")
     out = compiled_outside_interpreter(COMPILE, timeout=300)
     for head_dim in (64, 128):
-        ptx, shared = out[str(head_dim)]["ptx"], out[str(head_dim)]["shared"]
+        bf16 = out[f"{head_dim},False"]["ptx"]
+        fp4 = out[f"{head_dim},True"]["ptx"]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in fp4 and "cvt.rn.satfinite.e4m3x2.f32" not in bf16
+        assert "fma.rn.bf16x2" in fp4
+        for op in ("st.shared", "ld.shared", "bar.sync", "bar.arrive", "shfl.sync"):
+            assert fp4.count(op) == bf16.count(op), op
+    for key, compiled in out.items():
+        head_dim = int(key.split(",")[0])
+        ptx, shared = compiled["ptx"], compiled["shared"]
         assert ".target sm_90a" in ptx
         block_n = hopper_gluon.FWD_CONFIG[head_dim][1]
         # S = Q K^T: both operands in shared memory (64-bit descriptors); O += P V: P in four registers
@@ -46,14 +62,61 @@ def test_forward_compiles_for_sm90a():
         assert shared <= H100_SHARED_BYTES
 
 
-def test_unavailable_says_why():
+@pytest.mark.parametrize("fn", [hopper_gluon.hopper_attention, hopper_gluon.hopper_fp4_attention])
+def test_unavailable_says_why(fn):
     ok, why = hopper_gluon.available()
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and not hopper_gluon._MISSING:
         pytest.skip("this machine can run the kernel")
     assert not ok and why and "\n" not in why
     with pytest.raises(RuntimeError, match=re.escape(why)):
         q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
-        hopper_gluon.hopper_attention(q, q, q)
+        fn(q, q, q)
+
+
+def test_fp4_forward_refuses_grad_and_bad_inputs_first(device):
+    """Input errors come before the hardware check, on any machine: the FP4 forward has no backward."""
+    q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="inference-only"):
+        hopper_gluon.hopper_fp4_attention(q, q, q)
+    with pytest.raises(ValueError, match="head_dim 32"):
+        hopper_gluon.hopper_fp4_attention(*(torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device)
+                                            for _ in range(3)))
+
+
+def _tile_key(c, block_n):
+    """SPEC-independent restatement of nvfp4.tile_keys: column 8j + 2r + e of a tile holds key (block_n/4) r + 2j + e."""
+    j, r, e = c // 8, (c // 2) % 4, c % 2
+    return (block_n // 4) * r + 2 * j + e
+
+
+@pytest.mark.parametrize("n,block_n", [(200, 64), (97, 128), (256, 128)])
+def test_key_tile_prepass_is_phi_in_tile_order(n, block_n, device, poison):
+    """quantize_heads(key_tile=n), the FP4 forward's K and V: phi along head_dim, each tile's rows in tile order,
+    zeros (not left unwritten) past the last key; a NaN row stays in its row."""
+    x = torch.randn(2, 3, n, 64, device=device) * 3
+    x[1, 2, n // 2, 5] = float("nan")
+    got = quantize_heads(x, torch.float32, key_tile=block_n)
+    tiles = -(-n // block_n)
+    want = torch.zeros(2, 3, tiles * block_n, 64, device=device)
+    want[:, :, :n] = R.fake_quant_nvfp4_ref(x)
+    cols = torch.arange(tiles * block_n, device=device)
+    order = (cols // block_n) * block_n + _tile_key(cols % block_n, block_n)
+    assert got.shape == (2, 3, tiles * block_n, 64)
+    torch.testing.assert_close(got, want[:, :, order], rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got).sum() == 16  # the NaN's block of 16, in its row only
+
+
+# (B, H, Lq, Lk, D, causal, layout) for both variants' GPU tests: ragged lengths, Lq != Lk both ways, both head dims
+GPU_SHAPES = [
+    (1, 2, 97, 97, 64, False, "bhld"),
+    (1, 2, 1025, 1025, 128, True, "bhld"),
+    (2, 3, 300, 1025, 128, False, "blhd"),   # Lq < Lk, both ragged
+    (2, 3, 1025, 300, 64, True, "blhd"),     # Lq > Lk causal: rows past Lk see every key
+    (1, 4, 4096, 512, 128, False, "bhld"),   # Wan's cross-attention: 512 text tokens
+    (1, 2, 4096, 4096, 64, True, "bhld"),
+    (1, 1, 1, 129, 64, True, "bhld"),
+    (1, 1, 1, 129, 128, True, "bhld"),
+]
 
 
 def _inputs(b, h, lq, lk, d, layout):
@@ -66,14 +129,7 @@ def _inputs(b, h, lq, lk, d, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [
-    (1, 2, 97, 97, 64, False, "bhld"),
-    (1, 2, 1025, 1025, 128, True, "bhld"),
-    (2, 3, 300, 1025, 128, False, "blhd"),   # Lq < Lk, both ragged
-    (2, 3, 1025, 300, 64, True, "blhd"),     # Lq > Lk causal: rows past Lk see every key
-    (1, 4, 4096, 512, 128, False, "bhld"),   # Wan's cross-attention: 512 text tokens
-    (1, 1, 1, 129, 64, True, "bhld"),
-])
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
 def test_gpu_matches_sdpa(b, h, lq, lk, d, causal, layout, poison):
     ok, why = hopper_gluon.available()
     if not ok:
@@ -102,3 +158,54 @@ def test_gpu_sm_scale_and_rows_independent(poison):
     v[0, 1] = float("nan")
     out = hopper_gluon.hopper_attention(q, k, v)
     assert torch.isfinite(out[0, 0]).all() and torch.isnan(out[0, 1]).all()
+
+
+def _fp4_bound(ref):
+    """attn_qat's GPU criterion: twice what rounding the exact result to bf16 costs, plus 2e-3 for the rare P
+    element that compiled exp2 (approximate) puts on the neighbouring grid value (SPEC §1 allows it)."""
+    return 2 * rel_err(ref.to(torch.bfloat16), ref) + 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
+def test_gpu_fp4_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, poison):
+    """The Gluon FP4 forward against attn_qat's Triton FP4 forward (the nvfp4 mode, same numerics) and the PyTorch
+    reference (SPEC §2 in fp32). Both kernels are held to the same bound against the reference, and to each
+    other; a forward that skipped P's quantization would be ~0.1 off (FP4 noise), far outside it."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = _inputs(b, h, lq, lk, d, layout)
+    with torch.no_grad():
+        out = hopper_gluon.hopper_fp4_attention(q, k, v, causal=causal)
+        triton_out = nvfp4_attention(q, k, v, causal=causal)
+    ref = R.attn_qat_forward_ref(q, k, v, causal=causal, training=False)[0]
+    assert out.shape == (b, h, lq, d) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    assert rel_err(triton_out, ref) <= _fp4_bound(ref)
+    assert rel_err(out, ref) <= _fp4_bound(ref)
+    assert rel_err(out, triton_out) <= _fp4_bound(ref)
+    # and it is FP4 attention, not exact attention (FP4 noise: ~0.1-0.2 relative)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    assert rel_err(out, exact) > 5 * rel_err(out, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_fp4_sm_scale_fp16_and_nan_stays_in_its_head(poison):
+    """A non-default sm_scale, fp16 inputs (P's rounding in f16x2), and a NaN in one head's V: its block of 16 values
+    turns NaN in every row of that head's output and nowhere else (the tile-order pre-pass keeps rows apart and
+    pads with zeros)."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = (t.to(torch.float16) for t in _inputs(1, 2, 300, 333, 128, "bhld"))
+    with torch.no_grad():
+        out = hopper_gluon.hopper_fp4_attention(q, k, v, sm_scale=0.3)
+        ref = R.attn_qat_forward_ref(q, k, v, sm_scale=0.3, training=False)[0]
+        assert out.dtype == torch.float16
+        assert rel_err(out, ref) <= 2 * rel_err(ref.to(torch.float16), ref) + 2e-3
+        assert rel_err(out, nvfp4_attention(q, k, v, sm_scale=0.3)) <= 2 * rel_err(ref.to(torch.float16), ref) + 2e-3
+        v[0, 1, 7, 3] = float("nan")
+        out = hopper_gluon.hopper_fp4_attention(q, k, v)
+    assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[0, 1, :, 16:]).all()
+    assert torch.isnan(out[0, 1, :, :16]).all()

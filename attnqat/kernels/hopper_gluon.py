@@ -17,6 +17,11 @@ through a 4-d TMA descriptor, so ragged tails (Lq, Lk not multiples of the tiles
 zero-filled from TMA, keys past Lk are masked to -inf, and output rows past Lq are clipped by the TMA store.
 Causal masking is top-left aligned (SDPA's ``is_causal``).
 
+Two variants of the one kernel, a constexpr apart (``FP4``): :func:`hopper_attention`, bf16/fp16 attention;
+:func:`hopper_fp4_attention`, the FP4 inference forward of SPEC §2 (attn_qat's Triton forward's numerics):
+a pre-pass writes phi(Q), phi(K), phi(V) exactly in bf16 (K and V rows in tile order), and the softmax
+partition quantizes P in registers (:func:`_fp4_step`) before the P V wgmma. The pipeline is the same.
+
 This module is a fast path in preparation: nothing dispatches to it yet. :func:`available` says whether it
 can run here (Triton's Gluon API for Hopper, an sm_90 GPU); :func:`compile_forward` compiles it for sm_90a
 without a GPU. Triton 3.6 and 3.9 name the TMA copies differently (``async_copy_global_to_shared`` /
@@ -28,8 +33,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._common import check_qkv, default_scale, interpreting
+from ._common import check_qkv, default_scale, interpreting, needs_grad
 from ._hardware import compile_for
+from .attn_qat import _round_p
+from .nvfp4 import quantize_heads, tile_keys
 
 try:
     from triton.experimental import gluon
@@ -109,20 +116,91 @@ if not _MISSING:
         return warpgroup_mma(p, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
 
     @gluon.jit
-    def _masked_logits(s, j, offs_m, seqlen_k, qk_scale, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """S_j in log2 units (scaled by sm_scale * log2(e)), -inf where key j*BLOCK_N+n is past Lk (TMA's
-        zero fill of the ragged tail) or, causal, after the query."""
-        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s.type.layout))
+    def _masked(s, j, offs_m, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FP4: gl.constexpr):
+        """S_j with -inf where its key is past Lk (TMA's zero fill of the ragged tail, or the FP4 pre-pass's
+        zero rows) or, causal, after the query. Column n holds key j*BLOCK_N + n, or with FP4 (K and V rows in
+        tile order) key j*BLOCK_N + tile_keys(n)."""
+        cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s.type.layout))
+        if FP4:
+            cols = tile_keys(cols, BLOCK_N)
+        offs_n = j * BLOCK_N + cols
         keep = offs_n[None, :] < seqlen_k
         if CAUSAL:
             keep = keep & (offs_m[:, None] >= offs_n[None, :])
-        return gl.where(keep, s * qk_scale, -float("inf"))
+        return gl.where(keep, s, -float("inf"))
+
+    @gluon.jit
+    def _bf16_step(s, m_i, l_i, qk_scale, FIRST: gl.constexpr):
+        """FlashAttention's online softmax step in log2 units: (P_j unnormalised, alpha = 2^(m - m_new), m_new,
+        l_new). FIRST (constexpr: block 0) starts m and l; its alpha is unused (nothing is accumulated yet)."""
+        s = s * qk_scale
+        if FIRST:
+            m_new = gl.max(s, axis=1)  # finite for every row: key 0 is always attended
+            alpha = m_new
+            p = gl.exp2(s - m_new[:, None])
+            l_new = gl.sum(p, axis=1)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l_new = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _fp4_step(s, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr, FIRST: gl.constexpr, FP16: gl.constexpr):
+        """SPEC §2's step, as attn_qat's Triton forward computes it: integer running max m, P~ = 2688 2^(S - m),
+        l from the unquantized P~, P_j = phi(P~) along keys in blocks of 16.
+
+        K's rows are in tile order, so each thread's accumulator columns hold BLOCK_N/4 consecutive keys:
+        viewed as (rows, BLOCK_N/64, 8, 4, 2), axes 1 and 3 name a 16-key block and axes 2 and 4 its keys,
+        all in one thread's registers (a reshape of wgmma's accumulator, no data moves), so the block max and
+        sum need no shuffles. m, l and alpha stay (rows, 1, 1, 1, 1) in that view."""
+        BLOCK_M: gl.constexpr = s.shape[0]
+        s5 = gl.reshape(s, [BLOCK_M, BLOCK_N // 64, 8, 4, 2])
+        smax = gl.max(gl.max(s5, axis=4, keep_dims=True), axis=2, keep_dims=True)  # each block's max S
+        row_max = gl.max(gl.max(smax, axis=1, keep_dims=True), axis=3, keep_dims=True)  # registers, then lanes
+        if FIRST:
+            m_i = gl.full_like(row_max, float("-inf"))
+            l_i = gl.zeros_like(row_max)
+        # qk_scale > 0, so max(s) * qk_scale = max(s * qk_scale); it then rides in one FMA with -base below
+        m_new = gl.maximum(m_i, gl.ceil(row_max * qk_scale))
+        seen = m_new > float("-inf")  # rows that have met a visible key
+        alpha = gl.where(seen, gl.exp2(m_i - m_new), 1.0)
+        base = gl.where(seen, m_new - 11.392317422778761, 0.0)  # P~ = 2^(S scale - base); 11.39... = log2(2688)
+        xmax = smax * qk_scale - base  # log2 of each block's max P~
+        sc = (gl.exp2(xmax) * (1.0 / 6.0)).to(gl.float8e4nv).to(gl.float32)  # s = e4m3(amax / 6), RNE
+        # a block whose s rounds to 0 quantizes to 0; its y stay <= 1 (and finite) for l
+        ls = gl.where(sc > 0.0, gl.log2(gl.where(sc > 0.0, sc, 1.0)), gl.maximum(xmax, -126.0))
+        s_l = gl.where(sc > 0.0, sc, gl.exp2(ls))
+        y5 = gl.exp2(s5 * qk_scale - (base + ls))  # P~ / s, no per-element division
+        block_sum = gl.sum(gl.sum(y5, axis=4, keep_dims=True), axis=2, keep_dims=True)
+        l_new = l_i * alpha + gl.sum(gl.sum(block_sum * s_l, axis=1, keep_dims=True), axis=3, keep_dims=True)
+        y5, sc = gl.broadcast(y5, sc)
+        p = _round_p(y5, sc, False, FP16)  # e2m1(y) * s in the dot's dtype, exact
+        return gl.reshape(p, [BLOCK_M, BLOCK_N]), alpha, m_new, l_new
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale, dtype: gl.constexpr, BLOCK_N: gl.constexpr, FIRST: gl.constexpr,
+                      FP4: gl.constexpr):
+        """One key block's softmax on masked S_j: (P_j in dtype and S's layout, alpha, m_new, l_new)."""
+        if FP4:
+            p, alpha, m_new, l_new = _fp4_step(s, m_i, l_i, qk_scale, BLOCK_N, FIRST, dtype == gl.float16)
+            p = gl.convert_layout(p, s.type.layout, assert_trivial=True)  # the reshapes moved nothing
+        else:
+            p, alpha, m_new, l_new = _bf16_step(s, m_i, l_i, qk_scale, FIRST)
+            p = p.to(dtype)
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _per_row(x, layout: gl.constexpr):
+        """A per-row statistic as a (BLOCK_M,) vector in ``layout`` (the FP4 step keeps them 5-d); moves no data."""
+        return gl.convert_layout(gl.reshape(x, [x.shape[0]]), layout, assert_trivial=True)
 
     @gluon.jit
     def _attn_softmax_mma(o_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
                           off_b, off_h, off_m, n_blocks, seqlen_k, qk_scale, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                          CAUSAL: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr):
         """Default partition: both matmuls and the online softmax, then O / l through shared memory and TMA."""
         # wgmma's accumulator layouts: instruction M=16 per warp, warps stacked along M (4 per warpgroup),
         # N = the whole tile, K = 16 bf16 elements (256 bits).
@@ -141,15 +219,13 @@ if not _MISSING:
         mbarrier.wait(q_ready, 0)
         q = q_smem.reshape([BLOCK_M, HEAD_DIM])
 
-        # Block 0 alone: its logits start the running max (finite for every row: key 0 is always attended).
+        # Block 0 alone: its logits start the running max.
         s = _issue_scores(q, k_bufs, k_ready, 0, zero, BLOCK_N, HEAD_DIM, NUM_STAGES)
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(0), count=1)
-        s = _masked_logits(s, 0, offs_m, seqlen_k, qk_scale, BLOCK_N, CAUSAL)
-        m_i = gl.max(s, axis=1)
-        p = gl.exp2(s - m_i[:, None])
-        l_i = gl.sum(p, axis=1)
-        p = gl.convert_layout(p.to(dtype), p_layout)
+        s = _masked(s, 0, offs_m, seqlen_k, BLOCK_N, CAUSAL, FP4)
+        p, alpha, m_i, l_i = _softmax_step(s, None, None, qk_scale, dtype, BLOCK_N, True, FP4)
+        p = gl.convert_layout(p, p_layout)
 
         for j in range(1, n_blocks):
             # S_j first, then P_{j-1} V_{j-1}; waiting until one group is pending leaves the PV running while
@@ -158,21 +234,17 @@ if not _MISSING:
             acc = _issue_pv(p, v_bufs, v_ready, acc, j - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
             s = warpgroup_mma_wait(1, deps=[s])
             mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
-            s = _masked_logits(s, j, offs_m, seqlen_k, qk_scale, BLOCK_N, CAUSAL)
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p_next = gl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p_next, axis=1)
-            m_i = m_new
+            s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, FP4)
+            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, dtype, BLOCK_N, False, FP4)
             # P_{j-1} stays a dependency until its wgmma is done: its registers are that MMA's A operand.
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])
             mbarrier.arrive(v_empty.index((j - 1) % NUM_STAGES), count=1)
-            acc = acc * gl.convert_layout(alpha, acc_row_layout)[:, None]
-            p = gl.convert_layout(p_next.to(dtype), p_layout)
+            acc = acc * _per_row(alpha, acc_row_layout)[:, None]
+            p = gl.convert_layout(p_next, p_layout)
 
         acc = _issue_pv(p, v_bufs, v_ready, acc, n_blocks - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
         acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-        out = acc / gl.convert_layout(l_i, acc_row_layout)[:, None]
+        out = acc / _per_row(l_i, acc_row_layout)[:, None]
 
         # Q's slot is free once the last S finished (above): O goes out through it; TMA clips rows past Lq.
         q.store(out.to(dtype))
@@ -183,12 +255,13 @@ if not _MISSING:
     @gluon.jit
     def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seqlen_k, qk_scale, num_heads,
                   HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  FP4: gl.constexpr, num_warps: gl.constexpr):
         """One program per (BLOCK_M query rows, batch * head): allocate the ring and its barriers, then fork
         into the load partition and the softmax/MMA partition."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         gl.static_assert(q_desc.block_type.shape[3] == HEAD_DIM)
+        gl.static_assert(not FP4 or BLOCK_N % 64 == 0)  # _fp4_step: each thread holds whole 16-key blocks
         off_m = gl.program_id(0) * BLOCK_M
         off_b = gl.program_id(1) // num_heads
         off_h = gl.program_id(1) % num_heads
@@ -215,7 +288,7 @@ if not _MISSING:
         gl.warp_specialize([
             (_attn_softmax_mma, (o_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
                                  off_b, off_h, off_m, n_blocks, seqlen_k, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, CAUSAL, num_warps)),
+                                 NUM_STAGES, CAUSAL, FP4, num_warps)),
             (_attn_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
                           v_empty, off_b, off_h, off_m, n_blocks, BLOCK_N, NUM_STAGES)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -240,6 +313,29 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if aligned else t.contiguous()
 
 
+def _launch(q, k, v, seqlen_k: int, sm_scale: float | None, causal: bool, fp4: bool) -> torch.Tensor:
+    """Run the kernel over TMA-ready (B, H, L, D) q, k, v (k, v: at least seqlen_k rows); a new (B, H, Lq, D)
+    output in q's dtype."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    block_m, block_n, stages, warps = FWD_CONFIG[head_dim]
+    out = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
+    _attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
+                    _descriptor(out, block_m), seqlen_k, default_scale(head_dim, sm_scale) * LOG2E, heads,
+                    HEAD_DIM=head_dim, CAUSAL=bool(causal), NUM_STAGES=stages, FP4=fp4, num_warps=warps)
+    return out
+
+
+def _check(q, k, v, name, sm_scale, causal, inference_only=False):
+    """The inputs' one check (ValueError), then whether the kernel can run here (RuntimeError)."""
+    check_qkv(q, k, v, name=name, sm_scale=sm_scale, causal=causal, head_dims=HEAD_DIMS)
+    if inference_only and needs_grad(q, k, v):
+        raise ValueError(f"{name} is inference-only (no backward): call it under torch.no_grad()")
+    ok, why = available(q.device)
+    if not ok:
+        raise RuntimeError(f"{name}: {why}")
+
+
 def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                      causal: bool = False) -> torch.Tensor:
     """Softmax(Q K^T * sm_scale) V with the Gluon sm_90 forward.
@@ -252,24 +348,33 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sc
     Return:
         (batch, heads, seqlen_q, head_dim) in q's dtype, a new tensor.
     """
-    check_qkv(q, k, v, name="hopper_attention", sm_scale=sm_scale, causal=causal, head_dims=HEAD_DIMS)
-    ok, why = available(q.device)
-    if not ok:
-        raise RuntimeError(f"hopper_attention: {why}")
-    batch, heads, seqlen_q, head_dim = q.shape
-    block_m, block_n, stages, warps = FWD_CONFIG[head_dim]
-    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    out = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
-    grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
-    _attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
-                    _descriptor(out, block_m), k.shape[2], default_scale(head_dim, sm_scale) * LOG2E, heads,
-                    HEAD_DIM=head_dim, CAUSAL=bool(causal), NUM_STAGES=stages, num_warps=warps)
-    return out
+    _check(q, k, v, "hopper_attention", sm_scale, causal)
+    return _launch(_tma_ready(q), _tma_ready(k), _tma_ready(v), k.shape[2], sm_scale, causal, fp4=False)
 
 
-def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16):
-    """Compile the forward for sm_90a without a GPU (what a launch at ``head_dim`` would build); returns
-    Triton's compiled kernel (``.asm["ptx"]``, ``.metadata.shared``, ...)."""
+def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                         causal: bool = False) -> torch.Tensor:
+    """The FP4 inference forward (``nvfp4``, and ``attn_qat`` without grad; SPEC §2) with the Gluon sm_90
+    forward: the numerics of attn_qat's Triton forward, on the warp-specialised pipeline.
+
+    Q K^T runs over exactly dequantized NVFP4 operands: the pre-pass (``nvfp4.quantize_heads``) writes
+    phi(Q), phi(K), phi(V) along head_dim as q * s in q's dtype, exact in bf16 and fp16 (SPEC §1), so a bf16
+    wgmma with fp32 accumulation over them is the block-scaled FP4 product up to summation order. K and V are
+    written in tile order (``key_tile``), which puts every 16-key block of P in one thread; P is then quantized
+    in registers (integer running max, P~ = 2688 2^(S - m), phi along keys) before the P V wgmma.
+
+    Arguments and return as :func:`hopper_attention`. Inference only: inputs that require grad are refused.
+    """
+    _check(q, k, v, "hopper_fp4_attention", sm_scale, causal, inference_only=True)
+    block_n = FWD_CONFIG[q.shape[3]][1]
+    qf = quantize_heads(q, q.dtype)
+    kf, vf = (quantize_heads(t, q.dtype, key_tile=block_n) for t in (k, v))
+    return _launch(qf, kf, vf, k.shape[2], sm_scale, causal, fp4=True)
+
+
+def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16, fp4: bool = False):
+    """Compile the forward (``fp4``: the FP4 inference variant) for sm_90a without a GPU (what a launch at
+    ``head_dim`` would build); returns Triton's compiled kernel (``.asm["ptx"]``, ``.metadata.shared``, ...)."""
     if _MISSING:
         raise RuntimeError(f"hopper_gluon: {_MISSING}")
     block_m, block_n, stages, warps = FWD_CONFIG[head_dim]
@@ -284,4 +389,4 @@ def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bflo
              "qk_scale": "fp32"}
     return compile_for(_attn_fwd, 90, types=types, aligned=(), num_warps=warps, num_stages=stages,
                        constexprs={"HEAD_DIM": head_dim, "CAUSAL": bool(causal), "NUM_STAGES": stages,
-                                   "num_warps": warps})
+                                   "FP4": bool(fp4), "num_warps": warps})

@@ -212,6 +212,14 @@ def tile_keys(c, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def tile_column(key, BLOCK_N: tl.constexpr):
+    """Inverse of tile_keys: the column of a BLOCK_N-key tile that holds the key at offset ``key`` in it."""
+    quarter = key // (BLOCK_N // 4)
+    inner = key % (BLOCK_N // 4)
+    return 8 * (inner // 2) + 2 * quarter + inner % 2
+
+
+@triton.jit
 def _fake_quant_rows_kernel(X, Y, n_rows, n_cols, stride_xr, stride_yr, pre_scale,
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """phi along the last axis of a (n_rows, n_cols) view; tails are zero-padded (padding never
@@ -226,14 +234,17 @@ def _fake_quant_rows_kernel(X, Y, n_rows, n_cols, stride_xr, stride_yr, pre_scal
 
 
 @triton.jit
-def _quantize_rows(X, XF, XS, Mean, stride_b, stride_h, stride_l, H, L,
+def _quantize_rows(X, XF, XS, Mean, stride_b, stride_h, stride_l, H, L, L_OUT,
                    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, CENTER: tl.constexpr, AXIS: tl.constexpr,
-                   PACK: tl.constexpr):
+                   PACK: tl.constexpr, KEY_TILE: tl.constexpr = 0):
     """phi over (BLOCK_L, HEAD_DIM) tiles: along head_dim (AXIS=1) or in blocks of 16 tokens (AXIS=0,
     SageAttention3's V). CENTER (constexpr, SageAttention3's smoothing): 0 none; 1 subtract Mean[bh]
     (K's token mean); 2 subtract the tile's own row mean (Q per 128 rows) and store it to Mean[bh, tile].
     PACK (constexpr, AXIS=1 only): store NVFP4 storage instead of q * s, codes to XF (B*H, L, HEAD_DIM/2)
     uint8 and scale bits to XS (B*H, L, HEAD_DIM/16), for the native block-scaled MMA.
+    KEY_TILE (constexpr; 0: rows in order): store row n of each KEY_TILE-row tile at tile_column(n), the order
+    in which a forward over KEY_TILE-key tiles wants keys (tile_keys), into XF (B*H, L_OUT, HEAD_DIM) with L_OUT
+    = L rounded up to whole tiles; the rows past L are written as zeros.
     Padded rows are zeros, which never change a block's scale."""
     bh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -258,8 +269,15 @@ def _quantize_rows(X, XF, XS, Mean, stride_b, stride_h, stride_l, H, L,
                  mask=row_ok)
     else:
         xf = fake_quant_tile(x, BLOCK_L, HEAD_DIM, AXIS, True, True)
-        tl.store(XF + bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
-                 xf.to(XF.dtype.element_ty), mask=row_ok)
+        if KEY_TILE:
+            tl.static_assert(KEY_TILE % BLOCK_L == 0 or BLOCK_L % KEY_TILE == 0)
+            out_rows = (rows // KEY_TILE) * KEY_TILE + tile_column(rows % KEY_TILE, KEY_TILE)
+            out_ok = rows[:, None] < L_OUT
+        else:
+            out_rows = rows
+            out_ok = row_ok
+        tl.store(XF + bh * L_OUT * HEAD_DIM + out_rows[:, None] * HEAD_DIM + cols[None, :],
+                 xf.to(XF.dtype.element_ty), mask=out_ok)
 
 
 def fake_quant_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16, pre_scale: float = 1.0) -> torch.Tensor:
@@ -299,16 +317,21 @@ def fake_quant_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16, pre_scale:
 
 
 def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False, center: torch.Tensor | None = None,
-                   block_mean: int | None = None, packed: bool = False):
+                   block_mean: int | None = None, packed: bool = False, key_tile: int = 0):
     """phi of a (B, H, L, D) tensor -> contiguous (B, H, L, D) in ``dtype``: along head_dim, or along
     tokens (``tokens=True``). ``center`` (B, H, D) fp32 is subtracted first; ``block_mean=n`` subtracts
     each block of n rows' own mean and also returns those means, (B, H, ceil(L/n), D) fp32.
     ``packed=True`` (along head_dim only) returns NVFP4 storage instead, a pair: codes (B, H, L, D/2) uint8
-    and scales (B, H, L, D/16) float8_e4m3fn, as :func:`attnqat.kernels.quantize_nvfp4` lays them out."""
+    and scales (B, H, L, D/16) float8_e4m3fn, as :func:`attnqat.kernels.quantize_nvfp4` lays them out.
+    ``key_tile=n`` (plain phi along head_dim only) returns (B, H, ceil(L/n)*n, D) with each n-row tile's rows in
+    the order a forward over n-key tiles reads them (``tile_keys``; the Gluon forward's K and V), zeros past L."""
     b, h, n, d = x.shape
     if packed and tokens:
         raise ValueError("quantize_heads: packed storage is along head_dim only")
-    out = torch.empty((b, h, n, d // 2 if packed else d), dtype=torch.uint8 if packed else dtype, device=x.device)
+    if key_tile and (packed or tokens or block_mean or center is not None):
+        raise ValueError("quantize_heads: key_tile is for plain phi along head_dim")
+    n_out = triton.cdiv(n, key_tile) * key_tile if key_tile else n
+    out = torch.empty((b, h, n_out, d // 2 if packed else d), dtype=torch.uint8 if packed else dtype, device=x.device)
     scales = torch.empty((b, h, n, d // 16), dtype=torch.uint8, device=x.device) if packed else out
     block_l = block_mean or (32 if interpreting() else 64)
     num_warps = 8 if block_l >= 128 else 4
@@ -316,15 +339,15 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False,
         # blocks of 16 tokens: one warp per 16 rows keeps each block's max in one warp (0.26 ms against
         # 0.88 for 64 rows / 4 warps at (1, 40, 32760, 128) on an H100)
         block_l, num_warps = 16, 1
-    grid = (triton.cdiv(n, block_l), b * h)
+    grid = (triton.cdiv(n_out, block_l), b * h)
     mean = center
     if block_mean:
         mean = torch.empty((b, h, grid[0], d), dtype=torch.float32, device=x.device)
     elif center is None:
         mean = out  # unused
-    _quantize_rows[grid](x, out, scales, mean, x.stride(0), x.stride(1), x.stride(2), h, n, HEAD_DIM=d,
+    _quantize_rows[grid](x, out, scales, mean, x.stride(0), x.stride(1), x.stride(2), h, n, n_out, HEAD_DIM=d,
                          BLOCK_L=block_l, CENTER=2 if block_mean else (0 if center is None else 1),
-                         AXIS=0 if tokens else 1, PACK=packed, num_warps=num_warps)
+                         AXIS=0 if tokens else 1, PACK=packed, KEY_TILE=key_tile, num_warps=num_warps)
     if packed:
         out = (out, scales.view(torch.float8_e4m3fn))
     return (out, mean) if block_mean else out
