@@ -17,40 +17,55 @@ H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may u
 
 
 COMPILE = """
-import json
+import json, re, subprocess, tempfile
+import triton
 from attnqat.kernels.hopper_gluon import compile_forward
 out = {}
 for head_dim, causal in ((64, False), (128, True)):
-    for fp4 in (False, True):
-        compiled = compile_forward(head_dim, causal, fp4=fp4)
-        out[f"{head_dim},{fp4}"] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}
+    for variant in ("bf16", "fp4", "train"):
+        compiled = compile_forward(head_dim, causal, fp4=variant == "fp4", training=variant == "train")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True, check=True).stdout
+        out[f"{head_dim},{variant}"] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
+                                        "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0]}
 print(json.dumps(out))
 """
 
 
-def test_forward_compiles_for_sm90a():
-    """At head_dim 64 (non-causal) and 128 (causal), bf16 and FP4, the kernel lowers to what makes it a Hopper
-    kernel: sm_90a wgmma with P as a register operand, 4-d TMA copies completing on mbarriers, setmaxnreg from
-    the warp-specialised load partition; and it fits in H100's shared memory. The FP4 variant adds P's
-    quantization in registers only: the hardware e4m3 cast of the block scales and the packed bf16 e2m1
-    rounding, and no shuffle, shared-memory traffic or barrier beyond the bf16 variant's (its 16-key blocks lie
-    in one thread; its reshapes are asserted free at compile time). A compile only, outside the interpreter
-    (whose gl.max is not compilable), in a subprocess."""
+@pytest.fixture(scope="module")
+def compiled():
+    """The three variants compiled for sm_90a at head_dim 64 (non-causal) and 128 (causal): PTX, shared memory
+    and ptxas's resource usage. A compile only, outside the interpreter (whose gl.max is not compilable), in a
+    subprocess, once for the module's tests."""
     if hopper_gluon._MISSING:
         pytest.skip(f"cannot compile the Gluon sm_90 forward here: {hopper_gluon._MISSING}")
-    out = compiled_outside_interpreter(COMPILE, timeout=300)
+    return compiled_outside_interpreter(COMPILE, timeout=300)
+
+
+def test_forward_compiles_for_sm90a(compiled):
+    """The kernel lowers to what makes it a Hopper kernel: sm_90a wgmma with P as a register operand, 4-d TMA copies
+    completing on mbarriers, setmaxnreg from the warp-specialised load partition (240 registers for the two
+    consumer warpgroups); no spills (no local memory or stack), and it fits in H100's shared memory. The FP4
+    variant adds P's quantization in registers only: the hardware e4m3 cast of the block scales and the packed
+    bf16 e2m1 rounding, and no shuffle, shared-memory traffic or barrier beyond the bf16 variant's (its 16-key
+    blocks lie in one thread; its reshapes are asserted free at compile time)."""
+    out = compiled
     for head_dim in (64, 128):
-        bf16 = out[f"{head_dim},False"]["ptx"]
-        fp4 = out[f"{head_dim},True"]["ptx"]
+        bf16 = out[f"{head_dim},bf16"]["ptx"]
+        fp4 = out[f"{head_dim},fp4"]["ptx"]
         assert "cvt.rn.satfinite.e4m3x2.f32" in fp4 and "cvt.rn.satfinite.e4m3x2.f32" not in bf16
         assert "fma.rn.bf16x2" in fp4
         for op in ("st.shared", "ld.shared", "bar.sync", "bar.arrive", "shfl.sync"):
             assert fp4.count(op) == bf16.count(op), op
-    for key, compiled in out.items():
+    for key, variant in out.items():
         head_dim = int(key.split(",")[0])
-        ptx, shared = compiled["ptx"], compiled["shared"]
+        ptx, shared = variant["ptx"], variant["shared"]
         assert ".target sm_90a" in ptx
-        block_n = hopper_gluon.FWD_CONFIG[head_dim][1]
+        config = hopper_gluon.FWD_TRAIN_CONFIG if key.endswith("train") else hopper_gluon.FWD_CONFIG
+        block_n = config[head_dim][1]
         # S = Q K^T: both operands in shared memory (64-bit descriptors); O += P V: P in four registers
         assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, %rd", ptx)
         assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 "
@@ -58,8 +73,37 @@ def test_forward_compiles_for_sm90a():
         # TMA loads (Triton 3.6 writes the destination as shared::cluster, 3.9 as shared::cta) and the store
         assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
         assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
-        assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx
+        assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx
+        assert re.fullmatch(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0", variant["usage"]), (key, variant["usage"])
         assert shared <= H100_SHARED_BYTES
+
+
+def test_training_variant_adds_the_aux_mma_and_the_statistics(compiled):
+    """The training variant is the FP4 one plus O': per key tile two register-operand wgmmas (P V^F and P~ V^F)
+    where the FP4 one has one, the unquantized P~'s bf16 conversion, two TMA stores of the output tile (O, O')
+    where it has one, and global stores of m and l; P's quantization as the FP4 variant (e4m3 cast, packed
+    rounding), and no shuffle, shared-memory traffic or barrier beyond it (V_j's barrier is waited on once for
+    both of its wgmmas)."""
+    for head_dim in (64, 128):
+        fp4 = compiled[f"{head_dim},fp4"]["ptx"]
+        train = compiled[f"{head_dim},train"]["ptx"]
+        block_n = hopper_gluon.FWD_TRAIN_CONFIG[head_dim][1]
+        scores = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, %rd",
+                            train)
+        pv = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, \{{%r",
+                        train)
+        # two call sites each (tile 0, the loop): S over head_dim/16 k-steps; P V and P~ V over block_n/16
+        assert len(scores) == 2 * head_dim // 16
+        assert len(pv) == 2 * 2 * block_n // 16
+        assert "cvt.rn.satfinite.e4m3x2.f32" in train and "fma.rn.bf16x2" in train
+        store = "cp.async.bulk.tensor.4d.global.shared::cta"
+        assert train.count(store) == 2 * fp4.count(store)
+        assert "st.global" in train and "st.global" not in fp4
+        # past the barriers' set-up, whose unrolled loop Triton 3.6 splits by a bar.sync per few stages (the
+        # training variant has 3 at head_dim 128, the FP4 one 2)
+        train, fp4 = (ptx[ptx.rindex("mbarrier.init"):] for ptx in (train, fp4))
+        for op in ("st.shared", "ld.shared", "bar.sync", "bar.arrive", "shfl.sync"):
+            assert train.count(op) == fp4.count(op), op
 
 
 @pytest.mark.parametrize("fn", [hopper_gluon.hopper_attention, hopper_gluon.hopper_fp4_attention])

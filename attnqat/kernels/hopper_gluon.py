@@ -115,12 +115,12 @@ if not _MISSING:
         return warpgroup_mma(q, k, zero, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _issue_pv(p, v_bufs, v_ready, acc, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  NUM_STAGES: gl.constexpr):
-        """Start O += P_j V_j once V_j has landed (P in registers, V in shared memory)."""
+    def _v_tile(v_bufs, v_ready, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """V_j's shared-memory tile once it has landed, for O += P_j V_j (P from registers) and, training,
+        O' += P~_j V_j (waiting once: a second wait on the barrier would cost a warpgroup barrier)."""
         slot = j % NUM_STAGES
         mbarrier.wait(v_ready.index(slot), (j // NUM_STAGES) & 1)
-        return warpgroup_mma(p, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        return v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
 
     @gluon.jit
     def _masked(s, j, offs_m, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FP4: gl.constexpr):
@@ -259,9 +259,10 @@ if not _MISSING:
             # S_j first, then P_{j-1} V_{j-1} (and P~_{j-1} V_{j-1}); waiting until only those are pending leaves
             # them running while block j's softmax computes (wgmma groups complete in issue order).
             s = _issue_scores(q, k_bufs, k_ready, j, zero, BLOCK_N, HEAD_DIM, NUM_STAGES)
-            acc = _issue_pv(p, v_bufs, v_ready, acc, j - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+            v = _v_tile(v_bufs, v_ready, j - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+            acc = warpgroup_mma(p, v, acc, is_async=True)
             if TRAINING:
-                acc_aux = _issue_pv(p_aux, v_bufs, v_ready, acc_aux, j - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+                acc_aux = warpgroup_mma(p_aux, v, acc_aux, is_async=True)
                 s = warpgroup_mma_wait(2, deps=[s])
             else:
                 s = warpgroup_mma_wait(1, deps=[s])
@@ -282,9 +283,10 @@ if not _MISSING:
                 acc_aux = acc_aux * alpha_acc
                 p_aux = gl.convert_layout(p_aux_next, p_layout)
 
-        acc = _issue_pv(p, v_bufs, v_ready, acc, n_blocks - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        v = _v_tile(v_bufs, v_ready, n_blocks - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        acc = warpgroup_mma(p, v, acc, is_async=True)
         if TRAINING:
-            acc_aux = _issue_pv(p_aux, v_bufs, v_ready, acc_aux, n_blocks - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+            acc_aux = warpgroup_mma(p_aux, v, acc_aux, is_async=True)
             acc, acc_aux, p, p_aux = warpgroup_mma_wait(0, deps=[acc, acc_aux, p, p_aux])
         else:
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])
