@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from attnqat.kernels import hopper_gluon
 from attnqat.kernels import reference as R
-from attnqat.kernels.attn_qat import nvfp4_attention
+from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_backward, attn_qat_forward, nvfp4_attention
 from attnqat.kernels.nvfp4 import quantize_heads
 from conftest import compiled_outside_interpreter, rel_err
 
@@ -106,7 +106,8 @@ def test_training_variant_adds_the_aux_mma_and_the_statistics(compiled):
             assert train.count(op) == fp4.count(op), op
 
 
-@pytest.mark.parametrize("fn", [hopper_gluon.hopper_attention, hopper_gluon.hopper_fp4_attention])
+@pytest.mark.parametrize("fn", [hopper_gluon.hopper_attention, hopper_gluon.hopper_fp4_attention,
+                                hopper_gluon.hopper_attn_qat_forward])
 def test_unavailable_says_why(fn):
     ok, why = hopper_gluon.available()
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and not hopper_gluon._MISSING:
@@ -125,6 +126,17 @@ def test_fp4_forward_refuses_grad_and_bad_inputs_first(device):
     with pytest.raises(ValueError, match="head_dim 32"):
         hopper_gluon.hopper_fp4_attention(*(torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device)
                                             for _ in range(3)))
+
+
+def test_training_forward_checks_inputs_first(device):
+    """The training forward takes inputs that require grad (autograd is its caller's); bad inputs are refused before
+    the hardware check, on any machine."""
+    with pytest.raises(ValueError, match="head_dim 32"):
+        hopper_gluon.hopper_attn_qat_forward(*(torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device,
+                                                           requires_grad=True) for _ in range(3)))
+    with pytest.raises(ValueError, match="dtype"):
+        hopper_gluon.hopper_attn_qat_forward(*(torch.randn(1, 1, 8, 64, dtype=torch.float64, device=device)
+                                               for _ in range(3)))
 
 
 def _tile_key(c, block_n):
@@ -253,3 +265,92 @@ def test_gpu_fp4_sm_scale_fp16_and_nan_stays_in_its_head(poison):
         out = hopper_gluon.hopper_fp4_attention(q, k, v)
     assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[0, 1, :, 16:]).all()
     assert torch.isnan(out[0, 1, :, :16]).all()
+
+
+def _stats_match(m, l, want_m, want_l):
+    """Row statistics agree: the integer running max m exactly (a row whose max logit lands on an integer in one
+    summation order and not the other may differ by 1, on at most 0.1% of rows), and the scale-free row sum
+    l 2^-m to fp32 summation order."""
+    assert m.dtype == l.dtype == torch.float32
+    differ = m != want_m
+    assert differ.float().mean().item() <= 1e-3 and (m - want_m).abs().max().item() <= 1
+    assert rel_err(l * torch.exp2(-m), want_l * torch.exp2(-want_m)) <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
+def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, poison):
+    """The Gluon training forward against attn_qat's Triton training forward and the PyTorch reference (SPEC §2 in
+    fp32): every output, O (FP4), O' (the auxiliary high-precision output), m and l, and the quantized operands
+    the backward reads, in the Triton forward's dtypes, shapes and strides. Outputs start as NaN (poison): an
+    element left unwritten fails."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = _inputs(b, h, lq, lk, d, layout)
+    scale = d ** -0.5
+    o, o_aux, m, l, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
+    t_o, t_aux, t_m, t_l, (t_qf, t_kf, t_vf) = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal,
+                                                                training=True)
+    r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q, k, v, causal=causal, training=True)
+    for got, want in ((o, t_o), (o_aux, t_aux), (m, t_m), (l, t_l), (qf, t_qf), (kf, t_kf), (vf, t_vf)):
+        assert got.shape == want.shape and got.dtype == want.dtype and got.stride() == want.stride()
+        assert torch.isfinite(got).all()
+    for got, want in ((qf, t_qf), (kf, t_kf), (vf, t_vf)):  # the backward's operands (same pre-pass, keys in order)
+        assert torch.equal(got, want)
+    _stats_match(m, l, t_m, t_l)
+    _stats_match(m, l, r_m, r_l)
+    for got, tri, ref in ((o, t_o, r_o), (o_aux, t_aux, r_aux)):
+        assert rel_err(tri, ref) <= _fp4_bound(ref)
+        assert rel_err(got, ref) <= _fp4_bound(ref)
+        assert rel_err(got, tri) <= _fp4_bound(ref)
+    # O is FP4 attention and O' is not: they differ by FP4 noise (~0.1), far outside the bounds above
+    assert rel_err(o, r_aux) > 5 * _fp4_bound(r_aux)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [GPU_SHAPES[i] for i in (0, 1, 2, 3)])
+def test_gpu_triton_backward_on_gluon_forward_matches_triton_path(b, h, lq, lk, d, causal, layout, poison):
+    """The Triton backward (attn_qat_backward, unchanged) run on what the Gluon training forward saves gives the
+    all-Triton path's gradients (attn_qat_attention's autograd) and the reference's (SPEC §2's backward on the
+    reference forward's O', m, l), to the bound the Triton path has against the reference."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = (t.detach().requires_grad_() for t in _inputs(b, h, lq, lk, d, layout))
+    do = torch.randn(b, h, lq, d, device="cuda").to(torch.bfloat16)
+    attn_qat_attention(q, k, v, causal=causal).backward(do)
+    o, o_aux, m, l, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
+    grads = attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=d ** -0.5, causal=causal)
+    r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q.detach(), k.detach(), v.detach(), causal=causal)
+    refs = R.attn_qat_backward_ref(q.detach(), k.detach(), v.detach(), r_aux, do, r_m, r_l, causal=causal)
+    for got, tri, ref in zip(grads, (q.grad, k.grad, v.grad), refs):
+        assert got.shape == tri.shape and got.dtype == tri.dtype
+        assert torch.isfinite(got).all()
+        bound = _fp4_bound(ref)
+        assert rel_err(tri, ref) <= bound
+        assert rel_err(got, ref) <= bound
+        assert rel_err(got, tri) <= bound
+
+
+@pytest.mark.gpu
+def test_gpu_training_sm_scale_fp16_and_nan_stays_in_its_head(poison):
+    """A non-default sm_scale and fp16 inputs (P's rounding and P~'s conversion in f16), and a NaN in one head's V:
+    O and O' turn NaN in that head's first block of 16 values and nowhere else; m and l stay finite (V does not
+    enter them)."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = (t.to(torch.float16) for t in _inputs(1, 2, 300, 333, 128, "bhld"))
+    o, o_aux, m, l, _ = hopper_gluon.hopper_attn_qat_forward(q, k, v, sm_scale=0.3)
+    r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q, k, v, sm_scale=0.3)
+    assert o.dtype == o_aux.dtype == torch.float16
+    for got, ref in ((o, r_o), (o_aux, r_aux)):
+        assert rel_err(got, ref) <= 2 * rel_err(ref.to(torch.float16), ref) + 2e-3
+    _stats_match(m, l, r_m, r_l)
+    v[0, 1, 7, 3] = float("nan")
+    o, o_aux, m, l, _ = hopper_gluon.hopper_attn_qat_forward(q, k, v)
+    for out in (o, o_aux):
+        assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[0, 1, :, 16:]).all()
+        assert torch.isnan(out[0, 1, :, :16]).all()
+    assert torch.isfinite(m).all() and torch.isfinite(l).all()
