@@ -3,13 +3,19 @@
     python bench/gluon_hopper.py                         # Wan 14B's (1, 40, 32760, 128) and (1, 40, 8192, 128)
     python bench/gluon_hopper.py --shapes 1,40,8192,64 --causal
 
-Prints one line per shape and kernel: median ms (``triton.testing.do_bench``), TFLOP/s (4*B*H*Lq*Lk*D, halved
-when causal) and the ratio to cuDNN. Kernels: cuDNN and flash SDPA; ``gluon_sm90``, the bf16 Gluon forward;
-``triton_fp4``, attn_qat's Triton FP4 inference forward (the ``nvfp4`` mode, its phi pre-pass included);
-``gluon_fp4``, the Gluon FP4 inference forward (the same pre-pass, in tile order, included), and
-``gluon_fp4_kernel``, its kernel alone on operands quantized once (the difference is the pre-pass). Then two sanity
-checks: the bf16 Gluon output's relative error to cuDNN's, and the Gluon FP4 output's to the Triton FP4 one's
-(same numerics: bf16 output rounding, ~3e-3). Nothing is written to docs: the kernels are not dispatched to yet.
+Prints one line per shape and kernel: median ms (``triton.testing.do_bench``), TFLOP/s (4*B*H*Lq*Lk*D, halved when
+causal; forward+backward rows 3.5 times that: a backward is 2.5 forwards, as FlashAttention counts) and the ratio to
+cuDNN's forward (forward rows) or cuDNN's forward+backward (``*_fwd_bwd`` rows). Kernels: cuDNN and flash SDPA;
+``gluon_sm90``, the bf16 Gluon forward; ``triton_fp4``, attn_qat's Triton FP4 inference forward (the ``nvfp4`` mode,
+its phi pre-pass included); ``gluon_fp4``, the Gluon FP4 inference forward (the same pre-pass, in tile order,
+included), and ``gluon_fp4_kernel``, its kernel alone on operands quantized once (the difference is the pre-pass).
+Training: ``triton_qat_fwd``, attn_qat's Triton training forward (O, O', m, l; pre-pass included);
+``gluon_qat_fwd``, the Gluon training forward (its pre-pass, which writes phi(K), phi(V) in key and in tile order,
+included) and ``gluon_qat_kernel`` its kernel alone; ``cudnn_fwd_bwd``, ``triton_qat_fwd_bwd`` (attn_qat's autograd,
+Triton forward and backward) and ``gluon_qat_fwd_bwd`` (the Gluon training forward, then attn_qat's Triton backward
+on what it saves). Then sanity checks: the bf16 Gluon output's relative error to cuDNN's, the Gluon FP4 output's to
+the Triton FP4 one's, and the Gluon training forward's O and O' to the Triton training forward's (same numerics:
+bf16 output rounding, ~3e-3). Nothing is written to docs: the kernels are not dispatched to yet.
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench._report import bench_ms, env_line, environment  # noqa: E402
 from attnqat.kernels import hopper_gluon  # noqa: E402
-from attnqat.kernels.attn_qat import nvfp4_attention  # noqa: E402
+from attnqat.kernels.attn_qat import (attn_qat_attention, attn_qat_backward, attn_qat_forward,  # noqa: E402
+                                     nvfp4_attention)
 from attnqat.kernels.nvfp4 import quantize_heads  # noqa: E402
 
 
@@ -38,7 +45,36 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm()).item()
 
 
-@torch.no_grad()
+def training_fns(q, k, v, causal):
+    """The training rows' functions (forward, and forward + backward on leaf copies of q, k, v)."""
+    b, h, length, d = q.shape
+    scale = d ** -0.5
+    block_n = hopper_gluon.FWD_TRAIN_CONFIG[d][1]
+    qf = quantize_heads(q, q.dtype)
+    kt, vt = (quantize_heads(t, q.dtype, key_tile=block_n) for t in (k, v))
+    out = torch.empty_like(q)
+    saved = (torch.empty_like(q), *(torch.empty(b, h, length, device=q.device) for _ in range(2)))  # O', m, l
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    do = torch.randn_like(q)
+
+    def cudnn_fwd_bwd():
+        sdpa(SDPBackend.CUDNN_ATTENTION, qg, kg, vg, causal).backward(do)
+
+    def triton_fwd_bwd():
+        attn_qat_attention(qg, kg, vg, causal=causal).backward(do)
+
+    def gluon_fwd_bwd():
+        o, o_aux, m, l, (qf_, kf_, vf_) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
+        return attn_qat_backward(do, q, k, qf_, kf_, vf_, o_aux, m, l, sm_scale=scale, causal=causal)
+
+    fwd = {"triton_qat_fwd": lambda: attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=True),
+           "gluon_qat_fwd": lambda: hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal),
+           "gluon_qat_kernel": lambda: hopper_gluon._launch(qf, kt, vt, length, None, causal, fp4=True, out=out,
+                                                            saved=saved)}
+    fwd_bwd = {"cudnn_fwd_bwd": cudnn_fwd_bwd, "triton_qat_fwd_bwd": triton_fwd_bwd, "gluon_qat_fwd_bwd": gluon_fwd_bwd}
+    return fwd, fwd_bwd
+
+
 def run(shape, causal):
     b, h, length, d = shape
     q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -52,15 +88,26 @@ def run(shape, causal):
            "triton_fp4": lambda: nvfp4_attention(q, k, v, causal=causal),
            "gluon_fp4": lambda: hopper_gluon.hopper_fp4_attention(q, k, v, causal=causal),
            "gluon_fp4_kernel": lambda: hopper_gluon._launch(qf, kf, vf, length, None, causal, fp4=True)}
-    err = rel_err(fns["gluon_sm90"](), fns["cudnn"]())
-    err_fp4 = rel_err(fns["gluon_fp4"](), fns["triton_fp4"]())
-    times = {name: bench_ms(fn) for name, fn in fns.items()}
+    train, fwd_bwd = training_fns(q, k, v, causal)
+    fns.update(train)
+    with torch.no_grad():
+        err = rel_err(fns["gluon_sm90"](), fns["cudnn"]())
+        err_fp4 = rel_err(fns["gluon_fp4"](), fns["triton_fp4"]())
+        gluon_train, triton_train = fns["gluon_qat_fwd"](), fns["triton_qat_fwd"]()
+        err_o, err_aux = (rel_err(gluon_train[i], triton_train[i]) for i in (0, 1))
+        del gluon_train, triton_train
+        times = {name: bench_ms(fn) for name, fn in fns.items()}
+    times.update({name: bench_ms(fn) for name, fn in fwd_bwd.items()})
     for name, ms in times.items():
-        print(f"{str(shape):>22} causal={causal!s:<5} {name:>16}: {ms:8.2f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  "
-              f"{ms / times['cudnn']:.2f}x cuDNN")
+        base, work = ("cudnn_fwd_bwd", 3.5 * flops) if name in fwd_bwd else ("cudnn", flops)
+        print(f"{str(shape):>22} causal={causal!s:<5} {name:>18}: {ms:8.2f} ms  {work / ms / 1e9:6.0f} TFLOP/s  "
+              f"{ms / times[base]:.2f}x {base}")
     print(f"{str(shape):>22} gluon_sm90 vs cuDNN relative error {err:.2e}")
     print(f"{str(shape):>22} gluon_fp4 vs triton_fp4 relative error {err_fp4:.2e}; gluon_fp4 "
           f"{times['gluon_fp4'] / times['triton_fp4']:.2f}x triton_fp4's time")
+    print(f"{str(shape):>22} gluon_qat_fwd vs triton_qat_fwd relative error O {err_o:.2e}, O' {err_aux:.2e}; "
+          f"gluon_qat_fwd {times['gluon_qat_fwd'] / times['triton_qat_fwd']:.2f}x triton_qat_fwd's time, "
+          f"gluon_qat_fwd_bwd {times['gluon_qat_fwd_bwd'] / times['triton_qat_fwd_bwd']:.2f}x triton_qat_fwd_bwd's")
 
 
 def main(argv=None):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from attnqat.kernels import hopper_gluon
 from attnqat.kernels import reference as R
-from attnqat.kernels.attn_qat import nvfp4_attention
+from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_backward, attn_qat_forward, nvfp4_attention
 from attnqat.kernels.nvfp4 import quantize_heads
 from conftest import compiled_outside_interpreter, rel_err
 
@@ -17,40 +17,55 @@ H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may u
 
 
 COMPILE = """
-import json
+import json, re, subprocess, tempfile
+import triton
 from attnqat.kernels.hopper_gluon import compile_forward
 out = {}
 for head_dim, causal in ((64, False), (128, True)):
-    for fp4 in (False, True):
-        compiled = compile_forward(head_dim, causal, fp4=fp4)
-        out[f"{head_dim},{fp4}"] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared}
+    for variant in ("bf16", "fp4", "train"):
+        compiled = compile_forward(head_dim, causal, fp4=variant == "fp4", training=variant == "train")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True, check=True).stdout
+        out[f"{head_dim},{variant}"] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
+                                        "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0]}
 print(json.dumps(out))
 """
 
 
-def test_forward_compiles_for_sm90a():
-    """At head_dim 64 (non-causal) and 128 (causal), bf16 and FP4, the kernel lowers to what makes it a Hopper
-    kernel: sm_90a wgmma with P as a register operand, 4-d TMA copies completing on mbarriers, setmaxnreg from
-    the warp-specialised load partition; and it fits in H100's shared memory. The FP4 variant adds P's
-    quantization in registers only: the hardware e4m3 cast of the block scales and the packed bf16 e2m1
-    rounding, and no shuffle, shared-memory traffic or barrier beyond the bf16 variant's (its 16-key blocks lie
-    in one thread; its reshapes are asserted free at compile time). A compile only, outside the interpreter
-    (whose gl.max is not compilable), in a subprocess."""
+@pytest.fixture(scope="module")
+def compiled():
+    """The three variants compiled for sm_90a at head_dim 64 (non-causal) and 128 (causal): PTX, shared memory
+    and ptxas's resource usage. A compile only, outside the interpreter (whose gl.max is not compilable), in a
+    subprocess, once for the module's tests."""
     if hopper_gluon._MISSING:
         pytest.skip(f"cannot compile the Gluon sm_90 forward here: {hopper_gluon._MISSING}")
-    out = compiled_outside_interpreter(COMPILE, timeout=300)
+    return compiled_outside_interpreter(COMPILE, timeout=300)
+
+
+def test_forward_compiles_for_sm90a(compiled):
+    """The kernel lowers to what makes it a Hopper kernel: sm_90a wgmma with P as a register operand, 4-d TMA copies
+    completing on mbarriers, setmaxnreg from the warp-specialised load partition (240 registers for the two
+    consumer warpgroups); no spills (no local memory or stack), and it fits in H100's shared memory. The FP4
+    variant adds P's quantization in registers only: the hardware e4m3 cast of the block scales and the packed
+    bf16 e2m1 rounding, and no shuffle, shared-memory traffic or barrier beyond the bf16 variant's (its 16-key
+    blocks lie in one thread; its reshapes are asserted free at compile time)."""
+    out = compiled
     for head_dim in (64, 128):
-        bf16 = out[f"{head_dim},False"]["ptx"]
-        fp4 = out[f"{head_dim},True"]["ptx"]
+        bf16 = out[f"{head_dim},bf16"]["ptx"]
+        fp4 = out[f"{head_dim},fp4"]["ptx"]
         assert "cvt.rn.satfinite.e4m3x2.f32" in fp4 and "cvt.rn.satfinite.e4m3x2.f32" not in bf16
         assert "fma.rn.bf16x2" in fp4
         for op in ("st.shared", "ld.shared", "bar.sync", "bar.arrive", "shfl.sync"):
             assert fp4.count(op) == bf16.count(op), op
-    for key, compiled in out.items():
+    for key, variant in out.items():
         head_dim = int(key.split(",")[0])
-        ptx, shared = compiled["ptx"], compiled["shared"]
+        ptx, shared = variant["ptx"], variant["shared"]
         assert ".target sm_90a" in ptx
-        block_n = hopper_gluon.FWD_CONFIG[head_dim][1]
+        config = hopper_gluon.FWD_TRAIN_CONFIG if key.endswith("train") else hopper_gluon.FWD_CONFIG
+        block_n = config[head_dim][1]
         # S = Q K^T: both operands in shared memory (64-bit descriptors); O += P V: P in four registers
         assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, %rd", ptx)
         assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 "
@@ -58,11 +73,41 @@ def test_forward_compiles_for_sm90a():
         # TMA loads (Triton 3.6 writes the destination as shared::cluster, 3.9 as shared::cta) and the store
         assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
         assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
-        assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx
+        assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx
+        assert re.fullmatch(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0", variant["usage"]), (key, variant["usage"])
         assert shared <= H100_SHARED_BYTES
 
 
-@pytest.mark.parametrize("fn", [hopper_gluon.hopper_attention, hopper_gluon.hopper_fp4_attention])
+def test_training_variant_adds_the_aux_mma_and_the_statistics(compiled):
+    """The training variant is the FP4 one plus O': per key tile two register-operand wgmmas (P V^F and P~ V^F)
+    where the FP4 one has one, the unquantized P~'s bf16 conversion, two TMA stores of the output tile (O, O')
+    where it has one, and global stores of m and l; P's quantization as the FP4 variant (e4m3 cast, packed
+    rounding), and no shuffle, shared-memory traffic or barrier beyond it (V_j's barrier is waited on once for
+    both of its wgmmas)."""
+    for head_dim in (64, 128):
+        fp4 = compiled[f"{head_dim},fp4"]["ptx"]
+        train = compiled[f"{head_dim},train"]["ptx"]
+        block_n = hopper_gluon.FWD_TRAIN_CONFIG[head_dim][1]
+        scores = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, %rd",
+                            train)
+        pv = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, \{{%r",
+                        train)
+        # two call sites each (tile 0, the loop): S over head_dim/16 k-steps; P V and P~ V over block_n/16
+        assert len(scores) == 2 * head_dim // 16
+        assert len(pv) == 2 * 2 * block_n // 16
+        assert "cvt.rn.satfinite.e4m3x2.f32" in train and "fma.rn.bf16x2" in train
+        store = "cp.async.bulk.tensor.4d.global.shared::cta"
+        assert train.count(store) == 2 * fp4.count(store)
+        assert "st.global" in train and "st.global" not in fp4
+        # past the barriers' set-up, whose unrolled loop Triton 3.6 splits by a bar.sync per few stages (the
+        # training variant has 3 at head_dim 128, the FP4 one 2)
+        train, fp4 = (ptx[ptx.rindex("mbarrier.init"):] for ptx in (train, fp4))
+        for op in ("st.shared", "ld.shared", "bar.sync", "bar.arrive", "shfl.sync"):
+            assert train.count(op) == fp4.count(op), op
+
+
+@pytest.mark.parametrize("fn", [hopper_gluon.hopper_attention, hopper_gluon.hopper_fp4_attention,
+                                hopper_gluon.hopper_attn_qat_forward])
 def test_unavailable_says_why(fn):
     ok, why = hopper_gluon.available()
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and not hopper_gluon._MISSING:
@@ -81,6 +126,17 @@ def test_fp4_forward_refuses_grad_and_bad_inputs_first(device):
     with pytest.raises(ValueError, match="head_dim 32"):
         hopper_gluon.hopper_fp4_attention(*(torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device)
                                             for _ in range(3)))
+
+
+def test_training_forward_checks_inputs_first(device):
+    """The training forward takes inputs that require grad (autograd is its caller's); bad inputs are refused before
+    the hardware check, on any machine."""
+    with pytest.raises(ValueError, match="head_dim 32"):
+        hopper_gluon.hopper_attn_qat_forward(*(torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device,
+                                                           requires_grad=True) for _ in range(3)))
+    with pytest.raises(ValueError, match="dtype"):
+        hopper_gluon.hopper_attn_qat_forward(*(torch.randn(1, 1, 8, 64, dtype=torch.float64, device=device)
+                                               for _ in range(3)))
 
 
 def _tile_key(c, block_n):
@@ -209,3 +265,92 @@ def test_gpu_fp4_sm_scale_fp16_and_nan_stays_in_its_head(poison):
         out = hopper_gluon.hopper_fp4_attention(q, k, v)
     assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[0, 1, :, 16:]).all()
     assert torch.isnan(out[0, 1, :, :16]).all()
+
+
+def _stats_match(m, l, want_m, want_l):
+    """Row statistics agree: the integer running max m exactly (a row whose max logit lands on an integer in one
+    summation order and not the other may differ by 1, on at most 0.1% of rows), and the row sum of
+    P~ = 2688 2^(S - m) brought to a common max, l 2^m, to fp32 summation order."""
+    assert m.dtype == l.dtype == torch.float32
+    differ = m != want_m
+    assert differ.float().mean().item() <= 1e-3 and (m - want_m).abs().max().item() <= 1
+    assert rel_err(l.double() * torch.exp2(m.double()), want_l.double() * torch.exp2(want_m.double())) <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
+def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, poison):
+    """The Gluon training forward against attn_qat's Triton training forward and the PyTorch reference (SPEC §2 in
+    fp32): every output, O (FP4), O' (the auxiliary high-precision output), m and l, and the quantized operands
+    the backward reads, in the Triton forward's dtypes, shapes and strides. Outputs start as NaN (poison): an
+    element left unwritten fails."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = _inputs(b, h, lq, lk, d, layout)
+    scale = d ** -0.5
+    o, o_aux, m, l, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
+    t_o, t_aux, t_m, t_l, (t_qf, t_kf, t_vf) = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal,
+                                                                training=True)
+    r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q, k, v, causal=causal, training=True)
+    for got, want in ((o, t_o), (o_aux, t_aux), (m, t_m), (l, t_l), (qf, t_qf), (kf, t_kf), (vf, t_vf)):
+        assert got.shape == want.shape and got.dtype == want.dtype and got.stride() == want.stride()
+        assert torch.isfinite(got).all()
+    for got, want in ((qf, t_qf), (kf, t_kf), (vf, t_vf)):  # the backward's operands (same pre-pass, keys in order)
+        assert torch.equal(got, want)
+    _stats_match(m, l, t_m, t_l)
+    _stats_match(m, l, r_m, r_l)
+    for got, tri, ref in ((o, t_o, r_o), (o_aux, t_aux, r_aux)):
+        assert rel_err(tri, ref) <= _fp4_bound(ref)
+        assert rel_err(got, ref) <= _fp4_bound(ref)
+        assert rel_err(got, tri) <= _fp4_bound(ref)
+    # O is FP4 attention and O' is not: they differ by FP4 noise (~0.1), far outside the bounds above
+    assert rel_err(o, r_aux) > 5 * _fp4_bound(r_aux)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [GPU_SHAPES[i] for i in (0, 1, 2, 3)])
+def test_gpu_triton_backward_on_gluon_forward_matches_triton_path(b, h, lq, lk, d, causal, layout, poison):
+    """The Triton backward (attn_qat_backward, unchanged) run on what the Gluon training forward saves gives the
+    all-Triton path's gradients (attn_qat_attention's autograd) and the reference's (SPEC §2's backward on the
+    reference forward's O', m, l), to the bound the Triton path has against the reference."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = (t.detach().requires_grad_() for t in _inputs(b, h, lq, lk, d, layout))
+    do = torch.randn(b, h, lq, d, device="cuda").to(torch.bfloat16)
+    attn_qat_attention(q, k, v, causal=causal).backward(do)
+    o, o_aux, m, l, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
+    grads = attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=d ** -0.5, causal=causal)
+    r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q.detach(), k.detach(), v.detach(), causal=causal)
+    refs = R.attn_qat_backward_ref(q.detach(), k.detach(), v.detach(), r_aux, do, r_m, r_l, causal=causal)
+    for got, tri, ref in zip(grads, (q.grad, k.grad, v.grad), refs):
+        assert got.shape == tri.shape and got.dtype == tri.dtype
+        assert torch.isfinite(got).all()
+        bound = _fp4_bound(ref)
+        assert rel_err(tri, ref) <= bound
+        assert rel_err(got, ref) <= bound
+        assert rel_err(got, tri) <= bound
+
+
+@pytest.mark.gpu
+def test_gpu_training_sm_scale_fp16_and_nan_stays_in_its_head(poison):
+    """A non-default sm_scale and fp16 inputs (P's rounding and P~'s conversion in f16), and a NaN in one head's V:
+    O and O' turn NaN in that head's first block of 16 values and nowhere else; m and l stay finite (V does not
+    enter them)."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = (t.to(torch.float16) for t in _inputs(1, 2, 300, 333, 128, "bhld"))
+    o, o_aux, m, l, _ = hopper_gluon.hopper_attn_qat_forward(q, k, v, sm_scale=0.3)
+    r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q, k, v, sm_scale=0.3)
+    assert o.dtype == o_aux.dtype == torch.float16
+    for got, ref in ((o, r_o), (o_aux, r_aux)):
+        assert rel_err(got, ref) <= 2 * rel_err(ref.to(torch.float16), ref) + 2e-3
+    _stats_match(m, l, r_m, r_l)
+    v[0, 1, 7, 3] = float("nan")
+    o, o_aux, m, l, _ = hopper_gluon.hopper_attn_qat_forward(q, k, v)
+    for out in (o, o_aux):
+        assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[0, 1, :, 16:]).all()
+        assert torch.isnan(out[0, 1, :, :16]).all()
+    assert torch.isfinite(m).all() and torch.isfinite(l).all()

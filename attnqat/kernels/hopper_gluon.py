@@ -17,10 +17,13 @@ through a 4-d TMA descriptor, so ragged tails (Lq, Lk not multiples of the tiles
 zero-filled from TMA, keys past Lk are masked to -inf, and output rows past Lq are clipped by the TMA store.
 Causal masking is top-left aligned (SDPA's ``is_causal``).
 
-Two variants of the one kernel, a constexpr apart (``FP4``): :func:`hopper_attention`, bf16/fp16 attention;
-:func:`hopper_fp4_attention`, the FP4 inference forward of SPEC §2 (attn_qat's Triton forward's numerics):
-a pre-pass writes phi(Q), phi(K), phi(V) exactly in bf16 (K and V rows in tile order), and the softmax
-partition quantizes P in registers (:func:`_fp4_step`) before the P V wgmma. The pipeline is the same.
+Three variants of the one kernel, constexprs apart (``FP4``, ``TRAINING``): :func:`hopper_attention`, bf16/fp16
+attention; :func:`hopper_fp4_attention`, the FP4 inference forward of SPEC §2 (attn_qat's Triton forward's
+numerics): a pre-pass writes phi(Q), phi(K), phi(V) exactly in bf16 (K and V rows in tile order), and the softmax
+partition quantizes P in registers (:func:`_fp4_step`) before the P V wgmma; :func:`hopper_attn_qat_forward`, the
+Attn-QAT training forward: the FP4 variant plus a third wgmma per tile for the auxiliary output O' (unquantized
+P~ times V^F), O' and the row statistics m, l written as the Triton training forward writes them, so its Triton
+backward runs on them unchanged. The pipeline is the same.
 
 This module is a fast path in preparation: nothing dispatches to it yet. :func:`available` says whether it
 can run here (Triton's Gluon API for Hopper, an sm_90 GPU); :func:`compile_forward` compiles it for sm_90a
@@ -56,6 +59,10 @@ HEAD_DIMS = (64, 128)
 # BLOCK_M=128 query rows, as FlashAttention-3's forward; 2 stages of K and V plus Q fit H100's 227 KB of shared
 # memory at head_dim 128 (32 + 2*32 + 2*32 KB), 3 stages at head_dim 64.
 FWD_CONFIG = {64: (128, 128, 3, 8), 128: (128, 128, 2, 8)}
+# The training variant holds O' beside O (64 more fp32 registers per thread at head_dim 128): 64-key tiles, as the
+# Triton training forward; its O' leaves through a tile of its own (Q + stages * (K + V) + O' at head_dim 128:
+# 32 + 3 * 32 + 32 KB).
+FWD_TRAIN_CONFIG = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 
 
 def available(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -108,12 +115,12 @@ if not _MISSING:
         return warpgroup_mma(q, k, zero, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _issue_pv(p, v_bufs, v_ready, acc, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  NUM_STAGES: gl.constexpr):
-        """Start O += P_j V_j once V_j has landed (P in registers, V in shared memory)."""
+    def _v_tile(v_bufs, v_ready, j, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """V_j's shared-memory tile once it has landed, for O += P_j V_j (P from registers) and, training,
+        O' += P~_j V_j (waiting once: a second wait on the barrier would cost a warpgroup barrier)."""
         slot = j % NUM_STAGES
         mbarrier.wait(v_ready.index(slot), (j // NUM_STAGES) & 1)
-        return warpgroup_mma(p, v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        return v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
 
     @gluon.jit
     def _masked(s, j, offs_m, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FP4: gl.constexpr):
@@ -147,9 +154,11 @@ if not _MISSING:
         return p, alpha, m_new, l_new
 
     @gluon.jit
-    def _fp4_step(s, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr, FIRST: gl.constexpr, FP16: gl.constexpr):
+    def _fp4_step(s, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr, FIRST: gl.constexpr, FP16: gl.constexpr,
+                  TRAINING: gl.constexpr):
         """SPEC §2's step, as attn_qat's Triton forward computes it: integer running max m, P~ = 2688 2^(S - m),
-        l from the unquantized P~, P_j = phi(P~) along keys in blocks of 16.
+        l from the unquantized P~, P_j = phi(P~) along keys in blocks of 16. TRAINING also returns P~ itself in
+        the dot's dtype (O''s operand), else P_j again (unused).
 
         K's rows are in tile order, so each thread's accumulator columns hold BLOCK_N/4 consecutive keys:
         viewed as (rows, BLOCK_N/64, 8, 4, 2), axes 1 and 3 name a 16-key block and axes 2 and 4 its keys,
@@ -175,21 +184,33 @@ if not _MISSING:
         y5 = gl.exp2(s5 * qk_scale - (base + ls))  # P~ / s, no per-element division
         block_sum = gl.sum(gl.sum(y5, axis=4, keep_dims=True), axis=2, keep_dims=True)
         l_new = l_i * alpha + gl.sum(gl.sum(block_sum * s_l, axis=1, keep_dims=True), axis=3, keep_dims=True)
+        p_dtype: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
+        if TRAINING:
+            p_aux = gl.reshape((y5 * s_l).to(p_dtype), [BLOCK_M, BLOCK_N])  # P~ = s * y, unquantized
         y5, sc = gl.broadcast(y5, sc)
-        p = _round_p(y5, sc, False, FP16)  # e2m1(y) * s in the dot's dtype, exact
-        return gl.reshape(p, [BLOCK_M, BLOCK_N]), alpha, m_new, l_new
+        p = gl.reshape(_round_p(y5, sc, False, FP16), [BLOCK_M, BLOCK_N])  # e2m1(y) * s in the dot's dtype, exact
+        if not TRAINING:
+            p_aux = p
+        return p, p_aux, alpha, m_new, l_new
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale, dtype: gl.constexpr, BLOCK_N: gl.constexpr, FIRST: gl.constexpr,
-                      FP4: gl.constexpr):
-        """One key block's softmax on masked S_j: (P_j in dtype and S's layout, alpha, m_new, l_new)."""
+                      FP4: gl.constexpr, TRAINING: gl.constexpr):
+        """One key block's softmax on masked S_j: (P_j in dtype and S's layout, P~_j likewise for O' when
+        TRAINING (else P_j again), alpha, m_new, l_new)."""
         if FP4:
-            p, alpha, m_new, l_new = _fp4_step(s, m_i, l_i, qk_scale, BLOCK_N, FIRST, dtype == gl.float16)
+            p, p_aux, alpha, m_new, l_new = _fp4_step(s, m_i, l_i, qk_scale, BLOCK_N, FIRST, dtype == gl.float16,
+                                                      TRAINING)
             p = gl.convert_layout(p, s.type.layout, assert_trivial=True)  # the reshapes moved nothing
+            if TRAINING:
+                p_aux = gl.convert_layout(p_aux, s.type.layout, assert_trivial=True)
+            else:
+                p_aux = p
         else:
             p, alpha, m_new, l_new = _bf16_step(s, m_i, l_i, qk_scale, FIRST)
             p = p.to(dtype)
-        return p, alpha, m_new, l_new
+            p_aux = p
+        return p, p_aux, alpha, m_new, l_new
 
     @gluon.jit
     def _per_row(x, layout: gl.constexpr):
@@ -197,11 +218,14 @@ if not _MISSING:
         return gl.convert_layout(gl.reshape(x, [x.shape[0]]), layout, assert_trivial=True)
 
     @gluon.jit
-    def _attn_softmax_mma(o_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
-                          off_b, off_h, off_m, n_blocks, seqlen_k, qk_scale, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr):
-        """Default partition: both matmuls and the online softmax, then O / l through shared memory and TMA."""
+    def _attn_softmax_mma(o_desc, aux_desc, m_ptr, l_ptr, q_smem, aux_smem, k_bufs, v_bufs, q_ready, k_ready,
+                          v_ready, k_empty, v_empty, off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                          num_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP4: gl.constexpr,
+                          TRAINING: gl.constexpr, num_warps: gl.constexpr):
+        """Default partition: both matmuls and the online softmax, then O / l through shared memory and TMA.
+        TRAINING adds O' += P~_j V_j (a third wgmma, issued after P_{j-1} V_{j-1} and overlapped alike), O' / l
+        through its own shared-memory tile, and m and l per row."""
         # wgmma's accumulator layouts: instruction M=16 per warp, warps stacked along M (4 per warpgroup),
         # N = the whole tile, K = 16 bf16 elements (256 bits).
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -216,6 +240,8 @@ if not _MISSING:
         offs_m = off_m + gl.arange(0, BLOCK_M, row_layout)
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        if TRAINING:
+            acc_aux = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         mbarrier.wait(q_ready, 0)
         q = q_smem.reshape([BLOCK_M, HEAD_DIM])
 
@@ -224,44 +250,74 @@ if not _MISSING:
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(0), count=1)
         s = _masked(s, 0, offs_m, seqlen_k, BLOCK_N, CAUSAL, FP4)
-        p, alpha, m_i, l_i = _softmax_step(s, None, None, qk_scale, dtype, BLOCK_N, True, FP4)
+        p, p_aux, alpha, m_i, l_i = _softmax_step(s, None, None, qk_scale, dtype, BLOCK_N, True, FP4, TRAINING)
         p = gl.convert_layout(p, p_layout)
+        if TRAINING:
+            p_aux = gl.convert_layout(p_aux, p_layout)
 
         for j in range(1, n_blocks):
-            # S_j first, then P_{j-1} V_{j-1}; waiting until one group is pending leaves the PV running while
-            # block j's softmax computes (wgmma groups complete in issue order).
+            # S_j first, then P_{j-1} V_{j-1} (and P~_{j-1} V_{j-1}); waiting until only those are pending leaves
+            # them running while block j's softmax computes (wgmma groups complete in issue order).
             s = _issue_scores(q, k_bufs, k_ready, j, zero, BLOCK_N, HEAD_DIM, NUM_STAGES)
-            acc = _issue_pv(p, v_bufs, v_ready, acc, j - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
-            s = warpgroup_mma_wait(1, deps=[s])
+            v = _v_tile(v_bufs, v_ready, j - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+            acc = warpgroup_mma(p, v, acc, is_async=True)
+            if TRAINING:
+                acc_aux = warpgroup_mma(p_aux, v, acc_aux, is_async=True)
+                s = warpgroup_mma_wait(2, deps=[s])
+            else:
+                s = warpgroup_mma_wait(1, deps=[s])
             mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
             s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, FP4)
-            p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, dtype, BLOCK_N, False, FP4)
+            p_next, p_aux_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, dtype, BLOCK_N, False, FP4,
+                                                                TRAINING)
             # P_{j-1} stays a dependency until its wgmma is done: its registers are that MMA's A operand.
-            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+            if TRAINING:
+                acc, acc_aux, p, p_aux = warpgroup_mma_wait(0, deps=[acc, acc_aux, p, p_aux])
+            else:
+                acc, p = warpgroup_mma_wait(0, deps=[acc, p])
             mbarrier.arrive(v_empty.index((j - 1) % NUM_STAGES), count=1)
-            acc = acc * _per_row(alpha, acc_row_layout)[:, None]
+            alpha_acc = _per_row(alpha, acc_row_layout)[:, None]
+            acc = acc * alpha_acc
             p = gl.convert_layout(p_next, p_layout)
+            if TRAINING:
+                acc_aux = acc_aux * alpha_acc
+                p_aux = gl.convert_layout(p_aux_next, p_layout)
 
-        acc = _issue_pv(p, v_bufs, v_ready, acc, n_blocks - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
-        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-        out = acc / _per_row(l_i, acc_row_layout)[:, None]
+        v = _v_tile(v_bufs, v_ready, n_blocks - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        if TRAINING:
+            acc_aux = warpgroup_mma(p_aux, v, acc_aux, is_async=True)
+            acc, acc_aux, p, p_aux = warpgroup_mma_wait(0, deps=[acc, acc_aux, p, p_aux])
+        else:
+            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+        l_acc = _per_row(l_i, acc_row_layout)[:, None]
 
         # Q's slot is free once the last S finished (above): O goes out through it; TMA clips rows past Lq.
-        q.store(out.to(dtype))
+        q.store((acc / l_acc).to(dtype))
+        if TRAINING:
+            aux_smem.reshape([BLOCK_M, HEAD_DIM]).store((acc_aux / l_acc).to(dtype))
         fence_async_shared()
         _tma_store(o_desc, [off_b, off_h, off_m, 0], q_smem)
+        if TRAINING:
+            _tma_store(aux_desc, [off_b, off_h, off_m, 0], aux_smem)
+            # m and l per row, (B, H, Lq) fp32 contiguous: the backward's P~ = 2688 2^(S - m) and P = P~ / l
+            rows = (off_b * num_heads + off_h) * seqlen_q + offs_m
+            gl.store(m_ptr + rows, _per_row(m_i, row_layout), mask=offs_m < seqlen_q)
+            gl.store(l_ptr + rows, _per_row(l_i, row_layout), mask=offs_m < seqlen_q)
         tma.store_wait(0)
 
     @gluon.jit
-    def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seqlen_k, qk_scale, num_heads,
+    def _attn_fwd(q_desc, k_desc, v_desc, o_desc, aux_desc, m_ptr, l_ptr, seqlen_q, seqlen_k, qk_scale, num_heads,
                   HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  FP4: gl.constexpr, num_warps: gl.constexpr):
+                  FP4: gl.constexpr, TRAINING: gl.constexpr, num_warps: gl.constexpr):
         """One program per (BLOCK_M query rows, batch * head): allocate the ring and its barriers, then fork
-        into the load partition and the softmax/MMA partition."""
+        into the load partition and the softmax/MMA partition. TRAINING (FP4 only) also writes O' through
+        aux_desc and the row statistics m, l to m_ptr, l_ptr; otherwise those three are not touched."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         gl.static_assert(q_desc.block_type.shape[3] == HEAD_DIM)
         gl.static_assert(not FP4 or BLOCK_N % 64 == 0)  # _fp4_step: each thread holds whole 16-key blocks
+        gl.static_assert(FP4 or not TRAINING)  # O' is SPEC §2's auxiliary output: the FP4 forward's
         off_m = gl.program_id(0) * BLOCK_M
         off_b = gl.program_id(1) // num_heads
         off_h = gl.program_id(1) % num_heads
@@ -271,6 +327,10 @@ if not _MISSING:
             n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        if TRAINING:  # O' leaves through a tile of its own: Q's slot carries O at the same time
+            aux_smem = gl.allocate_shared_memory(aux_desc.dtype, aux_desc.block_type.shape, aux_desc.layout)
+        else:
+            aux_smem = q_smem
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -286,9 +346,10 @@ if not _MISSING:
             mbarrier.init(v_empty.index(i), count=1)
 
         gl.warp_specialize([
-            (_attn_softmax_mma, (o_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
-                                 off_b, off_h, off_m, n_blocks, seqlen_k, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                 NUM_STAGES, CAUSAL, FP4, num_warps)),
+            (_attn_softmax_mma, (o_desc, aux_desc, m_ptr, l_ptr, q_smem, aux_smem, k_bufs, v_bufs, q_ready, k_ready,
+                                 v_ready, k_empty, v_empty, off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k,
+                                 qk_scale, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, FP4, TRAINING,
+                                 num_warps)),
             (_attn_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
                           v_empty, off_b, off_h, off_m, n_blocks, BLOCK_N, NUM_STAGES)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -305,24 +366,37 @@ def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _tile_layout(block, t.dtype))
 
 
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when TMA can read it (16-byte aligned base and strides, unit last stride), else a
-    contiguous copy."""
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether TMA can read or write ``t``: 16-byte aligned base and strides, unit last stride."""
     size = t.element_size()
-    aligned = t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:3]) and t.stride(3) == 1
-    return t if aligned else t.contiguous()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:3]) and t.stride(3) == 1
 
 
-def _launch(q, k, v, seqlen_k: int, sm_scale: float | None, causal: bool, fp4: bool) -> torch.Tensor:
-    """Run the kernel over TMA-ready (B, H, L, D) q, k, v (k, v: at least seqlen_k rows); a new (B, H, Lq, D)
-    output in q's dtype."""
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when TMA can read it, else a contiguous copy."""
+    return t if _tma_ok(t) else t.contiguous()
+
+
+def _launch(q, k, v, seqlen_k: int, sm_scale: float | None, causal: bool, fp4: bool, out=None,
+            saved=None) -> torch.Tensor:
+    """Run the kernel over TMA-ready (B, H, L, D) q, k, v (k, v: at least seqlen_k rows) into ``out`` (default: a
+    new contiguous (B, H, Lq, D) tensor in q's dtype), which it returns. ``saved`` = (o_aux, m, l) runs the training
+    variant (FP4 only, its own tiles: FWD_TRAIN_CONFIG), which also writes O' ((B, H, Lq, D) contiguous, q's dtype)
+    and m, l ((B, H, Lq) fp32 contiguous) there."""
     batch, heads, seqlen_q, head_dim = q.shape
-    block_m, block_n, stages, warps = FWD_CONFIG[head_dim]
-    out = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
+    training = saved is not None
+    block_m, block_n, stages, warps = (FWD_TRAIN_CONFIG if training else FWD_CONFIG)[head_dim]
+    if out is None:
+        out = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
+    if training:
+        o_aux, m, l = saved
+    else:  # not touched: O' goes nowhere, and the statistics' pointers need only be fp32
+        o_aux, m, l = out, *(torch.empty(1, dtype=torch.float32, device=q.device),) * 2
     grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
     _attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
-                    _descriptor(out, block_m), seqlen_k, default_scale(head_dim, sm_scale) * LOG2E, heads,
-                    HEAD_DIM=head_dim, CAUSAL=bool(causal), NUM_STAGES=stages, FP4=fp4, num_warps=warps)
+                    _descriptor(out, block_m), _descriptor(o_aux, block_m), m, l, seqlen_q, seqlen_k,
+                    default_scale(head_dim, sm_scale) * LOG2E, heads, HEAD_DIM=head_dim, CAUSAL=bool(causal),
+                    NUM_STAGES=stages, FP4=fp4, TRAINING=training, num_warps=warps)
     return out
 
 
@@ -372,12 +446,48 @@ def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     return _launch(qf, kf, vf, k.shape[2], sm_scale, causal, fp4=True)
 
 
-def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16, fp4: bool = False):
-    """Compile the forward (``fp4``: the FP4 inference variant) for sm_90a without a GPU (what a launch at
-    ``head_dim`` would build); returns Triton's compiled kernel (``.asm["ptx"]``, ``.metadata.shared``, ...)."""
+def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                            causal: bool = False):
+    """The Attn-QAT training forward (SPEC §2 with the auxiliary output O') with the Gluon sm_90 forward: what
+    ``attn_qat.attn_qat_forward(training=True)`` computes and saves for its backward, in the same layouts, so that
+    ``attn_qat.attn_qat_backward`` takes its results unchanged.
+
+    The FP4 variant's pipeline (:func:`hopper_fp4_attention`) with a third wgmma per key tile, O' += P~_j V^F_j
+    (P~ = 2688 2^(S - m) unquantized, in the dot's dtype, as the Triton forward), issued after P_j V^F_j and
+    overlapped alike, on 64-key tiles (FWD_TRAIN_CONFIG: O' holds 64 more fp32 registers per thread at
+    head_dim 128). The pre-pass writes phi(K), phi(V) twice: in key order for the backward, in tile order for
+    the kernel (two more passes over K and V, each a fraction of a millisecond at Wan's shapes).
+
+    Arguments as :func:`hopper_attention` (inputs may require grad: this is a launcher, autograd is the caller's).
+    Return:
+        (o, o_aux, m, l, (qf, kf, vf)): o (B, H, Lq, D) in q's dtype and stride order, the FP4 output;
+        o_aux (B, H, Lq, D) contiguous in q's dtype, O'; m, l (B, H, Lq) fp32, the integer running max (log2
+        units) and the row sum of the unquantized P~; qf, kf, vf contiguous phi(q), phi(k), phi(v) in q's dtype,
+        keys in order. All new tensors.
+    """
+    _check(q, k, v, "hopper_attn_qat_forward", sm_scale, causal)
+    batch, heads, seqlen_q, head_dim = q.shape
+    block_n = FWD_TRAIN_CONFIG[head_dim][1]
+    qf, kf, vf = (quantize_heads(t, q.dtype) for t in (q, k, v))
+    k_tiles, v_tiles = (quantize_heads(t, q.dtype, key_tile=block_n) for t in (k, v))
+    o = torch.empty_like(q)  # q's stride order, as the Triton forward's O
+    if not _tma_ok(o):
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o_aux = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
+    m = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    _launch(qf, k_tiles, v_tiles, k.shape[2], sm_scale, causal, fp4=True, out=o, saved=(o_aux, m, l))
+    return o, o_aux, m, l, (qf, kf, vf)
+
+
+def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16, fp4: bool = False,
+                    training: bool = False):
+    """Compile the forward (``fp4``: the FP4 inference variant; ``training``: the Attn-QAT training variant, FP4
+    with O' and the row statistics) for sm_90a without a GPU (what a launch at ``head_dim`` would build); returns
+    Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``, ...)."""
     if _MISSING:
         raise RuntimeError(f"hopper_gluon: {_MISSING}")
-    block_m, block_n, stages, warps = FWD_CONFIG[head_dim]
+    block_m, block_n, stages, warps = (FWD_TRAIN_CONFIG if training else FWD_CONFIG)[head_dim]
     gl_dtype = str(dtype).removeprefix("torch.")
     short = {"bfloat16": "bf16", "float16": "fp16"}[gl_dtype]
 
@@ -386,7 +496,7 @@ def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bflo
         return f"tensordesc<{short}[{', '.join(map(str, block))}],{_tile_layout(block, dtype)!r}>"
 
     types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n), "o_desc": desc(block_m),
-             "qk_scale": "fp32"}
-    return compile_for(_attn_fwd, 90, types=types, aligned=(), num_warps=warps, num_stages=stages,
+             "aux_desc": desc(block_m), "m_ptr": "*fp32", "l_ptr": "*fp32", "qk_scale": "fp32"}
+    return compile_for(_attn_fwd, 90, types=types, aligned=("m_ptr", "l_ptr"), num_warps=warps, num_stages=stages,
                        constexprs={"HEAD_DIM": head_dim, "CAUSAL": bool(causal), "NUM_STAGES": stages,
-                                   "FP4": bool(fp4), "num_warps": warps})
+                                   "FP4": bool(fp4 or training), "TRAINING": bool(training), "num_warps": warps})
