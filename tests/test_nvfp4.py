@@ -127,6 +127,26 @@ def test_nan_and_inf_make_their_block_non_finite(poison):
     assert torch.equal(out[3], ref[3]) and torch.equal(out.isnan(), ref.isnan())
 
 
+@pytest.mark.parametrize("payload", [0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF])
+def test_every_nan_makes_its_block_nan(payload, device, poison):
+    """Whatever its bits: 0x7FC00000 is the CPU's NaN, 0x7FFFFFFF the GPU's (what its arithmetic returns). The
+    scale's rounding works on the bit pattern, and adding half an ulp to 0x7FFFFFFF overflows into the sign:
+    a NaN block came out -0.0 but for the NaN itself, on the GPU only, until round_e4m3 passed NaN explicitly.
+    Checked through each pre-pass: fake_quant_nvfp4, quantize_heads in key order and in tile order, packed."""
+    from attnqat.kernels.nvfp4 import quantize_heads
+
+    x = torch.randn(1, 2, 40, 64, device=device)
+    x.view(torch.int32)[0, 1, 7, 21] = payload - 2**32 if payload >= 2**31 else payload  # these exact bits
+    want = fake_quant_nvfp4_ref(x)
+    assert want[0, 1, 7, 16:32].isnan().all() and want.isnan().sum() == 16
+    assert torch.equal(fake_quant_nvfp4(x).isnan(), want.isnan())
+    torch.testing.assert_close(quantize_heads(x, torch.float32), want, rtol=0, atol=0, equal_nan=True)
+    tiles = quantize_heads(x, torch.float32, key_tile=64)
+    assert tiles.isnan().sum() == 16 and tiles[0, 1].isnan().any(-1).sum() == 1
+    _, scales = quantize_heads(x, torch.float32, packed=True)
+    assert scales.float().isnan().sum() == 1 and scales.float()[0, 1, 7, 1].isnan()
+
+
 def test_tail_padding_never_changes_the_scale(poison):
     x = torch.randn(5, 21)
     padded = torch.nn.functional.pad(x, (0, 11))

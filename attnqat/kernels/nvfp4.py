@@ -35,14 +35,17 @@ def round_e4m3(x):
     Normal range (>= 2^-6): keep 3 of fp32's 23 mantissa bits by adding half an ulp (plus the
     tie-to-even bit) to the bit pattern and clearing the 20 low bits. Subnormal range: e4m3's spacing
     is a fixed 2^-9, and adding 1.5 * 2^14 pushes x into a binade whose ulp is 2^-9, so the fp32 add
-    itself rounds to nearest even. NaN and +inf pass through (inf is not saturated: SPEC §1).
+    itself rounds to nearest even. NaN and +inf pass through (inf is not saturated: SPEC §1): NaN by an
+    explicit select, since the bit add overflows a NaN with a large payload into the sign bit (-0.0); the
+    GPU's NaN is 0x7FFFFFFF (the interpreter's, 0x7FC00000, does not overflow, so only a GPU showed it).
     """
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == ~0xFFFFF
     normal = bits.to(tl.float32, bitcast=True)
     subnormal = (x + 24576.0) - 24576.0  # 24576 = 1.5 * 2^14: ulp there is 2^-9
     s = tl.where(x < 0.015625, subnormal, normal)  # 0.015625 = 2^-6, e4m3's smallest normal
-    return tl.where((s > 448.0) & (s != float("inf")), 448.0, s)
+    s = tl.where((s > 448.0) & (s != float("inf")), 448.0, s)
+    return tl.where(x != x, x, s)
 
 
 @triton.jit
