@@ -162,6 +162,22 @@ def test_key_tile_prepass_is_phi_in_tile_order(n, block_n, device, poison):
     assert torch.isnan(got).sum() == 16  # the NaN's block of 16, in its row only
 
 
+@pytest.mark.parametrize("n,block_n", [(200, 64), (97, 128), (128, 64)])
+def test_both_orders_prepass_is_the_two_one_order_passes(n, block_n, device, poison):
+    """quantize_heads(key_tile=n, both_orders=True), the Gluon training forward's K and V pre-pass: one read, two
+    writes, each equal to its one-order call bit for bit (NaN included), on ragged lengths and a (B, L, H, D) input
+    seen as (B, H, L, D)."""
+    x = (torch.randn(2, n, 3, 64, device=device) * 3).transpose(1, 2)
+    x[1, 2, n // 2, 5] = float("nan")
+    in_order, tiles = quantize_heads(x, torch.float32, key_tile=block_n, both_orders=True)
+    assert in_order.is_contiguous() and tiles.is_contiguous()
+    torch.testing.assert_close(in_order, quantize_heads(x, torch.float32), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(tiles, quantize_heads(x, torch.float32, key_tile=block_n), rtol=0, atol=0,
+                               equal_nan=True)
+    with pytest.raises(ValueError, match="both_orders needs key_tile"):
+        quantize_heads(x, torch.float32, both_orders=True)
+
+
 # (B, H, Lq, Lk, D, causal, layout) for both variants' GPU tests: ragged lengths, Lq != Lk both ways, both head dims
 GPU_SHAPES = [
     (1, 2, 97, 97, 64, False, "bhld"),

@@ -388,10 +388,9 @@ def _launch(q, k, v, seqlen_k: int, sm_scale: float | None, causal: bool, fp4: b
     block_m, block_n, stages, warps = (FWD_TRAIN_CONFIG if training else FWD_CONFIG)[head_dim]
     if out is None:
         out = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
-    if training:
-        o_aux, m, l = saved
-    else:  # not touched: O' goes nowhere, and the statistics' pointers need only be fp32
-        o_aux, m, l = out, *(torch.empty(1, dtype=torch.float32, device=q.device),) * 2
+    # Without training the kernel touches neither O' nor the statistics (constexpr-dead code): out stands in for all
+    # three, so an inference call allocates nothing beyond its output (compile_forward types them alike)
+    o_aux, m, l = saved if training else (out, out, out)
     grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
     _attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
                     _descriptor(out, block_m), _descriptor(o_aux, block_m), m, l, seqlen_q, seqlen_k,
@@ -455,8 +454,8 @@ def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     The FP4 variant's pipeline (:func:`hopper_fp4_attention`) with a third wgmma per key tile, O' += P~_j V^F_j
     (P~ = 2688 2^(S - m) unquantized, in the dot's dtype, as the Triton forward), issued after P_j V^F_j and
     overlapped alike, on 64-key tiles (FWD_TRAIN_CONFIG: O' holds 64 more fp32 registers per thread at
-    head_dim 128). The pre-pass writes phi(K), phi(V) twice: in key order for the backward, in tile order for
-    the kernel (two more passes over K and V, each a fraction of a millisecond at Wan's shapes).
+    head_dim 128). The pre-pass writes phi(K), phi(V) in two orders from one read each (``quantize_heads``'s
+    ``both_orders``): in key order for the backward, in tile order for the kernel.
 
     Arguments as :func:`hopper_attention` (inputs may require grad: this is a launcher, autograd is the caller's).
     Return:
@@ -468,8 +467,8 @@ def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     _check(q, k, v, "hopper_attn_qat_forward", sm_scale, causal)
     batch, heads, seqlen_q, head_dim = q.shape
     block_n = FWD_TRAIN_CONFIG[head_dim][1]
-    qf, kf, vf = (quantize_heads(t, q.dtype) for t in (q, k, v))
-    k_tiles, v_tiles = (quantize_heads(t, q.dtype, key_tile=block_n) for t in (k, v))
+    qf = quantize_heads(q, q.dtype)
+    (kf, k_tiles), (vf, v_tiles) = (quantize_heads(t, q.dtype, key_tile=block_n, both_orders=True) for t in (k, v))
     o = torch.empty_like(q)  # q's stride order, as the Triton forward's O
     if not _tma_ok(o):
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -495,8 +494,9 @@ def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bflo
         block = [1, 1, rows, head_dim]
         return f"tensordesc<{short}[{', '.join(map(str, block))}],{_tile_layout(block, dtype)!r}>"
 
+    stats = "*fp32" if training else f"*{short}"  # _launch passes the output for the untouched statistics
     types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n), "o_desc": desc(block_m),
-             "aux_desc": desc(block_m), "m_ptr": "*fp32", "l_ptr": "*fp32", "qk_scale": "fp32"}
+             "aux_desc": desc(block_m), "m_ptr": stats, "l_ptr": stats, "qk_scale": "fp32"}
     return compile_for(_attn_fwd, 90, types=types, aligned=("m_ptr", "l_ptr"), num_warps=warps, num_stages=stages,
                        constexprs={"HEAD_DIM": head_dim, "CAUSAL": bool(causal), "NUM_STAGES": stages,
                                    "FP4": bool(fp4 or training), "TRAINING": bool(training), "num_warps": warps})
