@@ -398,13 +398,13 @@ if not _MISSING:
 
     @gluon.jit
     def _bwd_p(s, m, inv_l, qk_scale, QUANT: gl.constexpr, FP16: gl.constexpr):
-        """From masked S (queries x keys, wgmma's accumulator layout): P = P~ / l (fp32, unquantized: dS's factor)
-        and, QUANT (keys in tile order: each thread holds whole 16-key blocks), P^F = phi(P~) / l in fp32 (dV's
-        operand once in the dot's dtype: FP16 picks fp16's rounding of phi, else bf16's), as attn_qat's dK/dV kernel
-        computes them (_phi_blocks, block maxima from S). Without QUANT the second value is P again."""
+        """From masked S (queries x keys, wgmma's accumulator layout): P~ = 2688 2^(S - m) (fp32, unquantized: dS's
+        factor is P = P~ / l, taken where dS is, so that P~ alone stays live meanwhile) and, QUANT (keys in tile
+        order: each thread holds whole 16-key blocks), P^F = phi(P~) / l in fp32 (dV's operand once in the dot's
+        dtype: FP16 picks fp16's rounding of phi, else bf16's), as attn_qat's dK/dV kernel computes them
+        (_phi_blocks, block maxima from S). Without QUANT the second value is P~ again."""
         t = s * qk_scale - (m - 11.392317422778761)[:, None]  # log2 P~: P~ = 2688 2^(S - m), 11.39... = log2(2688)
         p_tilde = gl.exp2(t)
-        p = p_tilde * inv_l[:, None]
         if QUANT:
             BLOCK_M: gl.constexpr = s.shape[0]
             BLOCK_N: gl.constexpr = s.shape[1]
@@ -416,8 +416,8 @@ if not _MISSING:
             pf = gl.convert_layout(gl.reshape(pf, [BLOCK_M, BLOCK_N]), s.type.layout, assert_trivial=True)
             pf = pf.to(gl.float32) * inv_l[:, None]
         else:
-            pf = p
-        return p, pf
+            pf = p_tilde
+        return p_tilde, pf
 
     @gluon.jit
     def _attn_bwd_dkdv(q_desc, do_desc, kf_ptr, vf_ptr, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, stride_kb, stride_kh,
@@ -493,13 +493,13 @@ if not _MISSING:
             dp = warpgroup_mma(do, vt, zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])  # dP still runs while P and phi(P~) compute
             s = _masked(s, gl.program_id(0), offs_m, seqlen_k, BLOCK_N, CAUSAL, True)
-            p, pf = _bwd_p(s, m, inv_l, qk_scale, True, dtype == gl.float16)
+            p_tilde, pf = _bwd_p(s, m, inv_l, qk_scale, True, dtype == gl.float16)
             # P^F and dS go to shared memory for the wgmmas that read them transposed; each writer fences its own
             # stores for the async proxy before the barrier that the compiler places ahead of those wgmmas
             p_smem.store(pf.to(dtype))
             fence_async_shared()
             dp = warpgroup_mma_wait(0, deps=[dp])
-            ds_smem.store((p * (dp - delta[:, None])).to(dtype))
+            ds_smem.store((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype))  # dS = P (dP - D)
             fence_async_shared()
             dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
             dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
@@ -567,9 +567,9 @@ if not _MISSING:
             dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])
             s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, False)
-            p, _ = _bwd_p(s, m, inv_l, qk_scale, False, False)
+            p_tilde, _ = _bwd_p(s, m, inv_l, qk_scale, False, False)
             dp = warpgroup_mma_wait(0, deps=[dp])
-            ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
+            ds = gl.convert_layout((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype), ds_layout)
             dq = warpgroup_mma(ds, k, dq, is_async=True)
             dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])
 
