@@ -11,8 +11,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gluon_hopper_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.log"
-TRAINING="gpu_training or gpu_triton_backward"
-BACKWARD="gpu_backward or gluon_pair"
+TRAINING="gpu_training or (gluon_forward_then and triton_bwd)"
+BACKWARD="gpu_backward or (gluon_forward_then and gluon_bwd)"
 timeout ${T_TEST:-140} python3 -m pytest -v -rs -p no:cacheprovider --durations=5 -m "gpu or not gpu" \
   -k "not ($TRAINING or $BACKWARD)" tests/test_hopper_gluon.py 2>&1 | tee "$OUT/pytest.log" | tail -25
 timeout ${T_TRAIN:-110} python3 -m pytest -v -rs -p no:cacheprovider --durations=5 -m "gpu or not gpu" \

@@ -17,21 +17,27 @@ from conftest import compiled_outside_interpreter, rel_err
 H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
 
 
-COMPILE = """
+# A compile script's head: record(key, compiled) keeps the PTX, the shared memory and ptxas's resource usage; the
+# script prints `out` as its last line.
+COMPILE_HEAD = """
 import json, re, subprocess, tempfile
 import triton
-from attnqat.kernels.hopper_gluon import compile_forward
+from attnqat.kernels.hopper_gluon import compile_backward, compile_forward
 out = {}
+def record(key, compiled):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    out[key] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
+                "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0]}
+"""
+COMPILE = COMPILE_HEAD + """
 for head_dim, causal in ((64, False), (128, True)):
     for variant in ("bf16", "fp4", "train"):
-        compiled = compile_forward(head_dim, causal, fp4=variant == "fp4", training=variant == "train")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True, check=True).stdout
-        out[f"{head_dim},{variant}"] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
-                                        "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0]}
+        record(f"{head_dim},{variant}", compile_forward(head_dim, causal, fp4=variant == "fp4",
+                                                        training=variant == "train"))
 print(json.dumps(out))
 """
 
@@ -294,6 +300,19 @@ def _stats_match(m, l, want_m, want_l):
     assert rel_err(l.double() * torch.exp2(m.double()), want_l.double() * torch.exp2(want_m.double())) <= 1e-4
 
 
+def _assert_gradients(grads, triton_grads, refs, likes):
+    """dQ, dK, dV finite, in the shape, dtype and stride order of ``likes`` (q, k, k), and within the Triton backward's
+    own bound against the reference (attn_qat's GPU tests'), of the reference and of the Triton path's gradients,
+    which are held to that bound too."""
+    for got, tri, ref, like in zip(grads, triton_grads, refs, likes):
+        assert got.shape == like.shape and got.dtype == like.dtype and got.stride() == like.stride()
+        assert torch.isfinite(got).all()
+        bound = _fp4_bound(ref)
+        assert rel_err(tri, ref) <= bound
+        assert rel_err(got, ref) <= bound
+        assert rel_err(got, tri) <= bound
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
 def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, poison):
@@ -326,11 +345,13 @@ def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backward", ["triton_bwd", "gluon_bwd"])
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [GPU_SHAPES[i] for i in (0, 1, 2, 3)])
-def test_gpu_triton_backward_on_gluon_forward_matches_triton_path(b, h, lq, lk, d, causal, layout, poison):
-    """The Triton backward (attn_qat_backward, unchanged) run on what the Gluon training forward saves gives the
-    all-Triton path's gradients (attn_qat_attention's autograd) and the reference's (SPEC §2's backward on the
-    reference forward's O', m, l), to the bound the Triton path has against the reference."""
+def test_gpu_gluon_forward_then_backward_matches_triton_path(b, h, lq, lk, d, causal, layout, backward, poison):
+    """A backward run on what the Gluon training forward saves, the Triton one (attn_qat_backward, unchanged) or the
+    Gluon one (hopper_attn_qat_backward: the Gluon pair), gives the all-Triton path's gradients (attn_qat_attention's
+    autograd) and the reference's (SPEC §2's backward on the reference forward's O', m, l), to the bound the Triton
+    path has against the reference."""
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)
@@ -338,16 +359,14 @@ def test_gpu_triton_backward_on_gluon_forward_matches_triton_path(b, h, lq, lk, 
     do = torch.randn(b, h, lq, d, device="cuda").to(torch.bfloat16)
     attn_qat_attention(q, k, v, causal=causal).backward(do)
     o, o_aux, m, l, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
-    grads = attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=d ** -0.5, causal=causal)
+    saved = (qf, kf, vf, o_aux, m, l)
+    if backward == "triton_bwd":
+        grads = attn_qat_backward(do, q, k, *saved, sm_scale=d ** -0.5, causal=causal)
+    else:
+        grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal)
     r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q.detach(), k.detach(), v.detach(), causal=causal)
     refs = R.attn_qat_backward_ref(q.detach(), k.detach(), v.detach(), r_aux, do, r_m, r_l, causal=causal)
-    for got, tri, ref in zip(grads, (q.grad, k.grad, v.grad), refs):
-        assert got.shape == tri.shape and got.dtype == tri.dtype
-        assert torch.isfinite(got).all()
-        bound = _fp4_bound(ref)
-        assert rel_err(tri, ref) <= bound
-        assert rel_err(got, ref) <= bound
-        assert rel_err(got, tri) <= bound
+    _assert_gradients(grads, (q.grad, k.grad, v.grad), refs, (q, k, k))
 
 
 @pytest.mark.gpu
@@ -375,20 +394,10 @@ def test_gpu_training_sm_scale_fp16_and_nan_stays_in_its_head(poison):
 
 # --- The backward (hopper_attn_qat_backward) -----------------------------------------------------------------------
 
-COMPILE_BACKWARD = """
-import json, re, subprocess, tempfile
-import triton
-from attnqat.kernels.hopper_gluon import compile_backward
-out = {}
+COMPILE_BACKWARD = COMPILE_HEAD + """
 for head_dim, causal in ((64, False), (128, True)):
     for name, compiled in compile_backward(head_dim, causal).items():
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True, check=True).stdout
-        out[f"{head_dim},{name}"] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
-                                     "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0]}
+        record(f"{head_dim},{name}", compiled)
 print(json.dumps(out))
 """
 
@@ -483,13 +492,7 @@ def test_gpu_backward_matches_triton_backward_and_reference(b, h, lq, lk, d, cau
         pytest.skip(why)
     q, k, v, do, saved, triton_grads, refs = _backward_case(b, h, lq, lk, d, causal, layout)
     grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal)
-    for got, tri, ref, like in zip(grads, triton_grads, refs, (q, k, k)):
-        assert got.shape == like.shape and got.dtype == like.dtype and got.stride() == like.stride()
-        assert torch.isfinite(got).all()
-        bound = _fp4_bound(ref)
-        assert rel_err(tri, ref) <= bound
-        assert rel_err(got, ref) <= bound
-        assert rel_err(got, tri) <= bound
+    _assert_gradients(grads, triton_grads, refs, (q, k, k))
 
 
 @pytest.mark.gpu
@@ -503,26 +506,4 @@ def test_gpu_backward_fp16_and_sm_scale(poison):
     for got, tri, ref in zip(grads, triton_grads, refs):
         assert got.dtype == torch.float16 and torch.isfinite(got).all()
         bound = 2 * rel_err(ref.to(torch.float16), ref) + 2e-3
-        assert rel_err(got, ref) <= bound and rel_err(got, tri) <= bound
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [GPU_SHAPES[i] for i in (1, 2, 3)])
-def test_gpu_gluon_pair_matches_the_triton_path(b, h, lq, lk, d, causal, layout, poison):
-    """The Gluon pair (hopper_attn_qat_forward, then hopper_attn_qat_backward on what it saves) gives the all-Triton
-    path's gradients (attn_qat_attention's autograd) and the reference's."""
-    ok, why = hopper_gluon.available()
-    if not ok:
-        pytest.skip(why)
-    q, k, v = (t.detach().requires_grad_() for t in _inputs(b, h, lq, lk, d, layout))
-    do = torch.randn(b, h, lq, d, device="cuda").to(torch.bfloat16)
-    attn_qat_attention(q, k, v, causal=causal).backward(do)
-    _, o_aux, m, l, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
-    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, causal=causal)
-    qd, kd, vd = q.detach(), k.detach(), v.detach()
-    _, r_aux, r_m, r_l = R.attn_qat_forward_ref(qd, kd, vd, causal=causal)
-    refs = R.attn_qat_backward_ref(qd, kd, vd, r_aux, do, r_m, r_l, causal=causal)
-    for got, tri, ref in zip(grads, (q.grad, k.grad, v.grad), refs):
-        assert got.shape == tri.shape and got.dtype == tri.dtype and torch.isfinite(got).all()
-        bound = _fp4_bound(ref)
         assert rel_err(got, ref) <= bound and rel_err(got, tri) <= bound

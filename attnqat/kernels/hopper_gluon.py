@@ -103,6 +103,12 @@ if not _MISSING:
     LOADER_WARPS = gl.constexpr(1)
     LOADER_REGS = gl.constexpr(24)
 
+    @gluon.constexpr_function
+    def _wgmma_layout(num_warps, n):
+        """wgmma's accumulator layout for a (16 * num_warps, n) tile: instruction M=16 per warp, warps stacked along
+        M (4 per warpgroup), N = the whole tile, K = 16 bf16 elements (256 bits)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
     @gluon.jit
     def _attn_load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
                    off_b, off_h, off_m, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
@@ -241,12 +247,8 @@ if not _MISSING:
         """Default partition: both matmuls and the online softmax, then O / l through shared memory and TMA.
         TRAINING adds O' += P~_j V_j (a third wgmma, issued after P_{j-1} V_{j-1} and overlapped alike), O' / l
         through its own shared-memory tile, and m and l per row."""
-        # wgmma's accumulator layouts: instruction M=16 per warp, warps stacked along M (4 per warpgroup),
-        # N = the whole tile, K = 16 bf16 elements (256 bits).
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_N)
+        o_layout: gl.constexpr = _wgmma_layout(num_warps, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         acc_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -437,8 +439,7 @@ if not _MISSING:
         # as BLOCK_N allows (64 rows each), then side by side along head_dim.
         KV_WARPS_M: gl.constexpr = min(num_warps, BLOCK_N // 16)
         KV_WARPS_N: gl.constexpr = num_warps // KV_WARPS_M
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
+        s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_N)
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[KV_WARPS_M, KV_WARPS_N],
                                                             instr_shape=[16, HEAD_DIM // KV_WARPS_N, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -521,10 +522,8 @@ if not _MISSING:
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(BLOCK_M == 16 * num_warps)
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                            instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_N)
+        dq_layout: gl.constexpr = _wgmma_layout(num_warps, HEAD_DIM)
         ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
