@@ -495,14 +495,16 @@ if not _MISSING:
             s = warpgroup_mma_wait(1, deps=[s])  # dP still runs while P and phi(P~) compute
             s = _masked(s, gl.program_id(0), offs_m, seqlen_k, BLOCK_N, CAUSAL, True)
             p_tilde, pf = _bwd_p(s, m, inv_l, qk_scale, True, dtype == gl.float16)
-            # P^F and dS go to shared memory for the wgmmas that read them transposed; each writer fences its own
-            # stores for the async proxy before the barrier that the compiler places ahead of those wgmmas
+            # P^F and dS go to shared memory for the wgmmas that read them transposed (each writer fences its own
+            # stores for the async proxy before the barrier that the compiler places ahead of those wgmmas). dV's
+            # wgmma is issued as soon as P^F is there, and runs while dS computes: groups complete in issue order,
+            # so waiting until one group is left pending waits for dP alone.
             p_smem.store(pf.to(dtype))
             fence_async_shared()
-            dp = warpgroup_mma_wait(0, deps=[dp])
+            dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
+            dp = warpgroup_mma_wait(1, deps=[dp])
             ds_smem.store((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype))  # dS = P (dP - D)
             fence_async_shared()
-            dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
             dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
 
