@@ -146,6 +146,17 @@ def test_training_forward_checks_inputs_first(device):
                                                for _ in range(3)))
 
 
+def test_tma_ready_copies_what_a_descriptor_cannot_express():
+    """A broadcast (stride 0) dimension, as autograd's dO of a sum, or a stride TMA cannot take is copied; strided views
+    TMA can read ((B, L, H, D) tensors seen as (B, H, L, D), slices along L) are passed as they are."""
+    wide = torch.randn(2, 100, 3, 64).transpose(1, 2)
+    for t in (torch.randn(2, 3, 1, 64).expand(2, 3, 100, 64), torch.randn(2, 3, 100, 65)[..., :64]):
+        assert not hopper_gluon._tma_ok(t)
+        assert hopper_gluon._tma_ready(t).is_contiguous()
+    for t in (wide, wide[:, :, :50], torch.randn(1, 1, 8, 64).expand(1, 1, 8, 64)):
+        assert hopper_gluon._tma_ready(t) is t
+
+
 def _tile_key(c, block_n):
     """SPEC-independent restatement of nvfp4.tile_keys: column 8j + 2r + e of a tile holds key (block_n/4) r + 2j + e."""
     j, r, e = c // 8, (c // 2) % 4, c % 2

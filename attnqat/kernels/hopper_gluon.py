@@ -591,9 +591,12 @@ def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """Whether TMA can read or write ``t``: 16-byte aligned base and strides, unit last stride."""
+    """Whether TMA can read or write ``t``: 16-byte aligned base and strides, unit last stride, and no broadcast
+    (stride 0) dimension, which a TMA descriptor cannot express (autograd hands the backward such a dO, e.g. the
+    gradient of a sum)."""
     size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:3]) and t.stride(3) == 1
+    strides_ok = all(s * size % 16 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:3], t.shape[:3]))
+    return t.data_ptr() % 16 == 0 and strides_ok and t.stride(3) == 1
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
