@@ -12,10 +12,14 @@ included), and ``gluon_fp4_kernel``, its kernel alone on operands quantized once
 Training: ``triton_qat_fwd``, attn_qat's Triton training forward (O, O', m, l; pre-pass included);
 ``gluon_qat_fwd``, the Gluon training forward (its pre-pass, which writes phi(K), phi(V) in key and in tile order,
 included) and ``gluon_qat_kernel`` its kernel alone; ``cudnn_fwd_bwd``, ``triton_qat_fwd_bwd`` (attn_qat's autograd,
-Triton forward and backward) and ``gluon_qat_fwd_bwd`` (the Gluon training forward, then attn_qat's Triton backward
-on what it saves). Then sanity checks: the bf16 Gluon output's relative error to cuDNN's, the Gluon FP4 output's to
-the Triton FP4 one's, and the Gluon training forward's O and O' to the Triton training forward's (same numerics:
-bf16 output rounding, ~3e-3). Nothing is written to docs: the kernels are not dispatched to yet.
+Triton forward and backward), ``gluon_qat_fwd_bwd`` (the Gluon training forward, then attn_qat's Triton backward
+on what it saves) and ``gluon_pair_fwd_bwd`` (the Gluon training forward, then the Gluon backward
+``hopper_attn_qat_backward``); backward alone on one training forward's saved tensors, ``triton_qat_bwd``
+(``attn_qat_backward``) and ``gluon_qat_bwd`` (its D pre-pass included; TFLOP/s at 2.5 forwards, the ratio to cuDNN's
+forward+backward). Then sanity checks: the bf16 Gluon output's relative error to cuDNN's, the Gluon FP4 output's to
+the Triton FP4 one's, the Gluon training forward's O and O' to the Triton training forward's (same numerics:
+bf16 output rounding, ~3e-3), and the Gluon backward's dQ, dK, dV to the Triton backward's on the same saved tensors.
+Nothing is written to docs: the kernels are not dispatched to yet.
 """
 from __future__ import annotations
 
@@ -66,12 +70,22 @@ def training_fns(q, k, v, qf, causal):
         o, o_aux, m, l, (qf_, kf_, vf_) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
         return attn_qat_backward(do, q, k, qf_, kf_, vf_, o_aux, m, l, sm_scale=scale, causal=causal)
 
+    def gluon_pair_fwd_bwd():
+        o, o_aux, m, l, (qf_, kf_, vf_) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
+        return hopper_gluon.hopper_attn_qat_backward(do, q, k, qf_, kf_, vf_, o_aux, m, l, causal=causal)
+
+    # one training forward's saved tensors for the backward-only rows (both backwards read the same)
+    _, o_aux, m, l, (qf_s, kf_s, vf_s) = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=True)
+    bwd_args = (do, q, k, qf_s, kf_s, vf_s, o_aux, m, l)
     fwd = {"triton_qat_fwd": lambda: attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=True),
            "gluon_qat_fwd": lambda: hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal),
            "gluon_qat_kernel": lambda: hopper_gluon._launch(qf, kt, vt, length, None, causal, fp4=True, out=out,
                                                             saved=saved)}
-    fwd_bwd = {"cudnn_fwd_bwd": cudnn_fwd_bwd, "triton_qat_fwd_bwd": triton_fwd_bwd, "gluon_qat_fwd_bwd": gluon_fwd_bwd}
-    return fwd, fwd_bwd
+    bwd = {"triton_qat_bwd": lambda: attn_qat_backward(*bwd_args, sm_scale=scale, causal=causal),
+           "gluon_qat_bwd": lambda: hopper_gluon.hopper_attn_qat_backward(*bwd_args, causal=causal)}
+    fwd_bwd = {"cudnn_fwd_bwd": cudnn_fwd_bwd, "triton_qat_fwd_bwd": triton_fwd_bwd, "gluon_qat_fwd_bwd": gluon_fwd_bwd,
+               "gluon_pair_fwd_bwd": gluon_pair_fwd_bwd}
+    return fwd, bwd, fwd_bwd
 
 
 def run(shape, causal):
@@ -87,7 +101,7 @@ def run(shape, causal):
            "triton_fp4": lambda: nvfp4_attention(q, k, v, causal=causal),
            "gluon_fp4": lambda: hopper_gluon.hopper_fp4_attention(q, k, v, causal=causal),
            "gluon_fp4_kernel": lambda: hopper_gluon._launch(qf, kf, vf, length, None, causal, fp4=True)}
-    train, fwd_bwd = training_fns(q, k, v, qf, causal)  # phi(q) is the same for both kernels' launches
+    train, bwd, fwd_bwd = training_fns(q, k, v, qf, causal)  # phi(q) is the same for both kernels' launches
     fns.update(train)
     with torch.no_grad():
         err = rel_err(fns["gluon_sm90"](), fns["cudnn"]())
@@ -95,10 +109,16 @@ def run(shape, causal):
         gluon_train, triton_train = fns["gluon_qat_fwd"](), fns["triton_qat_fwd"]()
         err_o, err_aux = (rel_err(gluon_train[i], triton_train[i]) for i in (0, 1))
         del gluon_train, triton_train
-        times = {name: bench_ms(fn) for name, fn in fns.items()}
+        err_grads = [rel_err(g, t) for g, t in zip(bwd["gluon_qat_bwd"](), bwd["triton_qat_bwd"]())]
+        times = {name: bench_ms(fn) for name, fn in {**fns, **bwd}.items()}
     times.update({name: bench_ms(fn) for name, fn in fwd_bwd.items()})
     for name, ms in times.items():
-        base, work = ("cudnn_fwd_bwd", 3.5 * flops) if name in fwd_bwd else ("cudnn", flops)
+        if name in fwd_bwd:
+            base, work = "cudnn_fwd_bwd", 3.5 * flops
+        elif name in bwd:  # beside cuDNN's forward+backward: the backward's share of the training step's budget
+            base, work = "cudnn_fwd_bwd", 2.5 * flops
+        else:
+            base, work = "cudnn", flops
         print(f"{str(shape):>22} causal={causal!s:<5} {name:>18}: {ms:8.2f} ms  {work / ms / 1e9:6.0f} TFLOP/s  "
               f"{ms / times[base]:.2f}x {base}")
     print(f"{str(shape):>22} gluon_sm90 vs cuDNN relative error {err:.2e}")
@@ -107,6 +127,10 @@ def run(shape, causal):
     print(f"{str(shape):>22} gluon_qat_fwd vs triton_qat_fwd relative error O {err_o:.2e}, O' {err_aux:.2e}; "
           f"gluon_qat_fwd {times['gluon_qat_fwd'] / times['triton_qat_fwd']:.2f}x triton_qat_fwd's time, "
           f"gluon_qat_fwd_bwd {times['gluon_qat_fwd_bwd'] / times['triton_qat_fwd_bwd']:.2f}x triton_qat_fwd_bwd's")
+    print(f"{str(shape):>22} gluon_qat_bwd vs triton_qat_bwd relative error dQ {err_grads[0]:.2e}, dK {err_grads[1]:.2e}, "
+          f"dV {err_grads[2]:.2e}; gluon_qat_bwd {times['gluon_qat_bwd'] / times['triton_qat_bwd']:.2f}x "
+          f"triton_qat_bwd's time, gluon_pair_fwd_bwd {times['gluon_pair_fwd_bwd'] / times['triton_qat_fwd_bwd']:.2f}x "
+          f"triton_qat_fwd_bwd's")
 
 
 def main(argv=None):

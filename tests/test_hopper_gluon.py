@@ -1,6 +1,7 @@
-"""The Gluon sm_90 forward (attnqat/kernels/hopper_gluon.py): both variants compile for sm_90a on any machine whose
-Triton has Gluon's Hopper API; on an H100/H200 the bf16 one matches SDPA and the FP4 inference one matches attn_qat's
-Triton forward and the PyTorch reference, on ragged, causal and Lq != Lk shapes."""
+"""The Gluon sm_90 kernels (attnqat/kernels/hopper_gluon.py): the forward's variants and the backward's two kernels
+compile for sm_90a on any machine whose Triton has Gluon's Hopper API; on an H100/H200 the bf16 forward matches SDPA,
+the FP4 and training ones attn_qat's Triton forward and the PyTorch reference, and the backward attn_qat's Triton
+backward and the reference, on ragged, causal and Lq != Lk shapes."""
 import re
 
 import pytest
@@ -16,21 +17,27 @@ from conftest import compiled_outside_interpreter, rel_err
 H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
 
 
-COMPILE = """
+# A compile script's head: record(key, compiled) keeps the PTX, the shared memory and ptxas's resource usage; the
+# script prints `out` as its last line.
+COMPILE_HEAD = """
 import json, re, subprocess, tempfile
 import triton
-from attnqat.kernels.hopper_gluon import compile_forward
+from attnqat.kernels.hopper_gluon import compile_backward, compile_forward
 out = {}
+def record(key, compiled):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    out[key] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
+                "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0]}
+"""
+COMPILE = COMPILE_HEAD + """
 for head_dim, causal in ((64, False), (128, True)):
     for variant in ("bf16", "fp4", "train"):
-        compiled = compile_forward(head_dim, causal, fp4=variant == "fp4", training=variant == "train")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True, check=True).stdout
-        out[f"{head_dim},{variant}"] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
-                                        "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0]}
+        record(f"{head_dim},{variant}", compile_forward(head_dim, causal, fp4=variant == "fp4",
+                                                        training=variant == "train"))
 print(json.dumps(out))
 """
 
@@ -139,6 +146,17 @@ def test_training_forward_checks_inputs_first(device):
                                                for _ in range(3)))
 
 
+def test_tma_ready_copies_what_a_descriptor_cannot_express():
+    """A broadcast (stride 0) dimension, as autograd's dO of a sum, or a stride TMA cannot take is copied; strided views
+    TMA can read ((B, L, H, D) tensors seen as (B, H, L, D), slices along L) are passed as they are."""
+    wide = torch.randn(2, 100, 3, 64).transpose(1, 2)
+    for t in (torch.randn(2, 3, 1, 64).expand(2, 3, 100, 64), torch.randn(2, 3, 100, 65)[..., :64]):
+        assert not hopper_gluon._tma_ok(t)
+        assert hopper_gluon._tma_ready(t).is_contiguous()
+    for t in (wide, wide[:, :, :50], torch.randn(1, 1, 8, 64).expand(1, 1, 8, 64)):
+        assert hopper_gluon._tma_ready(t) is t
+
+
 def _tile_key(c, block_n):
     """SPEC-independent restatement of nvfp4.tile_keys: column 8j + 2r + e of a tile holds key (block_n/4) r + 2j + e."""
     j, r, e = c // 8, (c // 2) % 4, c % 2
@@ -160,6 +178,22 @@ def test_key_tile_prepass_is_phi_in_tile_order(n, block_n, device, poison):
     assert got.shape == (2, 3, tiles * block_n, 64)
     torch.testing.assert_close(got, want[:, :, order], rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(got).sum() == 16  # the NaN's block of 16, in its row only
+
+
+@pytest.mark.parametrize("n,block_n", [(200, 64), (97, 128), (128, 64)])
+def test_both_orders_prepass_is_the_two_one_order_passes(n, block_n, device, poison):
+    """quantize_heads(key_tile=n, both_orders=True), the Gluon training forward's K and V pre-pass: one read, two
+    writes, each equal to its one-order call bit for bit (NaN included), on ragged lengths and a (B, L, H, D) input
+    seen as (B, H, L, D)."""
+    x = (torch.randn(2, n, 3, 64, device=device) * 3).transpose(1, 2)
+    x[1, 2, n // 2, 5] = float("nan")
+    in_order, tiles = quantize_heads(x, torch.float32, key_tile=block_n, both_orders=True)
+    assert in_order.is_contiguous() and tiles.is_contiguous()
+    torch.testing.assert_close(in_order, quantize_heads(x, torch.float32), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(tiles, quantize_heads(x, torch.float32, key_tile=block_n), rtol=0, atol=0,
+                               equal_nan=True)
+    with pytest.raises(ValueError, match="both_orders needs key_tile"):
+        quantize_heads(x, torch.float32, both_orders=True)
 
 
 # (B, H, Lq, Lk, D, causal, layout) for both variants' GPU tests: ragged lengths, Lq != Lk both ways, both head dims
@@ -277,6 +311,19 @@ def _stats_match(m, l, want_m, want_l):
     assert rel_err(l.double() * torch.exp2(m.double()), want_l.double() * torch.exp2(want_m.double())) <= 1e-4
 
 
+def _assert_gradients(grads, triton_grads, refs, likes):
+    """dQ, dK, dV finite, in the shape, dtype and stride order of ``likes`` (q, k, k), and within the Triton backward's
+    own bound against the reference (attn_qat's GPU tests'), of the reference and of the Triton path's gradients,
+    which are held to that bound too."""
+    for got, tri, ref, like in zip(grads, triton_grads, refs, likes):
+        assert got.shape == like.shape and got.dtype == like.dtype and got.stride() == like.stride()
+        assert torch.isfinite(got).all()
+        bound = _fp4_bound(ref)
+        assert rel_err(tri, ref) <= bound
+        assert rel_err(got, ref) <= bound
+        assert rel_err(got, tri) <= bound
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
 def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, poison):
@@ -309,11 +356,13 @@ def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backward", ["triton_bwd", "gluon_bwd"])
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [GPU_SHAPES[i] for i in (0, 1, 2, 3)])
-def test_gpu_triton_backward_on_gluon_forward_matches_triton_path(b, h, lq, lk, d, causal, layout, poison):
-    """The Triton backward (attn_qat_backward, unchanged) run on what the Gluon training forward saves gives the
-    all-Triton path's gradients (attn_qat_attention's autograd) and the reference's (SPEC §2's backward on the
-    reference forward's O', m, l), to the bound the Triton path has against the reference."""
+def test_gpu_gluon_forward_then_backward_matches_triton_path(b, h, lq, lk, d, causal, layout, backward, poison):
+    """A backward run on what the Gluon training forward saves, the Triton one (attn_qat_backward, unchanged) or the
+    Gluon one (hopper_attn_qat_backward: the Gluon pair), gives the all-Triton path's gradients (attn_qat_attention's
+    autograd) and the reference's (SPEC §2's backward on the reference forward's O', m, l), to the bound the Triton
+    path has against the reference."""
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)
@@ -321,16 +370,14 @@ def test_gpu_triton_backward_on_gluon_forward_matches_triton_path(b, h, lq, lk, 
     do = torch.randn(b, h, lq, d, device="cuda").to(torch.bfloat16)
     attn_qat_attention(q, k, v, causal=causal).backward(do)
     o, o_aux, m, l, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
-    grads = attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=d ** -0.5, causal=causal)
+    saved = (qf, kf, vf, o_aux, m, l)
+    if backward == "triton_bwd":
+        grads = attn_qat_backward(do, q, k, *saved, sm_scale=d ** -0.5, causal=causal)
+    else:
+        grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal)
     r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q.detach(), k.detach(), v.detach(), causal=causal)
     refs = R.attn_qat_backward_ref(q.detach(), k.detach(), v.detach(), r_aux, do, r_m, r_l, causal=causal)
-    for got, tri, ref in zip(grads, (q.grad, k.grad, v.grad), refs):
-        assert got.shape == tri.shape and got.dtype == tri.dtype
-        assert torch.isfinite(got).all()
-        bound = _fp4_bound(ref)
-        assert rel_err(tri, ref) <= bound
-        assert rel_err(got, ref) <= bound
-        assert rel_err(got, tri) <= bound
+    _assert_gradients(grads, (q.grad, k.grad, v.grad), refs, (q, k, k))
 
 
 @pytest.mark.gpu
@@ -354,3 +401,120 @@ def test_gpu_training_sm_scale_fp16_and_nan_stays_in_its_head(poison):
         assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[0, 1, :, 16:]).all()
         assert torch.isnan(out[0, 1, :, :16]).all()
     assert torch.isfinite(m).all() and torch.isfinite(l).all()
+
+
+# --- The backward (hopper_attn_qat_backward) -----------------------------------------------------------------------
+
+COMPILE_BACKWARD = COMPILE_HEAD + """
+for head_dim, causal in ((64, False), (128, True)):
+    for name, compiled in compile_backward(head_dim, causal).items():
+        record(f"{head_dim},{name}", compiled)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_backward():
+    """The backward's two kernels compiled for sm_90a at head_dim 64 (non-causal) and 128 (causal), as `compiled`."""
+    if hopper_gluon._MISSING:
+        pytest.skip(f"cannot compile the Gluon sm_90 backward here: {hopper_gluon._MISSING}")
+    return compiled_outside_interpreter(COMPILE_BACKWARD, timeout=300)
+
+
+def test_backward_compiles_for_sm90a(compiled_backward):
+    """Both backward kernels lower to sm_90a wgmma fed by 4-d TMA copies completing on mbarriers, without spills and
+    within H100's shared memory. dK/dV: S and dP with both operands in shared memory, dV += P^F^T dO and dK += dS^T Q^F
+    reading both operands transposed from shared memory (wgmma's transpose flags), phi(P~) in registers (the e4m3
+    cast of the block scales, packed bf16 e2m1 rounding) with no shuffle for it (each 16-key block in one thread).
+    dQ: dQ += dS K^F with dS from registers, no phi, and dQ out by a TMA store."""
+    for key, kernel in compiled_backward.items():
+        head_dim = int(key.split(",")[0])
+        ptx = kernel["ptx"]
+        assert ".target sm_90a" in ptx
+        assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
+        assert re.fullmatch(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0", kernel["usage"]), (key, kernel["usage"])
+        assert kernel["shared"] <= H100_SHARED_BYTES
+        if key.endswith("dkdv"):
+            block_m, block_n, warps = hopper_gluon.BWD_DKDV_CONFIG[head_dim]
+            # S, dP: (queries, keys) from shared memory, untransposed (K^F, V^F read as K-major B)
+            scores = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
+                                r"%rd\d+, %rd\d+, [^;]*, 0, 0;", ptx)
+            assert len(scores) == 2 * head_dim // 16
+            # dV, dK: (keys, head_dim split over the warpgroups) over block_m queries, A and B both transposed
+            n_kv = head_dim // (warps // min(warps, block_n // 16))
+            grads = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n_kv}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
+                               r"%rd\d+, %rd\d+, [^;]*, 1, 1;", ptx)
+            assert len(grads) == 2 * block_m // 16
+            assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "fma.rn.bf16x2" in ptx
+            assert ptx.count("shfl.sync") <= 3  # the TMA issue's leader election, not phi: no butterfly reductions
+            assert "shfl.sync.bfly" not in ptx
+        else:
+            block_m, block_n, warps = hopper_gluon.BWD_DQ_CONFIG[head_dim]
+            assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 "
+                             r"\{[^}]*\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}", ptx)  # dS from registers
+            assert "cvt.rn.satfinite.e4m3x2.f32" not in ptx
+            assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+
+
+def test_backward_checks_inputs_first(device):
+    """Bad saved tensors are refused by name before the hardware check, on any machine; with good ones, a machine that
+    cannot run the kernel says why."""
+    q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16, device=device)
+    k = torch.randn(1, 2, 12, 64, dtype=torch.bfloat16, device=device)
+    stats = torch.zeros(1, 2, 8, device=device)
+    good = dict(do=q, q=q, k=k, qf=q, kf=k, vf=k, o_aux=q, m=stats, l=stats)
+    bad = {"kf": k[:, :, :8], "vf": k.transpose(2, 3).contiguous().transpose(2, 3), "m": stats.double(),
+           "o_aux": q.float(), "do": q[:, :1]}
+    ok, why = hopper_gluon.available()
+    for name, t in bad.items():
+        with pytest.raises(ValueError, match=f"hopper_attn_qat_backward: {name} must be"):
+            hopper_gluon.hopper_attn_qat_backward(**{**good, name: t})
+    with pytest.raises(ValueError, match="head_dim 32"):
+        x = torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device)
+        hopper_gluon.hopper_attn_qat_backward(x, x, x, x, x, x, x, stats[:, :1], stats[:, :1])
+    if not ok:
+        with pytest.raises(RuntimeError, match=re.escape(why)):
+            hopper_gluon.hopper_attn_qat_backward(**good)
+
+
+def _backward_case(b, h, lq, lk, d, causal, layout, dtype=torch.bfloat16, sm_scale=None):
+    """Inputs, dO, the Triton training forward's saved tensors, the Triton backward's gradients on them, and the
+    reference's (SPEC §2's backward on the reference forward's O', m, l), fp32."""
+    q, k, v = (t.to(dtype) for t in _inputs(b, h, lq, lk, d, layout))
+    do = torch.randn(b, h, lq, d, device="cuda").to(dtype)
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    _, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=True)
+    saved = (qf, kf, vf, o_aux, m, l)
+    triton_grads = attn_qat_backward(do, q, k, *saved, sm_scale=scale, causal=causal)
+    _, r_aux, r_m, r_l = R.attn_qat_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal)
+    refs = R.attn_qat_backward_ref(q, k, v, r_aux, do, r_m, r_l, sm_scale=sm_scale, causal=causal)
+    return q, k, v, do, saved, triton_grads, refs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
+def test_gpu_backward_matches_triton_backward_and_reference(b, h, lq, lk, d, causal, layout, poison):
+    """The Gluon backward on what the Triton training forward saved: dQ, dK, dV against the Triton backward on the same
+    tensors and against the reference, to the Triton backward's own bound against the reference (its GPU tests'),
+    in the dtypes and stride orders of q and k; outputs start as NaN (poison), so an unwritten element fails (key
+    blocks no query sees when causal with Lq < Lk, ragged tails)."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v, do, saved, triton_grads, refs = _backward_case(b, h, lq, lk, d, causal, layout)
+    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal)
+    _assert_gradients(grads, triton_grads, refs, (q, k, k))
+
+
+@pytest.mark.gpu
+def test_gpu_backward_fp16_and_sm_scale(poison):
+    """fp16 inputs (phi's packed rounding and the dot in f16) and a non-default sm_scale, against both."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v, do, saved, triton_grads, refs = _backward_case(1, 2, 300, 333, 128, True, "bhld", torch.float16, 0.3)
+    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, sm_scale=0.3, causal=True)
+    for got, tri, ref in zip(grads, triton_grads, refs):
+        assert got.dtype == torch.float16 and torch.isfinite(got).all()
+        bound = 2 * rel_err(ref.to(torch.float16), ref) + 2e-3
+        assert rel_err(got, ref) <= bound and rel_err(got, tri) <= bound

@@ -1,4 +1,5 @@
-"""Flash-attention forward for Hopper (sm_90) in Gluon: TMA, mbarriers, wgmma and warp specialisation.
+"""Flash-attention forward, and the Attn-QAT backward, for Hopper (sm_90) in Gluon: TMA, mbarriers, wgmma and
+warp specialisation.
 
 The algorithm is FlashAttention's online softmax (exp2, running row max m and row sum l), laid out the way
 FlashAttention-3 lays it out on H100, which plain Triton does not emit on sm_90:
@@ -25,9 +26,16 @@ Attn-QAT training forward: the FP4 variant plus a third wgmma per tile for the a
 P~ times V^F), O' and the row statistics m, l written as the Triton training forward writes them, so its Triton
 backward runs on them unchanged. The pipeline is the same.
 
+:func:`hopper_attn_qat_backward` is attn_qat's Triton backward (SPEC §2: S recomputed from Q^F, K^F, P^F = phi(P~)/l
+with the saved integer max, D = rowsum(dO O')) on wgmma and TMA, from the same saved tensors: a dK/dV kernel per key
+block (K^F, V^F rows in tile order, so phi's 16-key blocks lie in one thread as in the forward; P^F and dS through
+shared memory for the two wgmmas that read them transposed) and a dQ kernel per query block (dS from registers), each
+streaming its other operands through a double-buffered TMA ring. A first version: no warp specialisation, every
+wgmma waited for within its step.
+
 This module is a fast path in preparation: nothing dispatches to it yet. :func:`available` says whether it
-can run here (Triton's Gluon API for Hopper, an sm_90 GPU); :func:`compile_forward` compiles it for sm_90a
-without a GPU. Triton 3.6 and 3.9 name the TMA copies differently (``async_copy_global_to_shared`` /
+can run here (Triton's Gluon API for Hopper, an sm_90 GPU); :func:`compile_forward` and :func:`compile_backward`
+compile the kernels for sm_90a without a GPU. Triton 3.6 and 3.9 name the TMA copies differently (``async_copy_global_to_shared`` /
 ``async_copy_shared_to_global`` in 3.6, ``async_load`` / ``async_store`` in 3.9, where the old names raise);
 :data:`_tma_load` / :data:`_tma_store` bind whichever this Triton has.
 """
@@ -38,7 +46,7 @@ import triton
 
 from ._common import check_qkv, default_scale, interpreting, needs_grad
 from ._hardware import compile_for
-from .attn_qat import _round_p
+from .attn_qat import _attn_bwd_preprocess, _phi_blocks, _round_p
 from .nvfp4 import quantize_heads, tile_keys
 
 try:
@@ -63,6 +71,13 @@ FWD_CONFIG = {64: (128, 128, 3, 8), 128: (128, 128, 2, 8)}
 # Triton training forward; its O' leaves through a tile of its own (Q + stages * (K + V) + O' at head_dim 128:
 # 32 + 3 * 32 + 32 KB).
 FWD_TRAIN_CONFIG = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
+# The backward's two kernels, (BLOCK_M, BLOCK_N, num_warps) per head_dim: BLOCK_M = 16 * num_warps query rows (one
+# 16-row wgmma slab per warp), BLOCK_N keys. dK/dV: a program owns BLOCK_N = 64 keys (as the Triton backward's
+# untransposed 128x64/8, its one tile without spills) and steps over 128 queries at a time; double-buffered Q^F and dO
+# plus K^F, V^F and the P^F, dS tiles: 2*(32 + 32) + 2*16 + 2*16 KB at head_dim 128. dQ: a program owns 128 queries
+# and steps over 64-key tiles; Q^F, dO, double-buffered K^F and V^F: 32 + 32 + 2*(16 + 16) KB.
+BWD_DKDV_CONFIG = {64: (128, 64, 8), 128: (128, 64, 8)}
+BWD_DQ_CONFIG = {64: (128, 64, 8), 128: (128, 64, 8)}
 
 
 def available(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -87,6 +102,12 @@ if not _MISSING:
     # The load partition only issues TMA: one warp, and setmaxnreg hands its registers to the softmax warps.
     LOADER_WARPS = gl.constexpr(1)
     LOADER_REGS = gl.constexpr(24)
+
+    @gluon.constexpr_function
+    def _wgmma_layout(num_warps, n):
+        """wgmma's accumulator layout for a (16 * num_warps, n) tile: instruction M=16 per warp, warps stacked along
+        M (4 per warpgroup), N = the whole tile, K = 16 bf16 elements (256 bits)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
     @gluon.jit
     def _attn_load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
@@ -226,12 +247,8 @@ if not _MISSING:
         """Default partition: both matmuls and the online softmax, then O / l through shared memory and TMA.
         TRAINING adds O' += P~_j V_j (a third wgmma, issued after P_{j-1} V_{j-1} and overlapped alike), O' / l
         through its own shared-memory tile, and m and l per row."""
-        # wgmma's accumulator layouts: instruction M=16 per warp, warps stacked along M (4 per warpgroup),
-        # N = the whole tile, K = 16 bf16 elements (256 bits).
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_N)
+        o_layout: gl.constexpr = _wgmma_layout(num_warps, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         acc_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -355,6 +372,213 @@ if not _MISSING:
         ], [LOADER_WARPS], [LOADER_REGS])
 
 
+    # -----------------------------------------------------------------------------------------------------------
+    # Backward (SPEC §2), attn_qat's Triton backward on wgmma: D = rowsum(dO O') (attn_qat's Triton pre-pass), then
+    # a dK/dV kernel per key block and a dQ kernel per query block. Q^F, dO (dK/dV) or K^F, V^F (dQ) stream through
+    # a double-buffered ring by TMA; the loop issues the next tile's copies before it computes on this one.
+    # -----------------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _issue_pair(a_desc, b_desc, a_bufs, b_bufs, ready, slot, off_b, off_h, row):
+        """TMA copies of the row tile at ``row`` of two (B, H, L, D) tensors (Q^F and dO, or K^F and V^F) into ring
+        slot ``slot``; both complete on its one ready barrier (out-of-bounds rows come zero-filled and count)."""
+        bar = ready.index(slot)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        _tma_load(a_desc, [off_b, off_h, row, 0], bar, a_bufs.index(slot))
+        _tma_load(b_desc, [off_b, off_h, row, 0], bar, b_bufs.index(slot))
+
+    @gluon.jit
+    def _row_stats(m_ptr, l_ptr, delta_ptr, bh, offs_m, seqlen_q):
+        """m, 1/l and D of query rows offs_m ((B, H, Lq) fp32 contiguous); rows past Lq read m = 0, l = 1, D = 0,
+        so with their zero-filled Q^F and dO they add nothing to dK, dV (as in the Triton backward)."""
+        ok = offs_m < seqlen_q
+        rows = bh * seqlen_q + offs_m
+        m = gl.load(m_ptr + rows, mask=ok, other=0.0)
+        inv_l = 1.0 / gl.load(l_ptr + rows, mask=ok, other=1.0)
+        delta = gl.load(delta_ptr + rows, mask=ok, other=0.0)
+        return m, inv_l, delta
+
+    @gluon.jit
+    def _bwd_p(s, m, inv_l, qk_scale, QUANT: gl.constexpr, FP16: gl.constexpr):
+        """From masked S (queries x keys, wgmma's accumulator layout): P~ = 2688 2^(S - m) (fp32, unquantized: dS's
+        factor is P = P~ / l, taken where dS is, so that P~ alone stays live meanwhile) and, QUANT (keys in tile
+        order: each thread holds whole 16-key blocks), P^F = phi(P~) / l in fp32 (dV's operand once in the dot's
+        dtype: FP16 picks fp16's rounding of phi, else bf16's), as attn_qat's dK/dV kernel computes them
+        (_phi_blocks, block maxima from S). Without QUANT the second value is P~ again."""
+        t = s * qk_scale - (m - 11.392317422778761)[:, None]  # log2 P~: P~ = 2688 2^(S - m), 11.39... = log2(2688)
+        p_tilde = gl.exp2(t)
+        if QUANT:
+            BLOCK_M: gl.constexpr = s.shape[0]
+            BLOCK_N: gl.constexpr = s.shape[1]
+            # the forward's view: axes 1 and 3 name a 16-key block, 2 and 4 its keys, all in one thread; exp2 is
+            # monotone, so each block's max P~ is exp2 of its max log2 P~ (one exp2 per block)
+            t5 = gl.reshape(t, [BLOCK_M, BLOCK_N // 64, 8, 4, 2])
+            amax = gl.exp2(gl.max(gl.max(t5, axis=4, keep_dims=True), axis=2, keep_dims=True))
+            pf = _phi_blocks(gl.reshape(p_tilde, [BLOCK_M, BLOCK_N // 64, 8, 4, 2]), amax, False, FP16, True)
+            pf = gl.convert_layout(gl.reshape(pf, [BLOCK_M, BLOCK_N]), s.type.layout, assert_trivial=True)
+            pf = pf.to(gl.float32) * inv_l[:, None]
+        else:
+            pf = p_tilde
+        return p_tilde, pf
+
+    @gluon.jit
+    def _attn_bwd_dkdv(q_desc, do_desc, kf_ptr, vf_ptr, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, stride_kb, stride_kh,
+                       stride_kl, seqlen_q, seqlen_k, qk_scale, sm_scale, num_heads, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """One key block of BLOCK_N keys per program, looping over query blocks of BLOCK_M = 16 * num_warps rows:
+        S = Q^F K^T and dP = dO V^T (wgmma, both operands in shared memory), P and phi(P~) in registers, then
+        dV += P^F^T dO and dK += dS^T Q^F with P^F and dS through shared memory (wgmma reads them transposed).
+        K^F and V^F are loaded once, their rows in tile order (tile_keys), so each 16-key block of P lies in one
+        thread as in the forward; dK, dV leave in key order (dK times sm_scale)."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(BLOCK_M == 16 * num_warps)  # S and dP: one 16-row wgmma slab of queries per warp
+        gl.static_assert(BLOCK_N % 64 == 0)  # _bwd_p: each thread holds whole 16-key blocks
+        # S, dP: (queries, keys), warps along queries. dK, dV: (keys, head_dim), warpgroups stacked along keys as far
+        # as BLOCK_N allows (64 rows each), then side by side along head_dim.
+        KV_WARPS_M: gl.constexpr = min(num_warps, BLOCK_N // 16)
+        KV_WARPS_N: gl.constexpr = num_warps // KV_WARPS_M
+        s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_N)
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[KV_WARPS_M, KV_WARPS_N],
+                                                            instr_shape=[16, HEAD_DIM // KV_WARPS_N, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        # 16-byte global accesses for K, V, dK, dV: 8 elements per thread along head_dim
+        io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [num_warps, 1],
+                                                   [1, 0])
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+        bh = gl.program_id(1)
+        off_b = bh // num_heads
+        off_h = bh % num_heads
+        n0 = gl.program_id(0) * BLOCK_N
+        tile_rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, io_layout))
+        keys = n0 + tile_keys(tile_rows, BLOCK_N)  # row c of the tiles holds key n0 + tile_keys(c)
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, io_layout))
+        key_ok = (keys < seqlen_k)[:, None]
+        kv_offs = (bh.to(gl.int64) * seqlen_k + keys)[:, None] * HEAD_DIM + cols[None, :]  # K^F, V^F contiguous
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_layout,
+                                           gl.load(kf_ptr + kv_offs, mask=key_ok, other=0.0))
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_layout,
+                                           gl.load(vf_ptr + kv_offs, mask=key_ok, other=0.0))
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], tile_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], tile_layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+        fence_async_shared()  # K, V's stores and the barriers' init, before wgmma and TMA use them
+
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        kt = k_smem.permute((1, 0))
+        vt = v_smem.permute((1, 0))
+        # causal (top-left): queries before the key block never see it
+        lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
+        n_steps = gl.cdiv(seqlen_q - lo, BLOCK_M)  # <= 0 when causal and the block starts past Lq: dK = dV = 0
+        if n_steps > 0:
+            _issue_pair(q_desc, do_desc, q_bufs, do_bufs, ready, 0, off_b, off_h, lo)
+        for i in range(n_steps):
+            slot = i % 2
+            off_m = lo + i * BLOCK_M
+            if i + 1 < n_steps:  # the other slot's readers (step i-1's wgmmas) have all been waited for
+                _issue_pair(q_desc, do_desc, q_bufs, do_bufs, ready, 1 - slot, off_b, off_h, off_m + BLOCK_M)
+            offs_m = off_m + gl.arange(0, BLOCK_M, row_layout)
+            m, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, bh, offs_m, seqlen_q)
+            mbarrier.wait(ready.index(slot), (i // 2) & 1)
+            q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            s = warpgroup_mma(q, kt, zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do, vt, zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])  # dP still runs while P and phi(P~) compute
+            s = _masked(s, gl.program_id(0), offs_m, seqlen_k, BLOCK_N, CAUSAL, True)
+            p_tilde, pf = _bwd_p(s, m, inv_l, qk_scale, True, dtype == gl.float16)
+            # P^F and dS go to shared memory for the wgmmas that read them transposed (each writer fences its own
+            # stores for the async proxy before the barrier that the compiler places ahead of those wgmmas). dV's
+            # wgmma is issued as soon as P^F is there, and runs while dS computes: groups complete in issue order,
+            # so waiting until one group is left pending waits for dP alone.
+            p_smem.store(pf.to(dtype))
+            fence_async_shared()
+            dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
+            dp = warpgroup_mma_wait(1, deps=[dp])
+            ds_smem.store((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype))  # dS = P (dP - D)
+            fence_async_shared()
+            dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+
+        out_offs = off_b.to(gl.int64) * stride_kb + off_h * stride_kh + keys[:, None] * stride_kl + cols[None, :]
+        gl.store(dk_ptr + out_offs, gl.convert_layout((dk * sm_scale).to(dk_ptr.dtype.element_ty), io_layout),
+                 mask=key_ok)
+        gl.store(dv_ptr + out_offs, gl.convert_layout(dv.to(dv_ptr.dtype.element_ty), io_layout), mask=key_ok)
+
+    @gluon.jit
+    def _attn_bwd_dq(q_desc, do_desc, k_desc, v_desc, dq_desc, m_ptr, l_ptr, delta_ptr, seqlen_q, seqlen_k, qk_scale,
+                     sm_scale, num_heads, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """One query block of BLOCK_M = 16 * num_warps rows per program, looping over key tiles (keys in order):
+        S = Q^F K^T and dP = dO V^T, dS = P (dP - D) with the unquantized P, then dQ += dS K^F with dS from
+        registers (wgmma's A operand, as the forward's P); dQ times sm_scale leaves by TMA through Q's slot."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(BLOCK_M == 16 * num_warps)
+        s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_N)
+        dq_layout: gl.constexpr = _wgmma_layout(num_warps, HEAD_DIM)
+        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        bh = gl.program_id(1)
+        off_b = bh // num_heads
+        off_h = bh % num_heads
+        off_m = gl.program_id(0) * BLOCK_M
+        if CAUSAL:  # top-left aligned: key tiles past the block's last row are skipped
+            n_blocks = gl.cdiv(gl.minimum(seqlen_k, off_m + BLOCK_M), BLOCK_N)
+        else:
+            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+        q_smem = gl.allocate_shared_memory(dtype, [1] + q_desc.block_type.shape, q_desc.layout)  # a ring of one
+        do_smem = gl.allocate_shared_memory(dtype, [1] + do_desc.block_type.shape, do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready.index(0), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+        fence_async_shared()
+
+        _issue_pair(q_desc, do_desc, q_smem, do_smem, q_ready, 0, off_b, off_h, off_m)
+        _issue_pair(k_desc, v_desc, k_bufs, v_bufs, ready, 0, off_b, off_h, 0)  # n_blocks >= 1: key 0 is seen
+        offs_m = off_m + gl.arange(0, BLOCK_M, row_layout)
+        m, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, bh, offs_m, seqlen_q)
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+        mbarrier.wait(q_ready.index(0), 0)
+        q = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+        for j in range(n_blocks):
+            slot = j % 2
+            if j + 1 < n_blocks:  # the other slot's readers (tile j-1's wgmmas) have all been waited for
+                _issue_pair(k_desc, v_desc, k_bufs, v_bufs, ready, 1 - slot, off_b, off_h, (j + 1) * BLOCK_N)
+            mbarrier.wait(ready.index(slot), (j // 2) & 1)
+            k = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            v = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])
+            s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, False)
+            p_tilde, _ = _bwd_p(s, m, inv_l, qk_scale, False, False)
+            dp = warpgroup_mma_wait(0, deps=[dp])
+            ds = gl.convert_layout((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype), ds_layout)
+            dq = warpgroup_mma(ds, k, dq, is_async=True)
+            dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])
+
+        q.store((dq * sm_scale).to(dtype))  # Q's slot is free: the last wgmma that read it is done
+        fence_async_shared()
+        _tma_store(dq_desc, [off_b, off_h, off_m, 0], q_smem.index(0))
+        tma.store_wait(0)
+
 def _tile_layout(block: list[int], dtype: torch.dtype):
     """The shared-memory layout of a TMA tile (128-byte swizzle for a 64- or 128-wide bf16/fp16 row)."""
     return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(dtype).removeprefix("torch.")))
@@ -367,9 +591,12 @@ def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """Whether TMA can read or write ``t``: 16-byte aligned base and strides, unit last stride."""
+    """Whether TMA can read or write ``t``: 16-byte aligned base and strides, unit last stride, and no broadcast
+    (stride 0) dimension, which a TMA descriptor cannot express (autograd hands the backward such a dO, e.g. the
+    gradient of a sum)."""
     size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:3]) and t.stride(3) == 1
+    strides_ok = all(s * size % 16 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:3], t.shape[:3]))
+    return t.data_ptr() % 16 == 0 and strides_ok and t.stride(3) == 1
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -388,10 +615,9 @@ def _launch(q, k, v, seqlen_k: int, sm_scale: float | None, causal: bool, fp4: b
     block_m, block_n, stages, warps = (FWD_TRAIN_CONFIG if training else FWD_CONFIG)[head_dim]
     if out is None:
         out = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
-    if training:
-        o_aux, m, l = saved
-    else:  # not touched: O' goes nowhere, and the statistics' pointers need only be fp32
-        o_aux, m, l = out, *(torch.empty(1, dtype=torch.float32, device=q.device),) * 2
+    # Without training the kernel touches neither O' nor the statistics (constexpr-dead code): out stands in for all
+    # three, so an inference call allocates nothing beyond its output (compile_forward types them alike)
+    o_aux, m, l = saved if training else (out, out, out)
     grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
     _attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
                     _descriptor(out, block_m), _descriptor(o_aux, block_m), m, l, seqlen_q, seqlen_k,
@@ -405,7 +631,12 @@ def _check(q, k, v, name, sm_scale, causal, inference_only=False):
     check_qkv(q, k, v, name=name, sm_scale=sm_scale, causal=causal, head_dims=HEAD_DIMS)
     if inference_only and needs_grad(q, k, v):
         raise ValueError(f"{name} is inference-only (no backward): call it under torch.no_grad()")
-    ok, why = available(q.device)
+    _runnable(name, q.device)
+
+
+def _runnable(name: str, device: torch.device) -> None:
+    """RuntimeError naming why the kernels cannot run on ``device``, if they cannot."""
+    ok, why = available(device)
     if not ok:
         raise RuntimeError(f"{name}: {why}")
 
@@ -455,8 +686,8 @@ def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     The FP4 variant's pipeline (:func:`hopper_fp4_attention`) with a third wgmma per key tile, O' += P~_j V^F_j
     (P~ = 2688 2^(S - m) unquantized, in the dot's dtype, as the Triton forward), issued after P_j V^F_j and
     overlapped alike, on 64-key tiles (FWD_TRAIN_CONFIG: O' holds 64 more fp32 registers per thread at
-    head_dim 128). The pre-pass writes phi(K), phi(V) twice: in key order for the backward, in tile order for
-    the kernel (two more passes over K and V, each a fraction of a millisecond at Wan's shapes).
+    head_dim 128). The pre-pass writes phi(K), phi(V) in two orders from one read each (``quantize_heads``'s
+    ``both_orders``): in key order for the backward, in tile order for the kernel.
 
     Arguments as :func:`hopper_attention` (inputs may require grad: this is a launcher, autograd is the caller's).
     Return:
@@ -468,8 +699,8 @@ def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     _check(q, k, v, "hopper_attn_qat_forward", sm_scale, causal)
     batch, heads, seqlen_q, head_dim = q.shape
     block_n = FWD_TRAIN_CONFIG[head_dim][1]
-    qf, kf, vf = (quantize_heads(t, q.dtype) for t in (q, k, v))
-    k_tiles, v_tiles = (quantize_heads(t, q.dtype, key_tile=block_n) for t in (k, v))
+    qf = quantize_heads(q, q.dtype)
+    (kf, k_tiles), (vf, v_tiles) = (quantize_heads(t, q.dtype, key_tile=block_n, both_orders=True) for t in (k, v))
     o = torch.empty_like(q)  # q's stride order, as the Triton forward's O
     if not _tma_ok(o):
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -480,6 +711,85 @@ def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     return o, o_aux, m, l, (qf, kf, vf)
 
 
+def _check_saved(do, q, k, saved: dict) -> None:
+    """The backward's one check of what the forward saved (ValueError naming the tensor): shapes, dtypes, and the
+    contiguity the kernels index by (the forwards return them so)."""
+    batch, heads, seqlen_q, _ = q.shape
+    if tuple(do.shape) != tuple(q.shape) or do.dtype != q.dtype:
+        raise ValueError(f"hopper_attn_qat_backward: do must be {tuple(q.shape)} {q.dtype}, got {tuple(do.shape)} "
+                         f"{do.dtype}")
+    stats = ((batch, heads, seqlen_q), torch.float32)
+    want = {"qf": (q.shape, q.dtype), "kf": (k.shape, q.dtype), "vf": (k.shape, q.dtype), "o_aux": (q.shape, q.dtype),
+            "m": stats, "l": stats}
+    for name, t in saved.items():
+        shape, dtype = want[name]
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"hopper_attn_qat_backward: {name} must be contiguous {tuple(shape)} {dtype} (as the "
+                             f"training forward returns it), got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+
+
+def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor,
+                             vf: torch.Tensor, o_aux: torch.Tensor, m: torch.Tensor, l: torch.Tensor, *,
+                             sm_scale: float | None = None, causal: bool = False):
+    """The Attn-QAT backward (SPEC §2) with the Gluon sm_90 kernels: what ``attn_qat.attn_qat_backward`` computes,
+    from the same inputs into the same outputs, on wgmma and TMA. With :func:`hopper_attn_qat_forward` it replaces
+    the Triton pair.
+
+    Three launches: D = rowsum(dO O') (attn_qat's Triton pre-pass, unchanged); the dK/dV kernel, one program per
+    BLOCK_N keys stepping over query blocks: S = Q^F K^F^T and dP = dO V^F^T by wgmma, P = P~ / l and
+    P^F = phi(P~) / l in registers (P~ = 2688 2^(S - m) with the saved integer max; K^F, V^F rows loaded in tile
+    order, so each 16-key block of P lies in one thread), then dV += P^F^T dO and dK += dS^T Q^F by wgmma reading
+    P^F and dS = P (dP - D) from shared memory; the dQ kernel, one program per query block stepping over key tiles:
+    dQ += dS K^F, dS from registers. Tiles: BWD_DKDV_CONFIG, BWD_DQ_CONFIG.
+
+    Arguments:
+        do: (batch, heads, seqlen_q, head_dim), the output's gradient in q's dtype; any strides with a contiguous
+            last dim.
+        q, k: the forward's inputs: their layouts set dq's and dk's, dv's (values are not read).
+        qf, kf, vf, o_aux, m, l: what :func:`hopper_attn_qat_forward` (or ``attn_qat_forward(training=True)``)
+            returns: phi(q), phi(k), phi(v) contiguous in q's dtype with keys in order; O' (batch, heads, seqlen_q,
+            head_dim) contiguous; m, l (batch, heads, seqlen_q) fp32 contiguous.
+        sm_scale: the forward's softmax scale; default 1/sqrt(head_dim).
+        causal: the forward's top-left aligned causal mask.
+    Return:
+        (dq, dk, dv): dq in q's dtype and stride order; dk, dv in k's dtype and stride order; new tensors.
+    """
+    check_qkv(q, k, k, name="hopper_attn_qat_backward", sm_scale=sm_scale, causal=causal, head_dims=HEAD_DIMS)
+    _check_saved(do, q, k, {"qf": qf, "kf": kf, "vf": vf, "o_aux": o_aux, "m": m, "l": l})
+    _runnable("hopper_attn_qat_backward", q.device)
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    scale = default_scale(head_dim, sm_scale)
+    do = _tma_ready(do)
+    delta = torch.empty_like(m)
+    _attn_bwd_preprocess[(triton.cdiv(seqlen_q, 64), batch * heads)](o_aux, do, delta, *do.stride()[:3], heads,
+                                                                      seqlen_q, HEAD_DIM=head_dim, BLOCK_M=64)
+    dk = torch.empty_like(k)  # k's stride order, as the Triton backward's
+    dv = torch.empty_like(dk)
+    block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
+    _attn_bwd_dkdv[(triton.cdiv(seqlen_k, block_n), batch * heads)](
+        _descriptor(qf, block_m), _descriptor(do, block_m), kf, vf, m, l, delta, dk, dv, *dk.stride()[:3], seqlen_q,
+        seqlen_k, scale * LOG2E, scale, heads, BLOCK_N=block_n, CAUSAL=causal, num_warps=warps)
+    dq = torch.empty_like(q)
+    if not _tma_ok(dq):
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
+    _attn_bwd_dq[(triton.cdiv(seqlen_q, block_m), batch * heads)](
+        _descriptor(qf, block_m), _descriptor(do, block_m), _descriptor(kf, block_n), _descriptor(vf, block_n),
+        _descriptor(dq, block_m), m, l, delta, seqlen_q, seqlen_k, scale * LOG2E, scale, heads, CAUSAL=causal,
+        num_warps=warps)
+    return dq, dk, dv
+
+
+def _desc_type(rows: int, head_dim: int, dtype: torch.dtype) -> str:
+    """Triton's signature type of a :func:`_descriptor` over (B, H, L, head_dim) ``dtype`` with ``rows``-row tiles."""
+    block = [1, 1, rows, head_dim]
+    return f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, block))}],{_tile_layout(block, dtype)!r}>"
+
+
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # Triton's names in signatures
+
+
 def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16, fp4: bool = False,
                     training: bool = False):
     """Compile the forward (``fp4``: the FP4 inference variant; ``training``: the Attn-QAT training variant, FP4
@@ -488,15 +798,34 @@ def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bflo
     if _MISSING:
         raise RuntimeError(f"hopper_gluon: {_MISSING}")
     block_m, block_n, stages, warps = (FWD_TRAIN_CONFIG if training else FWD_CONFIG)[head_dim]
-    gl_dtype = str(dtype).removeprefix("torch.")
-    short = {"bfloat16": "bf16", "float16": "fp16"}[gl_dtype]
-
-    def desc(rows):
-        block = [1, 1, rows, head_dim]
-        return f"tensordesc<{short}[{', '.join(map(str, block))}],{_tile_layout(block, dtype)!r}>"
-
-    types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n), "o_desc": desc(block_m),
-             "aux_desc": desc(block_m), "m_ptr": "*fp32", "l_ptr": "*fp32", "qk_scale": "fp32"}
+    rows_m, rows_n = (_desc_type(rows, head_dim, dtype) for rows in (block_m, block_n))
+    stats = "*fp32" if training else f"*{_SHORT[dtype]}"  # _launch passes the output for the untouched statistics
+    types = {"q_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n, "o_desc": rows_m, "aux_desc": rows_m,
+             "m_ptr": stats, "l_ptr": stats, "qk_scale": "fp32"}
     return compile_for(_attn_fwd, 90, types=types, aligned=("m_ptr", "l_ptr"), num_warps=warps, num_stages=stages,
                        constexprs={"HEAD_DIM": head_dim, "CAUSAL": bool(causal), "NUM_STAGES": stages,
                                    "FP4": bool(fp4 or training), "TRAINING": bool(training), "num_warps": warps})
+
+
+def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Compile the backward's two kernels for sm_90a without a GPU (what :func:`hopper_attn_qat_backward` at
+    ``head_dim`` would build); returns {"dkdv": ..., "dq": ...}, Triton's compiled kernels."""
+    if _MISSING:
+        raise RuntimeError(f"hopper_gluon: {_MISSING}")
+    stats = dict.fromkeys(("m_ptr", "l_ptr", "delta_ptr"), "*fp32")
+    scalars = {"qk_scale": "fp32", "sm_scale": "fp32"}
+    block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
+    rows_m = _desc_type(block_m, head_dim, dtype)
+    tiles = dict.fromkeys(("kf_ptr", "vf_ptr", "dk_ptr", "dv_ptr"), f"*{_SHORT[dtype]}")
+    # dK's strides are multiples of 16 at every head_dim here (a launch specialises on that: 16-byte stores)
+    strides = ("stride_kb", "stride_kh", "stride_kl")
+    dkdv = compile_for(_attn_bwd_dkdv, 90, types={"q_desc": rows_m, "do_desc": rows_m, **tiles, **stats, **scalars},
+                       aligned=(*tiles, *stats, *strides), num_warps=warps, num_stages=1,
+                       constexprs={"BLOCK_N": block_n, "CAUSAL": bool(causal), "num_warps": warps})
+    block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
+    rows_m, rows_n = (_desc_type(rows, head_dim, dtype) for rows in (block_m, block_n))
+    dq = compile_for(_attn_bwd_dq, 90, types={"q_desc": rows_m, "do_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n,
+                                             "dq_desc": rows_m, **stats, **scalars},
+                     aligned=tuple(stats), num_warps=warps, num_stages=1,
+                     constexprs={"CAUSAL": bool(causal), "num_warps": warps})
+    return {"dkdv": dkdv, "dq": dq}

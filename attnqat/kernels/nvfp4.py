@@ -237,9 +237,9 @@ def _fake_quant_rows_kernel(X, Y, n_rows, n_cols, stride_xr, stride_yr, pre_scal
 
 
 @triton.jit
-def _quantize_rows(X, XF, XS, Mean, stride_b, stride_h, stride_l, H, L, L_OUT,
+def _quantize_rows(X, XF, XS, Mean, XIn, stride_b, stride_h, stride_l, H, L, L_OUT,
                    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, CENTER: tl.constexpr, AXIS: tl.constexpr,
-                   PACK: tl.constexpr, KEY_TILE: tl.constexpr = 0):
+                   PACK: tl.constexpr, KEY_TILE: tl.constexpr = 0, BOTH_ORDERS: tl.constexpr = False):
     """phi over (BLOCK_L, HEAD_DIM) tiles: along head_dim (AXIS=1) or in blocks of 16 tokens (AXIS=0,
     SageAttention3's V). CENTER (constexpr, SageAttention3's smoothing): 0 none; 1 subtract Mean[bh]
     (K's token mean); 2 subtract the tile's own row mean (Q per 128 rows) and store it to Mean[bh, tile].
@@ -248,6 +248,8 @@ def _quantize_rows(X, XF, XS, Mean, stride_b, stride_h, stride_l, H, L, L_OUT,
     KEY_TILE (constexpr; 0: rows in order): store row n of each KEY_TILE-row tile at tile_column(n), the order
     in which a forward over KEY_TILE-key tiles wants keys (tile_keys), into XF (B*H, L_OUT, HEAD_DIM) with L_OUT
     = L rounded up to whole tiles; the rows past L are written as zeros.
+    BOTH_ORDERS (constexpr, with KEY_TILE): also store the rows in order into XIn (B*H, L, HEAD_DIM), from the same
+    load and the same phi: one read of X for the two layouts (the Gluon forward's and the backwards').
     Padded rows are zeros, which never change a block's scale."""
     bh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -281,6 +283,10 @@ def _quantize_rows(X, XF, XS, Mean, stride_b, stride_h, stride_l, H, L, L_OUT,
             out_ok = row_ok
         tl.store(XF + bh * L_OUT * HEAD_DIM + out_rows[:, None] * HEAD_DIM + cols[None, :],
                  xf.to(XF.dtype.element_ty), mask=out_ok)
+        if BOTH_ORDERS:
+            tl.static_assert(KEY_TILE > 0)
+            tl.store(XIn + bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :],
+                     xf.to(XIn.dtype.element_ty), mask=row_ok)
 
 
 def fake_quant_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16, pre_scale: float = 1.0) -> torch.Tensor:
@@ -320,21 +326,27 @@ def fake_quant_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16, pre_scale:
 
 
 def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False, center: torch.Tensor | None = None,
-                   block_mean: int | None = None, packed: bool = False, key_tile: int = 0):
+                   block_mean: int | None = None, packed: bool = False, key_tile: int = 0, both_orders: bool = False):
     """phi of a (B, H, L, D) tensor -> contiguous (B, H, L, D) in ``dtype``: along head_dim, or along
     tokens (``tokens=True``). ``center`` (B, H, D) fp32 is subtracted first; ``block_mean=n`` subtracts
     each block of n rows' own mean and also returns those means, (B, H, ceil(L/n), D) fp32.
     ``packed=True`` (along head_dim only) returns NVFP4 storage instead, a pair: codes (B, H, L, D/2) uint8
     and scales (B, H, L, D/16) float8_e4m3fn, as :func:`attnqat.kernels.quantize_nvfp4` lays them out.
     ``key_tile=n`` (plain phi along head_dim only) returns (B, H, ceil(L/n)*n, D) with each n-row tile's rows in
-    the order a forward over n-key tiles reads them (``tile_keys``; the Gluon forward's K and V), zeros past L."""
+    the order a forward over n-key tiles reads them (``tile_keys``; the Gluon forward's K and V), zeros past L.
+    ``both_orders=True`` (with ``key_tile``) returns a pair, (keys in order (B, H, L, D) contiguous, the key_tile
+    layout above), from one pass: x is read once and both are written (the Gluon training forward's K and V, which
+    its kernel reads in tile order and the backwards read in key order); each equals its one-order call exactly."""
     b, h, n, d = x.shape
     if packed and tokens:
         raise ValueError("quantize_heads: packed storage is along head_dim only")
     if key_tile and (packed or tokens or block_mean or center is not None):
         raise ValueError("quantize_heads: key_tile is for plain phi along head_dim")
+    if both_orders and not key_tile:
+        raise ValueError("quantize_heads: both_orders needs key_tile (the second order)")
     n_out = triton.cdiv(n, key_tile) * key_tile if key_tile else n
     out = torch.empty((b, h, n_out, d // 2 if packed else d), dtype=torch.uint8 if packed else dtype, device=x.device)
+    in_order = torch.empty((b, h, n, d), dtype=dtype, device=x.device) if both_orders else out
     scales = torch.empty((b, h, n, d // 16), dtype=torch.uint8, device=x.device) if packed else out
     block_l = block_mean or (32 if interpreting() else 64)
     num_warps = 8 if block_l >= 128 else 4
@@ -348,9 +360,12 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False,
         mean = torch.empty((b, h, grid[0], d), dtype=torch.float32, device=x.device)
     elif center is None:
         mean = out  # unused
-    _quantize_rows[grid](x, out, scales, mean, x.stride(0), x.stride(1), x.stride(2), h, n, n_out, HEAD_DIM=d,
-                         BLOCK_L=block_l, CENTER=2 if block_mean else (0 if center is None else 1),
-                         AXIS=0 if tokens else 1, PACK=packed, KEY_TILE=key_tile, num_warps=num_warps)
+    _quantize_rows[grid](x, out, scales, mean, in_order, x.stride(0), x.stride(1), x.stride(2), h, n, n_out,
+                         HEAD_DIM=d, BLOCK_L=block_l, CENTER=2 if block_mean else (0 if center is None else 1),
+                         AXIS=0 if tokens else 1, PACK=packed, KEY_TILE=key_tile, BOTH_ORDERS=both_orders,
+                         num_warps=num_warps)
+    if both_orders:
+        return in_order, out
     if packed:
         out = (out, scales.view(torch.float8_e4m3fn))
     return (out, mean) if block_mean else out
