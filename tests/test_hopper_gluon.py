@@ -351,8 +351,10 @@ def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk,
         assert rel_err(tri, ref) <= _fp4_bound(ref)
         assert rel_err(got, ref) <= _fp4_bound(ref)
         assert rel_err(got, tri) <= _fp4_bound(ref)
-    # O is FP4 attention and O' is not: they differ by FP4 noise (~0.1), far outside the bounds above
-    assert rel_err(o, r_aux) > 5 * _fp4_bound(r_aux)
+    # O is FP4 attention and O' is not: they differ by FP4 noise (~0.1), far outside the bounds above. Not for a
+    # single causal query: it attends one key, P is exactly 1 in both, and O and O' nearly agree (0.6% at d=64, H100)
+    if lq > 1:
+        assert rel_err(o, r_aux) > 5 * _fp4_bound(r_aux)
 
 
 @pytest.mark.gpu
