@@ -318,6 +318,9 @@ def _assert_gradients(grads, triton_grads, refs, likes):
     for got, tri, ref, like in zip(grads, triton_grads, refs, likes):
         assert got.shape == like.shape and got.dtype == like.dtype and got.stride() == like.stride()
         assert torch.isfinite(got).all()
+        if not ref.any():  # a single causal query attends one key: the exact dQ is 0, FP4's is rounding noise
+            assert got.float().abs().max() <= 2 * tri.float().abs().max() + 1e-6
+            continue
         bound = _fp4_bound(ref)
         assert rel_err(tri, ref) <= bound
         assert rel_err(got, ref) <= bound
