@@ -3,6 +3,7 @@ compile for sm_90a on any machine whose Triton has Gluon's Hopper API; on an H10
 the FP4 and training ones attn_qat's Triton forward and the PyTorch reference, and the backward attn_qat's Triton
 backward and the reference, on ragged, causal and Lq != Lk shapes."""
 import re
+import warnings
 
 import pytest
 import torch
@@ -523,3 +524,60 @@ def test_gpu_backward_fp16_and_sm_scale(poison):
         assert got.dtype == torch.float16 and torch.isfinite(got).all()
         bound = 2 * rel_err(ref.to(torch.float16), ref) + 2e-3
         assert rel_err(got, ref) <= bound and rel_err(got, tri) <= bound
+
+
+# ---------------------------------------------------------------------------------------------------
+# attn_qat's training step on sm_90: the Gluon backward behind attention(mode="attn_qat")
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cap,warns", [((9, 0), True), ((8, 0), False)])
+def test_gluon_backward_choice_and_its_one_warning(cap, warns, monkeypatch):
+    """The decision kernels.api takes per call: the Gluon backward where it can run, unless ATTNQAT_GLUON=0; where
+    an sm_90 GPU cannot run it (Triton < 3.6), a warning names why (elsewhere the Triton path is simply the path)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    dev = torch.device("cuda")
+    monkeypatch.setattr(hopper_gluon, "available", lambda device=None: (True, "Gluon sm_90 forward available"))
+    assert hopper_gluon.gluon_backward(dev) == (True, "Gluon sm_90 forward available")
+    monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
+    assert hopper_gluon.gluon_backward(dev) == (False, "ATTNQAT_GLUON=0")
+    monkeypatch.delenv(hopper_gluon.GLUON_ENV)
+    monkeypatch.setattr(hopper_gluon, "available", lambda device=None: (False, "Triton 3.5.1 lacks Gluon's Hopper API"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert hopper_gluon.gluon_backward(dev) == (False, "Triton 3.5.1 lacks Gluon's Hopper API")
+    assert len(seen) == warns and all("Triton 3.5.1 lacks" in str(w.message) for w in seen)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_trains_with_the_gluon_backward(monkeypatch):
+    """On an H100/H200, attention(mode="attn_qat") trains with the Gluon backward (called once per backward, and
+    backend_info says so), and its gradients are the Triton backward's bit for bit (ATTNQAT_GLUON=0 runs that one);
+    p_bwd="normalized" keeps the Triton backward."""
+    from attnqat.kernels import attention, backend_info
+
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    calls = []
+    real = hopper_gluon.hopper_attn_qat_backward
+    monkeypatch.setattr(hopper_gluon, "hopper_attn_qat_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = _inputs(1, 2, 300, 333, 128, "bhld")
+    do = torch.randn_like(q)
+
+    def grads(**options):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        attention(*leaves, mode="attn_qat", **options).backward(do)
+        return [t.grad for t in leaves]
+
+    gluon = grads()
+    assert len(calls) == 1 and backend_info()["attn_qat_backward"] == "Gluon sm_90 kernels"
+    monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
+    triton_path = grads()
+    assert len(calls) == 1 and backend_info()["attn_qat_backward"] == "triton (ATTNQAT_GLUON=0)"
+    for got, want in zip(gluon, triton_path):
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+    monkeypatch.delenv(hopper_gluon.GLUON_ENV)
+    grads(p_bwd="normalized")
+    assert len(calls) == 1

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from . import attn_qat, reference, sage3, sagebwd
-from ._common import KERNEL_DTYPES, P_BWD_CHOICES, SUPPORTED_HEAD_DIMS, check_qkv, interpreting, needs_grad
+from . import attn_qat, hopper_gluon, reference, sage3, sagebwd
+from ._common import (KERNEL_DTYPES, P_BWD_CHOICES, SUPPORTED_HEAD_DIMS, check_qkv, default_scale, interpreting,
+                      needs_grad)
 from .formats import LOG2E, P_SCALE, SAGEBWD_PRECISIONS
 
 
@@ -212,6 +213,8 @@ def backend_info(device: torch.device | str | None = None) -> dict:
         info["fp4_qk"] = ("native block-scaled FP4 MMA (tl.dot_scaled over NVFP4 storage)" if form else
                           "bf16 emulation (exactly dequantized NVFP4 operands)")
         info["fp4_pv"] = "bf16 tensor cores over exact phi(P) and V^F"
+        gluon, why = hopper_gluon.gluon_backward(dev)
+        info["attn_qat_backward"] = "Gluon sm_90 kernels" if gluon else f"triton ({why})"
     else:
         info["path"] = "triton-interpreter" if interpreting() else "pytorch-reference"
         info["fp4_path"] = "fp32 arithmetic over dequantized NVFP4 operands"
@@ -281,6 +284,15 @@ def _paths(kernel_module: str, kernel_name: str, reference_name: str):
     return kernel, ref
 
 
+def _attn_qat_kernel(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max"):
+    """attn_qat's kernel path. Training on an H100 / H200 whose Triton has Gluon (hopper_gluon.gluon_backward): the
+    Triton training forward with the Gluon sm_90 backward, the same numbers (docs/kernels.md); everywhere else, and
+    for p_bwd="normalized" (an ablation the Gluon backward does not implement), the Triton path."""
+    if q.is_cuda and needs_grad(q, k, v) and p_bwd == "final_max" and hopper_gluon.gluon_backward(q.device)[0]:
+        return hopper_gluon.HopperAttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+    return attn_qat.attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
+
+
 def _marked(fn):
     """``fn`` with :func:`mark_nonfinite` on its output (the drop-in ablation's backward needs it)."""
     def run(q, k, v, *, sm_scale=None, causal=False, **options):
@@ -318,7 +330,7 @@ register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inf
 # Attn-QAT family (SPEC §2): one FP4 forward; the modes differ in their backward.
 register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
                    "grad it is the nvfp4 forward)", True,
-                   *_paths("attn_qat", "attn_qat_unchecked", "attn_qat_attention_ref"),
+                   _attn_qat_kernel, reference.attn_qat_attention_ref,
                    options=(("p_bwd", P_BWD_CHOICES),), with_lse=_nvfp4_with_lse, same_forward_as="nvfp4",
                    naive_fp4_forward=True, uses_qat_weights=True, demo_column=2, demo_label="Attn-QAT"))
 register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "

@@ -41,13 +41,17 @@ compile the kernels for sm_90a without a GPU. Triton 3.6 and 3.9 name the TMA co
 """
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import triton
 
 from ._common import check_qkv, default_scale, interpreting, needs_grad
 from ._hardware import compile_for
-from .attn_qat import _attn_bwd_preprocess, _phi_blocks, _round_p
+from .attn_qat import _attn_bwd_preprocess, _phi_blocks, _round_p, attn_qat_fwd
 from .nvfp4 import quantize_heads, tile_keys
+from .reference import refuse_double_backward
 
 try:
     from triton.experimental import gluon
@@ -829,3 +833,56 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
                      aligned=tuple(stats), num_warps=warps, num_stages=1,
                      constexprs={"CAUSAL": bool(causal), "num_warps": warps})
     return {"dkdv": dkdv, "dq": dq}
+
+
+# ---------------------------------------------------------------------------------------------------
+# attn_qat's training step on sm_90: the Triton training forward (faster than this module's today:
+# docs/benchmarks.md) with the Gluon backward (the same numbers as the Triton backward, in 0.87x its time at
+# Wan 14B's shape). kernels.api decides when (gluon_backward), through this autograd Function and custom op.
+# ---------------------------------------------------------------------------------------------------
+
+GLUON_ENV = "ATTNQAT_GLUON"  # "0": attn_qat trains with the Triton backward on sm_90 too (A/B runs, debugging)
+
+
+def gluon_backward(device: torch.device) -> tuple[bool, str]:
+    """Whether attn_qat's backward on ``device`` runs the Gluon sm_90 kernels, and the reason (backend_info's
+    line). Where the GPU is an sm_90 one and Gluon cannot run (Triton older than 3.6), one warning says so: the
+    step falls back to the Triton backward, slower by about 1.15x."""
+    if os.environ.get(GLUON_ENV, "1") == "0":
+        return False, f"{GLUON_ENV}=0"
+    ok, why = available(device)
+    if not ok and device.type == "cuda" and torch.cuda.is_available() \
+            and torch.cuda.get_device_capability(device) == (9, 0):
+        warnings.warn(f"attn_qat: the Gluon sm_90 backward is unavailable ({why}); training uses the Triton "
+                      "backward", stacklevel=2)
+    return ok, why
+
+
+@torch.library.custom_op("attnqat::attn_qat_bwd_sm90", mutates_args=(), device_types=("cuda",))
+def attn_qat_bwd_sm90(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor,
+                      vf: torch.Tensor, o_aux: torch.Tensor, m: torch.Tensor, l: torch.Tensor, sm_scale: float,
+                      causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return hopper_attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sm_scale, causal=causal)
+
+
+@attn_qat_bwd_sm90.register_fake
+def _(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+
+
+class HopperAttnQATFunction(torch.autograd.Function):
+    """attn_qat's AttnQATFunction with the Gluon backward: the same forward custom op and saved tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sm_scale, causal):
+        o, o_aux, m, l, qf, kf, vf = attn_qat_fwd(q, k, v, sm_scale, causal, True)
+        ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l)
+        ctx.sm_scale, ctx.causal = sm_scale, causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        refuse_double_backward("attn_qat")
+        q, k, qf, kf, vf, o_aux, m, l = ctx.saved_tensors
+        dq, dk, dv = attn_qat_bwd_sm90(do, q, k, qf, kf, vf, o_aux, m, l, ctx.sm_scale, ctx.causal)
+        return dq, dk, dv, None, None
