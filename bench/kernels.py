@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench._report import ROOT, bench_ms, env_line, environment, update_section, write_json  # noqa: E402
-from attnqat.kernels import attention  # noqa: E402
+from attnqat.kernels import attention, backend_info  # noqa: E402
 from attnqat.kernels._common import LaunchConfig  # noqa: E402
 from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_backward, attn_qat_forward  # noqa: E402
 
@@ -53,11 +53,13 @@ def attn_qat_fns(q, k, v, do, fwd_cfg=None, bwd_cfg=None):
         o, o_aux, m, l, (qf, kf, vf) = saved
         return attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=scale, causal=False, config=bwd_cfg)
 
-    def fwd_bwd():
-        o = attn_qat_attention(q, k, v)
-        o.backward(do)
+    def fwd_bwd():  # what a user runs: on sm_90 with Gluon, the Triton forward and the Gluon backward
+        attention(q, k, v, mode="attn_qat").backward(do)
 
-    return infer, train_fwd, bwd, fwd_bwd
+    def fwd_bwd_triton():  # the portable pair, the Triton forward and backward
+        attn_qat_attention(q, k, v).backward(do)
+
+    return infer, train_fwd, bwd, fwd_bwd, fwd_bwd_triton
 
 
 def run(lengths, heads=40, head_dim=128, batch=1, sweep=False):
@@ -73,11 +75,12 @@ def run(lengths, heads=40, head_dim=128, batch=1, sweep=False):
             f, fb = sdpa_fns(backend, q, k, v, do)
             res[f"{name}_fwd"] = bench_ms(f)
             res[f"{name}_fwdbwd"] = bench_ms(fb)
-        infer, train_fwd, bwd, fwd_bwd = attn_qat_fns(q, k, v, do)
+        infer, train_fwd, bwd, fwd_bwd, fwd_bwd_triton = attn_qat_fns(q, k, v, do)
         res["attn_qat_infer"] = bench_ms(infer)
         res["attn_qat_train_fwd"] = bench_ms(train_fwd)
         res["attn_qat_bwd"] = bench_ms(bwd)
         res["attn_qat_fwdbwd"] = bench_ms(fwd_bwd)
+        res["attn_qat_triton_fwdbwd"] = bench_ms(fwd_bwd_triton)
         for mode in ("nvfp4", "sage3", "sagebwd"):  # every mode's inference forward, through the public API
             def infer_mode(mode=mode):
                 with torch.no_grad():
@@ -107,7 +110,7 @@ def sweep_configs(q, k, v, do, L):
     for bm, bn, w, s in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3),
                          (128, 64, 8, 2), (64, 128, 4, 3), (256, 64, 8, 2)]:
         cfg = LaunchConfig(bm, bn, w, s)
-        infer, train_fwd, _, _ = attn_qat_fns(q, k, v, do, fwd_cfg=cfg)
+        infer, train_fwd, *_ = attn_qat_fns(q, k, v, do, fwd_cfg=cfg)
         try:
             r = {"L": L, "kind": "fwd", "config": [bm, bn, w, s], "infer": bench_ms(infer, 5, 20),
                  "train_fwd": bench_ms(train_fwd, 5, 20)}
@@ -118,7 +121,7 @@ def sweep_configs(q, k, v, do, L):
     for bm, bn, w, s in [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (64, 64, 8, 2),
                          (32, 64, 4, 3), (128, 128, 8, 2)]:
         cfg = LaunchConfig(bm, bn, w, s)
-        _, _, bwd, _ = attn_qat_fns(q, k, v, do, bwd_cfg=cfg)
+        _, _, bwd, *_ = attn_qat_fns(q, k, v, do, bwd_cfg=cfg)
         try:
             r = {"L": L, "kind": "bwd", "config": [bm, bn, w, s], "bwd": bench_ms(bwd, 5, 20)}
         except Exception as e:
@@ -130,8 +133,10 @@ def sweep_configs(q, k, v, do, L):
 
 def markdown(rows, env) -> str:
     lines = ["## Kernels: Attn-QAT vs SDPA (bf16, B=1, H=40, D=128, non-causal)", "", env_line(env), "",
+             f"`attention(mode=\"attn_qat\")`'s backward in this run: {env.get('attn_qat_backward', 'triton')}; "
+             "\"all Triton\": the Triton forward and backward.", "",
              "| L | cuDNN fwd | flash fwd | attn_qat inference fwd | attn_qat training fwd | cuDNN fwd+bwd | "
-             "flash fwd+bwd | attn_qat fwd+bwd |", "|---|---|---|---|---|---|---|---|"]
+             "flash fwd+bwd | attn_qat fwd+bwd | attn_qat fwd+bwd, all Triton |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, cb = r["cudnn_fwd"], r["cudnn_fwdbwd"]
         lines.append(
@@ -139,7 +144,8 @@ def markdown(rows, env) -> str:
             f"{r['attn_qat_infer']:.2f} ms ({r['attn_qat_infer'] / c:.2f}x) | "
             f"{r['attn_qat_train_fwd']:.2f} ms ({r['attn_qat_train_fwd'] / c:.2f}x) | {cb:.2f} ms | "
             f"{r['flash_fwdbwd']:.2f} ms ({r['flash_fwdbwd'] / cb:.2f}x) | "
-            f"{r['attn_qat_fwdbwd']:.2f} ms ({r['attn_qat_fwdbwd'] / cb:.2f}x) |")
+            f"{r['attn_qat_fwdbwd']:.2f} ms ({r['attn_qat_fwdbwd'] / cb:.2f}x) | "
+            f"{r['attn_qat_triton_fwdbwd']:.2f} ms ({r['attn_qat_triton_fwdbwd'] / cb:.2f}x) |")
     extra = [k_ for k_ in ("nvfp4_infer", "sage3_infer", "sagebwd_infer", "sagebwd_fwdbwd",
                                    "sagebwd_16bit_fwdbwd") if k_ in rows[0]]
     if extra:
@@ -169,6 +175,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
     env = environment()
+    env["attn_qat_backward"] = backend_info()["attn_qat_backward"]
     rows, sweeps = run(args.lengths, heads=args.heads, sweep=args.sweep)
     md = markdown(rows, env)
     print(md)
