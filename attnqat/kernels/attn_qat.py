@@ -624,6 +624,8 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), in one place. Pin with ATTNQAT_FWD_CONFIG /
 # ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests, benchmarks and tuning (docs/environment.md).
+# Either pins the Triton backward: on sm_90 it then runs instead of the Gluon one (hopper_gluon.gluon_backward).
+BWD_CONFIG_ENV, DQ_CONFIG_ENV = "ATTNQAT_BWD_CONFIG", "ATTNQAT_DQ_CONFIG"
 # Measured on an H100 at (1, 40, 32760, 128) by bench/tune_attn_qat.py (docs/kernels.md has the table).
 # Inference forward: 128x128 tiles, 8 warps, 3 stages (50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8); at
 # head_dim 64, 128x64/8 (32.5 ms vs 38.1 for 128x128).
@@ -661,14 +663,14 @@ def bwd_transposed(head_dim: int) -> bool:
 
 def bwd_config(head_dim: int, transposed: bool) -> LaunchConfig:
     if interpreting():
-        return pinned_config("ATTNQAT_BWD_CONFIG") or (CONFIG_INTERPRET if transposed else CONFIG_INTERPRET_64)
-    return pinned_config("ATTNQAT_BWD_CONFIG") or BWD_CONFIG_GPU[transposed][head_dim]
+        return pinned_config(BWD_CONFIG_ENV) or (CONFIG_INTERPRET if transposed else CONFIG_INTERPRET_64)
+    return pinned_config(BWD_CONFIG_ENV) or BWD_CONFIG_GPU[transposed][head_dim]
 
 
 def dq_config(head_dim: int) -> LaunchConfig:
     if interpreting():
-        return pinned_config("ATTNQAT_DQ_CONFIG") or CONFIG_INTERPRET
-    return pinned_config("ATTNQAT_DQ_CONFIG") or DQ_CONFIG_GPU[head_dim]
+        return pinned_config(DQ_CONFIG_ENV) or CONFIG_INTERPRET
+    return pinned_config(DQ_CONFIG_ENV) or DQ_CONFIG_GPU[head_dim]
 
 
 # ---------------------------------------------------------------------------------------------------
