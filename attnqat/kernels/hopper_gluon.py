@@ -847,8 +847,9 @@ GLUON_ENV = "ATTNQAT_GLUON"  # "0": attn_qat trains with the Triton backward on 
 
 def gluon_backward(device: torch.device) -> tuple[bool, str]:
     """Whether attn_qat's backward on ``device`` runs the Gluon sm_90 kernels, and the reason (backend_info's
-    line): not with ATTNQAT_GLUON=0, nor with the Triton backward's launch config pinned. Where the GPU is an sm_90 one and Gluon cannot run (Triton older than 3.6), one warning says so: the
-    step falls back to the Triton backward, slower by about 1.15x."""
+    line): not with ATTNQAT_GLUON=0, nor with the Triton backward's launch config pinned. Where the GPU is an
+    sm_90 one and Gluon cannot run (Triton older than 3.6), one warning says so: the step falls back to the Triton
+    backward, slower by about 1.15x."""
     if os.environ.get(GLUON_ENV, "1") == "0":
         return False, f"{GLUON_ENV}=0"
     pinned = [name for name in (BWD_CONFIG_ENV, DQ_CONFIG_ENV) if os.environ.get(name)]
