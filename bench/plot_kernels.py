@@ -10,7 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FORWARD = [("flash_fwd", "flash SDPA"), ("attn_qat_infer", "nvfp4 / attn_qat (inference)"),
            ("sage3_infer", "sage3"), ("sagebwd_infer", "sagebwd"), ("attn_qat_train_fwd", "attn_qat (training fwd)")]
-TRAINING = [("flash_fwdbwd", "flash SDPA"), ("attn_qat_fwdbwd", "attn_qat"), ("sagebwd_fwdbwd", "sagebwd"),
+TRAINING = [("flash_fwdbwd", "flash SDPA"), ("attn_qat_fwdbwd", "attn_qat"),
+            ("attn_qat_triton_fwdbwd", "attn_qat, all Triton"), ("sagebwd_fwdbwd", "sagebwd"),
             ("sagebwd_16bit_fwdbwd", "sagebwd (pv, bwd = bf16)")]
 
 
