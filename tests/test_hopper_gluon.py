@@ -584,3 +584,17 @@ def test_gpu_attention_trains_with_the_gluon_backward(monkeypatch):
     monkeypatch.delenv(hopper_gluon.GLUON_ENV)
     grads(p_bwd="normalized")
     assert len(calls) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_backward_op_passes_opcheck():
+    """attnqat::attn_qat_bwd_sm90, the custom op autograd and torch.compile see: schema (no mutation, no aliasing),
+    its fake against the real outputs (shapes, dtypes, strides: q in diffusers' (B, L, H, D) layout as a transposed
+    view), AOTAutograd."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = _inputs(1, 2, 96, 160, 64, "blhd")
+    o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=0.125, causal=True, training=True)
+    torch.library.opcheck(hopper_gluon.attn_qat_bwd_sm90, (torch.randn_like(o), q, k, qf, kf, vf, o_aux, m, l, 0.125,
+                                                          True))
