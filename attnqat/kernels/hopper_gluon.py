@@ -78,6 +78,13 @@ FWD_TRAIN_CONFIG = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # and steps over 64-key tiles; Q^F, dO, double-buffered K^F and V^F: 32 + 32 + 2*(16 + 16) KB.
 BWD_DKDV_CONFIG = {64: (128, 64, 8), 128: (128, 64, 8)}
 BWD_DQ_CONFIG = {64: (128, 64, 8), 128: (128, 64, 8)}
+# The warp-specialised dK/dV kernel (variant="ws"), (BLOCK_M, BLOCK_N, NUM_STAGES) per head_dim: two consumer
+# warpgroups of BLOCK_N = 64 keys each (a program owns 128 keys), BLOCK_M = 64 queries per step (one m64 wgmma per
+# consumer for S and dP; dK and dV hold 64 keys x head_dim, 2 * 64 fp32 registers per thread at head_dim 128), and
+# the Q^F, dO ring as deep as shared memory allows beside K^F, V^F and each consumer's P^F, dS tiles: at head_dim 128
+# 2 * 2 * 16 + 2 * 2 * 8 + 3 * (16 + 16) KB, at 64 2 * 2 * 8 + 2 * 2 * 8 + 4 * (8 + 8) KB.
+BWD_WS_CONFIG = {64: (64, 64, 4), 128: (64, 64, 3)}
+BWD_VARIANTS = ("default", "ws")
 
 
 def available(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -102,6 +109,9 @@ if not _MISSING:
     # The load partition only issues TMA: one warp, and setmaxnreg hands its registers to the softmax warps.
     LOADER_WARPS = gl.constexpr(1)
     LOADER_REGS = gl.constexpr(24)
+    # The warp-specialised backward's second consumer warpgroup (a worker partition): as many registers as the
+    # default one gets, 240 (setmaxnreg's largest multiple of 8 that leaves the loader its 24 within 64K).
+    WS_CONSUMER_REGS = gl.constexpr(240)
 
     @gluon.constexpr_function
     def _wgmma_layout(num_warps, n):
@@ -579,6 +589,162 @@ if not _MISSING:
         _tma_store(dq_desc, [off_b, off_h, off_m, 0], q_smem.index(0))
         tma.store_wait(0)
 
+    # -----------------------------------------------------------------------------------------------------------
+    # The warp-specialised dK/dV kernel (hopper_attn_qat_backward(variant="ws")), FlashAttention-3's backward layout:
+    # a program owns 2 * 64 keys, one consumer warpgroup per 64 of them, each with its own K^F, V^F tiles, dK and dV
+    # accumulators and P^F, dS tiles, so the two never wait for each other; a one-warp load partition streams Q^F
+    # and dO in 64-query tiles through a NUM_STAGES ring that both consume (a slot is free once both have arrived).
+    # One warpgroup's phi and dS arithmetic then runs while the other's wgmmas hold the tensor cores.
+    # -----------------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _dkdv_ws_load(q_desc, do_desc, q_bufs, do_bufs, ready, empty, off_b, off_h, lo, n_steps,
+                      NUM_STAGES: gl.constexpr):
+        """Load partition: Q^F and dO of query tile i into ring slot i % NUM_STAGES once both consumers freed it."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        for i in range(n_steps):
+            slot = i % NUM_STAGES
+            # A fresh barrier is in phase 0, so waiting on parity 1 passes: the first lap finds every slot free.
+            mbarrier.wait(empty.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
+            _issue_pair(q_desc, do_desc, q_bufs, do_bufs, ready, slot, off_b, off_h, lo + i * BLOCK_M)
+
+    @gluon.jit
+    def _dkdv_ws_steps(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, ready, empty, m_ptr, l_ptr, delta_ptr, bh,
+                       key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, kv_layout: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARPS: gl.constexpr):
+        """One consumer's n_steps >= 1 steps (dK unscaled, dV). Per step, as _attn_bwd_dkdv's: S and dP by wgmma,
+        P~ and P^F = phi(P~) / l in registers, dV += P^F^T dO and dK += dS^T Q^F from shared memory; dV and dK are
+        left running into the next step, whose S and dP queue behind them (the wait for S covers them; then the
+        ring slot they read is released)."""
+        BLOCK_M: gl.constexpr = q_bufs.shape[3]
+        HEAD_DIM: gl.constexpr = q_bufs.shape[4]
+        BLOCK_N: gl.constexpr = k_smem.shape[0]
+        dtype: gl.constexpr = q_bufs.dtype
+        s_layout: gl.constexpr = _wgmma_layout(WARPS, BLOCK_N)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        kt = k_smem.permute((1, 0))
+        vt = v_smem.permute((1, 0))
+        for i in range(n_steps):
+            slot = i % NUM_STAGES
+            offs_m = lo + i * BLOCK_M + gl.arange(0, BLOCK_M, row_layout)
+            m, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, bh, offs_m, seqlen_q)
+            mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
+            q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            s = warpgroup_mma(q, kt, zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do, vt, zero, use_acc=False, is_async=True)
+            # groups complete in issue order: S done means the last step's dV and dK are too (P^F, dS, its slot free)
+            s, dv, dk = warpgroup_mma_wait(1, deps=[s, dv, dk])
+            mbarrier.arrive(empty.index((i + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=i > 0)
+            s = _masked(s, key_tile, offs_m, seqlen_k, BLOCK_N, CAUSAL, True)
+            p_tilde, pf = _bwd_p(s, m, inv_l, qk_scale, True, dtype == gl.float16)
+            p_smem.store(pf.to(dtype))
+            fence_async_shared()
+            dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
+            dp = warpgroup_mma_wait(1, deps=[dp])  # dV runs on while dS computes
+            ds_smem.store((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype))  # dS = P (dP - D)
+            fence_async_shared()
+            dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
+            # dV and dK are the last two groups: waiting until two are pending waits for nothing, it only hands them
+            # to the next step as accumulators in registers (the loop carries one type), still running
+            dv, dk = warpgroup_mma_wait(2, deps=[dv, dk])
+        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+        return dk, dv
+
+    @gluon.jit
+    def _dkdv_ws_mma(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, ready, empty, m_ptr, l_ptr, delta_ptr, dk_ptr,
+                     dv_ptr, stride_kb, stride_kh, stride_kl, bh, off_b, off_h, key_tile, lo, n_steps, seqlen_q,
+                     seqlen_k, qk_scale, sm_scale, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     WARPS: gl.constexpr):
+        """One consumer warpgroup: the 64 keys of key tile ``key_tile`` (K^F, V^F rows in tile order in k_smem,
+        v_smem) against every query tile of the ring (_dkdv_ws_steps), then dK * sm_scale and dV out."""
+        HEAD_DIM: gl.constexpr = q_bufs.shape[4]
+        BLOCK_N: gl.constexpr = k_smem.shape[0]
+        kv_layout: gl.constexpr = _wgmma_layout(WARPS, HEAD_DIM)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        # Only a loop that runs: on a path that skips it, the zeros' moves would reach the final wgmma wait, and ptxas
+        # then serialises every wgmma of the kernel (its C7515 advisory).
+        if n_steps > 0:
+            dk, dv = _dkdv_ws_steps(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, ready, empty, m_ptr, l_ptr,
+                                    delta_ptr, bh, key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, kv_layout,
+                                    NUM_STAGES, CAUSAL, WARPS)
+
+        # dK, dV leave from wgmma's registers (no layout conversion: its scratch would not fit beside the ring), rows
+        # back in key order
+        tile_rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, kv_layout))
+        keys = key_tile * BLOCK_N + tile_keys(tile_rows, BLOCK_N)
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, kv_layout))
+        out_offs = off_b.to(gl.int64) * stride_kb + off_h * stride_kh + keys[:, None] * stride_kl + cols[None, :]
+        key_ok = (keys < seqlen_k)[:, None]
+        gl.store(dk_ptr + out_offs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=key_ok)
+        gl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=key_ok)
+
+    @gluon.jit
+    def _attn_bwd_dkdv_ws(q_desc, do_desc, kf_ptr, vf_ptr, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, stride_kb,
+                          stride_kh, stride_kl, seqlen_q, seqlen_k, qk_scale, sm_scale, num_heads,
+                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                          num_warps: gl.constexpr):
+        """The dK/dV kernel, warp-specialised: one program per CONSUMERS * BLOCK_N keys (BLOCK_N = 64 per consumer
+        warpgroup), stepping over query tiles of BLOCK_M = 64 rows that a load partition streams by TMA. Numerics as
+        _attn_bwd_dkdv (P^F and dS element for element; dK, dV summed over 64-query steps instead of 128)."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        CONSUMERS: gl.constexpr = 2
+        dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(num_warps == 4)  # the default partition is the first consumer warpgroup
+        gl.static_assert(BLOCK_M == 16 * num_warps)  # S and dP: one 16-row wgmma slab of queries per warp
+        gl.static_assert(BLOCK_N == 64)  # a consumer's dK, dV: one m64 wgmma tile of keys
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        # 16-byte global loads of K^F, V^F: 8 elements per thread along head_dim
+        io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [num_warps, 1],
+                                                   [1, 0])
+
+        bh = gl.program_id(1)
+        off_b = bh // num_heads
+        off_h = bh % num_heads
+        n0 = gl.program_id(0) * (CONSUMERS * BLOCK_N)
+        k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_DIM], tile_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_DIM], tile_layout)
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, io_layout))
+        for c in gl.static_range(CONSUMERS):  # K^F, V^F rows in tile order (tile_keys), one tile per consumer
+            keys = n0 + c * BLOCK_N + tile_keys(gl.arange(0, BLOCK_N, gl.SliceLayout(1, io_layout)), BLOCK_N)
+            key_ok = (keys < seqlen_k)[:, None]
+            kv_offs = (bh.to(gl.int64) * seqlen_k + keys)[:, None] * HEAD_DIM + cols[None, :]
+            k_smem.index(c).store(gl.load(kf_ptr + kv_offs, mask=key_ok, other=0.0))
+            v_smem.index(c).store(gl.load(vf_ptr + kv_offs, mask=key_ok, other=0.0))
+        p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_N], tile_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_N], tile_layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)  # a slot is free once every consumer is done with it
+        fence_async_shared()  # K, V's stores and the barriers' init, before wgmma and TMA use them
+
+        # causal (top-left): queries before the program's keys never see them (the second consumer's first step,
+        # its queries all before its keys, is masked out whole)
+        lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
+        n_steps = gl.maximum(gl.cdiv(seqlen_q - lo, BLOCK_M), 0)  # 0 when causal and the keys start past Lq
+        key_tile = gl.program_id(0) * CONSUMERS
+        gl.warp_specialize([
+            (_dkdv_ws_mma, (q_bufs, do_bufs, k_smem.index(0), v_smem.index(0), p_smem.index(0), ds_smem.index(0),
+                            ready, empty, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kl, bh,
+                            off_b, off_h, key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES,
+                            CAUSAL, num_warps)),
+            (_dkdv_ws_mma, (q_bufs, do_bufs, k_smem.index(1), v_smem.index(1), p_smem.index(1), ds_smem.index(1),
+                            ready, empty, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kl, bh,
+                            off_b, off_h, key_tile + 1, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                            NUM_STAGES, CAUSAL, num_warps)),
+            (_dkdv_ws_load, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, off_b, off_h, lo, n_steps, NUM_STAGES)),
+        ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
+
 def _tile_layout(block: list[int], dtype: torch.dtype):
     """The shared-memory layout of a TMA tile (128-byte swizzle for a 64- or 128-wide bf16/fp16 row)."""
     return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(dtype).removeprefix("torch.")))
@@ -730,7 +896,7 @@ def _check_saved(do, q, k, saved: dict) -> None:
 
 def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor,
                              vf: torch.Tensor, o_aux: torch.Tensor, m: torch.Tensor, l: torch.Tensor, *,
-                             sm_scale: float | None = None, causal: bool = False):
+                             sm_scale: float | None = None, causal: bool = False, variant: str = "default"):
     """The Attn-QAT backward (SPEC §2) with the Gluon sm_90 kernels: what ``attn_qat.attn_qat_backward`` computes,
     from the same inputs into the same outputs, on wgmma and TMA. With :func:`hopper_attn_qat_forward` it replaces
     the Triton pair.
@@ -751,11 +917,17 @@ def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             head_dim) contiguous; m, l (batch, heads, seqlen_q) fp32 contiguous.
         sm_scale: the forward's softmax scale; default 1/sqrt(head_dim).
         causal: the forward's top-left aligned causal mask.
+        variant: the dK/dV kernel: ``"default"`` (_attn_bwd_dkdv, 64 keys per program, two warpgroups sharing each
+            step) or ``"ws"`` (_attn_bwd_dkdv_ws, warp-specialised: 128 keys per program, a load warp and two
+            independent consumer warpgroups; BWD_WS_CONFIG). The same numbers up to dK's and dV's fp32 summation
+            order over queries.
     Return:
         (dq, dk, dv): dq in q's dtype and stride order; dk, dv in k's dtype and stride order; new tensors.
     """
     check_qkv(q, k, k, name="hopper_attn_qat_backward", sm_scale=sm_scale, causal=causal, head_dims=HEAD_DIMS)
     _check_saved(do, q, k, {"qf": qf, "kf": kf, "vf": vf, "o_aux": o_aux, "m": m, "l": l})
+    if variant not in BWD_VARIANTS:
+        raise ValueError(f"hopper_attn_qat_backward: variant {variant!r} not in {BWD_VARIANTS}")
     _runnable("hopper_attn_qat_backward", q.device)
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -766,10 +938,17 @@ def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                                                       seqlen_q, HEAD_DIM=head_dim, BLOCK_M=64)
     dk = torch.empty_like(k)  # k's stride order, as the Triton backward's
     dv = torch.empty_like(dk)
-    block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
-    _attn_bwd_dkdv[(triton.cdiv(seqlen_k, block_n), batch * heads)](
-        _descriptor(qf, block_m), _descriptor(do, block_m), kf, vf, m, l, delta, dk, dv, *dk.stride()[:3], seqlen_q,
-        seqlen_k, scale * LOG2E, scale, heads, BLOCK_N=block_n, CAUSAL=causal, num_warps=warps)
+    if variant == "ws":
+        block_m, block_n, stages = BWD_WS_CONFIG[head_dim]
+        _attn_bwd_dkdv_ws[(triton.cdiv(seqlen_k, 2 * block_n), batch * heads)](
+            _descriptor(qf, block_m), _descriptor(do, block_m), kf, vf, m, l, delta, dk, dv, *dk.stride()[:3],
+            seqlen_q, seqlen_k, scale * LOG2E, scale, heads, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal,
+            num_warps=4)
+    else:
+        block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
+        _attn_bwd_dkdv[(triton.cdiv(seqlen_k, block_n), batch * heads)](
+            _descriptor(qf, block_m), _descriptor(do, block_m), kf, vf, m, l, delta, dk, dv, *dk.stride()[:3],
+            seqlen_q, seqlen_k, scale * LOG2E, scale, heads, BLOCK_N=block_n, CAUSAL=causal, num_warps=warps)
     dq = torch.empty_like(q)
     if not _tma_ok(dq):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -807,21 +986,26 @@ def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bflo
                                    "FP4": bool(fp4 or training), "TRAINING": bool(training), "num_warps": warps})
 
 
-def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
+def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16, variant: str = "default") -> dict:
     """Compile the backward's two kernels for sm_90a without a GPU (what :func:`hopper_attn_qat_backward` at
-    ``head_dim`` would build); returns {"dkdv": ..., "dq": ...}, Triton's compiled kernels."""
+    ``head_dim`` with ``variant`` would build); returns {"dkdv": ..., "dq": ...}, Triton's compiled kernels."""
     if _MISSING:
         raise RuntimeError(f"hopper_gluon: {_MISSING}")
     stats = dict.fromkeys(("m_ptr", "l_ptr", "delta_ptr"), "*fp32")
     scalars = {"qk_scale": "fp32", "sm_scale": "fp32"}
-    block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
-    rows_m = _desc_type(block_m, head_dim, dtype)
     tiles = dict.fromkeys(("kf_ptr", "vf_ptr", "dk_ptr", "dv_ptr"), f"*{_SHORT[dtype]}")
     # dK's strides are multiples of 16 at every head_dim here (a launch specialises on that: 16-byte stores)
     strides = ("stride_kb", "stride_kh", "stride_kl")
-    dkdv = compile_for(_attn_bwd_dkdv, 90, types={"q_desc": rows_m, "do_desc": rows_m, **tiles, **stats, **scalars},
+    if variant == "ws":
+        block_m, block_n, stages = BWD_WS_CONFIG[head_dim]
+        kernel, warps, constexprs = _attn_bwd_dkdv_ws, 4, {"NUM_STAGES": stages}
+    else:
+        block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
+        kernel, constexprs = _attn_bwd_dkdv, {}
+    rows_m = _desc_type(block_m, head_dim, dtype)
+    dkdv = compile_for(kernel, 90, types={"q_desc": rows_m, "do_desc": rows_m, **tiles, **stats, **scalars},
                        aligned=(*tiles, *stats, *strides), num_warps=warps, num_stages=1,
-                       constexprs={"BLOCK_N": block_n, "CAUSAL": bool(causal), "num_warps": warps})
+                       constexprs={"BLOCK_N": block_n, "CAUSAL": bool(causal), "num_warps": warps, **constexprs})
     block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
     rows_m, rows_n = (_desc_type(rows, head_dim, dtype) for rows in (block_m, block_n))
     dq = compile_for(_attn_bwd_dq, 90, types={"q_desc": rows_m, "do_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n,
