@@ -636,14 +636,16 @@ if not _MISSING:
             q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             s = warpgroup_mma(q, kt, zero, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do, vt, zero, use_acc=False, is_async=True)
             # groups complete in issue order: S done means the last step's dV and dK are too (P^F, dS, its slot free)
-            s, dv, dk = warpgroup_mma_wait(1, deps=[s, dv, dk])
+            s, dv, dk = warpgroup_mma_wait(0, deps=[s, dv, dk])
             mbarrier.arrive(empty.index((i + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=i > 0)
             s = _masked(s, key_tile, offs_m, seqlen_k, BLOCK_N, CAUSAL, True)
             p_tilde, pf = _bwd_p(s, m, inv_l, qk_scale, True, dtype == gl.float16)
             p_smem.store(pf.to(dtype))
             fence_async_shared()
+            # dP is issued only now, with dV: during phi its accumulator would be 32 more live registers per thread
+            # (Triton 3.6 spills at head_dim 128), and the other consumer's wgmmas fill the tensor cores meanwhile
+            dp = warpgroup_mma(do, vt, zero, use_acc=False, is_async=True)
             dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
             dp = warpgroup_mma_wait(1, deps=[dp])  # dV runs on while dS computes
             ds_smem.store((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype))  # dS = P (dP - D)
@@ -656,12 +658,12 @@ if not _MISSING:
         return dk, dv
 
     @gluon.jit
-    def _dkdv_ws_mma(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, ready, empty, m_ptr, l_ptr, delta_ptr, dk_ptr,
-                     dv_ptr, stride_kb, stride_kh, stride_kl, bh, off_b, off_h, key_tile, lo, n_steps, seqlen_q,
-                     seqlen_k, qk_scale, sm_scale, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     WARPS: gl.constexpr):
+    def _dkdv_ws_mma(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, ready, empty, m_ptr, l_ptr, delta_ptr,
+                     dk_head, dv_head, stride_kl, bh, key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARPS: gl.constexpr):
         """One consumer warpgroup: the 64 keys of key tile ``key_tile`` (K^F, V^F rows in tile order in k_smem,
-        v_smem) against every query tile of the ring (_dkdv_ws_steps), then dK * sm_scale and dV out."""
+        v_smem) against every query tile of the ring (_dkdv_ws_steps), then dK * sm_scale and dV out (dk_head,
+        dv_head: this (batch, head)'s first row, so that fewer scalars stay live through the loop)."""
         HEAD_DIM: gl.constexpr = q_bufs.shape[4]
         BLOCK_N: gl.constexpr = k_smem.shape[0]
         kv_layout: gl.constexpr = _wgmma_layout(WARPS, HEAD_DIM)
@@ -679,10 +681,10 @@ if not _MISSING:
         tile_rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, kv_layout))
         keys = key_tile * BLOCK_N + tile_keys(tile_rows, BLOCK_N)
         cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, kv_layout))
-        out_offs = off_b.to(gl.int64) * stride_kb + off_h * stride_kh + keys[:, None] * stride_kl + cols[None, :]
+        out_offs = keys[:, None] * stride_kl + cols[None, :]
         key_ok = (keys < seqlen_k)[:, None]
-        gl.store(dk_ptr + out_offs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=key_ok)
-        gl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=key_ok)
+        gl.store(dk_head + out_offs, (dk * sm_scale).to(dk_head.dtype.element_ty), mask=key_ok)
+        gl.store(dv_head + out_offs, dv.to(dv_head.dtype.element_ty), mask=key_ok)
 
     @gluon.jit
     def _attn_bwd_dkdv_ws(q_desc, do_desc, kf_ptr, vf_ptr, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, stride_kb,
@@ -700,9 +702,6 @@ if not _MISSING:
         gl.static_assert(BLOCK_M == 16 * num_warps)  # S and dP: one 16-row wgmma slab of queries per warp
         gl.static_assert(BLOCK_N == 64)  # a consumer's dK, dV: one m64 wgmma tile of keys
         tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        # 16-byte global loads of K^F, V^F: 8 elements per thread along head_dim
-        io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [num_warps, 1],
-                                                   [1, 0])
 
         bh = gl.program_id(1)
         off_b = bh // num_heads
@@ -710,11 +709,15 @@ if not _MISSING:
         n0 = gl.program_id(0) * (CONSUMERS * BLOCK_N)
         k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_DIM], tile_layout)
         v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_DIM], tile_layout)
+        # K^F, V^F rows in tile order (tile_keys), one tile per consumer, by 16-byte loads (8 elements per thread
+        # along head_dim)
+        io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [num_warps, 1],
+                                                   [1, 0])
         cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, io_layout))
-        for c in gl.static_range(CONSUMERS):  # K^F, V^F rows in tile order (tile_keys), one tile per consumer
+        for c in gl.static_range(CONSUMERS):
             keys = n0 + c * BLOCK_N + tile_keys(gl.arange(0, BLOCK_N, gl.SliceLayout(1, io_layout)), BLOCK_N)
             key_ok = (keys < seqlen_k)[:, None]
-            kv_offs = (bh.to(gl.int64) * seqlen_k + keys)[:, None] * HEAD_DIM + cols[None, :]
+            kv_offs = (bh.to(gl.int64) * seqlen_k + keys)[:, None] * HEAD_DIM + cols[None, :]  # contiguous
             k_smem.index(c).store(gl.load(kf_ptr + kv_offs, mask=key_ok, other=0.0))
             v_smem.index(c).store(gl.load(vf_ptr + kv_offs, mask=key_ok, other=0.0))
         p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_N], tile_layout)
@@ -733,15 +736,16 @@ if not _MISSING:
         lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
         n_steps = gl.maximum(gl.cdiv(seqlen_q - lo, BLOCK_M), 0)  # 0 when causal and the keys start past Lq
         key_tile = gl.program_id(0) * CONSUMERS
+        head = off_b.to(gl.int64) * stride_kb + off_h * stride_kh
+        dk_head = dk_ptr + head
+        dv_head = dv_ptr + head
         gl.warp_specialize([
             (_dkdv_ws_mma, (q_bufs, do_bufs, k_smem.index(0), v_smem.index(0), p_smem.index(0), ds_smem.index(0),
-                            ready, empty, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kl, bh,
-                            off_b, off_h, key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES,
-                            CAUSAL, num_warps)),
+                            ready, empty, m_ptr, l_ptr, delta_ptr, dk_head, dv_head, stride_kl, bh,
+                            key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES, CAUSAL, num_warps)),
             (_dkdv_ws_mma, (q_bufs, do_bufs, k_smem.index(1), v_smem.index(1), p_smem.index(1), ds_smem.index(1),
-                            ready, empty, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kl, bh,
-                            off_b, off_h, key_tile + 1, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                            NUM_STAGES, CAUSAL, num_warps)),
+                            ready, empty, m_ptr, l_ptr, delta_ptr, dk_head, dv_head, stride_kl, bh,
+                            key_tile + 1, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES, CAUSAL, num_warps)),
             (_dkdv_ws_load, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, off_b, off_h, lo, n_steps, NUM_STAGES)),
         ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
 
