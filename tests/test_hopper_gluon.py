@@ -361,11 +361,11 @@ def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backward", ["triton_bwd", "gluon_bwd"])
+@pytest.mark.parametrize("backward", ["triton_bwd", "gluon_bwd", "gluon_bwd_ws"])
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [GPU_SHAPES[i] for i in (0, 1, 2, 3)])
 def test_gpu_gluon_forward_then_backward_matches_triton_path(b, h, lq, lk, d, causal, layout, backward, poison):
     """A backward run on what the Gluon training forward saves, the Triton one (attn_qat_backward, unchanged) or the
-    Gluon one (hopper_attn_qat_backward: the Gluon pair), gives the all-Triton path's gradients (attn_qat_attention's
+    Gluon one (hopper_attn_qat_backward: the Gluon pair; gluon_bwd_ws its warp-specialised dK/dV kernel), gives the all-Triton path's gradients (attn_qat_attention's
     autograd) and the reference's (SPEC §2's backward on the reference forward's O', m, l), to the bound the Triton
     path has against the reference."""
     ok, why = hopper_gluon.available()
@@ -379,7 +379,8 @@ def test_gpu_gluon_forward_then_backward_matches_triton_path(b, h, lq, lk, d, ca
     if backward == "triton_bwd":
         grads = attn_qat_backward(do, q, k, *saved, sm_scale=d ** -0.5, causal=causal)
     else:
-        grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal)
+        variant = "ws" if backward == "gluon_bwd_ws" else "default"
+        grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal, variant=variant)
     r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q.detach(), k.detach(), v.detach(), causal=causal)
     refs = R.attn_qat_backward_ref(q.detach(), k.detach(), v.detach(), r_aux, do, r_m, r_l, causal=causal)
     _assert_gradients(grads, (q.grad, k.grad, v.grad), refs, (q, k, k))
@@ -414,13 +415,15 @@ COMPILE_BACKWARD = COMPILE_HEAD + """
 for head_dim, causal in ((64, False), (128, True)):
     for name, compiled in compile_backward(head_dim, causal).items():
         record(f"{head_dim},{name}", compiled)
+    record(f"{head_dim},dkdv_ws", compile_backward(head_dim, causal, variant="ws")["dkdv"])
 print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
 def compiled_backward():
-    """The backward's two kernels compiled for sm_90a at head_dim 64 (non-causal) and 128 (causal), as `compiled`."""
+    """The backward's two kernels compiled for sm_90a at head_dim 64 (non-causal) and 128 (causal), as `compiled`, and
+    the warp-specialised dK/dV kernel (variant="ws") beside them."""
     if hopper_gluon._MISSING:
         pytest.skip(f"cannot compile the Gluon sm_90 backward here: {hopper_gluon._MISSING}")
     return compiled_outside_interpreter(COMPILE_BACKWARD, timeout=300)
@@ -437,8 +440,11 @@ def test_backward_compiles_for_sm90a(compiled_backward):
         ptx = kernel["ptx"]
         assert ".target sm_90a" in ptx
         assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
-        assert re.fullmatch(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0", kernel["usage"]), (key, kernel["usage"])
         assert kernel["shared"] <= H100_SHARED_BYTES
+        if key.endswith("dkdv_ws"):
+            _assert_ws_dkdv(head_dim, ptx, kernel["usage"])
+            continue
+        assert re.fullmatch(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0", kernel["usage"]), (key, kernel["usage"])
         if key.endswith("dkdv"):
             block_m, block_n, warps = hopper_gluon.BWD_DKDV_CONFIG[head_dim]
             # S, dP: (queries, keys) from shared memory, untransposed (K^F, V^F read as K-major B)
@@ -461,6 +467,26 @@ def test_backward_compiles_for_sm90a(compiled_backward):
             assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
 
 
+def _assert_ws_dkdv(head_dim, ptx, usage):
+    """The warp-specialised dK/dV kernel: a one-warp load partition at 24 registers and two consumer warpgroups at 240
+    (setmaxnreg); per consumer S and dP (m64 x 64 keys) from shared memory and dV, dK (m64 keys x head_dim) reading P^F
+    and dS transposed; its barriers scoped to one warpgroup (bar.sync id, 128), none across the CTA inside the loop;
+    phi without shuffles. No local memory; Triton 3.6's ptxas keeps one loop-invariant 32-bit value on the stack at
+    head_dim 128 (8 bytes: one spill store before the loop, one reload per step), so a stack of at most 8 bytes."""
+    match = re.fullmatch(r"REG:\d+ STACK:(\d+) SHARED:\d+ LOCAL:0", usage)
+    assert match and int(match[1]) <= 8, usage
+    assert "setmaxnreg.dec.sync.aligned.u32 24;" in ptx.replace("\t", " ").replace("  ", " ")
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
+    scores = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, [^;]*, 0, 0;",
+                        ptx)
+    assert len(scores) == 2 * 2 * head_dim // 16  # two consumers, S and dP
+    grads = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, %rd\d+, %rd\d+, "
+                       r"[^;]*, 1, 1;", ptx)
+    assert len(grads) == 2 * 2 * 64 // 16  # two consumers, dV and dK over 64 queries
+    assert re.search(r"bar\.sync\s+\d+, 128;", ptx)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "shfl.sync.bfly" not in ptx
+
+
 def test_backward_checks_inputs_first(device):
     """Bad saved tensors are refused by name before the hardware check, on any machine; with good ones, a machine that
     cannot run the kernel says why."""
@@ -477,6 +503,8 @@ def test_backward_checks_inputs_first(device):
     with pytest.raises(ValueError, match="head_dim 32"):
         x = torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device)
         hopper_gluon.hopper_attn_qat_backward(x, x, x, x, x, x, x, stats[:, :1], stats[:, :1])
+    with pytest.raises(ValueError, match="variant 'fast' not in"):
+        hopper_gluon.hopper_attn_qat_backward(**good, variant="fast")
     if not ok:
         with pytest.raises(RuntimeError, match=re.escape(why)):
             hopper_gluon.hopper_attn_qat_backward(**good)
@@ -497,8 +525,9 @@ def _backward_case(b, h, lq, lk, d, causal, layout, dtype=torch.bfloat16, sm_sca
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", hopper_gluon.BWD_VARIANTS)
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
-def test_gpu_backward_matches_triton_backward_and_reference(b, h, lq, lk, d, causal, layout, poison):
+def test_gpu_backward_matches_triton_backward_and_reference(b, h, lq, lk, d, causal, layout, variant, poison):
     """The Gluon backward on what the Triton training forward saved: dQ, dK, dV against the Triton backward on the same
     tensors and against the reference, to the Triton backward's own bound against the reference (its GPU tests'),
     in the dtypes and stride orders of q and k; outputs start as NaN (poison), so an unwritten element fails (key
@@ -507,18 +536,19 @@ def test_gpu_backward_matches_triton_backward_and_reference(b, h, lq, lk, d, cau
     if not ok:
         pytest.skip(why)
     q, k, v, do, saved, triton_grads, refs = _backward_case(b, h, lq, lk, d, causal, layout)
-    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal)
+    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal, variant=variant)
     _assert_gradients(grads, triton_grads, refs, (q, k, k))
 
 
 @pytest.mark.gpu
-def test_gpu_backward_fp16_and_sm_scale(poison):
+@pytest.mark.parametrize("variant", hopper_gluon.BWD_VARIANTS)
+def test_gpu_backward_fp16_and_sm_scale(variant, poison):
     """fp16 inputs (phi's packed rounding and the dot in f16) and a non-default sm_scale, against both."""
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)
     q, k, v, do, saved, triton_grads, refs = _backward_case(1, 2, 300, 333, 128, True, "bhld", torch.float16, 0.3)
-    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, sm_scale=0.3, causal=True)
+    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, sm_scale=0.3, causal=True, variant=variant)
     for got, tri, ref in zip(grads, triton_grads, refs):
         assert got.dtype == torch.float16 and torch.isfinite(got).all()
         bound = 2 * rel_err(ref.to(torch.float16), ref) + 2e-3
