@@ -415,7 +415,8 @@ COMPILE_BACKWARD = COMPILE_HEAD + """
 for head_dim, causal in ((64, False), (128, True)):
     for name, compiled in compile_backward(head_dim, causal).items():
         record(f"{head_dim},{name}", compiled)
-    record(f"{head_dim},dkdv_ws", compile_backward(head_dim, causal, variant="ws")["dkdv"])
+    for name, compiled in compile_backward(head_dim, causal, variant="ws").items():
+        record(f"{head_dim},{name}_ws", compiled)
 print(json.dumps(out))
 """
 
@@ -423,7 +424,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def compiled_backward():
     """The backward's two kernels compiled for sm_90a at head_dim 64 (non-causal) and 128 (causal), as `compiled`, and
-    the warp-specialised dK/dV kernel (variant="ws") beside them."""
+    the warp-specialised pair (variant="ws") beside them."""
     if hopper_gluon._MISSING:
         pytest.skip(f"cannot compile the Gluon sm_90 backward here: {hopper_gluon._MISSING}")
     return compiled_outside_interpreter(COMPILE_BACKWARD, timeout=300)
@@ -441,8 +442,8 @@ def test_backward_compiles_for_sm90a(compiled_backward):
         assert ".target sm_90a" in ptx
         assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
         assert kernel["shared"] <= H100_SHARED_BYTES
-        if key.endswith("dkdv_ws"):
-            _assert_ws_dkdv(head_dim, ptx, kernel["usage"])
+        if key.endswith("_ws"):
+            _assert_ws_kernel(key, head_dim, ptx, kernel["usage"])
             continue
         assert re.fullmatch(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0", kernel["usage"]), (key, kernel["usage"])
         if key.endswith("dkdv"):
@@ -467,25 +468,31 @@ def test_backward_compiles_for_sm90a(compiled_backward):
             assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
 
 
-def _assert_ws_dkdv(head_dim, ptx, usage):
-    """The warp-specialised dK/dV kernel: a one-warp load partition at 24 registers and two consumer warpgroups at 240
-    (setmaxnreg); per consumer S and dP (m64 x 64 keys) from shared memory and dV, dK (m64 keys x head_dim) reading P^F
-    and dS transposed; its barriers scoped to one warpgroup (bar.sync id, 128), none across the CTA inside the loop;
-    phi without shuffles. No local memory; Triton 3.6's ptxas keeps one loop-invariant 32-bit value on the stack at
-    head_dim 128 (8 bytes: one spill store before the loop, one reload per step), so a stack of at most 8 bytes."""
+def _assert_ws_kernel(key, head_dim, ptx, usage):
+    """A warp-specialised backward kernel (variant="ws"): a one-warp load partition at 24 registers and two consumer
+    warpgroups at 240 (setmaxnreg), whose barriers are scoped to one warpgroup (bar.sync id, 128); per consumer S and
+    dP (64 queries x 64 keys) from shared memory. dK/dV: dV, dK (64 keys x head_dim) reading P^F and dS transposed
+    from shared memory, phi without shuffles. dQ: dQ += dS K^F with dS from registers, out by a TMA store. No local
+    memory; Triton 3.6's ptxas keeps one loop-invariant 32-bit value of the dK/dV kernel on the stack at head_dim 128
+    (8 bytes: a spill store before the loop, a reload from L1 per step), so a stack of at most 8 bytes."""
     match = re.fullmatch(r"REG:\d+ STACK:(\d+) SHARED:\d+ LOCAL:0", usage)
-    assert match and int(match[1]) <= 8, usage
-    assert "setmaxnreg.dec.sync.aligned.u32 24;" in ptx.replace("\t", " ").replace("  ", " ")
+    assert match and int(match[1]) <= 8, (key, usage)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
+    assert re.search(r"bar\.sync\s+\d+, 128;", ptx)
     scores = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, [^;]*, 0, 0;",
                         ptx)
     assert len(scores) == 2 * 2 * head_dim // 16  # two consumers, S and dP
-    grads = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, %rd\d+, %rd\d+, "
-                       r"[^;]*, 1, 1;", ptx)
-    assert len(grads) == 2 * 2 * 64 // 16  # two consumers, dV and dK over 64 queries
-    assert re.search(r"bar\.sync\s+\d+, 128;", ptx)
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "shfl.sync.bfly" not in ptx
-
+    if key.endswith("dkdv_ws"):
+        grads = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, %rd\d+, "
+                           r"%rd\d+, [^;]*, 1, 1;", ptx)
+        assert len(grads) == 2 * 2 * 64 // 16  # two consumers, dV and dK over 64 queries
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "shfl.sync.bfly" not in ptx
+    else:
+        assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 "
+                         r"\{[^}]*\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}", ptx)  # dS from registers
+        assert "cvt.rn.satfinite.e4m3x2.f32" not in ptx
+        assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
 
 def test_backward_checks_inputs_first(device):
     """Bad saved tensors are refused by name before the hardware check, on any machine; with good ones, a machine that

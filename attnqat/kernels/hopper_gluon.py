@@ -84,6 +84,9 @@ BWD_DQ_CONFIG = {64: (128, 64, 8), 128: (128, 64, 8)}
 # the Q^F, dO ring as deep as shared memory allows beside K^F, V^F and each consumer's P^F, dS tiles: at head_dim 128
 # 2 * 2 * 16 + 2 * 2 * 8 + 3 * (16 + 16) KB, at 64 2 * 2 * 8 + 2 * 2 * 8 + 4 * (8 + 8) KB.
 BWD_WS_CONFIG = {64: (64, 64, 4), 128: (64, 64, 3)}
+# Its dQ kernel, likewise: two consumer warpgroups of BLOCK_M = 64 queries each (their Q^F, dO tiles loaded once),
+# BLOCK_N = 64-key tiles of K^F, V^F through a NUM_STAGES ring: at head_dim 128 2 * (16 + 16) + 4 * (16 + 16) KB.
+BWD_DQ_WS_CONFIG = {64: (64, 64, 4), 128: (64, 64, 4)}
 BWD_VARIANTS = ("default", "ws")
 
 
@@ -749,6 +752,118 @@ if not _MISSING:
             (_dkdv_ws_load, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, off_b, off_h, lo, n_steps, NUM_STAGES)),
         ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
 
+    # The warp-specialised dQ kernel (variant="ws"): a program owns 2 * 64 queries, one consumer warpgroup per 64 of
+    # them (its own Q^F, dO tiles and dQ accumulator; dS stays in registers, so the two share nothing but the ring);
+    # a one-warp load partition streams K^F and V^F in 64-key tiles through a NUM_STAGES ring that both consume.
+
+    @gluon.jit
+    def _dq_ws_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, ready, empty, off_b,
+                    off_h, off_m, n_blocks, CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Load partition: every consumer's Q^F and dO tiles once (one barrier), then K^F_j and V^F_j into ring slot
+        j % NUM_STAGES once both consumers freed it."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        mbarrier.expect(q_ready, CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+        for c in gl.static_range(CONSUMERS):
+            _tma_load(q_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], q_ready, q_bufs.index(c))
+            _tma_load(do_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], q_ready, do_bufs.index(c))
+        for j in range(n_blocks):
+            slot = j % NUM_STAGES
+            mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)  # the first lap passes (fresh barriers)
+            _issue_pair(k_desc, v_desc, k_bufs, v_bufs, ready, slot, off_b, off_h, j * BLOCK_N)
+
+    @gluon.jit
+    def _dq_ws_mma(q_slot, do_slot, k_bufs, v_bufs, q_ready, ready, empty, dq_desc, m_ptr, l_ptr, delta_ptr, bh,
+                   off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, WARPS: gl.constexpr):
+        """One consumer warpgroup: its BLOCK_M queries at off_m against every key tile of the ring, as _attn_bwd_dq's
+        steps (S, dP by wgmma, dS = P (dP - D) in registers, dQ += dS K^F with dS as wgmma's register operand);
+        dQ * sm_scale leaves by TMA through its Q^F tile."""
+        BLOCK_M: gl.constexpr = q_slot.shape[2]
+        HEAD_DIM: gl.constexpr = q_slot.shape[3]
+        BLOCK_N: gl.constexpr = k_bufs.shape[3]
+        dtype: gl.constexpr = q_slot.dtype
+        s_layout: gl.constexpr = _wgmma_layout(WARPS, BLOCK_N)
+        dq_layout: gl.constexpr = _wgmma_layout(WARPS, HEAD_DIM)
+        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        offs_m = off_m + gl.arange(0, BLOCK_M, row_layout)
+        m, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, bh, offs_m, seqlen_q)
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+        mbarrier.wait(q_ready, 0)
+        q = q_slot.reshape([BLOCK_M, HEAD_DIM])
+        do = do_slot.reshape([BLOCK_M, HEAD_DIM])
+        for j in range(n_blocks):
+            slot = j % NUM_STAGES
+            mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
+            k = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            v = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])
+            s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, False)
+            p_tilde, _ = _bwd_p(s, m, inv_l, qk_scale, False, False)
+            dp = warpgroup_mma_wait(0, deps=[dp])
+            ds = gl.convert_layout((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype), ds_layout)
+            dq = warpgroup_mma(ds, k, dq, is_async=True)
+            dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])
+            mbarrier.arrive(empty.index(slot), count=1)
+
+        q.store((dq * sm_scale).to(dtype))  # Q's tile is free: the last wgmma that read it is done
+        fence_async_shared()
+        _tma_store(dq_desc, [off_b, off_h, off_m, 0], q_slot)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, dq_desc, m_ptr, l_ptr, delta_ptr, seqlen_q, seqlen_k,
+                        qk_scale, sm_scale, num_heads, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """The dQ kernel, warp-specialised: one program per CONSUMERS * BLOCK_M queries (BLOCK_M = 64 per consumer
+        warpgroup), stepping over key tiles of BLOCK_N that a load partition streams by TMA. Numerics as
+        _attn_bwd_dq's (64-query rows per wgmma either way: the same dQ)."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        CONSUMERS: gl.constexpr = 2
+        dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(num_warps == 4)  # the default partition is the first consumer warpgroup
+        gl.static_assert(BLOCK_M == 16 * num_warps)
+
+        bh = gl.program_id(1)
+        off_b = bh // num_heads
+        off_h = bh % num_heads
+        off_m = gl.program_id(0) * (CONSUMERS * BLOCK_M)
+        if CAUSAL:  # top-left aligned: key tiles past the program's last row are skipped (the first consumer's
+            # last tile may be masked out whole: both consume every tile of the ring)
+            n_blocks = gl.cdiv(gl.minimum(seqlen_k, off_m + CONSUMERS * BLOCK_M), BLOCK_N)
+        else:
+            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+        q_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + do_desc.block_type.shape, do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)  # a slot is free once every consumer is done with it
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_dq_ws_mma, (q_bufs.index(0), do_bufs.index(0), k_bufs, v_bufs, q_ready, ready, empty, dq_desc, m_ptr,
+                          l_ptr, delta_ptr, bh, off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                          NUM_STAGES, CAUSAL, num_warps)),
+            (_dq_ws_mma, (q_bufs.index(1), do_bufs.index(1), k_bufs, v_bufs, q_ready, ready, empty, dq_desc, m_ptr,
+                          l_ptr, delta_ptr, bh, off_b, off_h, off_m + BLOCK_M, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                          sm_scale, NUM_STAGES, CAUSAL, num_warps)),
+            (_dq_ws_load, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, ready, empty,
+                           off_b, off_h, off_m, n_blocks, CONSUMERS, NUM_STAGES)),
+        ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
+
 def _tile_layout(block: list[int], dtype: torch.dtype):
     """The shared-memory layout of a TMA tile (128-byte swizzle for a 64- or 128-wide bf16/fp16 row)."""
     return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(dtype).removeprefix("torch.")))
@@ -956,11 +1071,18 @@ def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     dq = torch.empty_like(q)
     if not _tma_ok(dq):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
-    _attn_bwd_dq[(triton.cdiv(seqlen_q, block_m), batch * heads)](
-        _descriptor(qf, block_m), _descriptor(do, block_m), _descriptor(kf, block_n), _descriptor(vf, block_n),
-        _descriptor(dq, block_m), m, l, delta, seqlen_q, seqlen_k, scale * LOG2E, scale, heads, CAUSAL=causal,
-        num_warps=warps)
+    if variant == "ws":
+        block_m, block_n, stages = BWD_DQ_WS_CONFIG[head_dim]
+        _attn_bwd_dq_ws[(triton.cdiv(seqlen_q, 2 * block_m), batch * heads)](
+            _descriptor(qf, block_m), _descriptor(do, block_m), _descriptor(kf, block_n), _descriptor(vf, block_n),
+            _descriptor(dq, block_m), m, l, delta, seqlen_q, seqlen_k, scale * LOG2E, scale, heads, NUM_STAGES=stages,
+            CAUSAL=causal, num_warps=4)
+    else:
+        block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
+        _attn_bwd_dq[(triton.cdiv(seqlen_q, block_m), batch * heads)](
+            _descriptor(qf, block_m), _descriptor(do, block_m), _descriptor(kf, block_n), _descriptor(vf, block_n),
+            _descriptor(dq, block_m), m, l, delta, seqlen_q, seqlen_k, scale * LOG2E, scale, heads, CAUSAL=causal,
+            num_warps=warps)
     return dq, dk, dv
 
 
@@ -1010,10 +1132,15 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
     dkdv = compile_for(kernel, 90, types={"q_desc": rows_m, "do_desc": rows_m, **tiles, **stats, **scalars},
                        aligned=(*tiles, *stats, *strides), num_warps=warps, num_stages=1,
                        constexprs={"BLOCK_N": block_n, "CAUSAL": bool(causal), "num_warps": warps, **constexprs})
-    block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
+    if variant == "ws":
+        block_m, block_n, stages = BWD_DQ_WS_CONFIG[head_dim]
+        kernel, warps, constexprs = _attn_bwd_dq_ws, 4, {"NUM_STAGES": stages}
+    else:
+        block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
+        kernel, constexprs = _attn_bwd_dq, {}
     rows_m, rows_n = (_desc_type(rows, head_dim, dtype) for rows in (block_m, block_n))
-    dq = compile_for(_attn_bwd_dq, 90, types={"q_desc": rows_m, "do_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n,
-                                             "dq_desc": rows_m, **stats, **scalars},
+    dq = compile_for(kernel, 90, types={"q_desc": rows_m, "do_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n,
+                                        "dq_desc": rows_m, **stats, **scalars},
                      aligned=tuple(stats), num_warps=warps, num_stages=1,
-                     constexprs={"CAUSAL": bool(causal), "num_warps": warps})
+                     constexprs={"CAUSAL": bool(causal), "num_warps": warps, **constexprs})
     return {"dkdv": dkdv, "dq": dq}
