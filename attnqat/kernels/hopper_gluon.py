@@ -30,8 +30,9 @@ backward runs on them unchanged. The pipeline is the same.
 with the saved integer max, D = rowsum(dO O')) on wgmma and TMA, from the same saved tensors: a dK/dV kernel per key
 block (K^F, V^F rows in tile order, so phi's 16-key blocks lie in one thread as in the forward; P^F and dS through
 shared memory for the two wgmmas that read them transposed) and a dQ kernel per query block (dS from registers), each
-streaming its other operands through a double-buffered TMA ring. A first version: no warp specialisation, every
-wgmma waited for within its step.
+streaming its other operands through a double-buffered TMA ring; no warp specialisation, every wgmma waited for within
+its step. ``variant="ws"`` runs both warp-specialised instead (FlashAttention-3's backward layout: a load warp, two
+independent consumer warpgroups of 64 keys, or of 64 queries, each; in preparation, not yet run on a GPU).
 
 This module is a fast path in preparation: nothing dispatches to it yet. :func:`available` says whether it
 can run here (Triton's Gluon API for Hopper, an sm_90 GPU); :func:`compile_forward` and :func:`compile_backward`
@@ -1036,10 +1037,12 @@ def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             head_dim) contiguous; m, l (batch, heads, seqlen_q) fp32 contiguous.
         sm_scale: the forward's softmax scale; default 1/sqrt(head_dim).
         causal: the forward's top-left aligned causal mask.
-        variant: the dK/dV kernel: ``"default"`` (_attn_bwd_dkdv, 64 keys per program, two warpgroups sharing each
-            step) or ``"ws"`` (_attn_bwd_dkdv_ws, warp-specialised: 128 keys per program, a load warp and two
-            independent consumer warpgroups; BWD_WS_CONFIG). The same numbers up to dK's and dV's fp32 summation
-            order over queries.
+        variant: the kernels: ``"default"`` (_attn_bwd_dkdv and _attn_bwd_dq, 8 warps sharing each step, no warp
+            specialisation; the one that has run on a GPU) or ``"ws"`` (_attn_bwd_dkdv_ws and _attn_bwd_dq_ws,
+            warp-specialised as FlashAttention-3's backward: a load warp streaming 64-row tiles through an mbarrier
+            ring and two consumer warpgroups that share nothing else, so one's softmax/phi arithmetic overlaps the
+            other's wgmmas; BWD_WS_CONFIG, BWD_DQ_WS_CONFIG; opt-in until a GPU run proves it). The same numbers up
+            to dK's and dV's fp32 summation order over queries (64-query steps instead of 128).
     Return:
         (dq, dk, dv): dq in q's dtype and stride order; dk, dv in k's dtype and stride order; new tensors.
     """
