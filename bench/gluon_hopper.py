@@ -14,13 +14,13 @@ Training: ``triton_qat_fwd``, attn_qat's Triton training forward (O, O', m, l; p
 included) and ``gluon_qat_kernel`` its kernel alone; ``cudnn_fwd_bwd``, ``triton_qat_fwd_bwd`` (attn_qat's autograd,
 Triton forward and backward), ``gluon_qat_fwd_bwd`` (the Gluon training forward, then attn_qat's Triton backward
 on what it saves) and ``gluon_pair_fwd_bwd`` (the Gluon training forward, then the Gluon backward
-``hopper_attn_qat_backward``), ``gluon_pair_ws_fwd_bwd`` (the same with its warp-specialised dK/dV kernel,
+``hopper_attn_qat_backward``), ``gluon_pair_ws_fwd_bwd`` (the same with its warp-specialised kernels,
 ``variant="ws"``) and ``triton_fwd_gluon_ws_bwd`` (attn_qat's Triton training forward, then that backward); backward
 alone on one training forward's saved tensors, ``triton_qat_bwd`` (``attn_qat_backward``), ``gluon_qat_bwd`` and
-``gluon_qat_bwd_ws`` (the D pre-pass included; TFLOP/s at 2.5 forwards, the ratio to cuDNN's forward+backward). Then sanity checks: the bf16 Gluon output's relative error to cuDNN's, the Gluon FP4 output's to
-the Triton FP4 one's, the Gluon training forward's O and O' to the Triton training forward's (same numerics:
-bf16 output rounding, ~3e-3), and both Gluon backwards' dQ, dK, dV to the Triton backward's on the same saved
-tensors.
+``gluon_qat_bwd_ws`` (the D pre-pass included; TFLOP/s at 2.5 forwards, the ratio to cuDNN's forward+backward). Then
+sanity checks: the bf16 Gluon output's relative error to cuDNN's, the Gluon FP4 output's to the Triton FP4 one's, the
+Gluon training forward's O and O' to the Triton training forward's (same numerics: bf16 output rounding, ~3e-3), and
+both Gluon backwards' dQ, dK, dV to the Triton backward's on the same saved tensors.
 Nothing is written to docs: the kernels are not dispatched to yet.
 """
 from __future__ import annotations

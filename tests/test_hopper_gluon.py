@@ -365,9 +365,9 @@ def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk,
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [GPU_SHAPES[i] for i in (0, 1, 2, 3)])
 def test_gpu_gluon_forward_then_backward_matches_triton_path(b, h, lq, lk, d, causal, layout, backward, poison):
     """A backward run on what the Gluon training forward saves, the Triton one (attn_qat_backward, unchanged) or the
-    Gluon one (hopper_attn_qat_backward: the Gluon pair; gluon_bwd_ws its warp-specialised dK/dV kernel), gives the all-Triton path's gradients (attn_qat_attention's
-    autograd) and the reference's (SPEC §2's backward on the reference forward's O', m, l), to the bound the Triton
-    path has against the reference."""
+    Gluon one (hopper_attn_qat_backward: the Gluon pair; gluon_bwd_ws with variant="ws", its warp-specialised
+    kernels), gives the all-Triton path's gradients (attn_qat_attention's autograd) and the reference's (SPEC §2's
+    backward on the reference forward's O', m, l), to the bound the Triton path has against the reference."""
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)
@@ -480,12 +480,12 @@ def _assert_ws_kernel(key, head_dim, ptx, usage):
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
     assert re.search(r"bar\.sync\s+\d+, 128;", ptx)
-    scores = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, [^;]*, 0, 0;",
-                        ptx)
+    scores = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, "
+                        r"[^;]*, 0, 0;", ptx)
     assert len(scores) == 2 * 2 * head_dim // 16  # two consumers, S and dP
     if key.endswith("dkdv_ws"):
-        grads = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, %rd\d+, "
-                           r"%rd\d+, [^;]*, 1, 1;", ptx)
+        grads = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
+                           r"%rd\d+, %rd\d+, [^;]*, 1, 1;", ptx)
         assert len(grads) == 2 * 2 * 64 // 16  # two consumers, dV and dK over 64 queries
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "shfl.sync.bfly" not in ptx
     else:

@@ -746,10 +746,12 @@ if not _MISSING:
         gl.warp_specialize([
             (_dkdv_ws_mma, (q_bufs, do_bufs, k_smem.index(0), v_smem.index(0), p_smem.index(0), ds_smem.index(0),
                             ready, empty, m_ptr, l_ptr, delta_ptr, dk_head, dv_head, stride_kl, bh,
-                            key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES, CAUSAL, num_warps)),
+                            key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES, CAUSAL,
+                            num_warps)),
             (_dkdv_ws_mma, (q_bufs, do_bufs, k_smem.index(1), v_smem.index(1), p_smem.index(1), ds_smem.index(1),
                             ready, empty, m_ptr, l_ptr, delta_ptr, dk_head, dv_head, stride_kl, bh,
-                            key_tile + 1, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES, CAUSAL, num_warps)),
+                            key_tile + 1, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES, CAUSAL,
+                            num_warps)),
             (_dkdv_ws_load, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, off_b, off_h, lo, n_steps, NUM_STAGES)),
         ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
 
@@ -759,15 +761,19 @@ if not _MISSING:
 
     @gluon.jit
     def _dq_ws_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, ready, empty, off_b,
-                    off_h, off_m, n_blocks, CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """Load partition: every consumer's Q^F and dO tiles once (one barrier), then K^F_j and V^F_j into ring slot
-        j % NUM_STAGES once both consumers freed it."""
+                    off_h, off_m, n_blocks, seqlen_q, CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Load partition: each consumer's Q^F and dO tiles once (on its q_ready barrier), then K^F_j and V^F_j into
+        ring slot j % NUM_STAGES once both consumers freed it. A consumer whose rows all lie past Lq gets no tiles (no
+        TMA box wholly out of bounds) and does not wait for them: it computes on whatever its tiles hold, into rows
+        that the dQ store clips."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-        mbarrier.expect(q_ready, CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
         for c in gl.static_range(CONSUMERS):
-            _tma_load(q_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], q_ready, q_bufs.index(c))
-            _tma_load(do_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], q_ready, do_bufs.index(c))
+            live = off_m + c * BLOCK_M < seqlen_q
+            bar = q_ready.index(c)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, live)
+            _tma_load(q_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], bar, q_bufs.index(c), pred=live)
+            _tma_load(do_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], bar, do_bufs.index(c), pred=live)
         for j in range(n_blocks):
             slot = j % NUM_STAGES
             mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)  # the first lap passes (fresh barriers)
@@ -793,7 +799,7 @@ if not _MISSING:
         m, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, bh, offs_m, seqlen_q)
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-        mbarrier.wait(q_ready, 0)
+        mbarrier.wait(q_ready, 0, pred=off_m < seqlen_q)  # rows all past Lq: no tiles come (_dq_ws_load)
         q = q_slot.reshape([BLOCK_M, HEAD_DIM])
         do = do_slot.reshape([BLOCK_M, HEAD_DIM])
         for j in range(n_blocks):
@@ -812,10 +818,11 @@ if not _MISSING:
             dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])
             mbarrier.arrive(empty.index(slot), count=1)
 
-        q.store((dq * sm_scale).to(dtype))  # Q's tile is free: the last wgmma that read it is done
-        fence_async_shared()
-        _tma_store(dq_desc, [off_b, off_h, off_m, 0], q_slot)
-        tma.store_wait(0)
+        if off_m < seqlen_q:  # rows all past Lq: nothing to store (and no TMA box wholly out of bounds)
+            q.store((dq * sm_scale).to(dtype))  # Q's tile is free: the last wgmma that read it is done
+            fence_async_shared()
+            _tma_store(dq_desc, [off_b, off_h, off_m, 0], q_slot)
+            tma.store_wait(0)
 
     @gluon.jit
     def _attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, dq_desc, m_ptr, l_ptr, delta_ptr, seqlen_q, seqlen_k,
@@ -845,24 +852,25 @@ if not _MISSING:
         do_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + do_desc.block_type.shape, do_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.init(q_ready.index(c), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=CONSUMERS)  # a slot is free once every consumer is done with it
         fence_async_shared()
 
         gl.warp_specialize([
-            (_dq_ws_mma, (q_bufs.index(0), do_bufs.index(0), k_bufs, v_bufs, q_ready, ready, empty, dq_desc, m_ptr,
-                          l_ptr, delta_ptr, bh, off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                          NUM_STAGES, CAUSAL, num_warps)),
-            (_dq_ws_mma, (q_bufs.index(1), do_bufs.index(1), k_bufs, v_bufs, q_ready, ready, empty, dq_desc, m_ptr,
-                          l_ptr, delta_ptr, bh, off_b, off_h, off_m + BLOCK_M, n_blocks, seqlen_q, seqlen_k, qk_scale,
+            (_dq_ws_mma, (q_bufs.index(0), do_bufs.index(0), k_bufs, v_bufs, q_ready.index(0), ready, empty, dq_desc,
+                          m_ptr, l_ptr, delta_ptr, bh, off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale,
                           sm_scale, NUM_STAGES, CAUSAL, num_warps)),
+            (_dq_ws_mma, (q_bufs.index(1), do_bufs.index(1), k_bufs, v_bufs, q_ready.index(1), ready, empty, dq_desc,
+                          m_ptr, l_ptr, delta_ptr, bh, off_b, off_h, off_m + BLOCK_M, n_blocks, seqlen_q, seqlen_k,
+                          qk_scale, sm_scale, NUM_STAGES, CAUSAL, num_warps)),
             (_dq_ws_load, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, ready, empty,
-                           off_b, off_h, off_m, n_blocks, CONSUMERS, NUM_STAGES)),
+                           off_b, off_h, off_m, n_blocks, seqlen_q, CONSUMERS, NUM_STAGES)),
         ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
 
 def _tile_layout(block: list[int], dtype: torch.dtype):
@@ -1115,7 +1123,8 @@ def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bflo
                                    "FP4": bool(fp4 or training), "TRAINING": bool(training), "num_warps": warps})
 
 
-def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16, variant: str = "default") -> dict:
+def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16,
+                     variant: str = "default") -> dict:
     """Compile the backward's two kernels for sm_90a without a GPU (what :func:`hopper_attn_qat_backward` at
     ``head_dim`` with ``variant`` would build); returns {"dkdv": ..., "dq": ...}, Triton's compiled kernels."""
     if _MISSING:
