@@ -528,6 +528,24 @@ if not _MISSING:
         gl.store(dv_ptr + out_offs, gl.convert_layout(dv.to(dv_ptr.dtype.element_ty), io_layout), mask=key_ok)
 
     @gluon.jit
+    def _dq_step(q, do, k, v, dq, zero, j, offs_m, m, inv_l, delta, seqlen_k, qk_scale, CAUSAL: gl.constexpr):
+        """One key tile j of a dQ kernel (keys in order), both its variants: S = Q^F K^T and dP = dO V^T by wgmma, dS =
+        P (dP - D) with the unquantized P, then dQ += dS K^F with dS from registers (wgmma's A operand, as the
+        forward's P); every wgmma waited for. Returns dQ."""
+        BLOCK_N: gl.constexpr = k.shape[0]
+        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
+        s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s])
+        s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, False)
+        p_tilde, _ = _bwd_p(s, m, inv_l, qk_scale, False, False)
+        dp = warpgroup_mma_wait(0, deps=[dp])
+        ds = gl.convert_layout((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(q.dtype), ds_layout)
+        dq = warpgroup_mma(ds, k, dq, is_async=True)
+        dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])
+        return dq
+
+    @gluon.jit
     def _attn_bwd_dq(q_desc, do_desc, k_desc, v_desc, dq_desc, m_ptr, l_ptr, delta_ptr, seqlen_q, seqlen_k, qk_scale,
                      sm_scale, num_heads, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
         """One query block of BLOCK_M = 16 * num_warps rows per program, looping over key tiles (keys in order):
@@ -540,7 +558,6 @@ if not _MISSING:
         gl.static_assert(BLOCK_M == 16 * num_warps)
         s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_N)
         dq_layout: gl.constexpr = _wgmma_layout(num_warps, HEAD_DIM)
-        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         bh = gl.program_id(1)
@@ -578,15 +595,7 @@ if not _MISSING:
             mbarrier.wait(ready.index(slot), (j // 2) & 1)
             k = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
             v = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-            s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s])
-            s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, False)
-            p_tilde, _ = _bwd_p(s, m, inv_l, qk_scale, False, False)
-            dp = warpgroup_mma_wait(0, deps=[dp])
-            ds = gl.convert_layout((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype), ds_layout)
-            dq = warpgroup_mma(ds, k, dq, is_async=True)
-            dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])
+            dq = _dq_step(q, do, k, v, dq, zero, j, offs_m, m, inv_l, delta, seqlen_k, qk_scale, CAUSAL)
 
         q.store((dq * sm_scale).to(dtype))  # Q's slot is free: the last wgmma that read it is done
         fence_async_shared()
@@ -792,7 +801,6 @@ if not _MISSING:
         dtype: gl.constexpr = q_slot.dtype
         s_layout: gl.constexpr = _wgmma_layout(WARPS, BLOCK_N)
         dq_layout: gl.constexpr = _wgmma_layout(WARPS, HEAD_DIM)
-        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         offs_m = off_m + gl.arange(0, BLOCK_M, row_layout)
@@ -807,15 +815,7 @@ if not _MISSING:
             mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
             k = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
             v = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-            s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s])
-            s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, False)
-            p_tilde, _ = _bwd_p(s, m, inv_l, qk_scale, False, False)
-            dp = warpgroup_mma_wait(0, deps=[dp])
-            ds = gl.convert_layout((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype), ds_layout)
-            dq = warpgroup_mma(ds, k, dq, is_async=True)
-            dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])
+            dq = _dq_step(q, do, k, v, dq, zero, j, offs_m, m, inv_l, delta, seqlen_k, qk_scale, CAUSAL)
             mbarrier.arrive(empty.index(slot), count=1)
 
         if off_m < seqlen_q:  # rows all past Lq: nothing to store (and no TMA box wholly out of bounds)
