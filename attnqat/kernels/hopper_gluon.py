@@ -1022,6 +1022,22 @@ def _check_saved(do, q, k, saved: dict) -> None:
                              f"training forward returns it), got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
 
 
+def _bwd_kernels(variant: str, head_dim: int):
+    """The backward's two kernels for ``variant`` at ``head_dim``, each as (kernel, BLOCK_M, BLOCK_N, num_warps,
+    constexprs beyond CAUSAL, num_warps and dK/dV's BLOCK_N, rows per program along its grid axis: keys for dK/dV,
+    queries for dQ). The warp-specialised kernels launch with their first consumer warpgroup's 4 warps (the workers
+    come on top), and a program owns two consumers' tiles."""
+    if variant == "ws":
+        block_m, block_n, stages = BWD_WS_CONFIG[head_dim]
+        dkdv = (_attn_bwd_dkdv_ws, block_m, block_n, 4, {"NUM_STAGES": stages}, 2 * block_n)
+        block_m, block_n, stages = BWD_DQ_WS_CONFIG[head_dim]
+        return dkdv, (_attn_bwd_dq_ws, block_m, block_n, 4, {"NUM_STAGES": stages}, 2 * block_m)
+    block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
+    dkdv = (_attn_bwd_dkdv, block_m, block_n, warps, {}, block_n)
+    block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
+    return dkdv, (_attn_bwd_dq, block_m, block_n, warps, {}, block_m)
+
+
 def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor,
                              vf: torch.Tensor, o_aux: torch.Tensor, m: torch.Tensor, l: torch.Tensor, *,
                              sm_scale: float | None = None, causal: bool = False, variant: str = "default"):
@@ -1068,32 +1084,18 @@ def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                                                       seqlen_q, HEAD_DIM=head_dim, BLOCK_M=64)
     dk = torch.empty_like(k)  # k's stride order, as the Triton backward's
     dv = torch.empty_like(dk)
-    if variant == "ws":
-        block_m, block_n, stages = BWD_WS_CONFIG[head_dim]
-        _attn_bwd_dkdv_ws[(triton.cdiv(seqlen_k, 2 * block_n), batch * heads)](
-            _descriptor(qf, block_m), _descriptor(do, block_m), kf, vf, m, l, delta, dk, dv, *dk.stride()[:3],
-            seqlen_q, seqlen_k, scale * LOG2E, scale, heads, BLOCK_N=block_n, NUM_STAGES=stages, CAUSAL=causal,
-            num_warps=4)
-    else:
-        block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
-        _attn_bwd_dkdv[(triton.cdiv(seqlen_k, block_n), batch * heads)](
-            _descriptor(qf, block_m), _descriptor(do, block_m), kf, vf, m, l, delta, dk, dv, *dk.stride()[:3],
-            seqlen_q, seqlen_k, scale * LOG2E, scale, heads, BLOCK_N=block_n, CAUSAL=causal, num_warps=warps)
+    (dkdv_kernel, block_m, block_n, warps, extra, keys), (dq_kernel, *dq_tiles) = _bwd_kernels(variant, head_dim)
+    dkdv_kernel[(triton.cdiv(seqlen_k, keys), batch * heads)](
+        _descriptor(qf, block_m), _descriptor(do, block_m), kf, vf, m, l, delta, dk, dv, *dk.stride()[:3], seqlen_q,
+        seqlen_k, scale * LOG2E, scale, heads, BLOCK_N=block_n, CAUSAL=causal, num_warps=warps, **extra)
     dq = torch.empty_like(q)
     if not _tma_ok(dq):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if variant == "ws":
-        block_m, block_n, stages = BWD_DQ_WS_CONFIG[head_dim]
-        _attn_bwd_dq_ws[(triton.cdiv(seqlen_q, 2 * block_m), batch * heads)](
-            _descriptor(qf, block_m), _descriptor(do, block_m), _descriptor(kf, block_n), _descriptor(vf, block_n),
-            _descriptor(dq, block_m), m, l, delta, seqlen_q, seqlen_k, scale * LOG2E, scale, heads, NUM_STAGES=stages,
-            CAUSAL=causal, num_warps=4)
-    else:
-        block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
-        _attn_bwd_dq[(triton.cdiv(seqlen_q, block_m), batch * heads)](
-            _descriptor(qf, block_m), _descriptor(do, block_m), _descriptor(kf, block_n), _descriptor(vf, block_n),
-            _descriptor(dq, block_m), m, l, delta, seqlen_q, seqlen_k, scale * LOG2E, scale, heads, CAUSAL=causal,
-            num_warps=warps)
+    block_m, block_n, warps, extra, queries = dq_tiles
+    dq_kernel[(triton.cdiv(seqlen_q, queries), batch * heads)](
+        _descriptor(qf, block_m), _descriptor(do, block_m), _descriptor(kf, block_n), _descriptor(vf, block_n),
+        _descriptor(dq, block_m), m, l, delta, seqlen_q, seqlen_k, scale * LOG2E, scale, heads, CAUSAL=causal,
+        num_warps=warps, **extra)
     return dq, dk, dv
 
 
@@ -1134,25 +1136,15 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
     tiles = dict.fromkeys(("kf_ptr", "vf_ptr", "dk_ptr", "dv_ptr"), f"*{_SHORT[dtype]}")
     # dK's strides are multiples of 16 at every head_dim here (a launch specialises on that: 16-byte stores)
     strides = ("stride_kb", "stride_kh", "stride_kl")
-    if variant == "ws":
-        block_m, block_n, stages = BWD_WS_CONFIG[head_dim]
-        kernel, warps, constexprs = _attn_bwd_dkdv_ws, 4, {"NUM_STAGES": stages}
-    else:
-        block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
-        kernel, constexprs = _attn_bwd_dkdv, {}
+    (kernel, block_m, block_n, warps, extra, _), (dq_kernel, *dq_tiles) = _bwd_kernels(variant, head_dim)
     rows_m = _desc_type(block_m, head_dim, dtype)
     dkdv = compile_for(kernel, 90, types={"q_desc": rows_m, "do_desc": rows_m, **tiles, **stats, **scalars},
                        aligned=(*tiles, *stats, *strides), num_warps=warps, num_stages=1,
-                       constexprs={"BLOCK_N": block_n, "CAUSAL": bool(causal), "num_warps": warps, **constexprs})
-    if variant == "ws":
-        block_m, block_n, stages = BWD_DQ_WS_CONFIG[head_dim]
-        kernel, warps, constexprs = _attn_bwd_dq_ws, 4, {"NUM_STAGES": stages}
-    else:
-        block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
-        kernel, constexprs = _attn_bwd_dq, {}
+                       constexprs={"BLOCK_N": block_n, "CAUSAL": bool(causal), "num_warps": warps, **extra})
+    block_m, block_n, warps, extra, _ = dq_tiles
     rows_m, rows_n = (_desc_type(rows, head_dim, dtype) for rows in (block_m, block_n))
-    dq = compile_for(kernel, 90, types={"q_desc": rows_m, "do_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n,
-                                        "dq_desc": rows_m, **stats, **scalars},
+    dq = compile_for(dq_kernel, 90, types={"q_desc": rows_m, "do_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n,
+                                           "dq_desc": rows_m, **stats, **scalars},
                      aligned=tuple(stats), num_warps=warps, num_stages=1,
-                     constexprs={"CAUSAL": bool(causal), "num_warps": warps, **constexprs})
+                     constexprs={"CAUSAL": bool(causal), "num_warps": warps, **extra})
     return {"dkdv": dkdv, "dq": dq}
