@@ -118,10 +118,13 @@ def run(shape, causal):
         gluon_train, triton_train = fns["gluon_qat_fwd"](), fns["triton_qat_fwd"]()
         err_o, err_aux = (rel_err(gluon_train[i], triton_train[i]) for i in (0, 1))
         del gluon_train, triton_train
-        triton_grads = bwd["triton_qat_bwd"]()
-        err_grads = [rel_err(g, t) for g, t in zip(bwd["gluon_qat_bwd"](), triton_grads)]
-        err_grads_ws = [rel_err(g, t) for g, t in zip(bwd["gluon_qat_bwd_ws"](), triton_grads)]
-        del triton_grads
+        triton_grads, gluon_grads, ws_grads = (bwd[name]() for name in ("triton_qat_bwd", "gluon_qat_bwd",
+                                                                         "gluon_qat_bwd_ws"))
+        err_grads = [rel_err(g, t) for g, t in zip(gluon_grads, triton_grads)]
+        err_grads_ws = [rel_err(g, t) for g, t in zip(ws_grads, triton_grads)]
+        # the same chunks summed in the same order: bit-identical expected (0 elements differing)
+        ws_differ = [(g != w).sum().item() for g, w in zip(gluon_grads, ws_grads)]
+        del triton_grads, gluon_grads, ws_grads
         times = {name: bench_ms(fn) for name, fn in {**fns, **bwd}.items()}
     times.update({name: bench_ms(fn) for name, fn in fwd_bwd.items()})
     for name, ms in times.items():
@@ -144,7 +147,8 @@ def run(shape, causal):
           f"triton_qat_bwd's time, gluon_pair_fwd_bwd {times['gluon_pair_fwd_bwd'] / times['triton_qat_fwd_bwd']:.2f}x "
           f"triton_qat_fwd_bwd's")
     print(f"{str(shape):>22} gluon_qat_bwd_ws vs triton_qat_bwd relative error dQ {err_grads_ws[0]:.2e}, dK "
-          f"{err_grads_ws[1]:.2e}, dV {err_grads_ws[2]:.2e}; gluon_qat_bwd_ws "
+          f"{err_grads_ws[1]:.2e}, dV {err_grads_ws[2]:.2e}; elements differing from gluon_qat_bwd's dQ, dK, dV "
+          f"{ws_differ}; gluon_qat_bwd_ws "
           f"{times['gluon_qat_bwd_ws'] / times['gluon_qat_bwd']:.2f}x gluon_qat_bwd's time, "
           f"{times['gluon_qat_bwd_ws'] / times['triton_qat_bwd']:.2f}x triton_qat_bwd's; gluon_pair_ws_fwd_bwd "
           f"{times['gluon_pair_ws_fwd_bwd'] / times['cudnn_fwd_bwd']:.2f}x cudnn_fwd_bwd, triton_fwd_gluon_ws_bwd "

@@ -706,7 +706,8 @@ if not _MISSING:
                           num_warps: gl.constexpr):
         """The dK/dV kernel, warp-specialised: one program per CONSUMERS * BLOCK_N keys (BLOCK_N = 64 per consumer
         warpgroup), stepping over query tiles of BLOCK_M = 64 rows that a load partition streams by TMA. Numerics as
-        _attn_bwd_dkdv (P^F and dS element for element; dK, dV summed over 64-query steps instead of 128)."""
+        _attn_bwd_dkdv (P^F and dS element for element; dK, dV accumulate the same 16-query chunks in the same order,
+        in 64-query steps instead of 128)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         CONSUMERS: gl.constexpr = 2
@@ -1065,8 +1066,9 @@ def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             specialisation; the one that has run on a GPU) or ``"ws"`` (_attn_bwd_dkdv_ws and _attn_bwd_dq_ws,
             warp-specialised as FlashAttention-3's backward: a load warp streaming 64-row tiles through an mbarrier
             ring and two consumer warpgroups that share nothing else, so one's softmax/phi arithmetic overlaps the
-            other's wgmmas; BWD_WS_CONFIG, BWD_DQ_WS_CONFIG; opt-in until a GPU run proves it). The same numbers up
-            to dK's and dV's fp32 summation order over queries (64-query steps instead of 128).
+            other's wgmmas; BWD_WS_CONFIG, BWD_DQ_WS_CONFIG; opt-in until a GPU run proves it). The same numbers:
+            P, P^F and dS element for element, and every wgmma chain sums the same 16-row chunks in the same order
+            (64-query steps only split dK's and dV's), so bit-identical results are expected.
     Return:
         (dq, dk, dv): dq in q's dtype and stride order; dk, dv in k's dtype and stride order; new tensors.
     """
