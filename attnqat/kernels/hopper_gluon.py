@@ -627,8 +627,8 @@ if not _MISSING:
                        NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARPS: gl.constexpr):
         """One consumer's n_steps >= 1 steps (dK unscaled, dV). Per step, as _attn_bwd_dkdv's: S and dP by wgmma,
         P~ and P^F = phi(P~) / l in registers, dV += P^F^T dO and dK += dS^T Q^F from shared memory; dV and dK are
-        left running into the next step, whose S and dP queue behind them (the wait for S covers them; then the
-        ring slot they read is released)."""
+        left running into the next step, whose S queues behind them (the wait for S covers them; then the ring
+        slot they read is released)."""
         BLOCK_M: gl.constexpr = q_bufs.shape[3]
         HEAD_DIM: gl.constexpr = q_bufs.shape[4]
         BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -689,8 +689,8 @@ if not _MISSING:
                                     delta_ptr, bh, key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, kv_layout,
                                     NUM_STAGES, CAUSAL, WARPS)
 
-        # dK, dV leave from wgmma's registers (no layout conversion: its scratch would not fit beside the ring), rows
-        # back in key order
+        # dK, dV leave from wgmma's registers (no layout conversion, whose scratch shared memory would come on top of
+        # the ring), rows back in key order
         tile_rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, kv_layout))
         keys = key_tile * BLOCK_N + tile_keys(tile_rows, BLOCK_N)
         cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, kv_layout))
