@@ -473,8 +473,8 @@ def _assert_ws_kernel(key, head_dim, ptx, usage):
     warpgroups at 240 (setmaxnreg), whose barriers are scoped to one warpgroup (bar.sync id, 128); per consumer S and
     dP (64 queries x 64 keys) from shared memory. dK/dV: dV, dK (64 keys x head_dim) reading P^F and dS transposed
     from shared memory, phi without shuffles. dQ: dQ += dS K^F with dS from registers, out by a TMA store. No local
-    memory; Triton 3.6's ptxas keeps one loop-invariant 32-bit value of the dK/dV kernel on the stack at head_dim 128
-    (8 bytes: a spill store before the loop, a reload from L1 per step), so a stack of at most 8 bytes."""
+    memory; Triton 3.6's ptxas keeps one loop-invariant 32-bit value of the causal dK/dV kernel on the stack at
+    head_dim 128 (8 bytes: a spill store before the loop, a reload from L1 per step), so a stack of at most 8 bytes."""
     match = re.fullmatch(r"REG:\d+ STACK:(\d+) SHARED:\d+ LOCAL:0", usage)
     assert match and int(match[1]) <= 8, (key, usage)
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)

@@ -82,9 +82,10 @@ BWD_DQ_CONFIG = {64: (128, 64, 8), 128: (128, 64, 8)}
 # The warp-specialised dK/dV kernel (variant="ws"), (BLOCK_M, BLOCK_N, NUM_STAGES) per head_dim: two consumer
 # warpgroups of BLOCK_N = 64 keys each (a program owns 128 keys), BLOCK_M = 64 queries per step (one m64 wgmma per
 # consumer for S and dP; dK and dV hold 64 keys x head_dim, 2 * 64 fp32 registers per thread at head_dim 128), and
-# the Q^F, dO ring as deep as shared memory allows beside K^F, V^F and each consumer's P^F, dS tiles: at head_dim 128
-# 2 * 2 * 16 + 2 * 2 * 8 + 3 * (16 + 16) KB, at 64 2 * 2 * 8 + 2 * 2 * 8 + 4 * (8 + 8) KB.
-BWD_WS_CONFIG = {64: (64, 64, 4), 128: (64, 64, 3)}
+# a 4-slot Q^F, dO ring (a consumer may run up to 2 steps ahead of the other and the copies still have a step to
+# land) beside K^F, V^F and each consumer's P^F, dS tiles: at head_dim 128 2 * 2 * 16 + 2 * 2 * 8 + 4 * (16 + 16) =
+# 224 KB of H100's 227, at 64 2 * 2 * 8 + 2 * 2 * 8 + 4 * (8 + 8) KB.
+BWD_WS_CONFIG = {64: (64, 64, 4), 128: (64, 64, 4)}
 # Its dQ kernel, likewise: two consumer warpgroups of BLOCK_M = 64 queries each (their Q^F, dO tiles loaded once),
 # BLOCK_N = 64-key tiles of K^F, V^F through a NUM_STAGES ring: at head_dim 128 2 * (16 + 16) + 4 * (16 + 16) KB.
 BWD_DQ_WS_CONFIG = {64: (64, 64, 4), 128: (64, 64, 4)}
