@@ -17,8 +17,8 @@ from conftest import compiled_outside_interpreter, rel_err
 H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
 
 
-# A compile script's head: record(key, compiled) keeps the PTX, the shared memory and ptxas's resource usage; the
-# script prints `out` as its last line.
+# A compile script's head: record(key, compiled) keeps the PTX, the shared memory, ptxas's resource usage and two
+# counts from the SASS (full wgmma waits, HGMMA instructions); the script prints `out` as its last line.
 COMPILE_HEAD = """
 import json, re, subprocess, tempfile
 import triton
@@ -30,8 +30,11 @@ def record(key, compiled):
         f.flush()
         usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True,
+                              text=True).stdout
     out[key] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
-                "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0]}
+                "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0],
+                "full_waits": sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"), "hgmma": sass.count("HGMMA.")}
 """
 COMPILE = COMPILE_HEAD + """
 for head_dim, causal in ((64, False), (128, True)):
@@ -444,6 +447,9 @@ def test_backward_compiles_for_sm90a(compiled_backward):
         assert kernel["shared"] <= H100_SHARED_BYTES
         if key.endswith("_ws"):
             _assert_ws_kernel(key, head_dim, ptx, kernel["usage"])
+            # ptxas did not serialise the wgmmas (its advisory C7515 puts a full wait after every one): per consumer
+            # two full waits, dK/dV's for S (with the last step's dV, dK) and after the loop, dQ's for dP and dQ
+            assert kernel["hgmma"] >= 24 and kernel["full_waits"] <= 4, (key, kernel["hgmma"], kernel["full_waits"])
             continue
         assert re.fullmatch(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0", kernel["usage"]), (key, kernel["usage"])
         if key.endswith("dkdv"):
