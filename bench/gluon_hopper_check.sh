@@ -20,14 +20,14 @@ timeout ${T_TEST:-115} python3 -m pytest -v -rs -p no:cacheprovider --durations=
 timeout ${T_TRAIN:-95} python3 -m pytest -v -rs -p no:cacheprovider --durations=5 -m "gpu or not gpu" \
   -k "$TRAINING" tests/test_hopper_gluon.py 2>&1 | tee "$OUT/pytest_training.log" | tail -25
 NO_WS=""
-timeout ${T_WS:-40} python3 -m pytest -x -v -rs -p no:cacheprovider -m "gpu or not gpu" \
+timeout ${T_WS:-45} python3 -m pytest -x -v -rs -p no:cacheprovider -m "gpu or not gpu" \
   -k "gpu_backward_matches and ws and (97 or 1025-128-True)" tests/test_hopper_gluon.py > "$OUT/pytest_ws_smoke.log" 2>&1
 WS_RC=$?; tail -5 "$OUT/pytest_ws_smoke.log"
 if [ $WS_RC -ne 0 ]; then
   echo "ws smoke test failed (rc $WS_RC; 124: timed out, a hang): the ws variant is left out below"
   BACKWARD="($BACKWARD) and not ws"; NO_WS="--no-ws"
 fi
-timeout ${T_BWD:-135} python3 -m pytest -v -rs -p no:cacheprovider --durations=5 -m "gpu or not gpu" \
+timeout ${T_BWD:-130} python3 -m pytest -v -rs -p no:cacheprovider --durations=5 -m "gpu or not gpu" \
   -k "$BACKWARD" tests/test_hopper_gluon.py 2>&1 | tee "$OUT/pytest_backward.log" | tail -25
 timeout ${T_BENCH:-120} python3 bench/gluon_hopper.py $NO_WS 2>&1 | tee "$OUT/bench.log"
 timeout ${T_CAUSAL:-50} python3 bench/gluon_hopper.py --shapes 1,40,8192,128 2,24,4096,64 --causal $NO_WS 2>&1 \
