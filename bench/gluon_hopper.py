@@ -14,11 +14,13 @@ Training: ``triton_qat_fwd``, attn_qat's Triton training forward (O, O', m, l; p
 included) and ``gluon_qat_kernel`` its kernel alone; ``cudnn_fwd_bwd``, ``triton_qat_fwd_bwd`` (attn_qat's autograd,
 Triton forward and backward), ``gluon_qat_fwd_bwd`` (the Gluon training forward, then attn_qat's Triton backward
 on what it saves) and ``gluon_pair_fwd_bwd`` (the Gluon training forward, then the Gluon backward
-``hopper_attn_qat_backward``); backward alone on one training forward's saved tensors, ``triton_qat_bwd``
-(``attn_qat_backward``) and ``gluon_qat_bwd`` (its D pre-pass included; TFLOP/s at 2.5 forwards, the ratio to cuDNN's
-forward+backward). Then sanity checks: the bf16 Gluon output's relative error to cuDNN's, the Gluon FP4 output's to
-the Triton FP4 one's, the Gluon training forward's O and O' to the Triton training forward's (same numerics:
-bf16 output rounding, ~3e-3), and the Gluon backward's dQ, dK, dV to the Triton backward's on the same saved tensors.
+``hopper_attn_qat_backward``), ``gluon_pair_ws_fwd_bwd`` (the same with its warp-specialised kernels,
+``variant="ws"``) and ``triton_fwd_gluon_ws_bwd`` (attn_qat's Triton training forward, then that backward); backward
+alone on one training forward's saved tensors, ``triton_qat_bwd`` (``attn_qat_backward``), ``gluon_qat_bwd`` and
+``gluon_qat_bwd_ws`` (the D pre-pass included; TFLOP/s at 2.5 forwards, the ratio to cuDNN's forward+backward). Then
+sanity checks: the bf16 Gluon output's relative error to cuDNN's, the Gluon FP4 output's to the Triton FP4 one's, the
+Gluon training forward's O and O' to the Triton training forward's (same numerics: bf16 output rounding, ~3e-3), and
+both Gluon backwards' dQ, dK, dV to the Triton backward's on the same saved tensors.
 Nothing is written to docs: the kernels are not dispatched to yet.
 """
 from __future__ import annotations
@@ -49,8 +51,9 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def training_fns(q, k, v, qf, causal):
-    """The training rows' functions (forward, and forward + backward on leaf copies of q, k, v); qf: phi(q)."""
+def training_fns(q, k, v, qf, causal, ws=True):
+    """The training rows' functions (forward, and forward + backward on leaf copies of q, k, v); qf: phi(q). ws:
+    include the rows of the backward's warp-specialised variant."""
     b, h, length, d = q.shape
     scale = d ** -0.5
     block_n = hopper_gluon.FWD_TRAIN_CONFIG[d][1]
@@ -70,9 +73,14 @@ def training_fns(q, k, v, qf, causal):
         o, o_aux, m, l, (qf_, kf_, vf_) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
         return attn_qat_backward(do, q, k, qf_, kf_, vf_, o_aux, m, l, sm_scale=scale, causal=causal)
 
-    def gluon_pair_fwd_bwd():
+    def gluon_pair_fwd_bwd(variant="default"):
         o, o_aux, m, l, (qf_, kf_, vf_) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
-        return hopper_gluon.hopper_attn_qat_backward(do, q, k, qf_, kf_, vf_, o_aux, m, l, causal=causal)
+        return hopper_gluon.hopper_attn_qat_backward(do, q, k, qf_, kf_, vf_, o_aux, m, l, causal=causal,
+                                                     variant=variant)
+
+    def triton_fwd_gluon_ws_bwd():
+        o, o_aux, m, l, (qf_, kf_, vf_) = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=True)
+        return hopper_gluon.hopper_attn_qat_backward(do, q, k, qf_, kf_, vf_, o_aux, m, l, causal=causal, variant="ws")
 
     # one training forward's saved tensors for the backward-only rows (both backwards read the same)
     _, o_aux, m, l, (qf_s, kf_s, vf_s) = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=True)
@@ -82,13 +90,19 @@ def training_fns(q, k, v, qf, causal):
            "gluon_qat_kernel": lambda: hopper_gluon._launch(qf, kt, vt, length, None, causal, fp4=True, out=out,
                                                             saved=saved)}
     bwd = {"triton_qat_bwd": lambda: attn_qat_backward(*bwd_args, sm_scale=scale, causal=causal),
-           "gluon_qat_bwd": lambda: hopper_gluon.hopper_attn_qat_backward(*bwd_args, causal=causal)}
+           "gluon_qat_bwd": lambda: hopper_gluon.hopper_attn_qat_backward(*bwd_args, causal=causal),
+           "gluon_qat_bwd_ws": lambda: hopper_gluon.hopper_attn_qat_backward(*bwd_args, causal=causal, variant="ws")}
     fwd_bwd = {"cudnn_fwd_bwd": cudnn_fwd_bwd, "triton_qat_fwd_bwd": triton_fwd_bwd, "gluon_qat_fwd_bwd": gluon_fwd_bwd,
-               "gluon_pair_fwd_bwd": gluon_pair_fwd_bwd}
+               "gluon_pair_fwd_bwd": gluon_pair_fwd_bwd, "gluon_pair_ws_fwd_bwd": lambda: gluon_pair_fwd_bwd("ws"),
+               "triton_fwd_gluon_ws_bwd": triton_fwd_gluon_ws_bwd}
+    if not ws:
+        for rows in (bwd, fwd_bwd):
+            for name in [name for name in rows if "_ws" in name]:
+                del rows[name]
     return fwd, bwd, fwd_bwd
 
 
-def run(shape, causal):
+def run(shape, causal, ws=True):
     b, h, length, d = shape
     q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * b * h * length * length * d / (2 if causal else 1)
@@ -101,7 +115,7 @@ def run(shape, causal):
            "triton_fp4": lambda: nvfp4_attention(q, k, v, causal=causal),
            "gluon_fp4": lambda: hopper_gluon.hopper_fp4_attention(q, k, v, causal=causal),
            "gluon_fp4_kernel": lambda: hopper_gluon._launch(qf, kf, vf, length, None, causal, fp4=True)}
-    train, bwd, fwd_bwd = training_fns(q, k, v, qf, causal)  # phi(q) is the same for both kernels' launches
+    train, bwd, fwd_bwd = training_fns(q, k, v, qf, causal, ws)  # phi(q) is the same for both kernels' launches
     fns.update(train)
     with torch.no_grad():
         err = rel_err(fns["gluon_sm90"](), fns["cudnn"]())
@@ -109,7 +123,15 @@ def run(shape, causal):
         gluon_train, triton_train = fns["gluon_qat_fwd"](), fns["triton_qat_fwd"]()
         err_o, err_aux = (rel_err(gluon_train[i], triton_train[i]) for i in (0, 1))
         del gluon_train, triton_train
-        err_grads = [rel_err(g, t) for g, t in zip(bwd["gluon_qat_bwd"](), bwd["triton_qat_bwd"]())]
+        triton_grads, gluon_grads = bwd["triton_qat_bwd"](), bwd["gluon_qat_bwd"]()
+        err_grads = [rel_err(g, t) for g, t in zip(gluon_grads, triton_grads)]
+        if ws:
+            ws_grads = bwd["gluon_qat_bwd_ws"]()
+            err_grads_ws = [rel_err(g, t) for g, t in zip(ws_grads, triton_grads)]
+            # the same chunks summed in the same order: bit-identical expected (0 elements differing)
+            ws_differ = [(g != w).sum().item() for g, w in zip(gluon_grads, ws_grads)]
+            del ws_grads
+        del triton_grads, gluon_grads
         times = {name: bench_ms(fn) for name, fn in {**fns, **bwd}.items()}
     times.update({name: bench_ms(fn) for name, fn in fwd_bwd.items()})
     for name, ms in times.items():
@@ -131,6 +153,15 @@ def run(shape, causal):
           f"dV {err_grads[2]:.2e}; gluon_qat_bwd {times['gluon_qat_bwd'] / times['triton_qat_bwd']:.2f}x "
           f"triton_qat_bwd's time, gluon_pair_fwd_bwd {times['gluon_pair_fwd_bwd'] / times['triton_qat_fwd_bwd']:.2f}x "
           f"triton_qat_fwd_bwd's")
+    if not ws:
+        return
+    print(f"{str(shape):>22} gluon_qat_bwd_ws vs triton_qat_bwd relative error dQ {err_grads_ws[0]:.2e}, dK "
+          f"{err_grads_ws[1]:.2e}, dV {err_grads_ws[2]:.2e}; elements differing from gluon_qat_bwd's dQ, dK, dV "
+          f"{ws_differ}; gluon_qat_bwd_ws "
+          f"{times['gluon_qat_bwd_ws'] / times['gluon_qat_bwd']:.2f}x gluon_qat_bwd's time, "
+          f"{times['gluon_qat_bwd_ws'] / times['triton_qat_bwd']:.2f}x triton_qat_bwd's; gluon_pair_ws_fwd_bwd "
+          f"{times['gluon_pair_ws_fwd_bwd'] / times['cudnn_fwd_bwd']:.2f}x cudnn_fwd_bwd, triton_fwd_gluon_ws_bwd "
+          f"{times['triton_fwd_gluon_ws_bwd'] / times['cudnn_fwd_bwd']:.2f}x")
 
 
 def main(argv=None):
@@ -138,13 +169,14 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="+", default=["1,40,32760,128", "1,40,8192,128"],
                         help="B,H,L,D (self-attention, Lq = Lk = L)")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--no-ws", action="store_true", help="leave out the warp-specialised backward's rows")
     args = parser.parse_args(argv)
     ok, why = hopper_gluon.available()
     if not ok:
         sys.exit(f"gluon_hopper: {why}")
     print(env_line(environment()))
     for shape in args.shapes:
-        run(tuple(int(x) for x in shape.split(",")), args.causal)
+        run(tuple(int(x) for x in shape.split(",")), args.causal, ws=not args.no_ws)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ from conftest import compiled_outside_interpreter, rel_err
 H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
 
 
-# A compile script's head: record(key, compiled) keeps the PTX, the shared memory and ptxas's resource usage; the
-# script prints `out` as its last line.
+# A compile script's head: record(key, compiled) keeps the PTX, the shared memory, ptxas's resource usage and two
+# counts from the SASS (full wgmma waits, HGMMA instructions); the script prints `out` as its last line.
 COMPILE_HEAD = """
 import json, re, subprocess, tempfile
 import triton
@@ -31,8 +31,11 @@ def record(key, compiled):
         f.flush()
         usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True,
+                              text=True).stdout
     out[key] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
-                "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0]}
+                "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0],
+                "full_waits": sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"), "hgmma": sass.count("HGMMA.")}
 """
 COMPILE = COMPILE_HEAD + """
 for head_dim, causal in ((64, False), (128, True)):
@@ -362,13 +365,13 @@ def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backward", ["triton_bwd", "gluon_bwd"])
+@pytest.mark.parametrize("backward", ["triton_bwd", "gluon_bwd", "gluon_bwd_ws"])
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", [GPU_SHAPES[i] for i in (0, 1, 2, 3)])
 def test_gpu_gluon_forward_then_backward_matches_triton_path(b, h, lq, lk, d, causal, layout, backward, poison):
     """A backward run on what the Gluon training forward saves, the Triton one (attn_qat_backward, unchanged) or the
-    Gluon one (hopper_attn_qat_backward: the Gluon pair), gives the all-Triton path's gradients (attn_qat_attention's
-    autograd) and the reference's (SPEC §2's backward on the reference forward's O', m, l), to the bound the Triton
-    path has against the reference."""
+    Gluon one (hopper_attn_qat_backward: the Gluon pair; gluon_bwd_ws with variant="ws", its warp-specialised
+    kernels), gives the all-Triton path's gradients (attn_qat_attention's autograd) and the reference's (SPEC §2's
+    backward on the reference forward's O', m, l), to the bound the Triton path has against the reference."""
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)
@@ -380,7 +383,8 @@ def test_gpu_gluon_forward_then_backward_matches_triton_path(b, h, lq, lk, d, ca
     if backward == "triton_bwd":
         grads = attn_qat_backward(do, q, k, *saved, sm_scale=d ** -0.5, causal=causal)
     else:
-        grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal)
+        variant = "ws" if backward == "gluon_bwd_ws" else "default"
+        grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal, variant=variant)
     r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q.detach(), k.detach(), v.detach(), causal=causal)
     refs = R.attn_qat_backward_ref(q.detach(), k.detach(), v.detach(), r_aux, do, r_m, r_l, causal=causal)
     _assert_gradients(grads, (q.grad, k.grad, v.grad), refs, (q, k, k))
@@ -415,13 +419,16 @@ COMPILE_BACKWARD = COMPILE_HEAD + """
 for head_dim, causal in ((64, False), (128, True)):
     for name, compiled in compile_backward(head_dim, causal).items():
         record(f"{head_dim},{name}", compiled)
+    for name, compiled in compile_backward(head_dim, causal, variant="ws").items():
+        record(f"{head_dim},{name}_ws", compiled)
 print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
 def compiled_backward():
-    """The backward's two kernels compiled for sm_90a at head_dim 64 (non-causal) and 128 (causal), as `compiled`."""
+    """The backward's two kernels compiled for sm_90a at head_dim 64 (non-causal) and 128 (causal), as `compiled`, and
+    the warp-specialised pair (variant="ws") beside them."""
     if hopper_gluon._MISSING:
         pytest.skip(f"cannot compile the Gluon sm_90 backward here: {hopper_gluon._MISSING}")
     return compiled_outside_interpreter(COMPILE_BACKWARD, timeout=300)
@@ -438,8 +445,14 @@ def test_backward_compiles_for_sm90a(compiled_backward):
         ptx = kernel["ptx"]
         assert ".target sm_90a" in ptx
         assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global\.mbarrier::complete_tx::bytes", ptx)
-        assert re.fullmatch(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0", kernel["usage"]), (key, kernel["usage"])
         assert kernel["shared"] <= H100_SHARED_BYTES
+        if key.endswith("_ws"):
+            _assert_ws_kernel(key, head_dim, ptx, kernel["usage"])
+            # ptxas did not serialise the wgmmas (its advisory C7515 puts a full wait after every one): per consumer
+            # two full waits, dK/dV's for S (with the last step's dV, dK) and after the loop, dQ's for dP and dQ
+            assert kernel["hgmma"] >= 24 and kernel["full_waits"] <= 4, (key, kernel["hgmma"], kernel["full_waits"])
+            continue
+        assert re.fullmatch(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0", kernel["usage"]), (key, kernel["usage"])
         if key.endswith("dkdv"):
             block_m, block_n, warps = hopper_gluon.BWD_DKDV_CONFIG[head_dim]
             # S, dP: (queries, keys) from shared memory, untransposed (K^F, V^F read as K-major B)
@@ -462,6 +475,32 @@ def test_backward_compiles_for_sm90a(compiled_backward):
             assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
 
 
+def _assert_ws_kernel(key, head_dim, ptx, usage):
+    """A warp-specialised backward kernel (variant="ws"): a one-warp load partition at 24 registers and two consumer
+    warpgroups at 240 (setmaxnreg), whose barriers are scoped to one warpgroup (bar.sync id, 128); per consumer S and
+    dP (64 queries x 64 keys) from shared memory. dK/dV: dV, dK (64 keys x head_dim) reading P^F and dS transposed
+    from shared memory, phi without shuffles. dQ: dQ += dS K^F with dS from registers, out by a TMA store. No local
+    memory; Triton 3.6's ptxas keeps one loop-invariant 32-bit value of the causal dK/dV kernel on the stack at
+    head_dim 128 (8 bytes: a spill store before the loop, a reload from L1 per step), so a stack of at most 8 bytes."""
+    match = re.fullmatch(r"REG:\d+ STACK:(\d+) SHARED:\d+ LOCAL:0", usage)
+    assert match and int(match[1]) <= 8, (key, usage)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
+    assert re.search(r"bar\.sync\s+\d+, 128;", ptx)
+    scores = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, "
+                        r"[^;]*, 0, 0;", ptx)
+    assert len(scores) == 2 * 2 * head_dim // 16  # two consumers, S and dP
+    if key.endswith("dkdv_ws"):
+        grads = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
+                           r"%rd\d+, %rd\d+, [^;]*, 1, 1;", ptx)
+        assert len(grads) == 2 * 2 * 64 // 16  # two consumers, dV and dK over 64 queries
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "shfl.sync.bfly" not in ptx
+    else:
+        assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 "
+                         r"\{[^}]*\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}", ptx)  # dS from registers
+        assert "cvt.rn.satfinite.e4m3x2.f32" not in ptx
+        assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+
 def test_backward_checks_inputs_first(device):
     """Bad saved tensors are refused by name before the hardware check, on any machine; with good ones, a machine that
     cannot run the kernel says why."""
@@ -478,6 +517,8 @@ def test_backward_checks_inputs_first(device):
     with pytest.raises(ValueError, match="head_dim 32"):
         x = torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device)
         hopper_gluon.hopper_attn_qat_backward(x, x, x, x, x, x, x, stats[:, :1], stats[:, :1])
+    with pytest.raises(ValueError, match="variant 'fast' not in"):
+        hopper_gluon.hopper_attn_qat_backward(**good, variant="fast")
     if not ok:
         with pytest.raises(RuntimeError, match=re.escape(why)):
             hopper_gluon.hopper_attn_qat_backward(**good)
@@ -498,8 +539,9 @@ def _backward_case(b, h, lq, lk, d, causal, layout, dtype=torch.bfloat16, sm_sca
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", hopper_gluon.BWD_VARIANTS)
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
-def test_gpu_backward_matches_triton_backward_and_reference(b, h, lq, lk, d, causal, layout, poison):
+def test_gpu_backward_matches_triton_backward_and_reference(b, h, lq, lk, d, causal, layout, variant, poison):
     """The Gluon backward on what the Triton training forward saved: dQ, dK, dV against the Triton backward on the same
     tensors and against the reference, to the Triton backward's own bound against the reference (its GPU tests'),
     in the dtypes and stride orders of q and k; outputs start as NaN (poison), so an unwritten element fails (key
@@ -508,18 +550,19 @@ def test_gpu_backward_matches_triton_backward_and_reference(b, h, lq, lk, d, cau
     if not ok:
         pytest.skip(why)
     q, k, v, do, saved, triton_grads, refs = _backward_case(b, h, lq, lk, d, causal, layout)
-    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal)
+    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, causal=causal, variant=variant)
     _assert_gradients(grads, triton_grads, refs, (q, k, k))
 
 
 @pytest.mark.gpu
-def test_gpu_backward_fp16_and_sm_scale(poison):
+@pytest.mark.parametrize("variant", hopper_gluon.BWD_VARIANTS)
+def test_gpu_backward_fp16_and_sm_scale(variant, poison):
     """fp16 inputs (phi's packed rounding and the dot in f16) and a non-default sm_scale, against both."""
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)
     q, k, v, do, saved, triton_grads, refs = _backward_case(1, 2, 300, 333, 128, True, "bhld", torch.float16, 0.3)
-    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, sm_scale=0.3, causal=True)
+    grads = hopper_gluon.hopper_attn_qat_backward(do, q, k, *saved, sm_scale=0.3, causal=True, variant=variant)
     for got, tri, ref in zip(grads, triton_grads, refs):
         assert got.dtype == torch.float16 and torch.isfinite(got).all()
         bound = 2 * rel_err(ref.to(torch.float16), ref) + 2e-3

@@ -30,8 +30,9 @@ backward runs on them unchanged. The pipeline is the same.
 with the saved integer max, D = rowsum(dO O')) on wgmma and TMA, from the same saved tensors: a dK/dV kernel per key
 block (K^F, V^F rows in tile order, so phi's 16-key blocks lie in one thread as in the forward; P^F and dS through
 shared memory for the two wgmmas that read them transposed) and a dQ kernel per query block (dS from registers), each
-streaming its other operands through a double-buffered TMA ring. A first version: no warp specialisation, every
-wgmma waited for within its step.
+streaming its other operands through a double-buffered TMA ring; no warp specialisation, every wgmma waited for within
+its step. ``variant="ws"`` runs both warp-specialised instead (FlashAttention-3's backward layout: a load warp, two
+independent consumer warpgroups of 64 keys, or of 64 queries, each; in preparation, not yet run on a GPU).
 
 This module is a fast path in preparation: nothing dispatches to it yet. :func:`available` says whether it
 can run here (Triton's Gluon API for Hopper, an sm_90 GPU); :func:`compile_forward` and :func:`compile_backward`
@@ -83,6 +84,17 @@ FWD_TRAIN_CONFIG = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # and steps over 64-key tiles; Q^F, dO, double-buffered K^F and V^F: 32 + 32 + 2*(16 + 16) KB.
 BWD_DKDV_CONFIG = {64: (128, 64, 8), 128: (128, 64, 8)}
 BWD_DQ_CONFIG = {64: (128, 64, 8), 128: (128, 64, 8)}
+# The warp-specialised dK/dV kernel (variant="ws"), (BLOCK_M, BLOCK_N, NUM_STAGES) per head_dim: two consumer
+# warpgroups of BLOCK_N = 64 keys each (a program owns 128 keys), BLOCK_M = 64 queries per step (one m64 wgmma per
+# consumer for S and dP; dK and dV hold 64 keys x head_dim, 2 * 64 fp32 registers per thread at head_dim 128), and
+# a 4-slot Q^F, dO ring (a consumer may run up to 2 steps ahead of the other and the copies still have a step to
+# land) beside K^F, V^F and each consumer's P^F, dS tiles: at head_dim 128 2 * 2 * 16 + 2 * 2 * 8 + 4 * (16 + 16) =
+# 224 KB of H100's 227, at 64 2 * 2 * 8 + 2 * 2 * 8 + 4 * (8 + 8) KB.
+BWD_WS_CONFIG = {64: (64, 64, 4), 128: (64, 64, 4)}
+# Its dQ kernel, likewise: two consumer warpgroups of BLOCK_M = 64 queries each (their Q^F, dO tiles loaded once),
+# BLOCK_N = 64-key tiles of K^F, V^F through a NUM_STAGES ring: at head_dim 128 2 * (16 + 16) + 4 * (16 + 16) KB.
+BWD_DQ_WS_CONFIG = {64: (64, 64, 4), 128: (64, 64, 4)}
+BWD_VARIANTS = ("default", "ws")
 
 
 def available(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -107,6 +119,9 @@ if not _MISSING:
     # The load partition only issues TMA: one warp, and setmaxnreg hands its registers to the softmax warps.
     LOADER_WARPS = gl.constexpr(1)
     LOADER_REGS = gl.constexpr(24)
+    # The warp-specialised backward's second consumer warpgroup (a worker partition): as many registers as the
+    # default one gets, 240 (setmaxnreg's largest multiple of 8 that leaves the loader its 24 within 64K).
+    WS_CONSUMER_REGS = gl.constexpr(240)
 
     @gluon.constexpr_function
     def _wgmma_layout(num_warps, n):
@@ -519,6 +534,24 @@ if not _MISSING:
         gl.store(dv_ptr + out_offs, gl.convert_layout(dv.to(dv_ptr.dtype.element_ty), io_layout), mask=key_ok)
 
     @gluon.jit
+    def _dq_step(q, do, k, v, dq, zero, j, offs_m, m, inv_l, delta, seqlen_k, qk_scale, CAUSAL: gl.constexpr):
+        """One key tile j of a dQ kernel (keys in order), both its variants: S = Q^F K^T and dP = dO V^T by wgmma, dS =
+        P (dP - D) with the unquantized P, then dQ += dS K^F with dS from registers (wgmma's A operand, as the
+        forward's P); every wgmma waited for. Returns dQ."""
+        BLOCK_N: gl.constexpr = k.shape[0]
+        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
+        s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s])
+        s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, False)
+        p_tilde, _ = _bwd_p(s, m, inv_l, qk_scale, False, False)
+        dp = warpgroup_mma_wait(0, deps=[dp])
+        ds = gl.convert_layout((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(q.dtype), ds_layout)
+        dq = warpgroup_mma(ds, k, dq, is_async=True)
+        dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])
+        return dq
+
+    @gluon.jit
     def _attn_bwd_dq(q_desc, do_desc, k_desc, v_desc, dq_desc, m_ptr, l_ptr, delta_ptr, seqlen_q, seqlen_k, qk_scale,
                      sm_scale, num_heads, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
         """One query block of BLOCK_M = 16 * num_warps rows per program, looping over key tiles (keys in order):
@@ -531,7 +564,6 @@ if not _MISSING:
         gl.static_assert(BLOCK_M == 16 * num_warps)
         s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_N)
         dq_layout: gl.constexpr = _wgmma_layout(num_warps, HEAD_DIM)
-        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         bh = gl.program_id(1)
@@ -569,20 +601,284 @@ if not _MISSING:
             mbarrier.wait(ready.index(slot), (j // 2) & 1)
             k = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
             v = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-            s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s])
-            s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, False)
-            p_tilde, _ = _bwd_p(s, m, inv_l, qk_scale, False, False)
-            dp = warpgroup_mma_wait(0, deps=[dp])
-            ds = gl.convert_layout((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype), ds_layout)
-            dq = warpgroup_mma(ds, k, dq, is_async=True)
-            dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])
+            dq = _dq_step(q, do, k, v, dq, zero, j, offs_m, m, inv_l, delta, seqlen_k, qk_scale, CAUSAL)
 
         q.store((dq * sm_scale).to(dtype))  # Q's slot is free: the last wgmma that read it is done
         fence_async_shared()
         _tma_store(dq_desc, [off_b, off_h, off_m, 0], q_smem.index(0))
         tma.store_wait(0)
+
+    # -----------------------------------------------------------------------------------------------------------
+    # The warp-specialised dK/dV kernel (hopper_attn_qat_backward(variant="ws")), FlashAttention-3's backward layout:
+    # a program owns 2 * 64 keys, one consumer warpgroup per 64 of them, each with its own K^F, V^F tiles, dK and dV
+    # accumulators and P^F, dS tiles, so the two never wait for each other; a one-warp load partition streams Q^F
+    # and dO in 64-query tiles through a NUM_STAGES ring that both consume (a slot is free once both have arrived).
+    # One warpgroup's phi and dS arithmetic then runs while the other's wgmmas hold the tensor cores.
+    # -----------------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _dkdv_ws_load(q_desc, do_desc, q_bufs, do_bufs, ready, empty, off_b, off_h, lo, n_steps,
+                      NUM_STAGES: gl.constexpr):
+        """Load partition: Q^F and dO of query tile i into ring slot i % NUM_STAGES once both consumers freed it."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        for i in range(n_steps):
+            slot = i % NUM_STAGES
+            # A fresh barrier is in phase 0, so waiting on parity 1 passes: the first lap finds every slot free.
+            mbarrier.wait(empty.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
+            _issue_pair(q_desc, do_desc, q_bufs, do_bufs, ready, slot, off_b, off_h, lo + i * BLOCK_M)
+
+    @gluon.jit
+    def _dkdv_ws_steps(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, ready, empty, m_ptr, l_ptr, delta_ptr, bh,
+                       key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, kv_layout: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARPS: gl.constexpr):
+        """One consumer's n_steps >= 1 steps (dK unscaled, dV). Per step, as _attn_bwd_dkdv's: S and dP by wgmma,
+        P~ and P^F = phi(P~) / l in registers, dV += P^F^T dO and dK += dS^T Q^F from shared memory; dV and dK are
+        left running into the next step, whose S queues behind them (the wait for S covers them; then the ring
+        slot they read is released)."""
+        BLOCK_M: gl.constexpr = q_bufs.shape[3]
+        HEAD_DIM: gl.constexpr = q_bufs.shape[4]
+        BLOCK_N: gl.constexpr = k_smem.shape[0]
+        dtype: gl.constexpr = q_bufs.dtype
+        s_layout: gl.constexpr = _wgmma_layout(WARPS, BLOCK_N)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        kt = k_smem.permute((1, 0))
+        vt = v_smem.permute((1, 0))
+        for i in range(n_steps):
+            slot = i % NUM_STAGES
+            offs_m = lo + i * BLOCK_M + gl.arange(0, BLOCK_M, row_layout)
+            m, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, bh, offs_m, seqlen_q)
+            mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
+            q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            s = warpgroup_mma(q, kt, zero, use_acc=False, is_async=True)
+            # groups complete in issue order: S done means the last step's dV and dK are too (P^F, dS, its slot free)
+            s, dv, dk = warpgroup_mma_wait(0, deps=[s, dv, dk])
+            mbarrier.arrive(empty.index((i + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=i > 0)
+            s = _masked(s, key_tile, offs_m, seqlen_k, BLOCK_N, CAUSAL, True)
+            p_tilde, pf = _bwd_p(s, m, inv_l, qk_scale, True, dtype == gl.float16)
+            p_smem.store(pf.to(dtype))
+            fence_async_shared()
+            # dP is issued only now, with dV: during phi its accumulator would be 32 more live registers per thread
+            # (Triton 3.6 spills at head_dim 128), and the other consumer's wgmmas fill the tensor cores meanwhile
+            dp = warpgroup_mma(do, vt, zero, use_acc=False, is_async=True)
+            dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
+            dp = warpgroup_mma_wait(1, deps=[dp])  # dV runs on while dS computes
+            ds_smem.store((p_tilde * inv_l[:, None] * (dp - delta[:, None])).to(dtype))  # dS = P (dP - D)
+            fence_async_shared()
+            dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
+            # dV and dK are the last two groups: waiting until two are pending waits for nothing, it only hands them
+            # to the next step as accumulators in registers (the loop carries one type), still running
+            dv, dk = warpgroup_mma_wait(2, deps=[dv, dk])
+        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+        return dk, dv
+
+    @gluon.jit
+    def _dkdv_ws_mma(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, ready, empty, m_ptr, l_ptr, delta_ptr,
+                     dk_head, dv_head, stride_kl, bh, key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARPS: gl.constexpr):
+        """One consumer warpgroup: the 64 keys of key tile ``key_tile`` (K^F, V^F rows in tile order in k_smem,
+        v_smem) against every query tile of the ring (_dkdv_ws_steps), then dK * sm_scale and dV out (dk_head,
+        dv_head: this (batch, head)'s first row, so that fewer scalars stay live through the loop)."""
+        HEAD_DIM: gl.constexpr = q_bufs.shape[4]
+        BLOCK_N: gl.constexpr = k_smem.shape[0]
+        kv_layout: gl.constexpr = _wgmma_layout(WARPS, HEAD_DIM)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+        # Only a loop that runs: on a path that skips it, the zeros' moves would reach the final wgmma wait, and ptxas
+        # then serialises every wgmma of the kernel (its C7515 advisory).
+        if n_steps > 0:
+            dk, dv = _dkdv_ws_steps(q_bufs, do_bufs, k_smem, v_smem, p_smem, ds_smem, ready, empty, m_ptr, l_ptr,
+                                    delta_ptr, bh, key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, kv_layout,
+                                    NUM_STAGES, CAUSAL, WARPS)
+
+        # dK, dV leave from wgmma's registers (no layout conversion, whose scratch shared memory would come on top of
+        # the ring), rows back in key order
+        tile_rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, kv_layout))
+        keys = key_tile * BLOCK_N + tile_keys(tile_rows, BLOCK_N)
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, kv_layout))
+        out_offs = keys[:, None] * stride_kl + cols[None, :]
+        key_ok = (keys < seqlen_k)[:, None]
+        gl.store(dk_head + out_offs, (dk * sm_scale).to(dk_head.dtype.element_ty), mask=key_ok)
+        gl.store(dv_head + out_offs, dv.to(dv_head.dtype.element_ty), mask=key_ok)
+
+    @gluon.jit
+    def _attn_bwd_dkdv_ws(q_desc, do_desc, kf_ptr, vf_ptr, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, stride_kb,
+                          stride_kh, stride_kl, seqlen_q, seqlen_k, qk_scale, sm_scale, num_heads,
+                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                          num_warps: gl.constexpr):
+        """The dK/dV kernel, warp-specialised: one program per CONSUMERS * BLOCK_N keys (BLOCK_N = 64 per consumer
+        warpgroup), stepping over query tiles of BLOCK_M = 64 rows that a load partition streams by TMA. Numerics as
+        _attn_bwd_dkdv (P^F and dS element for element; dK, dV accumulate the same 16-query chunks in the same order,
+        in 64-query steps instead of 128)."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        CONSUMERS: gl.constexpr = 2
+        dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(num_warps == 4)  # the default partition is the first consumer warpgroup
+        gl.static_assert(BLOCK_M == 16 * num_warps)  # S and dP: one 16-row wgmma slab of queries per warp
+        gl.static_assert(BLOCK_N == 64)  # a consumer's dK, dV: one m64 wgmma tile of keys
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+        bh = gl.program_id(1)
+        off_b = bh // num_heads
+        off_h = bh % num_heads
+        n0 = gl.program_id(0) * (CONSUMERS * BLOCK_N)
+        k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_DIM], tile_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_DIM], tile_layout)
+        # K^F, V^F rows in tile order (tile_keys), one tile per consumer, by 16-byte loads (8 elements per thread
+        # along head_dim)
+        io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [num_warps, 1],
+                                                   [1, 0])
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, io_layout))
+        for c in gl.static_range(CONSUMERS):
+            keys = n0 + c * BLOCK_N + tile_keys(gl.arange(0, BLOCK_N, gl.SliceLayout(1, io_layout)), BLOCK_N)
+            key_ok = (keys < seqlen_k)[:, None]
+            kv_offs = (bh.to(gl.int64) * seqlen_k + keys)[:, None] * HEAD_DIM + cols[None, :]  # contiguous
+            k_smem.index(c).store(gl.load(kf_ptr + kv_offs, mask=key_ok, other=0.0))
+            v_smem.index(c).store(gl.load(vf_ptr + kv_offs, mask=key_ok, other=0.0))
+        p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_N], tile_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_N], tile_layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)  # a slot is free once every consumer is done with it
+        fence_async_shared()  # K, V's stores and the barriers' init, before wgmma and TMA use them
+
+        # causal (top-left): queries before the program's keys never see them (the second consumer's first step,
+        # its queries all before its keys, is masked out whole)
+        lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
+        n_steps = gl.maximum(gl.cdiv(seqlen_q - lo, BLOCK_M), 0)  # 0 when causal and the keys start past Lq
+        key_tile = gl.program_id(0) * CONSUMERS
+        head = off_b.to(gl.int64) * stride_kb + off_h * stride_kh
+        dk_head = dk_ptr + head
+        dv_head = dv_ptr + head
+        gl.warp_specialize([
+            (_dkdv_ws_mma, (q_bufs, do_bufs, k_smem.index(0), v_smem.index(0), p_smem.index(0), ds_smem.index(0),
+                            ready, empty, m_ptr, l_ptr, delta_ptr, dk_head, dv_head, stride_kl, bh,
+                            key_tile, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES, CAUSAL,
+                            num_warps)),
+            (_dkdv_ws_mma, (q_bufs, do_bufs, k_smem.index(1), v_smem.index(1), p_smem.index(1), ds_smem.index(1),
+                            ready, empty, m_ptr, l_ptr, delta_ptr, dk_head, dv_head, stride_kl, bh,
+                            key_tile + 1, lo, n_steps, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES, CAUSAL,
+                            num_warps)),
+            (_dkdv_ws_load, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, off_b, off_h, lo, n_steps, NUM_STAGES)),
+        ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
+
+    # The warp-specialised dQ kernel (variant="ws"): a program owns 2 * 64 queries, one consumer warpgroup per 64 of
+    # them (its own Q^F, dO tiles and dQ accumulator; dS stays in registers, so the two share nothing but the ring);
+    # a one-warp load partition streams K^F and V^F in 64-key tiles through a NUM_STAGES ring that both consume.
+
+    @gluon.jit
+    def _dq_ws_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, ready, empty, off_b,
+                    off_h, off_m, n_blocks, seqlen_q, CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Load partition: each consumer's Q^F and dO tiles once (on its q_ready barrier), then K^F_j and V^F_j into
+        ring slot j % NUM_STAGES once both consumers freed it. A consumer whose rows all lie past Lq gets no tiles (no
+        TMA box wholly out of bounds) and does not wait for them: it computes on whatever its tiles hold, into rows
+        that the dQ store clips."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        for c in gl.static_range(CONSUMERS):
+            live = off_m + c * BLOCK_M < seqlen_q
+            bar = q_ready.index(c)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, live)
+            _tma_load(q_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], bar, q_bufs.index(c), pred=live)
+            _tma_load(do_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], bar, do_bufs.index(c), pred=live)
+        for j in range(n_blocks):
+            slot = j % NUM_STAGES
+            mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)  # the first lap passes (fresh barriers)
+            _issue_pair(k_desc, v_desc, k_bufs, v_bufs, ready, slot, off_b, off_h, j * BLOCK_N)
+
+    @gluon.jit
+    def _dq_ws_mma(q_slot, do_slot, k_bufs, v_bufs, q_ready, ready, empty, dq_desc, m_ptr, l_ptr, delta_ptr, bh,
+                   off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale, sm_scale, NUM_STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, WARPS: gl.constexpr):
+        """One consumer warpgroup: its BLOCK_M queries at off_m against every key tile of the ring, as _attn_bwd_dq's
+        steps (S, dP by wgmma, dS = P (dP - D) in registers, dQ += dS K^F with dS as wgmma's register operand);
+        dQ * sm_scale leaves by TMA through its Q^F tile."""
+        BLOCK_M: gl.constexpr = q_slot.shape[2]
+        HEAD_DIM: gl.constexpr = q_slot.shape[3]
+        BLOCK_N: gl.constexpr = k_bufs.shape[3]
+        dtype: gl.constexpr = q_slot.dtype
+        s_layout: gl.constexpr = _wgmma_layout(WARPS, BLOCK_N)
+        dq_layout: gl.constexpr = _wgmma_layout(WARPS, HEAD_DIM)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        offs_m = off_m + gl.arange(0, BLOCK_M, row_layout)
+        m, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, bh, offs_m, seqlen_q)
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+        mbarrier.wait(q_ready, 0, pred=off_m < seqlen_q)  # rows all past Lq: no tiles come (_dq_ws_load)
+        q = q_slot.reshape([BLOCK_M, HEAD_DIM])
+        do = do_slot.reshape([BLOCK_M, HEAD_DIM])
+        for j in range(n_blocks):
+            slot = j % NUM_STAGES
+            mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
+            k = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            v = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            dq = _dq_step(q, do, k, v, dq, zero, j, offs_m, m, inv_l, delta, seqlen_k, qk_scale, CAUSAL)
+            mbarrier.arrive(empty.index(slot), count=1)
+
+        if off_m < seqlen_q:  # rows all past Lq: nothing to store (and no TMA box wholly out of bounds)
+            q.store((dq * sm_scale).to(dtype))  # Q's tile is free: the last wgmma that read it is done
+            fence_async_shared()
+            _tma_store(dq_desc, [off_b, off_h, off_m, 0], q_slot)
+            tma.store_wait(0)
+
+    @gluon.jit
+    def _attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, dq_desc, m_ptr, l_ptr, delta_ptr, seqlen_q, seqlen_k,
+                        qk_scale, sm_scale, num_heads, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """The dQ kernel, warp-specialised: one program per CONSUMERS * BLOCK_M queries (BLOCK_M = 64 per consumer
+        warpgroup), stepping over key tiles of BLOCK_N that a load partition streams by TMA. Numerics as
+        _attn_bwd_dq's (64-query rows per wgmma either way: the same dQ)."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        CONSUMERS: gl.constexpr = 2
+        dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(num_warps == 4)  # the default partition is the first consumer warpgroup
+        gl.static_assert(BLOCK_M == 16 * num_warps)
+
+        bh = gl.program_id(1)
+        off_b = bh // num_heads
+        off_h = bh % num_heads
+        off_m = gl.program_id(0) * (CONSUMERS * BLOCK_M)
+        if CAUSAL:  # top-left aligned: key tiles past the program's last row are skipped (the first consumer's
+            # last tile may be masked out whole: both consume every tile of the ring)
+            n_blocks = gl.cdiv(gl.minimum(seqlen_k, off_m + CONSUMERS * BLOCK_M), BLOCK_N)
+        else:
+            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+        q_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + do_desc.block_type.shape, do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.init(q_ready.index(c), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)  # a slot is free once every consumer is done with it
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_dq_ws_mma, (q_bufs.index(0), do_bufs.index(0), k_bufs, v_bufs, q_ready.index(0), ready, empty, dq_desc,
+                          m_ptr, l_ptr, delta_ptr, bh, off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                          sm_scale, NUM_STAGES, CAUSAL, num_warps)),
+            (_dq_ws_mma, (q_bufs.index(1), do_bufs.index(1), k_bufs, v_bufs, q_ready.index(1), ready, empty, dq_desc,
+                          m_ptr, l_ptr, delta_ptr, bh, off_b, off_h, off_m + BLOCK_M, n_blocks, seqlen_q, seqlen_k,
+                          qk_scale, sm_scale, NUM_STAGES, CAUSAL, num_warps)),
+            (_dq_ws_load, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, ready, empty,
+                           off_b, off_h, off_m, n_blocks, seqlen_q, CONSUMERS, NUM_STAGES)),
+        ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
 
 def _tile_layout(block: list[int], dtype: torch.dtype):
     """The shared-memory layout of a TMA tile (128-byte swizzle for a 64- or 128-wide bf16/fp16 row)."""
@@ -733,9 +1029,25 @@ def _check_saved(do, q, k, saved: dict) -> None:
                              f"training forward returns it), got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
 
 
+def _bwd_kernels(variant: str, head_dim: int):
+    """The backward's two kernels for ``variant`` at ``head_dim``, each as (kernel, BLOCK_M, BLOCK_N, num_warps,
+    constexprs beyond CAUSAL, num_warps and dK/dV's BLOCK_N, rows per program along its grid axis: keys for dK/dV,
+    queries for dQ). The warp-specialised kernels launch with their first consumer warpgroup's 4 warps (the workers
+    come on top), and a program owns two consumers' tiles."""
+    if variant == "ws":
+        block_m, block_n, stages = BWD_WS_CONFIG[head_dim]
+        dkdv = (_attn_bwd_dkdv_ws, block_m, block_n, 4, {"NUM_STAGES": stages}, 2 * block_n)
+        block_m, block_n, stages = BWD_DQ_WS_CONFIG[head_dim]
+        return dkdv, (_attn_bwd_dq_ws, block_m, block_n, 4, {"NUM_STAGES": stages}, 2 * block_m)
+    block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
+    dkdv = (_attn_bwd_dkdv, block_m, block_n, warps, {}, block_n)
+    block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
+    return dkdv, (_attn_bwd_dq, block_m, block_n, warps, {}, block_m)
+
+
 def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor,
                              vf: torch.Tensor, o_aux: torch.Tensor, m: torch.Tensor, l: torch.Tensor, *,
-                             sm_scale: float | None = None, causal: bool = False):
+                             sm_scale: float | None = None, causal: bool = False, variant: str = "default"):
     """The Attn-QAT backward (SPEC §2) with the Gluon sm_90 kernels: what ``attn_qat.attn_qat_backward`` computes,
     from the same inputs into the same outputs, on wgmma and TMA. With :func:`hopper_attn_qat_forward` it replaces
     the Triton pair.
@@ -756,11 +1068,20 @@ def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             head_dim) contiguous; m, l (batch, heads, seqlen_q) fp32 contiguous.
         sm_scale: the forward's softmax scale; default 1/sqrt(head_dim).
         causal: the forward's top-left aligned causal mask.
+        variant: the kernels: ``"default"`` (_attn_bwd_dkdv and _attn_bwd_dq, 8 warps sharing each step, no warp
+            specialisation; the one that has run on a GPU) or ``"ws"`` (_attn_bwd_dkdv_ws and _attn_bwd_dq_ws,
+            warp-specialised as FlashAttention-3's backward: a load warp streaming 64-row tiles through an mbarrier
+            ring and two consumer warpgroups that share nothing else, so one's softmax/phi arithmetic overlaps the
+            other's wgmmas; BWD_WS_CONFIG, BWD_DQ_WS_CONFIG; opt-in until a GPU run proves it). The same numbers:
+            P, P^F and dS element for element, and every wgmma chain sums the same 16-row chunks in the same order
+            (64-query steps only split dK's and dV's), so bit-identical results are expected.
     Return:
         (dq, dk, dv): dq in q's dtype and stride order; dk, dv in k's dtype and stride order; new tensors.
     """
     check_qkv(q, k, k, name="hopper_attn_qat_backward", sm_scale=sm_scale, causal=causal, head_dims=HEAD_DIMS)
     _check_saved(do, q, k, {"qf": qf, "kf": kf, "vf": vf, "o_aux": o_aux, "m": m, "l": l})
+    if variant not in BWD_VARIANTS:
+        raise ValueError(f"hopper_attn_qat_backward: variant {variant!r} not in {BWD_VARIANTS}")
     _runnable("hopper_attn_qat_backward", q.device)
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -771,18 +1092,18 @@ def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                                                       seqlen_q, HEAD_DIM=head_dim, BLOCK_M=64)
     dk = torch.empty_like(k)  # k's stride order, as the Triton backward's
     dv = torch.empty_like(dk)
-    block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
-    _attn_bwd_dkdv[(triton.cdiv(seqlen_k, block_n), batch * heads)](
+    (dkdv_kernel, block_m, block_n, warps, extra, keys), (dq_kernel, *dq_tiles) = _bwd_kernels(variant, head_dim)
+    dkdv_kernel[(triton.cdiv(seqlen_k, keys), batch * heads)](
         _descriptor(qf, block_m), _descriptor(do, block_m), kf, vf, m, l, delta, dk, dv, *dk.stride()[:3], seqlen_q,
-        seqlen_k, scale * LOG2E, scale, heads, BLOCK_N=block_n, CAUSAL=causal, num_warps=warps)
+        seqlen_k, scale * LOG2E, scale, heads, BLOCK_N=block_n, CAUSAL=causal, num_warps=warps, **extra)
     dq = torch.empty_like(q)
     if not _tma_ok(dq):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
-    _attn_bwd_dq[(triton.cdiv(seqlen_q, block_m), batch * heads)](
+    block_m, block_n, warps, extra, queries = dq_tiles
+    dq_kernel[(triton.cdiv(seqlen_q, queries), batch * heads)](
         _descriptor(qf, block_m), _descriptor(do, block_m), _descriptor(kf, block_n), _descriptor(vf, block_n),
         _descriptor(dq, block_m), m, l, delta, seqlen_q, seqlen_k, scale * LOG2E, scale, heads, CAUSAL=causal,
-        num_warps=warps)
+        num_warps=warps, **extra)
     return dq, dk, dv
 
 
@@ -812,27 +1133,28 @@ def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bflo
                                    "FP4": bool(fp4 or training), "TRAINING": bool(training), "num_warps": warps})
 
 
-def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
+def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16,
+                     variant: str = "default") -> dict:
     """Compile the backward's two kernels for sm_90a without a GPU (what :func:`hopper_attn_qat_backward` at
-    ``head_dim`` would build); returns {"dkdv": ..., "dq": ...}, Triton's compiled kernels."""
+    ``head_dim`` with ``variant`` would build); returns {"dkdv": ..., "dq": ...}, Triton's compiled kernels."""
     if _MISSING:
         raise RuntimeError(f"hopper_gluon: {_MISSING}")
     stats = dict.fromkeys(("m_ptr", "l_ptr", "delta_ptr"), "*fp32")
     scalars = {"qk_scale": "fp32", "sm_scale": "fp32"}
-    block_m, block_n, warps = BWD_DKDV_CONFIG[head_dim]
-    rows_m = _desc_type(block_m, head_dim, dtype)
     tiles = dict.fromkeys(("kf_ptr", "vf_ptr", "dk_ptr", "dv_ptr"), f"*{_SHORT[dtype]}")
     # dK's strides are multiples of 16 at every head_dim here (a launch specialises on that: 16-byte stores)
     strides = ("stride_kb", "stride_kh", "stride_kl")
-    dkdv = compile_for(_attn_bwd_dkdv, 90, types={"q_desc": rows_m, "do_desc": rows_m, **tiles, **stats, **scalars},
+    (kernel, block_m, block_n, warps, extra, _), (dq_kernel, *dq_tiles) = _bwd_kernels(variant, head_dim)
+    rows_m = _desc_type(block_m, head_dim, dtype)
+    dkdv = compile_for(kernel, 90, types={"q_desc": rows_m, "do_desc": rows_m, **tiles, **stats, **scalars},
                        aligned=(*tiles, *stats, *strides), num_warps=warps, num_stages=1,
-                       constexprs={"BLOCK_N": block_n, "CAUSAL": bool(causal), "num_warps": warps})
-    block_m, block_n, warps = BWD_DQ_CONFIG[head_dim]
+                       constexprs={"BLOCK_N": block_n, "CAUSAL": bool(causal), "num_warps": warps, **extra})
+    block_m, block_n, warps, extra, _ = dq_tiles
     rows_m, rows_n = (_desc_type(rows, head_dim, dtype) for rows in (block_m, block_n))
-    dq = compile_for(_attn_bwd_dq, 90, types={"q_desc": rows_m, "do_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n,
-                                             "dq_desc": rows_m, **stats, **scalars},
+    dq = compile_for(dq_kernel, 90, types={"q_desc": rows_m, "do_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n,
+                                           "dq_desc": rows_m, **stats, **scalars},
                      aligned=tuple(stats), num_warps=warps, num_stages=1,
-                     constexprs={"CAUSAL": bool(causal), "num_warps": warps})
+                     constexprs={"CAUSAL": bool(causal), "num_warps": warps, **extra})
     return {"dkdv": dkdv, "dq": dq}
 
 
