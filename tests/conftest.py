@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -88,6 +89,23 @@ def poison(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: _fill(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _fill(empty_like(*a, **kw)))
+
+
+def run_forked(worker, args: tuple, nprocs: int, what: str, timeout: float = 300.0) -> None:
+    """``worker(rank, *args)`` on ``nprocs`` processes forked from this one, or the test fails after ``timeout``
+    seconds naming ``what``. Forked, not spawned: a spawned process imports torch and diffusers again (about 7 s
+    each on a small shared CPU); a forked one starts with them. A worker that uses torch ops sets
+    ``torch.set_num_threads(1)`` first (the parent's OpenMP threads are not forked)."""
+    import torch.multiprocessing as mp
+
+    assert not torch.distributed.is_initialized()  # a child must not inherit a process group
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"{what} did not finish in {timeout:.0f} s")
 
 
 def load_script(path: Path, name: str):

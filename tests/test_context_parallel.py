@@ -1,7 +1,7 @@
 """Context parallelism of patched attention (attnqat/pipelines/context_parallel.py), on CPU.
 
 - Refusals: unit tests on stand-in configs (no process group).
-- Two gloo processes (torch.multiprocessing, world 2): diffusers' templated Ulysses and ring functions with
+- Two gloo processes (forked by torch.multiprocessing, world 2): diffusers' templated Ulysses and ring functions with
   attnqat's op on sequence shards equal the one-process result (Ulysses: forward and backward, bf16 and
   attn_qat; ring: inference, bf16 / nvfp4 / attn_qat, equal up to fp32 rounding thanks to the FP4 modes'
   integer running max) — there the config is set up by hand on a CPU device mesh, as ``enable_parallelism``
@@ -20,9 +20,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from attnqat.pipelines.context_parallel import check_context_parallel, context_parallel_attention
+from conftest import run_forked
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,8 +236,8 @@ def _worker(rank: int, port: int, out_dir: str):
 
 @pytest.fixture(scope="module")
 def distributed_results():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(_free_port(), tmp), nprocs=WORLD, join=True)
+    with tempfile.TemporaryDirectory() as tmp:  # forked: spawned processes imported for most of the fixture's 24 s
+        run_forked(_worker, (_free_port(), tmp), WORLD, "the context-parallel processes")
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     for r in results:
         assert "error" not in r, r.get("error")

@@ -1,9 +1,9 @@
 """``attnqat generate --parallel ulysses|ring`` on two gloo processes (CPU), against independent one-process runs.
 
-The two processes are started with torch.multiprocessing; each sets the variables torchrun sets (RANK, LOCAL_RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and calls the console script's ``main`` with the same arguments, as
-``torchrun --nproc-per-node 2 -m attnqat generate ...`` does (faster than torchrun: the two interpreters start
-once for all cases). Checked, for Ulysses with attn_qat and ring with nvfp4: every rank's final latents equal
+The two processes are forked from this one with torch.multiprocessing; each sets the variables torchrun sets (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and calls the console script's ``main`` with the same arguments,
+as ``torchrun --nproc-per-node 2 -m attnqat generate ...`` does (faster than torchrun: the two processes start
+once for all cases, with this one's imports). Checked, for Ulysses with attn_qat and ring with nvfp4: every rank's final latents equal
 those of a one-process run in this process (which never joins a process group), and rank 0's PNG frames its
 frames; rank 0 alone writes and prints; a refusal of rank 0's output check stops both ranks with one line each.
 The refusals that need no second process run in this one.
@@ -23,10 +23,10 @@ import imageio.v2 as imageio
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from attnqat.cli import main
 from attnqat.pipelines.generate import read_video
+from conftest import run_forked
 
 WORLD = 2
 # 32 tokens (2 latent frames x 4 x 4 patches), split 16 + 16: each rank's keys whole NVFP4 blocks (16), which ring
@@ -106,7 +106,7 @@ def runs(tmp_path_factory):
     (root / "a_folder.mp4").mkdir()  # --out names a folder: refused by rank 0's output check
     plan.append(("refused", _free_port(), [*TINIEST, "--parallel", "ulysses", "--out", str(root / "a_folder.mp4")]))
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(plan, tmp), nprocs=WORLD, join=True)
+        run_forked(_worker, (plan, tmp), WORLD, "the parallel generate processes")
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     for r in ranks:
         assert "error" not in r, r.get("error")

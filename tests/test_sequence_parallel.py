@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from attnqat.train import load_config, train, validate
+from conftest import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -121,18 +120,10 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "final" / "transformer.safetensors"))
 
 
-def _run_processes(world: int, root: Path, timeout: float = 300.0) -> list[dict]:
-    """_worker on ``world`` forked processes. Forked, not spawned: a spawned process imports torch and diffusers
-    again (about 7 s each on a small shared CPU, 60 s for this file); a forked one starts with them."""
-    assert not torch.distributed.is_initialized()  # a child must not inherit a process group
-    context = mp.start_processes(_worker, args=(world, _free_port(), str(root)), nprocs=world, join=False,
-                                 start_method="fork")
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail(f"{world} training processes did not finish in {timeout:.0f} s")
+def _run_processes(world: int, root: Path) -> list[dict]:
+    """_worker on ``world`` forked processes (conftest's run_forked: spawned ones would import torch and diffusers
+    again, 60 s for this file on a small shared CPU)."""
+    run_forked(_worker, (world, _free_port(), str(root)), world, f"{world} training processes")
     results = [torch.load(root / f"world{world}-rank{r}.pt") for r in range(world)]
     for r in results:
         assert "error" not in r, r["error"]
