@@ -91,11 +91,21 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _fill(empty_like(*a, **kw)))
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_forked(worker, args: tuple, nprocs: int, what: str, timeout: float = 300.0) -> None:
     """``worker(rank, *args)`` on ``nprocs`` processes forked from this one, or the test fails after ``timeout``
     seconds naming ``what``. Forked, not spawned: a spawned process imports torch and diffusers again (about 7 s
     each on a small shared CPU); a forked one starts with them. A worker that uses torch ops sets
-    ``torch.set_num_threads(1)`` first (the parent's OpenMP threads are not forked)."""
+    ``torch.set_num_threads(1)`` first (the parent's OpenMP threads are not forked; :func:`as_torchrun_rank`
+    does)."""
     import torch.multiprocessing as mp
 
     assert not torch.distributed.is_initialized()  # a child must not inherit a process group
@@ -106,6 +116,19 @@ def run_forked(worker, args: tuple, nprocs: int, what: str, timeout: float = 300
             for p in context.processes:
                 p.kill()
             pytest.fail(f"{what} did not finish in {timeout:.0f} s")
+
+
+def as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    """Make a forked process rank ``rank`` of ``world`` as torchrun starts them on one host (its variables, the
+    rendezvous at 127.0.0.1:``port``), with one intra-op thread (the parent's OpenMP threads are not forked) and
+    fresh accelerate singletons (the parent's hold an earlier test's 1-process state)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
 
 
 def load_script(path: Path, name: str):

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from types import SimpleNamespace
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from attnqat.pipelines.context_parallel import check_context_parallel, context_parallel_attention
-from conftest import run_forked
+from conftest import free_port, run_forked
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,12 +87,6 @@ def test_causal_refused():
 # --------------------------------------------------------------------------------------------------
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup(rank: int, ring: int, ulysses: int):
@@ -237,7 +230,7 @@ def _worker(rank: int, port: int, out_dir: str):
 @pytest.fixture(scope="module")
 def distributed_results():
     with tempfile.TemporaryDirectory() as tmp:  # forked: spawned processes imported for most of the fixture's 24 s
-        run_forked(_worker, (_free_port(), tmp), WORLD, "the context-parallel processes")
+        run_forked(_worker, (free_port(), tmp), WORLD, "the context-parallel processes")
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     for r in results:
         assert "error" not in r, r.get("error")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -26,7 +25,7 @@ import torch
 
 from attnqat.cli import main
 from attnqat.pipelines.generate import read_video
-from conftest import run_forked
+from conftest import free_port, run_forked
 
 WORLD = 2
 # 32 tokens (2 latent frames x 4 x 4 patches), split 16 + 16: each rank's keys whole NVFP4 blocks (16), which ring
@@ -37,12 +36,6 @@ TINIEST = ["--prompt", "p", "--model", "tiny", "--height", "64", "--width", "64"
 CASES = [("ulysses", "attn_qat"), ("ring", "nvfp4")]
 LATENT_TOLERANCE = 1e-5  # relative to the largest latent: fp32 rounding of per-shard matmuls, and ring's merge
 FRAME_TOLERANCE = 1  # uint8 steps: latents fp32-rounding apart can land on either side of a rounding boundary
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -97,14 +90,14 @@ def _frames(folder: Path) -> np.ndarray:
 def runs(tmp_path_factory):
     """The parallel runs (both ranks' results) and the one-process runs they are compared with."""
     root = tmp_path_factory.mktemp("parallel")
-    plan = [(f"{layout}/{mode}", _free_port(), [*TINIEST, "--parallel", layout, "--mode", mode,
+    plan = [(f"{layout}/{mode}", free_port(), [*TINIEST, "--parallel", layout, "--mode", mode,
                                                   "--out", str(root / layout / "v.mp4"),
                                                   "--frames-dir", str(root / layout / "png")])
             for layout, mode in CASES]
     for folder in {layout for layout, _ in CASES} | {"bf16", "attn_qat", "nvfp4"}:  # each run's output folder
         (root / folder).mkdir()
     (root / "a_folder.mp4").mkdir()  # --out names a folder: refused by rank 0's output check
-    plan.append(("refused", _free_port(), [*TINIEST, "--parallel", "ulysses", "--out", str(root / "a_folder.mp4")]))
+    plan.append(("refused", free_port(), [*TINIEST, "--parallel", "ulysses", "--out", str(root / "a_folder.mp4")]))
     with tempfile.TemporaryDirectory() as tmp:
         run_forked(_worker, (plan, tmp), WORLD, "the parallel generate processes")
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
