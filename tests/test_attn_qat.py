@@ -358,19 +358,22 @@ def test_gpu_backward_phi_from_s_matches_the_former_phi(causal, poison):
         assert rel_err(new[1], old[1]) < 1e-3 and rel_err(new[2], old[2]) < 1e-3, transposed
 
 
+# The eight compiles (~5 s each, one core) in two forked processes: the suite runs on two cores
 COMPILE_BACKWARD = """
-import json, re
+import json, multiprocessing, re
+from concurrent.futures import ProcessPoolExecutor
 from attnqat.kernels.attn_qat import BWD_CONFIG_GPU, compile_backward
-out = {}
-for transposed in (True, False):
-    for d in (64, 128):
-        for fused in (False, True):
-            kern = compile_backward(90, BWD_CONFIG_GPU[transposed][d], HEAD_DIM=d, CAUSAL=True, TRANSPOSED=transposed,
-                                    FUSED_DQ=fused)
-            ptx = kern.asm["ptx"]
-            out[f"{transposed} {d} {fused}"] = {"shared": kern.metadata.shared,
-                                                "reductions": len(re.findall(r"shfl\\.sync\\.bfly", ptx)),
-                                                "packed": len(re.findall(r"cvt\\.rz\\.bf16x2\\.f32", ptx))}
+def compiled(transposed, d, fused):
+    kern = compile_backward(90, BWD_CONFIG_GPU[transposed][d], HEAD_DIM=d, CAUSAL=True, TRANSPOSED=transposed,
+                            FUSED_DQ=fused)
+    ptx = kern.asm["ptx"]
+    return f"{transposed} {d} {fused}", {"shared": kern.metadata.shared,
+                                         "reductions": len(re.findall(r"shfl\\.sync\\.bfly", ptx)),
+                                         "packed": len(re.findall(r"cvt\\.rz\\.bf16x2\\.f32", ptx))}
+cases = [(transposed, d, fused) for transposed in (True, False) for d in (64, 128) for fused in (False, True)]
+with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
+    out = dict(pool.map(compiled, *zip(*cases)))
+assert len(out) == 8
 print(json.dumps(out))
 """
 

@@ -84,6 +84,8 @@ def test_build_mini_refusals_are_one_line_and_create_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     for argv, message in [(["--minutes", "0"], "--minutes must be in (0, 1440], got 0.0"),
                           (["--vae-decoder-dim", "64"], "--vae-decoder-dim needs --vae-train decoder"),
+                          (["--vae-batch", "0"], "--vae-batch must be a number above 0, got 0.0"),
+                          (["--vae-batch", "nan"], "--vae-batch must be a number above 0, got nan"),
                           (["--from", str(tmp_path)], "no attnqat_mini.json there")]:
         assert main(["build-mini", "--out", str(out), *argv]) == 2
         err = capsys.readouterr().err

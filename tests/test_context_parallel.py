@@ -1,7 +1,7 @@
 """Context parallelism of patched attention (attnqat/pipelines/context_parallel.py), on CPU.
 
 - Refusals: unit tests on stand-in configs (no process group).
-- Two gloo processes (torch.multiprocessing, world 2): diffusers' templated Ulysses and ring functions with
+- Two gloo processes (forked by torch.multiprocessing, world 2): diffusers' templated Ulysses and ring functions with
   attnqat's op on sequence shards equal the one-process result (Ulysses: forward and backward, bf16 and
   attn_qat; ring: inference, bf16 / nvfp4 / attn_qat, equal up to fp32 rounding thanks to the FP4 modes'
   integer running max) — there the config is set up by hand on a CPU device mesh, as ``enable_parallelism``
@@ -13,16 +13,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from attnqat.pipelines.context_parallel import check_context_parallel, context_parallel_attention
+from conftest import free_port, run_forked
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,12 +87,6 @@ def test_causal_refused():
 # --------------------------------------------------------------------------------------------------
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup(rank: int, ring: int, ulysses: int):
@@ -236,8 +229,8 @@ def _worker(rank: int, port: int, out_dir: str):
 
 @pytest.fixture(scope="module")
 def distributed_results():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(_free_port(), tmp), nprocs=WORLD, join=True)
+    with tempfile.TemporaryDirectory() as tmp:  # forked: spawned processes imported for most of the fixture's 24 s
+        run_forked(_worker, (free_port(), tmp), WORLD, "the context-parallel processes")
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     for r in results:
         assert "error" not in r, r.get("error")

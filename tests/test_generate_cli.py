@@ -30,9 +30,13 @@ def _read_mp4(path):
 
 
 def test_generate_tiny_writes_mp4_with_requested_frames_and_size(tmp_path):
+    """In its own process, all it writes to stdout and stderr read back; forked from this one (a fresh interpreter
+    would spend most of the test importing: the console entry point runs in a fresh one below)."""
+    from conftest import forked_process
+
     out = tmp_path / "corgi.mp4"
-    r = _cli("generate", "--prompt", "a corgi surfing a wave", *SMALL, "--out", str(out),
-             "--frames-dir", str(tmp_path / "png"))
+    r = forked_process(lambda: main(["generate", "--prompt", "a corgi surfing a wave", *SMALL, "--out", str(out),
+                                     "--frames-dir", str(tmp_path / "png")]))
     assert r.returncode == 0, r.stderr
     assert "RANDOM weights" in r.stderr
     for key in ("total time", "per step", "attention", "peak memory", "wrote"):

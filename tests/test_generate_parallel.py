@@ -1,9 +1,9 @@
 """``attnqat generate --parallel ulysses|ring`` on two gloo processes (CPU), against independent one-process runs.
 
-The two processes are started with torch.multiprocessing; each sets the variables torchrun sets (RANK, LOCAL_RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and calls the console script's ``main`` with the same arguments, as
-``torchrun --nproc-per-node 2 -m attnqat generate ...`` does (faster than torchrun: the two interpreters start
-once for all cases). Checked, for Ulysses with attn_qat and ring with nvfp4: every rank's final latents equal
+The two processes are forked from this one with torch.multiprocessing; each sets the variables torchrun sets (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and calls the console script's ``main`` with the same arguments,
+as ``torchrun --nproc-per-node 2 -m attnqat generate ...`` does (faster than torchrun: the two processes start
+once for all cases, with this one's imports). Checked, for Ulysses with attn_qat and ring with nvfp4: every rank's final latents equal
 those of a one-process run in this process (which never joins a process group), and rank 0's PNG frames its
 frames; rank 0 alone writes and prints; a refusal of rank 0's output check stops both ranks with one line each.
 The refusals that need no second process run in this one.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -23,10 +22,10 @@ import imageio.v2 as imageio
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from attnqat.cli import main
 from attnqat.pipelines.generate import read_video
+from conftest import free_port, run_forked
 
 WORLD = 2
 # 32 tokens (2 latent frames x 4 x 4 patches), split 16 + 16: each rank's keys whole NVFP4 blocks (16), which ring
@@ -37,12 +36,6 @@ TINIEST = ["--prompt", "p", "--model", "tiny", "--height", "64", "--width", "64"
 CASES = [("ulysses", "attn_qat"), ("ring", "nvfp4")]
 LATENT_TOLERANCE = 1e-5  # relative to the largest latent: fp32 rounding of per-shard matmuls, and ring's merge
 FRAME_TOLERANCE = 1  # uint8 steps: latents fp32-rounding apart can land on either side of a rounding boundary
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -97,16 +90,16 @@ def _frames(folder: Path) -> np.ndarray:
 def runs(tmp_path_factory):
     """The parallel runs (both ranks' results) and the one-process runs they are compared with."""
     root = tmp_path_factory.mktemp("parallel")
-    plan = [(f"{layout}/{mode}", _free_port(), [*TINIEST, "--parallel", layout, "--mode", mode,
+    plan = [(f"{layout}/{mode}", free_port(), [*TINIEST, "--parallel", layout, "--mode", mode,
                                                   "--out", str(root / layout / "v.mp4"),
                                                   "--frames-dir", str(root / layout / "png")])
             for layout, mode in CASES]
     for folder in {layout for layout, _ in CASES} | {"bf16", "attn_qat", "nvfp4"}:  # each run's output folder
         (root / folder).mkdir()
     (root / "a_folder.mp4").mkdir()  # --out names a folder: refused by rank 0's output check
-    plan.append(("refused", _free_port(), [*TINIEST, "--parallel", "ulysses", "--out", str(root / "a_folder.mp4")]))
+    plan.append(("refused", free_port(), [*TINIEST, "--parallel", "ulysses", "--out", str(root / "a_folder.mp4")]))
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(plan, tmp), nprocs=WORLD, join=True)
+        run_forked(_worker, (plan, tmp), WORLD, "the parallel generate processes")
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     for r in ranks:
         assert "error" not in r, r.get("error")

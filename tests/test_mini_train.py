@@ -435,6 +435,7 @@ def test_vae_trains_on_every_size_in_turn_with_a_pixel_budget(monkeypatch):
     assert {h for _, h, _ in VAE_SIZES} == {128, 256} and max(f for f, _, _ in VAE_SIZES) > 49
     assert {(f, h) for f, h, _ in VAE_SIZES} == {(1, 128), (1, 256), (57, 128), (57, 256)}
     assert vae_batch((17, 128, 128), 8) == 8 and vae_batch((33, 256, 256), 16) == 2 and vae_batch((57, 256, 256), 1) == 1
+    assert vae_batch((5, 32, 32), 1) == 54 and vae_batch((5, 32, 32), 0.02) == 1  # a fraction: small steps (tests)
     seen, drawn, render, spec = [], [], Corpus.render, Corpus.spec
 
     def spy_render(specs, **kw):

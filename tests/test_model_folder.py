@@ -9,7 +9,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -154,9 +153,11 @@ def test_pickled_weights_are_refused_in_one_line_and_never_unpickled(folder, tmp
 
 
 def _run_cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    """``attnqat ...`` from this checkout in its own process: a FIFO that is read blocks it, not the test."""
-    return subprocess.run([sys.executable, "-m", "attnqat.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    """``attnqat ...`` in its own process (forked from this one: a new interpreter would spend most of the test
+    importing): a FIFO that is read blocks it, not the test."""
+    from conftest import forked_process
+
+    return forked_process(lambda: main(list(args)), timeout=timeout)
 
 
 def test_a_fifo_as_qat_checkpoint_is_refused_at_once(tmp_path):

@@ -82,13 +82,19 @@ def _hold(target: Path) -> subprocess.Popen:
 
 
 def test_a_second_writer_is_refused_naming_the_first(tmp_path, monkeypatch, capsys):
-    """A real second process (`attnqat train` on the folder another process holds) exits 75 with one line
-    naming the holder's pid and command, before anything is written; precompute and export-qat likewise."""
+    """A real second process (`attnqat train` on the folder another process holds; forked from this one, a new
+    interpreter would spend most of the test importing) exits 75 with one line naming the holder's pid and
+    command, before anything is written; precompute and export-qat likewise."""
+    from conftest import forked_process
+
+    def train_in_the_held_folder():
+        os.environ.pop("ATTNQAT_TRACEBACK", None)
+        return cli_main(["train", *TINY, "--output-dir", str(run_dir)])
+
     run_dir, data, qat = tmp_path / "run", tmp_path / "data", tmp_path / "qat.safetensors"
     holders = [_hold(run_dir), _hold(data), _hold(qat)]
     try:
-        r = subprocess.run([sys.executable, "-m", "attnqat.cli", "train", *TINY, "--output-dir", str(run_dir)],
-                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        r = forked_process(train_in_the_held_folder)
         assert r.returncode == 75, r.stderr
         line = _one_line(r.stderr)
         assert line.startswith("attnqat train: busy:") and f"pid {holders[0].pid}" in line and "attnqat train" in line
@@ -132,38 +138,21 @@ def test_a_killed_holders_lock_is_taken_over(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- a full disk
-FULL_DISK_AFTER = """
-import sys
-from pathlib import Path
-
-import safetensors.torch
-from safetensors import SafetensorError
-
-from attnqat.cli import main
-
-real, calls = safetensors.torch.save_file, [0]
-
-
-def save_file(tensors, filename, metadata=None):
-    calls[0] += 1
-    if calls[0] > int(sys.argv[1]):
-        Path(filename).write_bytes(bytes(100))
-        raise SafetensorError(%r)
-    return real(tensors, filename, metadata=metadata)
-
-
-safetensors.torch.save_file = save_file
-sys.exit(main(sys.argv[2:]))
-""" % ENOSPC_TEXT
-
-
 def test_train_on_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
-    """A real process whose safetensors writes fail as on a full disk from the 6th file on (step 1's
-    checkpoint has 4 files; step 2's second fails): one line, exit 1, step 1's checkpoint whole, no .tmp."""
+    """A real process (forked from this one: a new interpreter would spend most of the test importing) whose
+    safetensors writes fail as on a full disk from the 6th file on (step 1's checkpoint has 4 files; step 2's
+    second fails): one line, exit 1, step 1's checkpoint whole, no .tmp."""
+    from conftest import forked_process
+
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-c", FULL_DISK_AFTER, "5", "train", *TINY, "--set", "train.max_steps=3",
-                        "--set", "checkpoint.every=1", "--output-dir", str(out)],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+    def train_on_a_full_disk():
+        os.environ.pop("ATTNQAT_TRACEBACK", None)
+        _full_disk_after(pytest.MonkeyPatch(), 5)  # in the forked process only
+        return cli_main(["train", *TINY, "--set", "train.max_steps=3", "--set", "checkpoint.every=1",
+                         "--output-dir", str(out)])
+
+    r = forked_process(train_on_a_full_disk)
     assert r.returncode == 1, r.stderr[-3000:]
     # one line of ours; diffusers warns once when the teacher is cast (not a failure)
     line = _one_line("\n".join(x for x in r.stderr.splitlines() if not x.startswith("There are modules in Wan")))
@@ -333,24 +322,32 @@ def test_an_output_in_a_folder_that_does_not_exist_is_refused_by_every_command(t
 
 # -------------------------------------------------------------------------------------------------- YAML
 def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
-    """9 levels of 10 aliases (1.1 KB; 10**9 leaves once expanded). Run in a child process with a memory cap,
-    so that a loader that expands it fails this test instead of the machine."""
+    """9 levels of 10 aliases (1.1 KB; 10**9 leaves once expanded). Run in a child process with a memory cap (a
+    GiB above what it holds when forked), so that a loader that expands it fails this test instead of the
+    machine."""
+    from attnqat.train.config import load_config
+    from conftest import forked_process
+
     lines = ["level_0: &level_0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
     lines += [f"level_{i}: &level_{i} [" + ", ".join([f"*level_{i - 1}"] * 10) + "]" for i in range(1, 10)]
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text("\n".join(lines) + "\n")
     assert bomb.stat().st_size < 2048
     flow = "{" + ", ".join(lines) + "}"  # the same as one --set value
-    child = ("import resource, sys, time; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
-             "from attnqat.train.config import load_config\n"
-             "for args in ((sys.argv[1], []), (sys.argv[2], ['train.lr=' + sys.argv[3]])):\n"
-             "    t = time.perf_counter()\n"
-             "    try:\n"
-             "        load_config(*args)\n"
-             "    except ValueError as e:\n"
-             "        print(f'{time.perf_counter() - t:.3f}', str(e).splitlines()[0][:300], flush=True)\n")
-    r = subprocess.run([sys.executable, "-c", child, str(bomb), str(ROOT / "configs" / "tiny.yaml"), flow], cwd=ROOT,
-                       env=ENV, capture_output=True, text=True, timeout=120)
+
+    def child():
+        import resource
+
+        held = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (held + (1 << 30), held + (1 << 30)))
+        for args in ((bomb, []), (ROOT / "configs" / "tiny.yaml", ["train.lr=" + flow])):
+            t = time.perf_counter()
+            try:
+                load_config(*args)
+            except ValueError as e:
+                print(f"{time.perf_counter() - t:.3f}", str(e).splitlines()[0][:300], flush=True)
+
+    r = forked_process(child, timeout=120)
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and len(lines) == 2, (r.stdout, r.stderr[-2000:])
     for line in lines:
@@ -385,8 +382,14 @@ def test_ctrl_c_while_importing_is_one_line_and_130(tmp_path, command, delays):
                 "precompute": ["precompute", "--prompts", str(tmp_path / "p.txt"), "--model", "tiny", "--out",
                                str(tmp_path / f"data{i}"), "--device", "cpu"]}[command]
 
-    runs = [subprocess.Popen([sys.executable, "-m", "attnqat.cli", *argv(i)], cwd=ROOT, env=ENV,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(len(delays))]
+    # as a terminal starts a command: SIGINT at its default. A suite started in the background (`nohup ... &`)
+    # ignores SIGINT, and a command inherits that (it then ran to the end, exit 0); a handler is not inherited
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        runs = [subprocess.Popen([sys.executable, "-m", "attnqat.cli", *argv(i)], cwd=ROOT, env=ENV,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(len(delays))]
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     try:
         start = time.perf_counter()
         for p, delay in zip(runs, delays):

@@ -304,25 +304,59 @@ def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
     assert "| diffusers | " in text and "| bf16 | " in text and "(aot_eager)" in text
 
 
-def test_multigpu_benchmark_code_path_on_two_cpu_processes(tmp_path):
-    """bench/multigpu.py under torchrun (2 gloo processes, tiny model): the 1-process and 2-process steps run in
-    one job, only rank 0 writes, and the 2-process output equals the 1-process one (ring: each rank's 16 tokens
-    are whole NVFP4 blocks, so the FP4 result is the one-pass result up to fp32 rounding)."""
+def _bench_rank(rank: int, main, port: int, argv: list, out_dir: str):
+    """Rank ``rank`` of 2 running a bench script's ``main(argv)`` as torchrun starts it, in a process forked from
+    this one (the script loaded before the fork); its exit status and output go to OUT_DIR/rank<rank>.json."""
+    import contextlib
+    import io
     import json
-    import os
-    import subprocess
+    import traceback
+    from pathlib import Path
+
+    from conftest import as_torchrun_rank
+
+    as_torchrun_rank(rank, 2, port)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            status = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"status": status, "stdout": out.getvalue(),
+                                                             "stderr": err.getvalue()}))
+
+
+def _bench_on_two_ranks(name: str, argv: list, tmp_path) -> list[dict]:
+    """bench/NAME.py on two gloo processes, forked rather than started by torchrun (whose processes would import
+    torch and diffusers again, most of such a test's time); each rank's status, stdout and stderr."""
+    import json
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    from conftest import free_port, load_script, run_forked
+
+    path = list(sys.path)
+    try:
+        bench = load_script(Path(__file__).resolve().parents[1] / "bench" / f"{name}.py", f"bench_{name}")
+    finally:  # the script puts bench/ first on sys.path, where its kernels.py would pass for the kernels package
+        sys.path[:] = path
+    run_forked(_bench_rank, (bench.main, free_port(), argv, str(tmp_path)), 2, f"bench/{name}.py's 2 processes")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["status"] == 0, (r["status"], r["stderr"][-3000:])
+    return ranks
+
+
+def test_multigpu_benchmark_code_path_on_two_cpu_processes(tmp_path):
+    """bench/multigpu.py as under torchrun (2 gloo processes, tiny model): the 1-process and 2-process steps run in
+    one job, only rank 0 writes, and the 2-process output equals the 1-process one (ring: each rank's 16 tokens
+    are whole NVFP4 blocks, so the FP4 result is the one-pass result up to fp32 rounding)."""
+    import json
+
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",  # a free port
-           str(root / "bench" / "multigpu.py"), "--tiny", "--parallel", "ring", "--modes", "bf16,nvfp4",
-           "--warmup", "0", "--repeats", "1", "--docs", str(docs), "--json", str(tmp_path / "mg.json")]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    _bench_on_two_ranks("multigpu", ["--tiny", "--parallel", "ring", "--modes", "bf16,nvfp4", "--warmup", "0",
+                                     "--repeats", "1", "--docs", str(docs), "--json", str(tmp_path / "mg.json")], tmp_path)
     rows = json.loads((tmp_path / "mg.json").read_text())["results"]
     assert [r["mode"] for r in rows] == ["bf16", "nvfp4"]
     for r in rows:
@@ -331,20 +365,12 @@ def test_multigpu_benchmark_code_path_on_two_cpu_processes(tmp_path):
     assert "keep me" in text and text.count("## Multi-GPU: Wan 2.1 14B step") == 1 and "| tiny | 32 | nvfp4 |" in text
 
 
-def test_fsdp_sequence_parallel_training_step_benchmark_on_two_cpu_processes():
-    """bench/train_step_sp.py under torchrun (2 gloo processes, tiny model): the FSDP1 + Ulysses training step runs
-    for both student modes, with finite losses, and rank 0 prints the table."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(root / "bench" / "train_step_sp.py"), "--tiny", "--steps", "1", "--warmup", "1"]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "| `bf16` |" in run.stdout and "| `attn_qat` |" in run.stdout and run.stdout.count("| `bf16` |") == 1
+def test_fsdp_sequence_parallel_training_step_benchmark_on_two_cpu_processes(tmp_path):
+    """bench/train_step_sp.py as under torchrun (2 gloo processes, tiny model): the FSDP1 + Ulysses training step
+    runs for both student modes, with finite losses, and rank 0 alone prints the table."""
+    ranks = _bench_on_two_ranks("train_step_sp", ["--tiny", "--steps", "1", "--warmup", "1"], tmp_path)
+    assert "| `bf16` |" in ranks[0]["stdout"] and "| `attn_qat` |" in ranks[0]["stdout"]
+    assert ranks[0]["stdout"].count("| `bf16` |") == 1 and "| `bf16` |" not in ranks[1]["stdout"]
 
 
 @pytest.mark.gpu

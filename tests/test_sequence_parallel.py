@@ -11,16 +11,14 @@ a CPU run MULTI_CPU (DDP) whatever the FSDP settings say (docs/multigpu.md).
 from __future__ import annotations
 
 import os
-import socket
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from attnqat.train import load_config, train, validate
+from conftest import as_torchrun_rank, free_port, run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -39,23 +37,11 @@ def reference_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the FP4 reference path (see tests/test_train.py)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, root: str):
     """The runs of RUNS[world], one after another on one gloo process group (accelerate's MULTI_CPU)."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
 
-    # a forked process starts with the parent's accelerate singletons (an earlier test's 1-process state)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     # train() ends by destroying the process group; keep it for the next run of this worker
     Accelerator.end_training = lambda self: None
     losses = {}
@@ -121,18 +107,10 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "final" / "transformer.safetensors"))
 
 
-def _run_processes(world: int, root: Path, timeout: float = 300.0) -> list[dict]:
-    """_worker on ``world`` forked processes. Forked, not spawned: a spawned process imports torch and diffusers
-    again (about 7 s each on a small shared CPU, 60 s for this file); a forked one starts with them."""
-    assert not torch.distributed.is_initialized()  # a child must not inherit a process group
-    context = mp.start_processes(_worker, args=(world, _free_port(), str(root)), nprocs=world, join=False,
-                                 start_method="fork")
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail(f"{world} training processes did not finish in {timeout:.0f} s")
+def _run_processes(world: int, root: Path) -> list[dict]:
+    """_worker on ``world`` forked processes (conftest's run_forked: spawned ones would import torch and diffusers
+    again, 60 s for this file on a small shared CPU)."""
+    run_forked(_worker, (world, free_port(), str(root)), world, f"{world} training processes")
     results = [torch.load(root / f"world{world}-rank{r}.pt") for r in range(world)]
     for r in results:
         assert "error" not in r, r["error"]

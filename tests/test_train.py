@@ -254,35 +254,59 @@ def test_precompute_then_flow_and_mix(tmp_path):
         precompute(str(tmp_path / "d.jsonl"), str(tmp_path / "x"), videos=True, frames=6, height=32, width=48)
 
 
+def _cli_rank(rank: int, runs: list, out_dir: str):
+    """Rank ``rank % 2`` of run ``rank // 2`` of ``runs`` ((port, argv) each): ``attnqat train ARGV`` as torchrun
+    starts it, in a process forked from this one; its exit status and output go to OUT_DIR/rank<rank>.json."""
+    import contextlib
+    import io
+    import traceback
+
+    from attnqat.cli import main
+    from conftest import as_torchrun_rank
+
+    port, argv = runs[rank // 2]
+    as_torchrun_rank(rank % 2, 2, port)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(["train", *argv])
+        except SystemExit as e:
+            status = e.code
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            status = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"status": status, "output": out.getvalue() + err.getvalue()}))
+
+
 @pytest.mark.slow
 def test_two_processes_gloo(tmp_path):
-    """2 processes (torchrun; accelerate's MULTI_CPU DDP over gloo) run, stop, then resume, from the CLI.
-    (`accelerate launch --cpu --num_processes 2` starts one process on accelerate 1.15: use torchrun on CPU.)"""
-    def command(out):
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",  # a free port
-                "-m", "attnqat.train", "--config", str(TINY), "--output-dir", str(out), "--set", "log.progress=false",
-                "--set", "data.held_out=2", "--set", "data.batch_size=2", "--max-steps", "4",
-                "--set", "checkpoint.every=2"]
+    """2 processes (accelerate's MULTI_CPU DDP over gloo) run, stop, then resume, from the CLI; the resume under
+    torchrun itself. (`accelerate launch --cpu --num_processes 2` starts one process on accelerate 1.15: use
+    torchrun on CPU.) The uninterrupted run and the stopped one run side by side in 4 processes forked from this
+    one (torchrun's processes would import torch and diffusers for most of the test's time, 57 s on a shared
+    2-core CPU before)."""
+    from conftest import free_port, run_forked
+
+    def argv(out):
+        return ["--config", str(TINY), "--output-dir", str(out), "--set", "log.progress=false", "--set",
+                "data.held_out=2", "--set", "data.batch_size=2", "--max-steps", "4", "--set", "checkpoint.every=2"]
+
     cut = tmp_path / "cut"
-    # the uninterrupted run, the reference of the resumed one, runs beside the other two (its processes wait on
-    # each other and on their start as much as they compute)
-    with open(tmp_path / "whole.err", "w") as err:
-        whole = subprocess.Popen(command(tmp_path / "whole"), env=ENV, stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        p = subprocess.run(command(cut) + ["--stop-after", "2"], env=ENV, capture_output=True, text=True, timeout=240)
-        assert p.returncode == 0, p.stderr[-2000:]
-        state = cut / "checkpoints" / "step-0000002" / "state"
-        assert (state / "rng-0.safetensors").exists() and (state / "rng-1.safetensors").exists()  # one per process
-        assert not [f for f in state.parent.rglob("*") if f.suffix in (".pkl", ".bin", ".pt")]  # no pickle anywhere
-        p = subprocess.run(command(cut) + ["--resume", "auto"], env=ENV, capture_output=True, text=True, timeout=240)
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert "resumed from" in p.stdout + p.stderr and "2 process(es) on cpu (MULTI_CPU)" in p.stdout + p.stderr
-        assert (cut / "final" / "transformer.safetensors").exists()
-        assert whole.wait(timeout=240) == 0, (tmp_path / "whole.err").read_text()[-2000:]
-    finally:
-        if whole.poll() is None:  # a failure above: stop it (torchrun passes SIGTERM on to its processes)
-            whole.terminate()
-            whole.wait(timeout=60)
+    runs = [(free_port(), argv(tmp_path / "whole")), (free_port(), argv(cut) + ["--stop-after", "2"])]
+    run_forked(_cli_rank, (runs, str(tmp_path)), 4, "the uninterrupted and the stopped 2-process runs")
+    for rank in range(4):
+        done = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert done["status"] == 0, (rank, done["status"], done["output"][-2000:])
+        if rank % 2 == 0:  # the main process of each run prints
+            assert "2 process(es) on cpu (MULTI_CPU)" in done["output"], done["output"][-2000:]
+    state = cut / "checkpoints" / "step-0000002" / "state"
+    assert (state / "rng-0.safetensors").exists() and (state / "rng-1.safetensors").exists()  # one per process
+    assert not [f for f in state.parent.rglob("*") if f.suffix in (".pkl", ".bin", ".pt")]  # no pickle anywhere
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",  # a free port
+               "-m", "attnqat.train", *argv(cut), "--resume", "auto"]
+    p = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "resumed from" in p.stdout + p.stderr and "2 process(es) on cpu (MULTI_CPU)" in p.stdout + p.stderr
+    assert (cut / "final" / "transformer.safetensors").exists()
     # the resumed run (model and optimizer broadcast from process 0) repeats the uninterrupted one exactly
     from attnqat.train.loop import read_log
     resumed, ref = read_log(cut / "log.csv"), read_log(tmp_path / "whole" / "log.csv")

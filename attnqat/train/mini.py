@@ -97,8 +97,9 @@ VAE_SIZES = ((57, 128, 128), (57, 256, 256), (1, 128, 128), (57, 128, 128), (57,
 VAE_REFERENCE_VOXELS = 17 * 128 * 128  # ``batch`` clips of this many pixels a step; larger clips come fewer
 
 
-def vae_batch(size, batch: int, reference: int = VAE_REFERENCE_VOXELS) -> int:
-    """Clips a step at ``size`` (frames, height, width): about ``batch`` clips of ``reference`` pixels' worth."""
+def vae_batch(size, batch: float, reference: int = VAE_REFERENCE_VOXELS) -> int:
+    """Clips a step at ``size`` (frames, height, width): about ``batch`` clips of ``reference`` pixels' worth, at
+    least one (a ``batch`` below 1 makes small steps for smoke runs and tests: 0.02 is one 5x32x32 clip)."""
     f, h, w = size
     return max(1, round(batch * reference / (f * h * w)))
 
@@ -118,7 +119,7 @@ def with_new_decoder(vae, decoder_base_dim: int, seed: int = 0):
     return new
 
 
-def train_vae(vae, *, seconds: float, steps: int | None = None, batch: int = 8, sizes=VAE_SIZES, lr: float = 5e-4,
+def train_vae(vae, *, seconds: float, steps: int | None = None, batch: float = 8, sizes=VAE_SIZES, lr: float = 5e-4,
               kl_weight: float = 1e-4, seed: int = 0, device="cuda", log=print,
               reference_voxels: int = VAE_REFERENCE_VOXELS, decoder_only: bool = False) -> dict:
     """Train ``vae`` for reconstruction on corpus clips until ``seconds`` pass (or ``steps`` are done).
@@ -420,8 +421,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"export: the exported folder's size limit in MB (default {MAX_FOLDER_BYTES / 1e6:g}, the "
                         f"shipped model's; at most {MAX_LARGER_FOLDER_BYTES / 1e6:g} for a larger build)")
     p.add_argument("--vae-steps", type=int, help="stop VAE training after this many steps (tests)")
-    p.add_argument("--vae-batch", type=int, default=8, help="clips of 17x128x128 a VAE step; larger clips come "
-                   "fewer, so every step sees about as many pixels (default 8)")
+    p.add_argument("--vae-batch", type=float, default=8, help="clips of 17x128x128 a VAE step; larger clips come "
+                   "fewer, so every step sees about as many pixels (default 8; a fraction makes smaller steps for "
+                   "smoke runs, at least one clip: 0.02 is one 5x32x32 clip)")
     p.add_argument("--vae-sizes", type=_sizes, default=VAE_SIZES, metavar="FxHxW,...",
                    help="the clip sizes the VAE trains on, cycled (default: 57-frame clips, which train every shorter "
                         "length of the causal VAE too, and single frames, at 128x128 and 256x256)")
@@ -446,6 +448,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if not (math.isfinite(v) and 0 < v <= 24 * 60):
             raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1440], got {v}")
+    if not (math.isfinite(args.vae_batch) and args.vae_batch > 0):
+        raise ValueError(f"--vae-batch must be a number above 0, got {args.vae_batch}")
     if args.vae_decoder_dim is not None and not (args.vae_train == "decoder" and 8 <= args.vae_decoder_dim <= 256):
         raise ValueError("--vae-decoder-dim needs --vae-train decoder and a width from 8 to 256")
     if not (0 < args.max_folder_mb <= MAX_LARGER_FOLDER_BYTES / 1e6):
