@@ -382,8 +382,14 @@ def test_ctrl_c_while_importing_is_one_line_and_130(tmp_path, command, delays):
                 "precompute": ["precompute", "--prompts", str(tmp_path / "p.txt"), "--model", "tiny", "--out",
                                str(tmp_path / f"data{i}"), "--device", "cpu"]}[command]
 
-    runs = [subprocess.Popen([sys.executable, "-m", "attnqat.cli", *argv(i)], cwd=ROOT, env=ENV,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(len(delays))]
+    # as a terminal starts a command: SIGINT at its default. A suite started in the background (`nohup ... &`)
+    # ignores SIGINT, and a command inherits that (it then ran to the end, exit 0); a handler is not inherited
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        runs = [subprocess.Popen([sys.executable, "-m", "attnqat.cli", *argv(i)], cwd=ROOT, env=ENV,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(len(delays))]
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     try:
         start = time.perf_counter()
         for p, delay in zip(runs, delays):
