@@ -1,3 +1,4 @@
+import contextlib
 import importlib.util
 import json
 import os
@@ -123,71 +124,96 @@ def forked_process(fn, timeout: float = 300.0) -> subprocess.CompletedProcess:
     text=True)`` returns a command: ``returncode`` is ``fn``'s int result (None: 0), a ``SystemExit``'s code, 1
     (with the traceback on stderr) for any other exception, -N for a signal N; ``stdout`` and ``stderr`` hold all
     the process wrote to file descriptors 1 and 2, to the streams pytest had put in their place, and through
-    logging (set up as in a fresh interpreter, see the child's comment). A separate process as a command is one (its own pid, locks,
-    signals, limits and exit status) without a new interpreter's imports (torch and diffusers: about 7 s a start
-    on a small shared CPU). One intra-op thread (a forked process that uses the parent's OpenMP threads hangs), so
-    its float sums may differ from this process's in the last bits. Not for what a fresh interpreter reads once
-    at its start (environment variables read at import, a missing package)."""
-    import io
-    import logging
+    logging (set up as in a fresh interpreter, see _run_as_command). A separate process as a command is one (its
+    own pid, locks, signals, limits and exit status) without a new interpreter's imports (torch and diffusers:
+    about 7 s a start on a small shared CPU). One intra-op thread (a forked process that uses the parent's OpenMP
+    threads hangs), so its float sums may differ from this process's in the last bits. Not for what a fresh
+    interpreter reads once at its start (environment variables read at import, a missing package)."""
+    return forked_processes(fn, timeout=timeout)[0]
+
+
+def forked_processes(*fns, timeout: float = 300.0) -> list[subprocess.CompletedProcess]:
+    """Each of ``fns`` as :func:`forked_process` runs it, all at once (the suite has two cores)."""
     import signal
     import tempfile
-    import traceback
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with contextlib.ExitStack() as files:
+        outputs = [(files.enter_context(tempfile.TemporaryFile()), files.enter_context(tempfile.TemporaryFile()))
+                   for _ in fns]
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: ends in os._exit, never back in pytest
-            code = 1
-            try:
-                for stream, file in ((sys.stdout, out), (sys.stderr, err)):
-                    try:
-                        fd = stream.fileno()
-                    except (AttributeError, ValueError, io.UnsupportedOperation):  # capsys's: in memory
-                        continue
-                    os.dup2(file.fileno(), fd)
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                was = {id(x): "stdout" for x in (sys.stdout, sys.__stdout__)}
-                was.update({id(x): "stderr" for x in (sys.stderr, sys.__stderr__)})
-                sys.stdout = open(1, "w", buffering=1, closefd=False)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)
-                # logging as in a fresh interpreter: no pytest handler on the root logger (a record no handler
-                # takes goes to stderr), and a handler made on a std stream (or an earlier test's capture, closed
-                # now) writes to the new one; by assignment, as setStream would flush the closed one, and with its
-                # flush too where it was bound to the old stream's (diffusers' and transformers' handlers)
-                root = logging.getLogger()
-                root.handlers = [h for h in root.handlers if not type(h).__module__.startswith("_pytest")]
-                for logger in [root, *logging.Logger.manager.loggerDict.values()]:
-                    for handler in getattr(logger, "handlers", ()):
-                        stream = getattr(handler, "stream", None)
-                        if id(stream) in was or getattr(stream, "closed", False):
-                            handler.stream = getattr(sys, was.get(id(stream), "stderr"))
-                            if "flush" in vars(handler):
-                                handler.flush = handler.stream.flush
-                torch.set_num_threads(1)
-                result = fn()
-                code = 0 if result is None else result
-            except SystemExit as e:
-                code = 0 if e.code is None else e.code if isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
-            except BaseException:  # noqa: BLE001 - as Python reports an uncaught exception
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        deadline = time.monotonic() + timeout
-        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        pids = []
+        for fn, (out, err) in zip(fns, outputs):
+            pid = os.fork()
+            if pid == 0:
+                _run_as_command(fn, out, err)  # never returns
+            pids.append(pid)
+        deadline, statuses = time.monotonic() + timeout, {}
+        while len(statuses) < len(pids):
+            for pid in pids:
+                if pid not in statuses and (done := os.waitpid(pid, os.WNOHANG))[0]:
+                    statuses[pid] = os.waitstatus_to_exitcode(done[1])
             if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pytest.fail(f"the forked process did not finish in {timeout:.0f} s")
+                for pid in set(pids) - set(statuses):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                pytest.fail(f"a forked process did not finish in {timeout:.0f} s")
             time.sleep(0.02)
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess([f"<fork of {os.getpid()}>"], os.waitstatus_to_exitcode(done[1]),
-                                           out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+        results = []
+        for pid, (out, err) in zip(pids, outputs):
+            out.seek(0)
+            err.seek(0)
+            results.append(subprocess.CompletedProcess([f"<fork of {os.getpid()}>"], statuses[pid],
+                                                       out.read().decode(errors="replace"),
+                                                       err.read().decode(errors="replace")))
+        return results
+
+
+def _run_as_command(fn, out, err) -> None:
+    """In a forked process: ``fn()`` with its output in the files ``out`` and ``err``, then ``os._exit`` with its
+    status (never back in pytest)."""
+    import io
+    import logging
+    import traceback
+
+    code = 1
+    try:
+        for stream, file in ((sys.stdout, out), (sys.stderr, err)):
+            try:
+                fd = stream.fileno()
+            except (AttributeError, ValueError, io.UnsupportedOperation):  # capsys's: in memory
+                continue
+            os.dup2(file.fileno(), fd)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        was = {id(x): "stdout" for x in (sys.stdout, sys.__stdout__)}
+        was.update({id(x): "stderr" for x in (sys.stderr, sys.__stderr__)})
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        # logging as in a fresh interpreter: no pytest handler on the root logger (a record no handler takes goes
+        # to stderr), and a handler made on a std stream (or an earlier test's capture, closed now) writes to the
+        # new one; by assignment, as setStream would flush the closed one, and with its flush too where it was
+        # bound to the old stream's (diffusers' and transformers' handlers)
+        root = logging.getLogger()
+        root.handlers = [h for h in root.handlers if not type(h).__module__.startswith("_pytest")]
+        for logger in [root, *logging.Logger.manager.loggerDict.values()]:
+            for handler in getattr(logger, "handlers", ()):
+                stream = getattr(handler, "stream", None)
+                if id(stream) in was or getattr(stream, "closed", False):
+                    handler.stream = getattr(sys, was.get(id(stream), "stderr"))
+                    if "flush" in vars(handler):
+                        handler.flush = handler.stream.flush
+        torch.set_num_threads(1)
+        result = fn()
+        code = 0 if result is None else result
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
+    except BaseException:  # noqa: BLE001 - as Python reports an uncaught exception
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def as_torchrun_rank(rank: int, world: int, port: int) -> None:
