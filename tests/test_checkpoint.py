@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -233,45 +234,63 @@ def test_a_kill_at_every_step_is_recovered_by_resume(tmp_path, monkeypatch):
     """Kill a 4-step run (SHORT) at every kind of file-system step (checkpoints at 2 and 4, the pruning of step-2,
     the final export, the log and config writes; among the data files of one folder being written, a random one
     per run); then kill the resume at a random step too; a last --resume auto must give the uninterrupted run's
-    final weights and losses, a complete log, and no .tmp / .old left (nothing deleted that was the only copy)."""
-    with monkeypatch.context() as m:  # the uninterrupted run, its file-system steps recorded
-        recorder = KillAt(m, 0)
-        reference = train(cfg(tmp_path / "whole", *SHORT))
+    final weights and losses, a complete log, and no .tmp / .old left (nothing deleted that was the only copy).
+    The kill points are shared by two processes forked from this one, side by side (the suite has two cores);
+    they run one thread each, and so does the uninterrupted run here, for the same sums."""
+    from conftest import forked_processes
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with monkeypatch.context() as m:  # the uninterrupted run, its file-system steps recorded
+            recorder = KillAt(m, 0)
+            reference = train(cfg(tmp_path / "whole", *SHORT))
+    finally:
+        torch.set_num_threads(threads)
     assert len(set(reference.losses)) == 4 and len(recorder.steps) >= 40, recorder.steps
     reference_final = final_weights(tmp_path / "whole")
     kinds = kill_point_kinds(recorder.steps, tmp_path / "whole")
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    points = sorted(rng.choice(ns) for ns in kinds.values())
-    trials = []
-    for n in points:
-        t0 = time.perf_counter()
-        out = tmp_path / f"kill{n}"
-        with monkeypatch.context() as m:
-            killer = KillAt(m, n)
-            with pytest.raises(Killed):
-                train(cfg(out, *SHORT))
-        assert killer.steps[:n] == [tuple(p.replace("/whole", f"/kill{n}") for p in s)
-                                    for s in recorder.steps[:n]]  # the same run, up to the step killed
-        second = None
-        if rng.random() < 0.5 and out.exists():  # kill the resume as well (its recovery included)
+    # each kill point, whether to kill the resume as well (its recovery included) and where
+    plan = [(n, rng.random() < 0.5, rng.randint(1, 30)) for n in sorted(rng.choice(ns) for ns in kinds.values())]
+
+    def trials(part):
+        for n, kill_the_resume, second_at in part:
+            t0 = time.perf_counter()
+            out = tmp_path / f"kill{n}"
             with monkeypatch.context() as m:
-                k2 = KillAt(m, rng.randint(1, 30))
-                try:
-                    train(cfg(out, *SHORT), resume="auto")
-                except Killed:
-                    second = k2.where
-        r = train(cfg(out, *SHORT), resume="auto")
-        where = f"kill at {killer.where}, then {second}"
-        assert same_weights(final_weights(out), reference_final), where
-        assert ck.verify(out / "final")["step"] == 4, where
-        rows = read_log(out / "log.csv")
-        assert [int(x["step"]) for x in rows] == [1, 2, 3, 4], where
-        assert [float(x["loss"]) for x in rows] == reference.losses, where
-        assert leftovers(out) == [], where
-        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000004"], where
-        trials.append((where, time.perf_counter() - t0))
-        shutil.rmtree(out)
-    print(f"\n{len(trials)} kill points ({len(recorder.steps)} steps) recovered, {sum(t for _, t in trials):.1f} s")
+                killer = KillAt(m, n)
+                with pytest.raises(Killed):
+                    train(cfg(out, *SHORT))
+            assert killer.steps[:n] == [tuple(p.replace("/whole", f"/kill{n}") for p in s)
+                                        for s in recorder.steps[:n]]  # the same run, up to the step killed
+            second = None
+            if kill_the_resume and out.exists():
+                with monkeypatch.context() as m:
+                    k2 = KillAt(m, second_at)
+                    try:
+                        train(cfg(out, *SHORT), resume="auto")
+                    except Killed:
+                        second = k2.where
+            train(cfg(out, *SHORT), resume="auto")
+            where = f"kill at {killer.where}, then {second}"
+            assert same_weights(final_weights(out), reference_final), where
+            assert ck.verify(out / "final")["step"] == 4, where
+            rows = read_log(out / "log.csv")
+            assert [int(x["step"]) for x in rows] == [1, 2, 3, 4], where
+            assert [float(x["loss"]) for x in rows] == reference.losses, where
+            assert leftovers(out) == [], where
+            assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000004"], where
+            print(f"TRIAL {time.perf_counter() - t0:.2f} {where}", flush=True)
+            shutil.rmtree(out)
+
+    runs = forked_processes(functools.partial(trials, plan[0::2]), functools.partial(trials, plan[1::2]),
+                            timeout=900)
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-4000:]
+    done = [line.split(" ", 2) for run in runs for line in run.stdout.splitlines() if line.startswith("TRIAL ")]
+    assert len(done) == len(plan)
+    print(f"\n{len(done)} kill points ({len(recorder.steps)} steps) recovered, {sum(float(t) for _, t, _ in done):.1f} s")
 
 
 def test_a_finished_run_resumed_rewrites_a_missing_final(tmp_path, reference):
