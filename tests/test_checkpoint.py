@@ -35,6 +35,11 @@ SMALL = ["log.progress=false", "data.held_out=0", "data.batch_size=2", "train.tr
          "train.lr_schedule=cosine", "train.warmup_steps=1"]
 
 
+# One intra-op thread for the module, its fixtures' runs included: the tests that fork processes (which cannot use
+# this one's OpenMP threads) compare their runs with this process's, sum for sum; it costs the tiny model nothing
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(autouse=True)
 def reference_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch reference attention (see tests/test_train.py)
@@ -63,7 +68,7 @@ def leftovers(out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, one_thread):
     """An uninterrupted 5-step run (checkpoints at 2, 4, 5): its losses and final weights."""
     out = tmp_path_factory.mktemp("reference")
     r = train(cfg(out, "train.max_steps=5", "checkpoint.every=2", "checkpoint.keep=2"))
@@ -78,7 +83,7 @@ SHORT = ("train.max_steps=4", "checkpoint.every=2", "checkpoint.keep=1")
 
 
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory):
+def stopped(tmp_path_factory, one_thread):
     """A copy factory of that run stopped after step 4 (checkpoints step-2 and step-4, log rows 1..4)."""
     out = tmp_path_factory.mktemp("stopped") / "run"
     train(cfg(out, "train.max_steps=5", "checkpoint.every=2"), stop_after=4)
@@ -235,18 +240,12 @@ def test_a_kill_at_every_step_is_recovered_by_resume(tmp_path, monkeypatch):
     the final export, the log and config writes; among the data files of one folder being written, a random one
     per run); then kill the resume at a random step too; a last --resume auto must give the uninterrupted run's
     final weights and losses, a complete log, and no .tmp / .old left (nothing deleted that was the only copy).
-    The kill points are shared by two processes forked from this one, side by side (the suite has two cores);
-    they run one thread each, and so does the uninterrupted run here, for the same sums."""
+    The kill points are shared by two processes forked from this one, side by side (the suite has two cores)."""
     from conftest import forked_processes
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with monkeypatch.context() as m:  # the uninterrupted run, its file-system steps recorded
-            recorder = KillAt(m, 0)
-            reference = train(cfg(tmp_path / "whole", *SHORT))
-    finally:
-        torch.set_num_threads(threads)
+    with monkeypatch.context() as m:  # the uninterrupted run, its file-system steps recorded
+        recorder = KillAt(m, 0)
+        reference = train(cfg(tmp_path / "whole", *SHORT))
     assert len(set(reference.losses)) == 4 and len(recorder.steps) >= 40, recorder.steps
     reference_final = final_weights(tmp_path / "whole")
     kinds = kill_point_kinds(recorder.steps, tmp_path / "whole")
@@ -458,29 +457,32 @@ def test_a_real_sigkill_during_the_final_export(tmp_path, reference, capsys):
     """The in-process kills above raise; this one is a real SIGKILL (no finally, no flush), in a separate
     process, between the two renames of the final export (final -> final.old done, final.tmp -> final not). The
     recovery reads only the folder, so `attnqat train --resume auto` runs in this process (a second interpreter
-    would only add its imports)."""
+    would only add its imports; the killed process is forked from this one for the same reason)."""
     import signal
-    import subprocess
-    import sys
+
+    from attnqat.cli import main
+    from conftest import forked_process
+
     out = tmp_path / "run"
     args = ["train", "--config", str(TINY), "--output-dir", str(out), "--max-steps", "5",
             *[a for o in SMALL + ["checkpoint.every=2"] for a in ("--set", o)]]
     train(cfg(out, "train.max_steps=5", "checkpoint.every=2"))  # a complete run: final/ exists, the export repeats
     shutil.rmtree(out / "checkpoints" / "step-0000005")  # so the resume trains step 5 and exports again
-    script = ("import os, signal, sys\n"
-              "real = os.replace\n"
-              "def replace(a, b):\n"
-              "    if str(a).endswith('final.tmp'):\n"
-              "        os.kill(os.getpid(), signal.SIGKILL)\n"
-              "    return real(a, b)\n"
-              "os.replace = replace\n"
-              "from attnqat.cli import main\n"
-              f"sys.exit(main({args + ['--resume', 'auto']!r}))\n")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+    def killed_on_the_second_rename():
+        real = os.replace
+
+        def replace(a, b):
+            if str(a).endswith("final.tmp"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(a, b)
+
+        os.replace = replace  # in the forked process only
+        return main([*args, "--resume", "auto"])
+
+    p = forked_process(killed_on_the_second_rename)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     assert not (out / "final").exists() and (out / "final.old").is_dir() and (out / "final.tmp").is_dir()
-    from attnqat.cli import main
     capsys.readouterr()
     assert main([*args, "--resume", "auto"]) == 0
     assert "finished the interrupted write" in capsys.readouterr().out and leftovers(out) == []
