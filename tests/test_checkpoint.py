@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -32,6 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 SMALL = ["log.progress=false", "data.held_out=0", "data.batch_size=2", "train.trainable=all", "objective.target=output",
          "train.lr_schedule=cosine", "train.warmup_steps=1"]
+
+
+# One intra-op thread for the module, its fixtures' runs included: the tests that fork processes (which cannot use
+# this one's OpenMP threads) compare their runs with this process's, sum for sum; it costs the tiny model nothing
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +68,7 @@ def leftovers(out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, one_thread):
     """An uninterrupted 5-step run (checkpoints at 2, 4, 5): its losses and final weights."""
     out = tmp_path_factory.mktemp("reference")
     r = train(cfg(out, "train.max_steps=5", "checkpoint.every=2", "checkpoint.keep=2"))
@@ -77,7 +83,7 @@ SHORT = ("train.max_steps=4", "checkpoint.every=2", "checkpoint.keep=1")
 
 
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory):
+def stopped(tmp_path_factory, one_thread):
     """A copy factory of that run stopped after step 4 (checkpoints step-2 and step-4, log rows 1..4)."""
     out = tmp_path_factory.mktemp("stopped") / "run"
     train(cfg(out, "train.max_steps=5", "checkpoint.every=2"), stop_after=4)
@@ -233,7 +239,10 @@ def test_a_kill_at_every_step_is_recovered_by_resume(tmp_path, monkeypatch):
     """Kill a 4-step run (SHORT) at every kind of file-system step (checkpoints at 2 and 4, the pruning of step-2,
     the final export, the log and config writes; among the data files of one folder being written, a random one
     per run); then kill the resume at a random step too; a last --resume auto must give the uninterrupted run's
-    final weights and losses, a complete log, and no .tmp / .old left (nothing deleted that was the only copy)."""
+    final weights and losses, a complete log, and no .tmp / .old left (nothing deleted that was the only copy).
+    The kill points are shared by two processes forked from this one, side by side (the suite has two cores)."""
+    from conftest import forked_processes
+
     with monkeypatch.context() as m:  # the uninterrupted run, its file-system steps recorded
         recorder = KillAt(m, 0)
         reference = train(cfg(tmp_path / "whole", *SHORT))
@@ -241,37 +250,46 @@ def test_a_kill_at_every_step_is_recovered_by_resume(tmp_path, monkeypatch):
     reference_final = final_weights(tmp_path / "whole")
     kinds = kill_point_kinds(recorder.steps, tmp_path / "whole")
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    points = sorted(rng.choice(ns) for ns in kinds.values())
-    trials = []
-    for n in points:
-        t0 = time.perf_counter()
-        out = tmp_path / f"kill{n}"
-        with monkeypatch.context() as m:
-            killer = KillAt(m, n)
-            with pytest.raises(Killed):
-                train(cfg(out, *SHORT))
-        assert killer.steps[:n] == [tuple(p.replace("/whole", f"/kill{n}") for p in s)
-                                    for s in recorder.steps[:n]]  # the same run, up to the step killed
-        second = None
-        if rng.random() < 0.5 and out.exists():  # kill the resume as well (its recovery included)
+    # each kill point, whether to kill the resume as well (its recovery included) and where
+    plan = [(n, rng.random() < 0.5, rng.randint(1, 30)) for n in sorted(rng.choice(ns) for ns in kinds.values())]
+
+    def trials(part):
+        for n, kill_the_resume, second_at in part:
+            t0 = time.perf_counter()
+            out = tmp_path / f"kill{n}"
             with monkeypatch.context() as m:
-                k2 = KillAt(m, rng.randint(1, 30))
-                try:
-                    train(cfg(out, *SHORT), resume="auto")
-                except Killed:
-                    second = k2.where
-        r = train(cfg(out, *SHORT), resume="auto")
-        where = f"kill at {killer.where}, then {second}"
-        assert same_weights(final_weights(out), reference_final), where
-        assert ck.verify(out / "final")["step"] == 4, where
-        rows = read_log(out / "log.csv")
-        assert [int(x["step"]) for x in rows] == [1, 2, 3, 4], where
-        assert [float(x["loss"]) for x in rows] == reference.losses, where
-        assert leftovers(out) == [], where
-        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000004"], where
-        trials.append((where, time.perf_counter() - t0))
-        shutil.rmtree(out)
-    print(f"\n{len(trials)} kill points ({len(recorder.steps)} steps) recovered, {sum(t for _, t in trials):.1f} s")
+                killer = KillAt(m, n)
+                with pytest.raises(Killed):
+                    train(cfg(out, *SHORT))
+            assert killer.steps[:n] == [tuple(p.replace("/whole", f"/kill{n}") for p in s)
+                                        for s in recorder.steps[:n]]  # the same run, up to the step killed
+            second = None
+            if kill_the_resume and out.exists():
+                with monkeypatch.context() as m:
+                    k2 = KillAt(m, second_at)
+                    try:
+                        train(cfg(out, *SHORT), resume="auto")
+                    except Killed:
+                        second = k2.where
+            train(cfg(out, *SHORT), resume="auto")
+            where = f"kill at {killer.where}, then {second}"
+            assert same_weights(final_weights(out), reference_final), where
+            assert ck.verify(out / "final")["step"] == 4, where
+            rows = read_log(out / "log.csv")
+            assert [int(x["step"]) for x in rows] == [1, 2, 3, 4], where
+            assert [float(x["loss"]) for x in rows] == reference.losses, where
+            assert leftovers(out) == [], where
+            assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000004"], where
+            print(f"TRIAL {time.perf_counter() - t0:.2f} {where}", flush=True)
+            shutil.rmtree(out)
+
+    runs = forked_processes(functools.partial(trials, plan[0::2]), functools.partial(trials, plan[1::2]),
+                            timeout=900)
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-4000:]
+    done = [line.split(" ", 2) for run in runs for line in run.stdout.splitlines() if line.startswith("TRIAL ")]
+    assert len(done) == len(plan)
+    print(f"\n{len(done)} kill points ({len(recorder.steps)} steps) recovered, {sum(float(t) for _, t, _ in done):.1f} s")
 
 
 def test_a_finished_run_resumed_rewrites_a_missing_final(tmp_path, reference):
@@ -439,29 +457,32 @@ def test_a_real_sigkill_during_the_final_export(tmp_path, reference, capsys):
     """The in-process kills above raise; this one is a real SIGKILL (no finally, no flush), in a separate
     process, between the two renames of the final export (final -> final.old done, final.tmp -> final not). The
     recovery reads only the folder, so `attnqat train --resume auto` runs in this process (a second interpreter
-    would only add its imports)."""
+    would only add its imports; the killed process is forked from this one for the same reason)."""
     import signal
-    import subprocess
-    import sys
+
+    from attnqat.cli import main
+    from conftest import forked_process
+
     out = tmp_path / "run"
     args = ["train", "--config", str(TINY), "--output-dir", str(out), "--max-steps", "5",
             *[a for o in SMALL + ["checkpoint.every=2"] for a in ("--set", o)]]
     train(cfg(out, "train.max_steps=5", "checkpoint.every=2"))  # a complete run: final/ exists, the export repeats
     shutil.rmtree(out / "checkpoints" / "step-0000005")  # so the resume trains step 5 and exports again
-    script = ("import os, signal, sys\n"
-              "real = os.replace\n"
-              "def replace(a, b):\n"
-              "    if str(a).endswith('final.tmp'):\n"
-              "        os.kill(os.getpid(), signal.SIGKILL)\n"
-              "    return real(a, b)\n"
-              "os.replace = replace\n"
-              "from attnqat.cli import main\n"
-              f"sys.exit(main({args + ['--resume', 'auto']!r}))\n")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+    def killed_on_the_second_rename():
+        real = os.replace
+
+        def replace(a, b):
+            if str(a).endswith("final.tmp"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(a, b)
+
+        os.replace = replace  # in the forked process only
+        return main([*args, "--resume", "auto"])
+
+    p = forked_process(killed_on_the_second_rename)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     assert not (out / "final").exists() and (out / "final.old").is_dir() and (out / "final.tmp").is_dir()
-    from attnqat.cli import main
     capsys.readouterr()
     assert main([*args, "--resume", "auto"]) == 0
     assert "finished the interrupted write" in capsys.readouterr().out and leftovers(out) == []

@@ -94,18 +94,34 @@ def test_prompt_embeddings_equal_the_pipelines(mini_folder):
 
 @pytest.mark.parametrize("every", [1, 2])
 def test_corpus_training_resumes_exactly_with_pool_and_ema(mini_folder, tmp_path, every):
+    """The uninterrupted run, and the one stopped after step 3 and resumed, side by side in two processes forked
+    from this one (one thread each, so the same sums; the suite has two cores)."""
+    import json
+
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from attnqat.train import train
+    from conftest import forked_processes
 
     extra = ("train.from_scratch=true", "train.ema_decay=0.9", f"data.corpus.refresh_every={every}")
-    full = train(_cfg(mini_folder, tmp_path / "a", *extra))
-    cfg_b = _cfg(mini_folder, tmp_path / "b", *extra)
-    first = train(cfg_b, stop_after=3)
-    second = train(cfg_b, resume="auto")
-    assert first.losses + second.losses == full.losses  # the pool is rebuilt as it was: identical batches
-    assert all(torch.isfinite(torch.tensor(full.losses)))
+
+    def uninterrupted():
+        r = train(_cfg(mini_folder, tmp_path / "a", *extra))
+        (tmp_path / "a.json").write_text(json.dumps({"losses": r.losses, "gap_after": r.gap_after}))
+
+    def stopped_and_resumed():
+        cfg_b = _cfg(mini_folder, tmp_path / "b", *extra)
+        first = train(cfg_b, stop_after=3)
+        second = train(cfg_b, resume="auto")
+        (tmp_path / "b.json").write_text(json.dumps({"losses": [first.losses, second.losses]}))
+
+    for run in forked_processes(uninterrupted, stopped_and_resumed, timeout=600):
+        assert run.returncode == 0, run.stderr[-3000:]
+    full = json.loads((tmp_path / "a.json").read_text())
+    first, second = json.loads((tmp_path / "b.json").read_text())["losses"]
+    assert first + second == full["losses"]  # the pool is rebuilt as it was: identical batches
+    assert all(torch.isfinite(torch.tensor(full["losses"])))
     a = load_file(str(tmp_path / "a" / "run" / "final" / "transformer.safetensors"))
     b = load_file(str(tmp_path / "b" / "run" / "final" / "transformer.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -118,7 +134,7 @@ def test_corpus_training_resumes_exactly_with_pool_and_ema(mini_folder, tmp_path
     moved = [k for k in ema if not torch.equal(ema[k], raw[k])]
     assert moved, "EMA weights equal the raw weights: the average is not being kept"
     assert all(torch.equal(exported[k], ema[k]) for k in ema)  # save_dtype fp32: exported = EMA exactly
-    assert full.gap_after is not None and "flow" in full.gap_after
+    assert full["gap_after"] is not None and "flow" in full["gap_after"]
 
 
 def test_from_scratch_is_seeded_and_ignores_the_folders_weights(mini_folder, tmp_path):
