@@ -60,7 +60,7 @@ def run(tmp_path_factory):
     out = tmp / "out"
     argv = ["quality", *SMALL, "--base-modes", "bf16,nvfp4", "--variant", "same=attn_qat",
             "--variant", f"moved=bf16:{tmp / 'perturbed.safetensors'}", "--variant", f"qat=attn_qat:{tmp / 'qat'}",
-            "--variant", "schedule=nvfp4", "--bf16-steps", "schedule=0", "--out", str(out)]
+            "--variant", "schedule=nvfp4", "--bf16-steps", "schedule=0", "--flow-shift", "5", "--out", str(out)]
     import io
     from contextlib import redirect_stdout
 
@@ -80,6 +80,8 @@ def test_outputs_exist_parse_and_agree(run):
     assert md.strip() in stdout  # the table is printed too
     order = ["bf16", "nvfp4", "same", "moved", "qat", "schedule"]
     assert table["format"] == "attnqat-quality" and table["order"] == order
+    # --flow-shift reached the sampler (read back off the pipeline's scheduler) and the table says it
+    assert table["flow_shift"] == 5.0 and "flow shift 5," in md
     assert table["references"] == {"bf16": "bf16", "fp4": "nvfp4", "video": "bf16"}
     for label in order:
         assert f"**{label}**" in md
@@ -255,7 +257,7 @@ def _namespace(argv):
 HOSTILE = [
     ["--prompts", "0"], ["--prompts", "x"], ["--prompts", "100000"], ["--clips", "-1"], ["--steps", "0"],
     ["--steps", "1001"], ["--size", "4x32x32"], ["--size", "5x30x32"], ["--size", "5x32"], ["--size", ""],
-    ["--size", "5x32x99999"], ["--guidance", "nan"], ["--guidance", "-1"], ["--seed", "-1"], ["--batch", "0"],
+    ["--size", "5x32x99999"], ["--guidance", "nan"], ["--guidance", "-1"], ["--flow-shift", "0"], ["--flow-shift", "inf"], ["--seed", "-1"], ["--batch", "0"],
     ["--corpus-seed", "-3"], ["--grid-prompts", "0"], ["--variant", "noequals"], ["--variant", "a=nope"],
     ["--variant", "a=bf16:{w}/missing.safetensors"], ["--variant", "a=bf16:{w}/garbage.safetensors"],
     ["--variant", "a=bf16:{w}/empty"], ["--variant", "a b=bf16"], ["--variant", "=bf16"], ["--variant", "bf16=nvfp4"],

@@ -92,6 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on GPU, 33x128x128 on CPU)")
     g.add_argument("--steps", type=int, help="denoising steps (default: 25)")
     g.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale (default: 5.0)")
+    g.add_argument("--flow-shift", type=float, help="the sampler's (UniPC) flow-matching shift, > 0 (default: the "
+                   "model's own scheduler setting; mini's is 3.0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the flow-loss noise; video i uses seed + i "
                    "(default: 0)")
     g.add_argument("--corpus-seed", type=int, help="the corpus seed the model was trained on (default: the one in "
@@ -182,6 +184,8 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     check_int("--clips", args.clips, 1, MAX_PROMPTS, "a run that long is a typo")
     check_limited("--steps", args.steps, "steps")
     check_float("--guidance", args.guidance, lo=0.0, hi=100.0)
+    if args.flow_shift is not None:  # None: the model's own scheduler setting
+        check_float("--flow-shift", args.flow_shift, lo=0.0, lo_open=True)
     check_int("--seed", args.seed, 0, *LIMITS["seed"])
     if args.corpus_seed is not None:
         check_int("--corpus-seed", args.corpus_seed, 0, 2 ** 32 - 1, "the corpus seed is 32-bit")
@@ -304,7 +308,9 @@ def format_table(result: dict) -> str:
             _fmt(row.get("gap_closed_acc"), ".2f")]) + " |")
     f, h, w = result["size"]
     notes = [f"Model `{result['model']}`; {len(result['prompts'])} held-out prompts and {result['clips']} held-out "
-             f"clips at {f}x{h}x{w}; {result['steps']} steps, guidance {result['guidance']:g}, seed {result['seed']}, "
+             f"clips at {f}x{h}x{w}; {result['steps']} steps, guidance {result['guidance']:g}"
+             + (f", flow shift {result['flow_shift']:g}" if result.get("flow_shift") is not None else "")
+             + f", seed {result['seed']}, "
              f"corpus seed {result['corpus_seed']}; {result['device']}.",
              f"Flow loss at sigmas {', '.join(f'{s:g}' for s in result['sigmas'])}; PSNR per frame capped at "
              f"{result['psnr_cap_db']:g} dB (identical frames)."]
@@ -477,7 +483,7 @@ def _measure(args: argparse.Namespace, t_start: float) -> int:
         from attnqat.pipelines.tiny import TINY_NOTICE
 
         log(f"NOTE: {TINY_NOTICE}; its numbers only check the command.")
-    pipe = load_pipeline(args.model, dtype=dtype, device=device)
+    pipe = load_pipeline(args.model, dtype=dtype, device=device, flow_shift=args.flow_shift)
     # The text encoder in fp32 (when it is small), as `attnqat train` encodes the corpus's captions; the
     # pipeline casts the embeddings to the transformer's dtype.
     if sum(p.numel() for p in pipe.text_encoder.parameters()) < 10 ** 9:
@@ -496,6 +502,7 @@ def _measure(args: argparse.Namespace, t_start: float) -> int:
                           log=log, progress=bar)
     videos = result.pop("videos")
     result = {"format": FORMAT, "version": 1, "model": args.model, "device": _device_name(device),
+              "flow_shift": float(pipe.scheduler.config.flow_shift),
               "seconds": round(time.perf_counter() - t_start, 1), "weight_files": weight_files, **result}
     files = write_outputs(args.out, result, videos, args.grid_prompts)
     print(format_table(result))
