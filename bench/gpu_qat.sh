@@ -51,6 +51,9 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     distill_cos_1e-4) echo "objective.type=distill objective.target=output train.lr=1e-4 $(cosine)" ;;
     distill_cos_2e-4) echo "objective.type=distill objective.target=output train.lr=2e-4 $(cosine)" ;;  # ships
     features_cos) echo "objective.type=distill objective.target=features $(cosine)" ;;
+    # past the ~46% plateau? the same with an EMA of the student's weights (exported), or only attention trained
+    features_cos_ema) echo "$(overrides features_cos) train.ema_decay=0.999" ;;
+    features_attention) echo "$(overrides features_cos) train.trainable=attention train.lr=6e-4" ;;
     mix_cos) echo "objective.type=mix objective.target=output objective.flow_weight=0.1 $(cosine)" ;;
     bf16_control_cos) echo "attention.mode=bf16 $(cosine)" ;;
   esac
@@ -131,6 +134,8 @@ case "${1:-}" in
     add qat_distill_cos_1e-4 distill_cos_1e-4 attn_qat
     add qat_distill_cos_2e-4 distill_cos_2e-4 attn_qat
     add qat_features_cos features_cos attn_qat
+    add qat_features_cos_ema features_cos_ema attn_qat
+    add qat_features_attention features_attention attn_qat
     add qat_mix_cos mix_cos attn_qat
     add ctrl_cos_fp4 bf16_control_cos attn_qat
     add ctrl_cos_bf16 bf16_control_cos bf16
