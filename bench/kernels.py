@@ -175,7 +175,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
     env = environment()
-    env["attn_qat_backward"] = backend_info()["attn_qat_backward"]
+    env["attn_qat_training"] = backend_info()["attn_qat_training"]
     rows, sweeps = run(args.lengths, heads=args.heads, sweep=args.sweep)
     md = markdown(rows, env)
     print(md)

@@ -575,58 +575,72 @@ def test_gpu_backward_fp16_and_sm_scale(variant, poison):
 
 
 @pytest.mark.parametrize("cap,warns", [((9, 0), True), ((8, 0), False)])
-def test_gluon_backward_choice_and_its_one_warning(cap, warns, monkeypatch):
+def test_gluon_training_choice_and_its_one_warning(cap, warns, monkeypatch):
     """The decision kernels.api takes per call: the Gluon backward where it can run, unless ATTNQAT_GLUON=0; where
     an sm_90 GPU cannot run it (Triton < 3.6), a warning names why (elsewhere the Triton path is simply the path)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     dev = torch.device("cuda")
     monkeypatch.setattr(hopper_gluon, "available", lambda device=None: (True, "Gluon sm_90 forward available"))
-    assert hopper_gluon.gluon_backward(dev) == (True, "Gluon sm_90 forward available")
+    assert hopper_gluon.gluon_training(dev) == (True, "Gluon sm_90 forward available")
     monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
-    assert hopper_gluon.gluon_backward(dev) == (False, "ATTNQAT_GLUON=0")
+    assert hopper_gluon.gluon_training(dev) == (False, "ATTNQAT_GLUON=0")
     monkeypatch.delenv(hopper_gluon.GLUON_ENV)
     monkeypatch.setenv("ATTNQAT_DQ_CONFIG", "128,64,8,3")  # tuning the Triton backward asks for that backward
-    assert hopper_gluon.gluon_backward(dev) == (False, "ATTNQAT_DQ_CONFIG pin the Triton backward's launch config")
+    assert hopper_gluon.gluon_training(dev) == (False, "ATTNQAT_DQ_CONFIG pin the Triton backward's launch config")
     monkeypatch.delenv("ATTNQAT_DQ_CONFIG")
     monkeypatch.setattr(hopper_gluon, "available", lambda device=None: (False, "Triton 3.5.1 lacks Gluon's Hopper API"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert hopper_gluon.gluon_backward(dev) == (False, "Triton 3.5.1 lacks Gluon's Hopper API")
+        assert hopper_gluon.gluon_training(dev) == (False, "Triton 3.5.1 lacks Gluon's Hopper API")
     assert len(seen) == warns and all("Triton 3.5.1 lacks" in str(w.message) for w in seen)
 
 
 @pytest.mark.gpu
-def test_gpu_attention_trains_with_the_gluon_backward(monkeypatch):
-    """On an H100/H200, attention(mode="attn_qat") trains with the Gluon backward (called once per backward, and
-    backend_info says so), and its gradients are the Triton backward's bit for bit (ATTNQAT_GLUON=0 runs that one);
-    p_bwd="normalized" keeps the Triton backward."""
+def test_gpu_attention_trains_with_the_gluon_training(monkeypatch):
+    """On an H100/H200, attention(mode="attn_qat") trains with the Gluon forward and warp-specialised backward (each
+    called once per step, and backend_info says so), and its output and gradients are the Triton path's bit for bit
+    (ATTNQAT_GLUON=0 runs that one); p_bwd="normalized" keeps the Triton kernels."""
     from attnqat.kernels import attention, backend_info
 
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)
     calls = []
-    real = hopper_gluon.hopper_attn_qat_backward
-    monkeypatch.setattr(hopper_gluon, "hopper_attn_qat_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("hopper_attn_qat_forward", "hopper_attn_qat_backward"):
+        real = getattr(hopper_gluon, name)
+        monkeypatch.setattr(hopper_gluon, name, lambda *a, _real=real, _name=name, **kw: calls.append(
+            (_name, kw.get("variant"))) or _real(*a, **kw))
     q, k, v = _inputs(1, 2, 300, 333, 128, "bhld")
     do = torch.randn_like(q)
 
-    def grads(**options):
+    def step(**options):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        attention(*leaves, mode="attn_qat", **options).backward(do)
-        return [t.grad for t in leaves]
+        o = attention(*leaves, mode="attn_qat", **options)
+        o.backward(do)
+        return [o.detach(), *(t.grad for t in leaves)]
 
-    gluon = grads()
-    assert len(calls) == 1 and backend_info()["attn_qat_backward"] == "Gluon sm_90 kernels"
+    gluon = step()
+    assert calls == [("hopper_attn_qat_forward", None), ("hopper_attn_qat_backward", "ws")]
+    assert backend_info()["attn_qat_training"] == "Gluon sm_90 kernels (warp-specialised backward)"
     monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
-    triton_path = grads()
-    assert len(calls) == 1 and backend_info()["attn_qat_backward"] == "triton (ATTNQAT_GLUON=0)"
+    triton_path = step()
+    assert len(calls) == 2 and backend_info()["attn_qat_training"] == "triton (ATTNQAT_GLUON=0)"
     for got, want in zip(gluon, triton_path):
         assert torch.isfinite(got).all() and torch.equal(got, want)
     monkeypatch.delenv(hopper_gluon.GLUON_ENV)
-    grads(p_bwd="normalized")
-    assert len(calls) == 1
+    step(p_bwd="normalized")
+    assert len(calls) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_forward_op_passes_opcheck():
+    """attnqat::attn_qat_fwd_sm90 likewise: its fake against the real outputs (q in diffusers' (B, L, H, D) layout)."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = _inputs(1, 2, 96, 160, 64, "blhd")
+    torch.library.opcheck(hopper_gluon.attn_qat_fwd_sm90, (q, k, v, 0.125, True))
 
 
 @pytest.mark.gpu

@@ -213,8 +213,8 @@ def backend_info(device: torch.device | str | None = None) -> dict:
         info["fp4_qk"] = ("native block-scaled FP4 MMA (tl.dot_scaled over NVFP4 storage)" if form else
                           "bf16 emulation (exactly dequantized NVFP4 operands)")
         info["fp4_pv"] = "bf16 tensor cores over exact phi(P) and V^F"
-        gluon, why = hopper_gluon.gluon_backward(dev)
-        info["attn_qat_backward"] = "Gluon sm_90 kernels" if gluon else f"triton ({why})"
+        gluon, why = hopper_gluon.gluon_training(dev)
+        info["attn_qat_training"] = "Gluon sm_90 kernels (warp-specialised backward)" if gluon else f"triton ({why})"
     else:
         info["path"] = "triton-interpreter" if interpreting() else "pytorch-reference"
         info["fp4_path"] = "fp32 arithmetic over dequantized NVFP4 operands"
@@ -285,10 +285,10 @@ def _paths(kernel_module: str, kernel_name: str, reference_name: str):
 
 
 def _attn_qat_kernel(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max"):
-    """attn_qat's kernel path. Training on an H100 / H200 whose Triton has Gluon (hopper_gluon.gluon_backward): the
-    Triton training forward with the Gluon sm_90 backward, the same numbers (docs/kernels.md); everywhere else, and
-    for p_bwd="normalized" (an ablation the Gluon backward does not implement), the Triton path."""
-    if q.is_cuda and needs_grad(q, k, v) and p_bwd == "final_max" and hopper_gluon.gluon_backward(q.device)[0]:
+    """attn_qat's kernel path. Training on an H100 / H200 whose Triton has Gluon (hopper_gluon.gluon_training): the
+    Gluon sm_90 training forward and warp-specialised backward, the same numbers (docs/kernels.md); everywhere else,
+    and for p_bwd="normalized" (an ablation the Gluon backward does not implement), the Triton path."""
+    if q.is_cuda and needs_grad(q, k, v) and p_bwd == "final_max" and hopper_gluon.gluon_training(q.device)[0]:
         return hopper_gluon.HopperAttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
     return attn_qat.attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
 

@@ -50,8 +50,7 @@ import triton
 
 from ._common import check_qkv, default_scale, interpreting, needs_grad
 from ._hardware import compile_for
-from .attn_qat import (BWD_CONFIG_ENV, DQ_CONFIG_ENV, _attn_bwd_preprocess, _phi_blocks, _round_p,
-                       attn_qat_fwd)
+from .attn_qat import BWD_CONFIG_ENV, DQ_CONFIG_ENV, _attn_bwd_preprocess, _phi_blocks, _round_p
 from .nvfp4 import quantize_heads, tile_keys
 from .reference import refuse_double_backward
 
@@ -891,13 +890,18 @@ def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _tile_layout(block, t.dtype))
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """Whether TMA can read or write ``t``: 16-byte aligned base and strides, unit last stride, and no broadcast
-    (stride 0) dimension, which a TMA descriptor cannot express (autograd hands the backward such a dO, e.g. the
-    gradient of a sum)."""
+def _tma_strides_ok(t: torch.Tensor) -> bool:
+    """Whether TMA can address ``t``'s layout: 16-byte aligned strides, unit last stride, and no broadcast (stride
+    0) dimension, which a TMA descriptor cannot express (autograd hands the backward such a dO, e.g. the gradient
+    of a sum). A layout question only: fake tensors (torch.compile) answer it too."""
     size = t.element_size()
-    strides_ok = all(s * size % 16 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:3], t.shape[:3]))
-    return t.data_ptr() % 16 == 0 and strides_ok and t.stride(3) == 1
+    return all(s * size % 16 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:3], t.shape[:3])) \
+        and t.stride(3) == 1
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether TMA can read or write ``t``: a 16-byte aligned base and :func:`_tma_strides_ok`."""
+    return t.data_ptr() % 16 == 0 and _tma_strides_ok(t)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -978,6 +982,13 @@ def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     return _launch(qf, kf, vf, k.shape[2], sm_scale, causal, fp4=True)
 
 
+def _output_like(q: torch.Tensor) -> torch.Tensor:
+    """The training forward's O: in q's stride order as the Triton forward's, contiguous where TMA cannot write
+    that layout (the custom op's fake calls this too, so its strides are the real ones)."""
+    o = torch.empty_like(q)
+    return o if _tma_strides_ok(o) else q.new_empty(q.shape)
+
+
 def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                             causal: bool = False):
     """The Attn-QAT training forward (SPEC §2 with the auxiliary output O') with the Gluon sm_90 forward: what
@@ -1002,9 +1013,7 @@ def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     block_n = FWD_TRAIN_CONFIG[head_dim][1]
     qf = quantize_heads(q, q.dtype)
     (kf, k_tiles), (vf, v_tiles) = (quantize_heads(t, q.dtype, key_tile=block_n, both_orders=True) for t in (k, v))
-    o = torch.empty_like(q)  # q's stride order, as the Triton forward's O
-    if not _tma_ok(o):
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = _output_like(q)
     o_aux = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
     m = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
@@ -1159,19 +1168,21 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
 
 
 # ---------------------------------------------------------------------------------------------------
-# attn_qat's training step on sm_90: the Triton training forward (faster than this module's today:
-# docs/benchmarks.md) with the Gluon backward (the same numbers as the Triton backward, in 0.87x its time at
-# Wan 14B's shape). kernels.api decides when (gluon_backward), through this autograd Function and custom op.
+# attn_qat's training step on sm_90: this module's training forward and its warp-specialised backward, the
+# same numbers as the Triton path. Measured at Wan 14B's shape on an H100 (docs/benchmarks.md): forward +
+# backward 217.9 ms against the Triton forward + this backward's 229.8 and the all-Triton 250.5 (cuDNN 159.2).
+# kernels.api decides when (gluon_training), through this autograd Function and its two custom ops.
 # ---------------------------------------------------------------------------------------------------
 
-GLUON_ENV = "ATTNQAT_GLUON"  # "0": attn_qat trains with the Triton backward on sm_90 too (A/B runs, debugging)
+GLUON_ENV = "ATTNQAT_GLUON"  # "0": attn_qat trains with the Triton kernels on sm_90 too (A/B runs, debugging)
+TRAINING_BWD_VARIANT = "ws"  # the backward kernels training runs: 0.87x the "default" variant's time (H100)
 
 
-def gluon_backward(device: torch.device) -> tuple[bool, str]:
-    """Whether attn_qat's backward on ``device`` runs the Gluon sm_90 kernels, and the reason (backend_info's
-    line): not with ATTNQAT_GLUON=0, nor with the Triton backward's launch config pinned. Where the GPU is an
-    sm_90 one and Gluon cannot run (Triton older than 3.6), one warning says so: the step falls back to the Triton
-    backward, slower by about 1.15x."""
+def gluon_training(device: torch.device) -> tuple[bool, str]:
+    """Whether attn_qat's training step (forward and backward) on ``device`` runs the Gluon sm_90 kernels, and the
+    reason (backend_info's line): not with ATTNQAT_GLUON=0, nor with the Triton backward's launch config pinned.
+    Where the GPU is an sm_90 one and Gluon cannot run (Triton older than 3.6), one warning says so: the step falls
+    back to the Triton kernels, slower by about 1.15x."""
     if os.environ.get(GLUON_ENV, "1") == "0":
         return False, f"{GLUON_ENV}=0"
     pinned = [name for name in (BWD_CONFIG_ENV, DQ_CONFIG_ENV) if os.environ.get(name)]
@@ -1180,16 +1191,32 @@ def gluon_backward(device: torch.device) -> tuple[bool, str]:
     ok, why = available(device)
     if not ok and device.type == "cuda" and torch.cuda.is_available() \
             and torch.cuda.get_device_capability(device) == (9, 0):
-        warnings.warn(f"attn_qat: the Gluon sm_90 backward is unavailable ({why}); training uses the Triton "
-                      "backward", stacklevel=2)
+        warnings.warn(f"attn_qat: the Gluon sm_90 kernels are unavailable ({why}); training uses the Triton "
+                      "kernels", stacklevel=2)
     return ok, why
+
+
+@torch.library.custom_op("attnqat::attn_qat_fwd_sm90", mutates_args=(), device_types=("cuda",))
+def attn_qat_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    o, o_aux, m, l, (qf, kf, vf) = hopper_attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal)
+    return o, o_aux, m, l, qf, kf, vf
+
+
+@attn_qat_fwd_sm90.register_fake
+def _(q, k, v, sm_scale, causal):
+    b, h, lq, d = q.shape
+    stats = (q.new_empty((b, h, lq), dtype=torch.float32) for _ in range(2))
+    return (_output_like(q), q.new_empty(q.shape), *stats, q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype),
+            v.new_empty(v.shape, dtype=q.dtype))
 
 
 @torch.library.custom_op("attnqat::attn_qat_bwd_sm90", mutates_args=(), device_types=("cuda",))
 def attn_qat_bwd_sm90(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor,
                       vf: torch.Tensor, o_aux: torch.Tensor, m: torch.Tensor, l: torch.Tensor, sm_scale: float,
                       causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return hopper_attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sm_scale, causal=causal)
+    return hopper_attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sm_scale, causal=causal,
+                                    variant=TRAINING_BWD_VARIANT)
 
 
 @attn_qat_bwd_sm90.register_fake
@@ -1198,11 +1225,12 @@ def _(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale, causal):
 
 
 class HopperAttnQATFunction(torch.autograd.Function):
-    """attn_qat's AttnQATFunction with the Gluon backward: the same forward custom op and saved tensors."""
+    """attn_qat's AttnQATFunction on sm_90: the Gluon training forward and backward (the same numbers, the same
+    saved tensors)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, causal):
-        o, o_aux, m, l, qf, kf, vf = attn_qat_fwd(q, k, v, sm_scale, causal, True)
+        o, o_aux, m, l, qf, kf, vf = attn_qat_fwd_sm90(q, k, v, sm_scale, causal)
         ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l)
         ctx.sm_scale, ctx.causal = sm_scale, causal
         return o
