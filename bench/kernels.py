@@ -133,8 +133,8 @@ def sweep_configs(q, k, v, do, L):
 
 def markdown(rows, env) -> str:
     lines = ["## Kernels: Attn-QAT vs SDPA (bf16, B=1, H=40, D=128, non-causal)", "", env_line(env), "",
-             f"`attention(mode=\"attn_qat\")`'s backward in this run: {env.get('attn_qat_backward', 'triton')}; "
-             "\"all Triton\": the Triton forward and backward.", "",
+             f"`attention(mode=\"attn_qat\")` trained in this run with: {env.get('attn_qat_training', 'triton')}; "
+             "\"all Triton\": the Triton forward and backward; \"training fwd\": the Triton training forward.", "",
              "| L | cuDNN fwd | flash fwd | attn_qat inference fwd | attn_qat training fwd | cuDNN fwd+bwd | "
              "flash fwd+bwd | attn_qat fwd+bwd | attn_qat fwd+bwd, all Triton |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
