@@ -1,0 +1,49 @@
+"""Nsight Compute profile of one attn_qat training step (forward + backward) through ``attention()`` on a GPU:
+what each kernel spends its time on (docs/kernels.md, "The Gluon sm_90 backward").
+
+    ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
+        --section Occupancy python bench/ncu_attn_qat.py [--shape 1,40,8192,128] > ncu.txt
+
+One untimed step first (compiles and caches the kernels), then the profiled step between cudaProfilerStart and
+cudaProfilerStop, so ncu replays only that step's kernels: the pre-pass, the training forward, D = rowsum(dO O'), the
+dK/dV kernel and the dQ kernel of whatever path ``attention(mode="attn_qat")`` dispatches here
+(``backend_info()["attn_qat_training"]`` is printed first).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from attnqat.kernels import attention, backend_info  # noqa: E402
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="1,40,8192,128", help="B,H,L,D (default 1,40,8192,128)")
+    p.add_argument("--causal", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/ncu_attn_qat.py needs a CUDA GPU")
+    b, h, length, d = (int(x) for x in args.shape.split(","))
+    print("attn_qat training:", backend_info()["attn_qat_training"], flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, length, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
+
+    def step():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        attention(*leaves, mode="attn_qat", causal=args.causal).backward(do)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main()
