@@ -1,4 +1,3 @@
-import contextlib
 import importlib.util
 import json
 import os
@@ -36,17 +35,24 @@ def pytest_collection_modifyitems(config, items):
 SEED_ENV = "ATTNQAT_TEST_SEED"
 
 
+def test_seed(nodeid: str) -> int:
+    """The seed of the test ``nodeid`` (see :func:`seed`)."""
+    chosen = os.environ.get(SEED_ENV, "")
+    if chosen == "random":
+        return int.from_bytes(os.urandom(4), "little")
+    return int(chosen) if chosen else zlib.crc32(nodeid.encode())
+
+
+test_seed.__test__ = False  # a helper, not a test
+
+
 @pytest.fixture(autouse=True)
 def seed(request):
     """Seeds torch's global RNG before every test, so unseeded ``torch.randn`` inputs are fresh per test and per
     parameter (the seed is a hash of the test's node id) yet the same on every run; a failing test's report
     names its seed. ATTNQAT_TEST_SEED=<n> runs every test with seed n (to replay one, or to sweep),
     ATTNQAT_TEST_SEED=random draws a new seed per test and run."""
-    chosen = os.environ.get(SEED_ENV, "")
-    if chosen == "random":
-        value = int.from_bytes(os.urandom(4), "little")
-    else:
-        value = int(chosen) if chosen else zlib.crc32(request.node.nodeid.encode())
+    value = test_seed(request.node.nodeid)
     torch.manual_seed(value)
     request.node.attnqat_seed = value
     return value
@@ -134,39 +140,58 @@ def forked_process(fn, timeout: float = 300.0) -> subprocess.CompletedProcess:
 
 def forked_processes(*fns, timeout: float = 300.0) -> list[subprocess.CompletedProcess]:
     """Each of ``fns`` as :func:`forked_process` runs it, all at once (the suite has two cores)."""
-    import signal
-    import tempfile
+    procs = []
+    try:
+        procs.extend(ForkedProcess(fn) for fn in fns)
+        return [p.wait(time.monotonic() + timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.close()
 
-    with contextlib.ExitStack() as files:
-        outputs = [(files.enter_context(tempfile.TemporaryFile()), files.enter_context(tempfile.TemporaryFile()))
-                   for _ in fns]
+
+class ForkedProcess:
+    """``fn()`` in a process forked from this one now, as :func:`forked_process` runs it; :meth:`wait` for its
+    result, while this process does other work meanwhile (the suite has two cores). :meth:`close` kills it if it still
+    runs."""
+
+    def __init__(self, fn):
+        import tempfile
+
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.status = None
         sys.stdout.flush()
         sys.stderr.flush()
-        pids = []
-        for fn, (out, err) in zip(fns, outputs):
-            pid = os.fork()
-            if pid == 0:
-                _run_as_command(fn, out, err)  # never returns
-            pids.append(pid)
-        deadline, statuses = time.monotonic() + timeout, {}
-        while len(statuses) < len(pids):
-            for pid in pids:
-                if pid not in statuses and (done := os.waitpid(pid, os.WNOHANG))[0]:
-                    statuses[pid] = os.waitstatus_to_exitcode(done[1])
+        self.pid = os.fork()
+        if self.pid == 0:
+            _run_as_command(fn, self.out, self.err)  # never returns
+
+    def _poll(self) -> bool:
+        if self.status is None and (done := os.waitpid(self.pid, os.WNOHANG))[0]:
+            self.status = os.waitstatus_to_exitcode(done[1])
+        return self.status is not None
+
+    def wait(self, deadline: float) -> subprocess.CompletedProcess:
+        """Its result as ``subprocess.run`` returns a command's, or (killed) the test fails at ``deadline``
+        (``time.monotonic()``)."""
+        while not self._poll():
             if time.monotonic() > deadline:
-                for pid in set(pids) - set(statuses):
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                pytest.fail(f"a forked process did not finish in {timeout:.0f} s")
+                self.close()
+                pytest.fail("a forked process did not finish in time")
             time.sleep(0.02)
-        results = []
-        for pid, (out, err) in zip(pids, outputs):
-            out.seek(0)
-            err.seek(0)
-            results.append(subprocess.CompletedProcess([f"<fork of {os.getpid()}>"], statuses[pid],
-                                                       out.read().decode(errors="replace"),
-                                                       err.read().decode(errors="replace")))
-        return results
+        self.out.seek(0)
+        self.err.seek(0)
+        return subprocess.CompletedProcess([f"<fork of {os.getpid()}>"], self.status,
+                                           self.out.read().decode(errors="replace"),
+                                           self.err.read().decode(errors="replace"))
+
+    def close(self) -> None:
+        import signal
+
+        if not self._poll():
+            os.kill(self.pid, signal.SIGKILL)
+            self.status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        self.out.close()
+        self.err.close()
 
 
 def _run_as_command(fn, out, err) -> None:

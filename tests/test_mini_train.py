@@ -10,6 +10,8 @@ import torch
 
 from attnqat.train.corpus_source import pool_clips, uses_before
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: these small ops run faster on one thread here
+
 SMALL = ["data.corpus.sizes=[[5,32,32],[9,32,64]]", "data.corpus.size_weights=[2,1]", "data.batch_size=2",
          "data.corpus.pool=4", "data.corpus.refresh=2", "data.corpus.refresh_every=1", "data.corpus.encode_batch=3", "data.held_out=2",
          "train.max_steps=6", "train.warmup_steps=2", "checkpoint.every=3", "log.every=1", 'train.mixed_precision="no"',

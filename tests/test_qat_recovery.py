@@ -13,8 +13,11 @@ distance grew 1% on seed 2.)
 Skipped where mini's weights or its QAT weights are not installed."""
 from __future__ import annotations
 
+import json
 import math
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,22 +57,55 @@ def test_shipped_qat_weights_recover_part_of_the_fp4_gap_on_held_out_clips():
     assert recovered["velocity_distance"] < 0.95 * fp4["velocity_distance"], rows
 
 
-def test_a_few_qat_steps_on_mini_lower_its_fp4_held_out_loss_and_velocity_distance(tmp_path):
+TRAINING_TEST = "test_a_few_qat_steps_on_mini_lower_its_fp4_held_out_loss_and_velocity_distance"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def training(request, tmp_path_factory):
+    """The training test's run, started in a process forked at the module's start (one thread; as fast here as
+    two, ~55 s) so that it trains side by side with the shipped-weights check in this process (the suite has two
+    cores); the training test waits for it. Its seed is drawn as that test's own (conftest's test_seed). None
+    where the training test is not selected."""
+    from conftest import ForkedProcess, test_seed
+
+    item = next((i for i in request.session.items if i.module is request.module and i.name == TRAINING_TEST), None)
+    if item is None:
+        yield None
+        return
+    run_seed = int(torch.randint(0, 2 ** 31 - 1, (), generator=torch.Generator().manual_seed(test_seed(item.nodeid))))
+    out = tmp_path_factory.mktemp("qat")
+
+    def run():
+        from attnqat.train import load_config, train
+
+        cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "mini_qat.yaml", [
+            f"model={MINI_DIR}", f"output_dir={out / 'run'}", f"seed={run_seed}",
+            "objective.type=distill", "objective.target=output", "train.lr=2e-5", "train.warmup_steps=0",
+            "train.max_steps=16", 'train.mixed_precision="no"', "data.batch_size=8", "data.held_out=16",
+            "data.corpus.sizes=[[9,64,64]]", "data.corpus.size_weights=null", "data.corpus.pool=32",
+            "data.corpus.refresh=4", "data.corpus.refresh_every=1", "log.eval_every=16", "checkpoint.every=16"])
+        result = train(cfg)
+        (out / "result.json").write_text(json.dumps({"steps": result.steps, "before": result.gap_before,
+                                                     "after": result.gap_after}))
+
+    proc = ForkedProcess(run)
+    try:
+        yield SimpleNamespace(process=proc, result=out / "result.json", seed=run_seed)
+    finally:
+        proc.close()
+
+
+def test_a_few_qat_steps_on_mini_lower_its_fp4_held_out_loss_and_velocity_distance(training):
     """attnqat train's loop, as configs/mini_qat.yaml with distillation from the bf16 base: 16 steps at 9x64x64
     (48 tokens) on fresh corpus clips, the run's seed drawn from the test's. The held-out clips are the corpus's
-    held-out split (attribute pairs mini never trained on), evaluated before and after by the loop itself."""
-    from attnqat.train import load_config, train
-
-    seed = int(torch.randint(0, 2 ** 31 - 1, ()))
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "mini_qat.yaml", [
-        f"model={MINI_DIR}", f"output_dir={tmp_path / 'run'}", f"seed={seed}",
-        "objective.type=distill", "objective.target=output", "train.lr=2e-5", "train.warmup_steps=0",
-        "train.max_steps=16", 'train.mixed_precision="no"', "data.batch_size=8", "data.held_out=16",
-        "data.corpus.sizes=[[9,64,64]]", "data.corpus.size_weights=null", "data.corpus.pool=32",
-        "data.corpus.refresh=4", "data.corpus.refresh_every=1", "log.eval_every=16", "checkpoint.every=16"])
-    result = train(cfg)
-    before, after = result.gap_before, result.gap_after
-    assert result.steps == 16 and all(map(math.isfinite, (*before.values(), *after.values()))), (before, after)
+    held-out split (attribute pairs mini never trained on), evaluated before and after by the loop itself. The run
+    is the ``training`` fixture's, in its forked process."""
+    run = training.process.wait(time.monotonic() + 600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(training.result.read_text())
+    before, after = result["before"], result["after"]
+    where = (before, after, f"run seed {training.seed}")
+    assert result["steps"] == 16 and all(map(math.isfinite, (*before.values(), *after.values()))), where
     # the FP4 student (attn_qat) against the frozen bf16 base on the held-out clips: closer, and a lower loss
-    assert after["output"] < before["output"], (before, after)
-    assert after["flow"] < before["flow"], (before, after)
+    assert after["output"] < before["output"], where
+    assert after["flow"] < before["flow"], where
