@@ -8,4 +8,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q "torch==2.13.0" -e ".[test]"
-python -m pytest -q "$@"
+# Two workers (pytest-xdist; one on a one-core machine): much of a test's time is a Triton-interpreter
+# thread or a forked process waiting, so two cores run the suite in ~0.6x the time of one worker.
+python -m pytest -q -n auto --maxprocesses 2 "$@"
