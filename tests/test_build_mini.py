@@ -30,7 +30,7 @@ def _build(out: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=900)
 
 
-@pytest.mark.long  # ~2.5 minutes on 2 cores (ten interpreter starts that each train): `pytest -m long`
+@pytest.mark.slow  # ~2.5 minutes on 2 cores (ten interpreter starts that each train)
 def test_builds_the_whole_chain_and_skips_what_is_done(tmp_path):
     out = tmp_path / "build"
     run = _build(out)
