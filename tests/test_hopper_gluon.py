@@ -586,9 +586,14 @@ def test_gluon_training_choice_and_its_one_warning(cap, warns, monkeypatch):
     monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
     assert hopper_gluon.gluon_training(dev) == (False, "ATTNQAT_GLUON=0")
     monkeypatch.delenv(hopper_gluon.GLUON_ENV)
-    monkeypatch.setenv("ATTNQAT_DQ_CONFIG", "128,64,8,3")  # tuning the Triton backward asks for that backward
-    assert hopper_gluon.gluon_training(dev) == (False, "ATTNQAT_DQ_CONFIG pin the Triton backward's launch config")
+    monkeypatch.setenv("ATTNQAT_DQ_CONFIG", "128,64,8,3")  # tuning the Triton kernels asks for those kernels
+    assert hopper_gluon.gluon_training(dev) == (False, "ATTNQAT_DQ_CONFIG pin the Triton kernels' launch config")
+    monkeypatch.setenv("ATTNQAT_FWD_CONFIG", "128,64,8,3")
+    assert hopper_gluon.gluon_training(dev) == (
+        False, "ATTNQAT_FWD_CONFIG and ATTNQAT_DQ_CONFIG pin the Triton kernels' launch config")
     monkeypatch.delenv("ATTNQAT_DQ_CONFIG")
+    assert hopper_gluon.gluon_training(dev) == (False, "ATTNQAT_FWD_CONFIG pin the Triton kernels' launch config")
+    monkeypatch.delenv("ATTNQAT_FWD_CONFIG")
     monkeypatch.setattr(hopper_gluon, "available", lambda device=None: (False, "Triton 3.5.1 lacks Gluon's Hopper API"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -624,8 +624,9 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), in one place. Pin with ATTNQAT_FWD_CONFIG /
 # ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests, benchmarks and tuning (docs/environment.md).
-# Either pins the Triton backward: on sm_90 it then runs instead of the Gluon one (hopper_gluon.gluon_training).
-BWD_CONFIG_ENV, DQ_CONFIG_ENV = "ATTNQAT_BWD_CONFIG", "ATTNQAT_DQ_CONFIG"
+# Any of them pins attn_qat's Triton training kernels: on sm_90 they then run instead of the Gluon ones
+# (hopper_gluon.gluon_training).
+FWD_CONFIG_ENV, BWD_CONFIG_ENV, DQ_CONFIG_ENV = "ATTNQAT_FWD_CONFIG", "ATTNQAT_BWD_CONFIG", "ATTNQAT_DQ_CONFIG"
 # Measured on an H100 at (1, 40, 32760, 128) by bench/tune_attn_qat.py (docs/kernels.md has the table).
 # Inference forward: 128x128 tiles, 8 warps, 3 stages (50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8); at
 # head_dim 64, 128x64/8 (32.5 ms vs 38.1 for 128x128).
@@ -651,9 +652,9 @@ CONFIG_INTERPRET_64 = LaunchConfig(32, 64, 4, 1)
 
 def fwd_config(head_dim: int, training: bool) -> LaunchConfig:
     if interpreting():
-        return pinned_config("ATTNQAT_FWD_CONFIG") or CONFIG_INTERPRET_64
+        return pinned_config(FWD_CONFIG_ENV) or CONFIG_INTERPRET_64
     table = FWD_TRAIN_CONFIG_GPU if training else FWD_CONFIG_GPU
-    return pinned_config("ATTNQAT_FWD_CONFIG") or table[head_dim]
+    return pinned_config(FWD_CONFIG_ENV) or table[head_dim]
 
 
 def bwd_transposed(head_dim: int) -> bool:

@@ -50,7 +50,7 @@ import triton
 
 from ._common import check_qkv, default_scale, interpreting, needs_grad
 from ._hardware import compile_for
-from .attn_qat import BWD_CONFIG_ENV, DQ_CONFIG_ENV, _attn_bwd_preprocess, _phi_blocks, _round_p
+from .attn_qat import BWD_CONFIG_ENV, DQ_CONFIG_ENV, FWD_CONFIG_ENV, _attn_bwd_preprocess, _phi_blocks, _round_p
 from .nvfp4 import quantize_heads, tile_keys
 from .reference import refuse_double_backward
 
@@ -1180,14 +1180,14 @@ TRAINING_BWD_VARIANT = "ws"  # the backward kernels training runs: 0.87x the "de
 
 def gluon_training(device: torch.device) -> tuple[bool, str]:
     """Whether attn_qat's training step (forward and backward) on ``device`` runs the Gluon sm_90 kernels, and the
-    reason (backend_info's line): not with ATTNQAT_GLUON=0, nor with the Triton backward's launch config pinned.
+    reason (backend_info's line): not with ATTNQAT_GLUON=0, nor with a launch config of the Triton kernels pinned.
     Where the GPU is an sm_90 one and Gluon cannot run (Triton older than 3.6), one warning says so: the step falls
-    back to the Triton kernels, slower by about 1.15x."""
+    back to the Triton kernels, slower by about 1.2x."""
     if os.environ.get(GLUON_ENV, "1") == "0":
         return False, f"{GLUON_ENV}=0"
-    pinned = [name for name in (BWD_CONFIG_ENV, DQ_CONFIG_ENV) if os.environ.get(name)]
-    if pinned:  # a launch config pinned for the Triton backward asks for that backward
-        return False, f"{' and '.join(pinned)} pin the Triton backward's launch config"
+    pinned = [name for name in (FWD_CONFIG_ENV, BWD_CONFIG_ENV, DQ_CONFIG_ENV) if os.environ.get(name)]
+    if pinned:  # a launch config pinned for the Triton kernels asks for those kernels
+        return False, f"{' and '.join(pinned)} pin the Triton kernels' launch config"
     ok, why = available(device)
     if not ok and device.type == "cuda" and torch.cuda.is_available() \
             and torch.cuda.get_device_capability(device) == (9, 0):
