@@ -26,9 +26,12 @@ def main(argv=None) -> None:
     p.add_argument("--shape", default="1,40,8192,128", help="B,H,L,D (default 1,40,8192,128)")
     p.add_argument("--causal", action="store_true")
     args = p.parse_args(argv)
+    try:
+        b, h, length, d = (int(x) for x in args.shape.split(","))
+    except ValueError:
+        p.error(f"--shape {args.shape!r} must be four integers B,H,L,D, e.g. 1,40,8192,128")
     if not torch.cuda.is_available():
         sys.exit("bench/ncu_attn_qat.py needs a CUDA GPU")
-    b, h, length, d = (int(x) for x in args.shape.split(","))
     print("attn_qat training:", backend_info()["attn_qat_training"], flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, length, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))

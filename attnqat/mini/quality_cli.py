@@ -502,7 +502,8 @@ def _measure(args: argparse.Namespace, t_start: float) -> int:
                           log=log, progress=bar)
     videos = result.pop("videos")
     result = {"format": FORMAT, "version": 1, "model": args.model, "device": _device_name(device),
-              "flow_shift": float(pipe.scheduler.config.flow_shift),
+              # the sampler's shift as it ran (None for a scheduler without one, e.g. a model's flow-matching Euler)
+              "flow_shift": pipe.scheduler.config.get("flow_shift"),
               "seconds": round(time.perf_counter() - t_start, 1), "weight_files": weight_files, **result}
     files = write_outputs(args.out, result, videos, args.grid_prompts)
     print(format_table(result))
