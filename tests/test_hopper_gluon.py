@@ -42,6 +42,9 @@ for head_dim, causal in ((64, False), (128, True)):
     for variant in ("bf16", "fp4", "train"):
         record(f"{head_dim},{variant}", compile_forward(head_dim, causal, fp4=variant == "fp4",
                                                         training=variant == "train"))
+        record(f"{head_dim},{variant},ws", compile_forward(head_dim, causal, fp4=variant == "fp4",
+                                                           training=variant == "train", variant="ws"))
+record("128,fp4,pingpong", compile_forward(128, True, fp4=True, variant="pingpong"))
 print(json.dumps(out))
 """
 
@@ -72,11 +75,11 @@ def test_forward_compiles_for_sm90a(compiled):
         for op in ("st.shared", "ld.shared", "bar.sync", "bar.arrive", "shfl.sync"):
             assert fp4.count(op) == bf16.count(op), op
     for key, variant in out.items():
-        head_dim = int(key.split(",")[0])
+        head_dim, kind, layout = (key.split(",") + ["default"])[:3]
+        head_dim = int(head_dim)
         ptx, shared = variant["ptx"], variant["shared"]
         assert ".target sm_90a" in ptx
-        config = hopper_gluon.FWD_TRAIN_CONFIG if key.endswith("train") else hopper_gluon.FWD_CONFIG
-        block_n = config[head_dim][1]
+        block_n = hopper_gluon._fwd_config(layout, head_dim, kind == "train")[1]
         # S = Q K^T: both operands in shared memory (64-bit descriptors); O += P V: P in four registers
         assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, %rd", ptx)
         assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 "
@@ -87,6 +90,25 @@ def test_forward_compiles_for_sm90a(compiled):
         assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx
         assert re.fullmatch(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0", variant["usage"]), (key, variant["usage"])
         assert shared <= H100_SHARED_BYTES
+
+
+def test_ws_forwards_run_two_consumer_warpgroups(compiled):
+    """The warp-specialised forwards ("ws", "pingpong") are the 8-warp kernel's consumer code twice, once per
+    warpgroup partition (twice its wgmmas and e4m3 casts; 240 registers each, the load warp 24), with barriers scoped
+    to one warpgroup (bar.sync id, 128), and they fit H100's shared memory with their deeper rings. "pingpong" adds
+    one mbarrier wait and one arrive per wgmma round and consumer (the turn hand-off) and nothing else."""
+    for key in [key for key in compiled if key.endswith((",ws", ",pingpong"))]:
+        ptx = compiled[key]["ptx"]
+        default = compiled[key.rsplit(",", 1)[0]]["ptx"]
+        assert ptx.count("wgmma.mma_async") == 2 * default.count("wgmma.mma_async"), key
+        assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 2 * default.count("cvt.rn.satfinite.e4m3x2.f32"), key
+        assert re.search(r"bar\.sync\s+\d+, 128;", ptx), key
+        assert compiled[key]["shared"] > compiled[key.rsplit(",", 1)[0]]["shared"]  # the deeper K, V ring
+    ws, pingpong = compiled["128,fp4,ws"]["ptx"], compiled["128,fp4,pingpong"]["ptx"]
+    for op in ("mbarrier.arrive", "mbarrier.try_wait"):  # rounds: tile 0, the loop, the last P V; two consumers
+        assert pingpong.count(op) == ws.count(op) + 2 * 3, op
+    for op in ("wgmma.mma_async", "st.shared", "ld.shared", "shfl.sync"):
+        assert pingpong.count(op) == ws.count(op), op
 
 
 def test_training_variant_adds_the_aux_mma_and_the_statistics(compiled):
@@ -137,6 +159,10 @@ def test_fp4_forward_refuses_grad_and_bad_inputs_first(device):
     with pytest.raises(ValueError, match="head_dim 32"):
         hopper_gluon.hopper_fp4_attention(*(torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device)
                                             for _ in range(3)))
+    x = q.detach()
+    for fn in (hopper_gluon.hopper_attention, hopper_gluon.hopper_fp4_attention, hopper_gluon.hopper_attn_qat_forward):
+        with pytest.raises(ValueError, match=r"variant 'fast' not in \('default', 'ws', 'pingpong'\)"):
+            fn(x, x, x, variant="fast")
 
 
 def test_training_forward_checks_inputs_first(device):
@@ -223,13 +249,14 @@ def _inputs(b, h, lq, lk, d, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", hopper_gluon.FWD_VARIANTS)
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
-def test_gpu_matches_sdpa(b, h, lq, lk, d, causal, layout, poison):
+def test_gpu_matches_sdpa(b, h, lq, lk, d, causal, layout, variant, poison):
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)
     q, k, v = _inputs(b, h, lq, lk, d, layout)
-    out = hopper_gluon.hopper_attention(q, k, v, causal=causal)
+    out = hopper_gluon.hopper_attention(q, k, v, causal=causal, variant=variant)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
     torch_bf16 = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     assert out.shape == (b, h, lq, d) and out.dtype == torch.bfloat16
@@ -261,8 +288,9 @@ def _fp4_bound(ref):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", hopper_gluon.FWD_VARIANTS)
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
-def test_gpu_fp4_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, poison):
+def test_gpu_fp4_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, variant, poison):
     """The Gluon FP4 forward against attn_qat's Triton FP4 forward (the nvfp4 mode, same numerics) and the PyTorch
     reference (SPEC §2 in fp32). Both kernels are held to the same bound against the reference, and to each
     other; a forward that skipped P's quantization would be ~0.1 off (FP4 noise), far outside it."""
@@ -271,7 +299,7 @@ def test_gpu_fp4_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, l
         pytest.skip(why)
     q, k, v = _inputs(b, h, lq, lk, d, layout)
     with torch.no_grad():
-        out = hopper_gluon.hopper_fp4_attention(q, k, v, causal=causal)
+        out = hopper_gluon.hopper_fp4_attention(q, k, v, causal=causal, variant=variant)
         triton_out = nvfp4_attention(q, k, v, causal=causal)
     ref = R.attn_qat_forward_ref(q, k, v, causal=causal, training=False)[0]
     assert out.shape == (b, h, lq, d) and out.dtype == torch.bfloat16
@@ -332,8 +360,10 @@ def _assert_gradients(grads, triton_grads, refs, likes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", hopper_gluon.FWD_VARIANTS)
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
-def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, poison):
+def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk, d, causal, layout, variant,
+                                                                   poison):
     """The Gluon training forward against attn_qat's Triton training forward and the PyTorch reference (SPEC §2 in
     fp32): every output, O (FP4), O' (the auxiliary high-precision output), m and l, and the quantized operands
     the backward reads, in the Triton forward's dtypes, shapes and strides. Outputs start as NaN (poison): an
@@ -343,7 +373,7 @@ def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk,
         pytest.skip(why)
     q, k, v = _inputs(b, h, lq, lk, d, layout)
     scale = d ** -0.5
-    o, o_aux, m, l, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal)
+    o, o_aux, m, l, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal, variant=variant)
     t_o, t_aux, t_m, t_l, (t_qf, t_kf, t_vf) = attn_qat_forward(q, k, v, sm_scale=scale, causal=causal,
                                                                 training=True)
     r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q, k, v, causal=causal, training=True)
@@ -362,6 +392,28 @@ def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk,
     # single causal query: it attends one key, P is exactly 1 in both, and O and O' nearly agree (0.6% at d=64, H100)
     if lq > 1:
         assert rel_err(o, r_aux) > 5 * _fp4_bound(r_aux)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [v for v in hopper_gluon.FWD_VARIANTS if v != "default"])
+@pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
+def test_gpu_forward_variants_agree_bit_for_bit(b, h, lq, lk, d, causal, layout, variant, poison):
+    """The warp-specialised forwards run each row's softmax and matmuls as the 8-warp one does (the same key tiles in
+    the same order, 64-row wgmmas either way), so every output of every forward kind equals the default variant's
+    exactly, including the last program's rows past Lq, which a dead second consumer must leave unwritten."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = _inputs(b, h, lq, lk, d, layout)
+    with torch.no_grad():
+        for fn in (hopper_gluon.hopper_attention, hopper_gluon.hopper_fp4_attention,
+                   hopper_gluon.hopper_attn_qat_forward):
+            want, got = (fn(q, k, v, causal=causal, variant=name) for name in ("default", variant))
+            want, got = (torch.utils._pytree.tree_leaves(t) for t in (want, got))
+            assert len(want) == len(got)
+            for w, g in zip(want, got):
+                assert g.shape == w.shape and g.stride() == w.stride()
+                assert torch.equal(g, w), (fn.__name__, (g != w).sum().item())
 
 
 @pytest.mark.gpu

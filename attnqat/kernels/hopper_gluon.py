@@ -76,6 +76,13 @@ FWD_CONFIG = {64: (128, 128, 3, 8), 128: (128, 128, 2, 8)}
 # Triton training forward; its O' leaves through a tile of its own (Q + stages * (K + V) + O' at head_dim 128:
 # 32 + 3 * 32 + 32 KB).
 FWD_TRAIN_CONFIG = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
+# The warp-specialised forwards (variants "ws" and "pingpong"), (BLOCK_M, BLOCK_N, NUM_STAGES) per head_dim: two
+# independent consumer warpgroups of BLOCK_M = 64 rows each (a program owns 128 rows, as above; each thread holds
+# what it holds in the 8-warp variant) plus the load warp. More stages fit: Q 2 * 16 + 3 * (32 + 32) = 224 KB at
+# head_dim 128 with 128-key tiles; training 2 * 16 + 2 * 16 (O') + 4 * (16 + 16) = 192 KB with 64-key tiles.
+FWD_WS_CONFIG = {64: (64, 128, 4), 128: (64, 128, 3)}
+FWD_TRAIN_WS_CONFIG = {64: (64, 64, 4), 128: (64, 64, 4)}
+FWD_VARIANTS = ("default", "ws", "pingpong")
 # The backward's two kernels, (BLOCK_M, BLOCK_N, num_warps) per head_dim: BLOCK_M = 16 * num_warps query rows (one
 # 16-row wgmma slab per warp), BLOCK_N keys. dK/dV: a program owns BLOCK_N = 64 keys (as the Triton backward's
 # untransposed 128x64/8, its one tile without spills) and steps over 128 queries at a time; double-buffered Q^F and dO
@@ -129,11 +136,10 @@ if not _MISSING:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
     @gluon.jit
-    def _attn_load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
-                   off_b, off_h, off_m, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """Load partition: Q once, then K_j and V_j into ring slot j % NUM_STAGES as soon as it is free."""
-        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [off_b, off_h, off_m, 0], q_ready, q_smem)
+    def _kv_ring(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, off_b, off_h, n_blocks,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """K_j and V_j into ring slot j % NUM_STAGES as soon as it is free (its empty barrier: every consumer
+        arrived)."""
         for j in range(n_blocks):
             slot = j % NUM_STAGES
             # A fresh barrier is in phase 0, so waiting on parity 1 passes: the first lap finds every slot free.
@@ -144,6 +150,34 @@ if not _MISSING:
             mbarrier.wait(v_empty.index(slot), free_phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             _tma_load(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(slot), v_bufs.index(slot))
+
+    @gluon.jit
+    def _attn_load(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty,
+                   off_b, off_h, off_m, n_blocks, seqlen_q, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   CONSUMERS: gl.constexpr):
+        """Load partition: each consumer's Q tile once (on its q_ready barrier; a consumer whose rows all lie past
+        Lq gets none: no TMA box wholly out of bounds), then the K, V ring."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        for c in gl.static_range(CONSUMERS):
+            live = off_m + c * BLOCK_M < seqlen_q
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes, live)
+            _tma_load(q_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], q_ready.index(c), q_bufs.index(c), pred=live)
+        _kv_ring(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, off_b, off_h, n_blocks, BLOCK_N,
+                 NUM_STAGES)
+
+    @gluon.jit
+    def _take_turn(turn, r, PARITY: gl.constexpr, PINGPONG: gl.constexpr):
+        """PINGPONG: wait until the other consumer warpgroup has issued its round r (PARITY 1: the first consumer,
+        whose round 0 goes first) before issuing this one's wgmmas (FlashAttention-3's warp scheduler barrier: the
+        two warpgroups' matmul rounds alternate, so one's softmax runs under the other's matmuls)."""
+        if PINGPONG:
+            mbarrier.wait(turn, (r & 1) ^ PARITY)
+
+    @gluon.jit
+    def _pass_turn(turn, PINGPONG: gl.constexpr):
+        """PINGPONG: hand the tensor cores to the other consumer once this round's wgmmas are issued."""
+        if PINGPONG:
+            mbarrier.arrive(turn, count=1)
 
     @gluon.jit
     def _issue_scores(q, k_bufs, k_ready, j, zero, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -259,13 +293,18 @@ if not _MISSING:
 
     @gluon.jit
     def _attn_softmax_mma(o_desc, aux_desc, m_ptr, l_ptr, q_smem, aux_smem, k_bufs, v_bufs, q_ready, k_ready,
-                          v_ready, k_empty, v_empty, off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale,
-                          num_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP4: gl.constexpr,
-                          TRAINING: gl.constexpr, num_warps: gl.constexpr):
-        """Default partition: both matmuls and the online softmax, then O / l through shared memory and TMA.
-        TRAINING adds O' += P~_j V_j (a third wgmma, issued after P_{j-1} V_{j-1} and overlapped alike), O' / l
-        through its own shared-memory tile, and m and l per row."""
+                          v_ready, k_empty, v_empty, turn_wait, turn_pass, off_b, off_h, off_m, n_blocks, seqlen_q,
+                          seqlen_k, qk_scale, num_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP4: gl.constexpr,
+                          TRAINING: gl.constexpr, PARITY: gl.constexpr, PINGPONG: gl.constexpr,
+                          num_warps: gl.constexpr):
+        """A consumer partition (BLOCK_M rows at off_m on num_warps warps): both matmuls and the online softmax, then
+        O / l through shared memory and TMA. TRAINING adds O' += P~_j V_j (a third wgmma, issued after
+        P_{j-1} V_{j-1} and overlapped alike), O' / l through its own shared-memory tile, and m and l per row.
+        PINGPONG alternates each round of wgmma issues with the other consumer's (_take_turn, _pass_turn). Rows
+        all past Lq (the second consumer of the last query block) get no Q tile: the partition still steps
+        through every key tile (the ring waits for both consumers) on whatever its tile holds, and stores
+        nothing."""
         s_layout: gl.constexpr = _wgmma_layout(num_warps, BLOCK_N)
         o_layout: gl.constexpr = _wgmma_layout(num_warps, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -278,11 +317,14 @@ if not _MISSING:
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         if TRAINING:
             acc_aux = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        mbarrier.wait(q_ready, 0)
+        live = off_m < seqlen_q
+        mbarrier.wait(q_ready, 0, pred=live)
         q = q_smem.reshape([BLOCK_M, HEAD_DIM])
 
         # Block 0 alone: its logits start the running max.
+        _take_turn(turn_wait, 0, PARITY, PINGPONG)
         s = _issue_scores(q, k_bufs, k_ready, 0, zero, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        _pass_turn(turn_pass, PINGPONG)
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(0), count=1)
         s = _masked(s, 0, offs_m, seqlen_k, BLOCK_N, CAUSAL, FP4)
@@ -294,11 +336,14 @@ if not _MISSING:
         for j in range(1, n_blocks):
             # S_j first, then P_{j-1} V_{j-1} (and P~_{j-1} V_{j-1}); waiting until only those are pending leaves
             # them running while block j's softmax computes (wgmma groups complete in issue order).
+            _take_turn(turn_wait, j, PARITY, PINGPONG)
             s = _issue_scores(q, k_bufs, k_ready, j, zero, BLOCK_N, HEAD_DIM, NUM_STAGES)
             v = _v_tile(v_bufs, v_ready, j - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
             acc = warpgroup_mma(p, v, acc, is_async=True)
             if TRAINING:
                 acc_aux = warpgroup_mma(p_aux, v, acc_aux, is_async=True)
+            _pass_turn(turn_pass, PINGPONG)
+            if TRAINING:
                 s = warpgroup_mma_wait(2, deps=[s])
             else:
                 s = warpgroup_mma_wait(1, deps=[s])
@@ -319,77 +364,110 @@ if not _MISSING:
                 acc_aux = acc_aux * alpha_acc
                 p_aux = gl.convert_layout(p_aux_next, p_layout)
 
+        _take_turn(turn_wait, n_blocks, PARITY, PINGPONG)
         v = _v_tile(v_bufs, v_ready, n_blocks - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
         acc = warpgroup_mma(p, v, acc, is_async=True)
         if TRAINING:
             acc_aux = warpgroup_mma(p_aux, v, acc_aux, is_async=True)
+        _pass_turn(turn_pass, PINGPONG)
+        if TRAINING:
             acc, acc_aux, p, p_aux = warpgroup_mma_wait(0, deps=[acc, acc_aux, p, p_aux])
         else:
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])
         l_acc = _per_row(l_i, acc_row_layout)[:, None]
 
         # Q's slot is free once the last S finished (above): O goes out through it; TMA clips rows past Lq.
-        q.store((acc / l_acc).to(dtype))
-        if TRAINING:
-            aux_smem.reshape([BLOCK_M, HEAD_DIM]).store((acc_aux / l_acc).to(dtype))
-        fence_async_shared()
-        _tma_store(o_desc, [off_b, off_h, off_m, 0], q_smem)
-        if TRAINING:
-            _tma_store(aux_desc, [off_b, off_h, off_m, 0], aux_smem)
-            # m and l per row, (B, H, Lq) fp32 contiguous: the backward's P~ = 2688 2^(S - m) and P = P~ / l
-            rows = (off_b * num_heads + off_h) * seqlen_q + offs_m
-            gl.store(m_ptr + rows, _per_row(m_i, row_layout), mask=offs_m < seqlen_q)
-            gl.store(l_ptr + rows, _per_row(l_i, row_layout), mask=offs_m < seqlen_q)
-        tma.store_wait(0)
+        if live:
+            q.store((acc / l_acc).to(dtype))
+            if TRAINING:
+                aux_smem.reshape([BLOCK_M, HEAD_DIM]).store((acc_aux / l_acc).to(dtype))
+            fence_async_shared()
+            _tma_store(o_desc, [off_b, off_h, off_m, 0], q_smem)
+            if TRAINING:
+                _tma_store(aux_desc, [off_b, off_h, off_m, 0], aux_smem)
+                # m and l per row, (B, H, Lq) fp32 contiguous: the backward's P~ = 2688 2^(S - m) and P = P~ / l
+                rows = (off_b * num_heads + off_h) * seqlen_q + offs_m
+                gl.store(m_ptr + rows, _per_row(m_i, row_layout), mask=offs_m < seqlen_q)
+                gl.store(l_ptr + rows, _per_row(l_i, row_layout), mask=offs_m < seqlen_q)
+            tma.store_wait(0)
 
     @gluon.jit
     def _attn_fwd(q_desc, k_desc, v_desc, o_desc, aux_desc, m_ptr, l_ptr, seqlen_q, seqlen_k, qk_scale, num_heads,
                   HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  FP4: gl.constexpr, TRAINING: gl.constexpr, num_warps: gl.constexpr):
-        """One program per (BLOCK_M query rows, batch * head): allocate the ring and its barriers, then fork
-        into the load partition and the softmax/MMA partition. TRAINING (FP4 only) also writes O' through
-        aux_desc and the row statistics m, l to m_ptr, l_ptr; otherwise those three are not touched."""
+                  FP4: gl.constexpr, TRAINING: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """One program per (CONSUMERS * BLOCK_M query rows, batch * head): allocate the ring and its barriers, then
+        fork into the load partition and CONSUMERS softmax/MMA partitions of BLOCK_M rows each (the Q descriptor's
+        tile): one of num_warps warps (the "default" variant: 8 warps, two warpgroups in lockstep), or two
+        independent warpgroups of 4 ("ws": the default partition and a worker, as FlashAttention-3's forward;
+        PINGPONG alternates their wgmma rounds). TRAINING (FP4 only) also writes O' through aux_desc and the row
+        statistics m, l to m_ptr, l_ptr; otherwise those three are not touched."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         gl.static_assert(q_desc.block_type.shape[3] == HEAD_DIM)
         gl.static_assert(not FP4 or BLOCK_N % 64 == 0)  # _fp4_step: each thread holds whole 16-key blocks
         gl.static_assert(FP4 or not TRAINING)  # O' is SPEC §2's auxiliary output: the FP4 forward's
-        off_m = gl.program_id(0) * BLOCK_M
+        gl.static_assert(CONSUMERS == 1 or (CONSUMERS == 2 and num_warps == 4))
+        gl.static_assert(CONSUMERS == 2 or not PINGPONG)
+        off_m = gl.program_id(0) * (CONSUMERS * BLOCK_M)
         off_b = gl.program_id(1) // num_heads
         off_h = gl.program_id(1) % num_heads
-        if CAUSAL:  # top-left aligned: query i sees keys 0..i, so blocks past the tile's last row are skipped
-            n_blocks = gl.cdiv(gl.minimum(seqlen_k, off_m + BLOCK_M), BLOCK_N)
+        if CAUSAL:  # top-left aligned: query i sees keys 0..i, so blocks past the program's last row are skipped
+            # (every consumer steps through all of them: the first one's last tiles may be masked out whole)
+            n_blocks = gl.cdiv(gl.minimum(seqlen_k, off_m + CONSUMERS * BLOCK_M), BLOCK_N)
         else:
             n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
 
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         if TRAINING:  # O' leaves through a tile of its own: Q's slot carries O at the same time
-            aux_smem = gl.allocate_shared_memory(aux_desc.dtype, aux_desc.block_type.shape, aux_desc.layout)
+            aux_smem = gl.allocate_shared_memory(aux_desc.dtype, [CONSUMERS] + aux_desc.block_type.shape,
+                                                 aux_desc.layout)
         else:
             aux_smem = q_smem
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.init(q_ready.index(c), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)  # a slot is free once every consumer is done with it
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        fence_async_shared()
 
-        gl.warp_specialize([
-            (_attn_softmax_mma, (o_desc, aux_desc, m_ptr, l_ptr, q_smem, aux_smem, k_bufs, v_bufs, q_ready, k_ready,
-                                 v_ready, k_empty, v_empty, off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k,
-                                 qk_scale, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, FP4, TRAINING,
-                                 num_warps)),
-            (_attn_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
-                          v_empty, off_b, off_h, off_m, n_blocks, BLOCK_N, NUM_STAGES)),
-        ], [LOADER_WARPS], [LOADER_REGS])
-
+        if CONSUMERS == 1:
+            gl.warp_specialize([
+                (_attn_softmax_mma, (o_desc, aux_desc, m_ptr, l_ptr, q_smem.index(0), aux_smem.index(0), k_bufs,
+                                     v_bufs, q_ready.index(0), k_ready, v_ready, k_empty, v_empty, turn.index(0),
+                                     turn.index(1), off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                                     num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, FP4, TRAINING, 1,
+                                     False, num_warps)),
+                (_attn_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
+                              v_empty, off_b, off_h, off_m, n_blocks, seqlen_q, BLOCK_N, NUM_STAGES, CONSUMERS)),
+            ], [LOADER_WARPS], [LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_attn_softmax_mma, (o_desc, aux_desc, m_ptr, l_ptr, q_smem.index(0), aux_smem.index(0), k_bufs,
+                                     v_bufs, q_ready.index(0), k_ready, v_ready, k_empty, v_empty, turn.index(0),
+                                     turn.index(1), off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                                     num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, FP4, TRAINING, 1,
+                                     PINGPONG, num_warps)),
+                (_attn_softmax_mma, (o_desc, aux_desc, m_ptr, l_ptr, q_smem.index(1), aux_smem.index(1), k_bufs,
+                                     v_bufs, q_ready.index(1), k_ready, v_ready, k_empty, v_empty, turn.index(1),
+                                     turn.index(0), off_b, off_h, off_m + BLOCK_M, n_blocks, seqlen_q, seqlen_k,
+                                     qk_scale, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, FP4,
+                                     TRAINING, 0, PINGPONG, num_warps)),
+                (_attn_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
+                              v_empty, off_b, off_h, off_m, n_blocks, seqlen_q, BLOCK_N, NUM_STAGES, CONSUMERS)),
+            ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
 
     # -----------------------------------------------------------------------------------------------------------
     # Backward (SPEC §2), attn_qat's Triton backward on wgmma: D = rowsum(dO O') (attn_qat's Triton pre-pass), then
@@ -909,31 +987,46 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if _tma_ok(t) else t.contiguous()
 
 
+def _fwd_config(variant: str, head_dim: int, training: bool) -> tuple[int, int, int, int, int, bool]:
+    """The forward's launch for ``variant``: (BLOCK_M per consumer, BLOCK_N, NUM_STAGES, num_warps, CONSUMERS,
+    PINGPONG)."""
+    if variant == "default":
+        block_m, block_n, stages, warps = (FWD_TRAIN_CONFIG if training else FWD_CONFIG)[head_dim]
+        return block_m, block_n, stages, warps, 1, False
+    if variant not in FWD_VARIANTS:
+        raise ValueError(f"hopper_gluon: forward variant {variant!r} not in {FWD_VARIANTS}")
+    block_m, block_n, stages = (FWD_TRAIN_WS_CONFIG if training else FWD_WS_CONFIG)[head_dim]
+    return block_m, block_n, stages, 4, 2, variant == "pingpong"
+
+
 def _launch(q, k, v, seqlen_k: int, sm_scale: float | None, causal: bool, fp4: bool, out=None,
-            saved=None) -> torch.Tensor:
+            saved=None, variant: str = "default") -> torch.Tensor:
     """Run the kernel over TMA-ready (B, H, L, D) q, k, v (k, v: at least seqlen_k rows) into ``out`` (default: a
     new contiguous (B, H, Lq, D) tensor in q's dtype), which it returns. ``saved`` = (o_aux, m, l) runs the training
-    variant (FP4 only, its own tiles: FWD_TRAIN_CONFIG), which also writes O' ((B, H, Lq, D) contiguous, q's dtype)
-    and m, l ((B, H, Lq) fp32 contiguous) there."""
+    variant (FP4 only, its own tiles: FWD_TRAIN_CONFIG, FWD_TRAIN_WS_CONFIG), which also writes O' ((B, H, Lq, D)
+    contiguous, q's dtype) and m, l ((B, H, Lq) fp32 contiguous) there."""
     batch, heads, seqlen_q, head_dim = q.shape
     training = saved is not None
-    block_m, block_n, stages, warps = (FWD_TRAIN_CONFIG if training else FWD_CONFIG)[head_dim]
+    block_m, block_n, stages, warps, consumers, pingpong = _fwd_config(variant, head_dim, training)
     if out is None:
         out = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
     # Without training the kernel touches neither O' nor the statistics (constexpr-dead code): out stands in for all
     # three, so an inference call allocates nothing beyond its output (compile_forward types them alike)
     o_aux, m, l = saved if training else (out, out, out)
-    grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
+    grid = (triton.cdiv(seqlen_q, consumers * block_m), batch * heads)
     _attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
                     _descriptor(out, block_m), _descriptor(o_aux, block_m), m, l, seqlen_q, seqlen_k,
                     default_scale(head_dim, sm_scale) * LOG2E, heads, HEAD_DIM=head_dim, CAUSAL=bool(causal),
-                    NUM_STAGES=stages, FP4=fp4, TRAINING=training, num_warps=warps)
+                    NUM_STAGES=stages, FP4=fp4, TRAINING=training, CONSUMERS=consumers, PINGPONG=pingpong,
+                    num_warps=warps)
     return out
 
 
-def _check(q, k, v, name, sm_scale, causal, inference_only=False):
+def _check(q, k, v, name, sm_scale, causal, variant, inference_only=False):
     """The inputs' one check (ValueError), then whether the kernel can run here (RuntimeError)."""
     check_qkv(q, k, v, name=name, sm_scale=sm_scale, causal=causal, head_dims=HEAD_DIMS)
+    if variant not in FWD_VARIANTS:
+        raise ValueError(f"{name}: variant {variant!r} not in {FWD_VARIANTS}")
     if inference_only and needs_grad(q, k, v):
         raise ValueError(f"{name} is inference-only (no backward): call it under torch.no_grad()")
     _runnable(name, q.device)
@@ -947,7 +1040,7 @@ def _runnable(name: str, device: torch.device) -> None:
 
 
 def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                     causal: bool = False) -> torch.Tensor:
+                     causal: bool = False, variant: str = "default") -> torch.Tensor:
     """Softmax(Q K^T * sm_scale) V with the Gluon sm_90 forward.
 
     Arguments:
@@ -955,15 +1048,20 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sc
             sm_90 GPU, head_dim 64 or 128; any strides whose last dim is contiguous.
         sm_scale: softmax scale; default 1/sqrt(head_dim).
         causal: top-left aligned causal mask (SDPA's ``is_causal``).
+        variant: the forward's kernel layout, the same numbers either way: ``"default"`` (one consumer partition
+            of 8 warps, two warpgroups in lockstep), ``"ws"`` (two independent consumer warpgroups of 64 rows) or
+            ``"pingpong"`` (``"ws"`` with the two warpgroups' wgmma rounds alternating, FlashAttention-3's
+            schedule).
     Return:
         (batch, heads, seqlen_q, head_dim) in q's dtype, a new tensor.
     """
-    _check(q, k, v, "hopper_attention", sm_scale, causal)
-    return _launch(_tma_ready(q), _tma_ready(k), _tma_ready(v), k.shape[2], sm_scale, causal, fp4=False)
+    _check(q, k, v, "hopper_attention", sm_scale, causal, variant)
+    return _launch(_tma_ready(q), _tma_ready(k), _tma_ready(v), k.shape[2], sm_scale, causal, fp4=False,
+                   variant=variant)
 
 
 def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                         causal: bool = False) -> torch.Tensor:
+                         causal: bool = False, variant: str = "default") -> torch.Tensor:
     """The FP4 inference forward (``nvfp4``, and ``attn_qat`` without grad; SPEC §2) with the Gluon sm_90
     forward: the numerics of attn_qat's Triton forward, on the warp-specialised pipeline.
 
@@ -975,11 +1073,11 @@ def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
 
     Arguments and return as :func:`hopper_attention`. Inference only: inputs that require grad are refused.
     """
-    _check(q, k, v, "hopper_fp4_attention", sm_scale, causal, inference_only=True)
-    block_n = FWD_CONFIG[q.shape[3]][1]
+    _check(q, k, v, "hopper_fp4_attention", sm_scale, causal, variant, inference_only=True)
+    block_n = _fwd_config(variant, q.shape[3], training=False)[1]
     qf = quantize_heads(q, q.dtype)
     kf, vf = (quantize_heads(t, q.dtype, key_tile=block_n) for t in (k, v))
-    return _launch(qf, kf, vf, k.shape[2], sm_scale, causal, fp4=True)
+    return _launch(qf, kf, vf, k.shape[2], sm_scale, causal, fp4=True, variant=variant)
 
 
 def _output_like(q: torch.Tensor) -> torch.Tensor:
@@ -990,7 +1088,7 @@ def _output_like(q: torch.Tensor) -> torch.Tensor:
 
 
 def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                            causal: bool = False):
+                            causal: bool = False, variant: str = "default"):
     """The Attn-QAT training forward (SPEC §2 with the auxiliary output O') with the Gluon sm_90 forward: what
     ``attn_qat.attn_qat_forward(training=True)`` computes and saves for its backward, in the same layouts, so that
     ``attn_qat.attn_qat_backward`` takes its results unchanged.
@@ -1001,23 +1099,25 @@ def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     head_dim 128). The pre-pass writes phi(K), phi(V) in two orders from one read each (``quantize_heads``'s
     ``both_orders``): in key order for the backward, in tile order for the kernel.
 
-    Arguments as :func:`hopper_attention` (inputs may require grad: this is a launcher, autograd is the caller's).
+    Arguments as :func:`hopper_attention` (inputs may require grad: this is a launcher, autograd is the caller's;
+    the variants' training tiles: FWD_TRAIN_CONFIG, FWD_TRAIN_WS_CONFIG).
     Return:
         (o, o_aux, m, l, (qf, kf, vf)): o (B, H, Lq, D) in q's dtype and stride order, the FP4 output;
         o_aux (B, H, Lq, D) contiguous in q's dtype, O'; m, l (B, H, Lq) fp32, the integer running max (log2
         units) and the row sum of the unquantized P~; qf, kf, vf contiguous phi(q), phi(k), phi(v) in q's dtype,
         keys in order. All new tensors.
     """
-    _check(q, k, v, "hopper_attn_qat_forward", sm_scale, causal)
+    _check(q, k, v, "hopper_attn_qat_forward", sm_scale, causal, variant)
     batch, heads, seqlen_q, head_dim = q.shape
-    block_n = FWD_TRAIN_CONFIG[head_dim][1]
+    block_n = _fwd_config(variant, head_dim, training=True)[1]
     qf = quantize_heads(q, q.dtype)
     (kf, k_tiles), (vf, v_tiles) = (quantize_heads(t, q.dtype, key_tile=block_n, both_orders=True) for t in (k, v))
     o = _output_like(q)
     o_aux = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
     m = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    _launch(qf, k_tiles, v_tiles, k.shape[2], sm_scale, causal, fp4=True, out=o, saved=(o_aux, m, l))
+    _launch(qf, k_tiles, v_tiles, k.shape[2], sm_scale, causal, fp4=True, out=o, saved=(o_aux, m, l),
+            variant=variant)
     return o, o_aux, m, l, (qf, kf, vf)
 
 
@@ -1126,20 +1226,21 @@ _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # Triton's names in si
 
 
 def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16, fp4: bool = False,
-                    training: bool = False):
+                    training: bool = False, variant: str = "default"):
     """Compile the forward (``fp4``: the FP4 inference variant; ``training``: the Attn-QAT training variant, FP4
     with O' and the row statistics) for sm_90a without a GPU (what a launch at ``head_dim`` would build); returns
     Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``, ...)."""
     if _MISSING:
         raise RuntimeError(f"hopper_gluon: {_MISSING}")
-    block_m, block_n, stages, warps = (FWD_TRAIN_CONFIG if training else FWD_CONFIG)[head_dim]
+    block_m, block_n, stages, warps, consumers, pingpong = _fwd_config(variant, head_dim, training)
     rows_m, rows_n = (_desc_type(rows, head_dim, dtype) for rows in (block_m, block_n))
     stats = "*fp32" if training else f"*{_SHORT[dtype]}"  # _launch passes the output for the untouched statistics
     types = {"q_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n, "o_desc": rows_m, "aux_desc": rows_m,
              "m_ptr": stats, "l_ptr": stats, "qk_scale": "fp32"}
     return compile_for(_attn_fwd, 90, types=types, aligned=("m_ptr", "l_ptr"), num_warps=warps, num_stages=stages,
                        constexprs={"HEAD_DIM": head_dim, "CAUSAL": bool(causal), "NUM_STAGES": stages,
-                                   "FP4": bool(fp4 or training), "TRAINING": bool(training), "num_warps": warps})
+                                   "FP4": bool(fp4 or training), "TRAINING": bool(training), "CONSUMERS": consumers,
+                                   "PINGPONG": pingpong, "num_warps": warps})
 
 
 def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16,
