@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench._report import ROOT, bench_ms, env_line, environment, update_section, write_json  # noqa: E402
-from attnqat.kernels import attention, backend_info  # noqa: E402
+from attnqat.kernels import attention, backend_info, hopper_gluon  # noqa: E402
 from attnqat.kernels._common import LaunchConfig  # noqa: E402
 from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_backward, attn_qat_forward  # noqa: E402
 
@@ -41,19 +41,26 @@ def sdpa_fns(backend, q, k, v, do):
 def attn_qat_fns(q, k, v, do, fwd_cfg=None, bwd_cfg=None):
     scale = q.shape[-1] ** -0.5
 
-    def infer():
+    gluon = fwd_cfg is None and q.is_cuda and hopper_gluon.gluon_sm90(q.device)[0]
+
+    def infer():  # what a user runs (the Gluon forward on sm_90), or the Triton forward at a swept config
+        if fwd_cfg is None:
+            with torch.no_grad():
+                return attention(q, k, v, mode="attn_qat")
         return attn_qat_forward(q, k, v, sm_scale=scale, causal=False, training=False, config=fwd_cfg)
 
-    def train_fwd():
+    def train_fwd():  # likewise: the training forward attention(mode="attn_qat") runs
+        if gluon:
+            return hopper_gluon.attn_qat_fwd_sm90(q, k, v, scale, False)
         return attn_qat_forward(q, k, v, sm_scale=scale, causal=False, training=True, config=fwd_cfg)
 
-    saved = train_fwd()
+    saved = attn_qat_forward(q, k, v, sm_scale=scale, causal=False, training=True, config=fwd_cfg)
 
     def bwd():
         o, o_aux, m, l, (qf, kf, vf) = saved
         return attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=scale, causal=False, config=bwd_cfg)
 
-    def fwd_bwd():  # what a user runs: on sm_90 with Gluon, the Triton forward and the Gluon backward
+    def fwd_bwd():  # what a user runs: on sm_90 with Gluon, the Gluon forward and backward
         attention(q, k, v, mode="attn_qat").backward(do)
 
     def fwd_bwd_triton():  # the portable pair, the Triton forward and backward
@@ -134,7 +141,9 @@ def sweep_configs(q, k, v, do, L):
 def markdown(rows, env) -> str:
     lines = ["## Kernels: Attn-QAT vs SDPA (bf16, B=1, H=40, D=128, non-causal)", "", env_line(env), "",
              f"`attention(mode=\"attn_qat\")` trained in this run with: {env.get('attn_qat_training', 'triton')}; "
-             "\"all Triton\": the Triton forward and backward; \"training fwd\": the Triton training forward.", "",
+             f"its inference forward (and nvfp4's) ran: {env.get('fp4_inference', 'triton')}; "
+             "\"inference fwd\" and \"training fwd\": those forwards (with their phi pre-pass); \"all Triton\": the "
+             "Triton forward and backward.", "",
              "| L | cuDNN fwd | flash fwd | attn_qat inference fwd | attn_qat training fwd | cuDNN fwd+bwd | "
              "flash fwd+bwd | attn_qat fwd+bwd | attn_qat fwd+bwd, all Triton |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -175,7 +184,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
     env = environment()
-    env["attn_qat_training"] = backend_info()["attn_qat_training"]
+    info = backend_info()
+    env.update({key: info[key] for key in ("attn_qat_training", "fp4_inference") if key in info})
     rows, sweeps = run(args.lengths, heads=args.heads, sweep=args.sweep)
     md = markdown(rows, env)
     print(md)

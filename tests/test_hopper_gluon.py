@@ -627,35 +627,35 @@ def test_gpu_backward_fp16_and_sm_scale(variant, poison):
 
 
 @pytest.mark.parametrize("cap,warns", [((9, 0), True), ((8, 0), False)])
-def test_gluon_training_choice_and_its_one_warning(cap, warns, monkeypatch):
+def test_gluon_sm90_choice_and_its_one_warning(cap, warns, monkeypatch):
     """The decision kernels.api takes per call: the Gluon backward where it can run, unless ATTNQAT_GLUON=0; where
     an sm_90 GPU cannot run it (Triton < 3.6), a warning names why (elsewhere the Triton path is simply the path)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     dev = torch.device("cuda")
     monkeypatch.setattr(hopper_gluon, "available", lambda device=None: (True, "Gluon sm_90 forward available"))
-    assert hopper_gluon.gluon_training(dev) == (True, "Gluon sm_90 forward available")
+    assert hopper_gluon.gluon_sm90(dev) == (True, "Gluon sm_90 forward available")
     monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
-    assert hopper_gluon.gluon_training(dev) == (False, "ATTNQAT_GLUON=0")
+    assert hopper_gluon.gluon_sm90(dev) == (False, "ATTNQAT_GLUON=0")
     monkeypatch.delenv(hopper_gluon.GLUON_ENV)
     monkeypatch.setenv("ATTNQAT_DQ_CONFIG", "128,64,8,3")  # tuning the Triton kernels asks for those kernels
-    assert hopper_gluon.gluon_training(dev) == (False, "ATTNQAT_DQ_CONFIG pin the Triton kernels' launch config")
+    assert hopper_gluon.gluon_sm90(dev) == (False, "ATTNQAT_DQ_CONFIG pin the Triton kernels' launch config")
     monkeypatch.setenv("ATTNQAT_FWD_CONFIG", "128,64,8,3")
-    assert hopper_gluon.gluon_training(dev) == (
+    assert hopper_gluon.gluon_sm90(dev) == (
         False, "ATTNQAT_FWD_CONFIG and ATTNQAT_DQ_CONFIG pin the Triton kernels' launch config")
     monkeypatch.delenv("ATTNQAT_DQ_CONFIG")
-    assert hopper_gluon.gluon_training(dev) == (False, "ATTNQAT_FWD_CONFIG pin the Triton kernels' launch config")
+    assert hopper_gluon.gluon_sm90(dev) == (False, "ATTNQAT_FWD_CONFIG pin the Triton kernels' launch config")
     monkeypatch.delenv("ATTNQAT_FWD_CONFIG")
     monkeypatch.setattr(hopper_gluon, "available", lambda device=None: (False, "Triton 3.5.1 lacks Gluon's Hopper API"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert hopper_gluon.gluon_training(dev) == (False, "Triton 3.5.1 lacks Gluon's Hopper API")
+        assert hopper_gluon.gluon_sm90(dev) == (False, "Triton 3.5.1 lacks Gluon's Hopper API")
     assert len(seen) == warns and all("Triton 3.5.1 lacks" in str(w.message) for w in seen)
 
 
 @pytest.mark.gpu
-def test_gpu_attention_trains_with_the_gluon_training(monkeypatch):
-    """On an H100/H200, attention(mode="attn_qat") trains with the Gluon forward and warp-specialised backward (each
+def test_gpu_attention_trains_with_the_gluon_kernels(monkeypatch):
+    """On an H100/H200, attention(mode="attn_qat") trains with the warp-specialised Gluon forward and backward (each
     called once per step, and backend_info says so), and its output and gradients are the Triton path's bit for bit
     (ATTNQAT_GLUON=0 runs that one); p_bwd="normalized" keeps the Triton kernels."""
     from attnqat.kernels import attention, backend_info
@@ -678,8 +678,8 @@ def test_gpu_attention_trains_with_the_gluon_training(monkeypatch):
         return [o.detach(), *(t.grad for t in leaves)]
 
     gluon = step()
-    assert calls == [("hopper_attn_qat_forward", None), ("hopper_attn_qat_backward", "ws")]
-    assert backend_info()["attn_qat_training"] == "Gluon sm_90 kernels (warp-specialised backward)"
+    assert calls == [("hopper_attn_qat_forward", "ws"), ("hopper_attn_qat_backward", "ws")]
+    assert backend_info()["attn_qat_training"] == "Gluon sm_90 kernels (ws forward, ws backward)"
     monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
     triton_path = step()
     assert len(calls) == 2 and backend_info()["attn_qat_training"] == "triton (ATTNQAT_GLUON=0)"
@@ -688,6 +688,42 @@ def test_gpu_attention_trains_with_the_gluon_training(monkeypatch):
     monkeypatch.delenv(hopper_gluon.GLUON_ENV)
     step(p_bwd="normalized")
     assert len(calls) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["nvfp4", "attn_qat", "attn_qat_dropin"])
+def test_gpu_fp4_inference_runs_the_gluon_forward(mode, monkeypatch, poison):
+    """On an H100/H200 the FP4 inference forward of every FP4 mode (no grad) is the Gluon pingpong forward, called
+    once per call (backend_info says so), and its output is the Triton forward's bit for bit at head_dim 128
+    (ATTNQAT_GLUON=0 runs that one), in q's stride order (diffusers' (B, L, H, D) layout kept)."""
+    from attnqat.kernels import attention, backend_info
+
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    calls = []
+    real = hopper_gluon.hopper_fp4_attention
+    monkeypatch.setattr(hopper_gluon, "hopper_fp4_attention", lambda *a, **kw: calls.append(kw.get("variant")) or
+                        real(*a, **kw))
+    q, k, v = _inputs(2, 3, 300, 1025, 128, "blhd")
+    with torch.no_grad():
+        gluon = attention(q, k, v, mode=mode)
+        assert calls == ["pingpong"] and backend_info()["fp4_inference"] == "Gluon sm_90 forward (pingpong)"
+        monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
+        triton_out = attention(q, k, v, mode=mode)
+    assert len(calls) == 1 and backend_info()["fp4_inference"] == "triton (ATTNQAT_GLUON=0)"
+    assert gluon.stride() == triton_out.stride() == torch.empty_like(q).stride()
+    assert torch.isfinite(gluon).all() and torch.equal(gluon, triton_out)
+
+
+@pytest.mark.gpu
+def test_gpu_fp4_inference_op_passes_opcheck():
+    """attnqat::fp4_fwd_sm90: schema, its fake against the real output (q in diffusers' (B, L, H, D) layout)."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = _inputs(1, 2, 96, 160, 64, "blhd")
+    torch.library.opcheck(hopper_gluon.fp4_fwd_sm90, (q, k, v, 0.125, True))
 
 
 @pytest.mark.gpu

@@ -213,8 +213,11 @@ def backend_info(device: torch.device | str | None = None) -> dict:
         info["fp4_qk"] = ("native block-scaled FP4 MMA (tl.dot_scaled over NVFP4 storage)" if form else
                           "bf16 emulation (exactly dequantized NVFP4 operands)")
         info["fp4_pv"] = "bf16 tensor cores over exact phi(P) and V^F"
-        gluon, why = hopper_gluon.gluon_training(dev)
-        info["attn_qat_training"] = "Gluon sm_90 kernels (warp-specialised backward)" if gluon else f"triton ({why})"
+        gluon, why = hopper_gluon.gluon_sm90(dev)
+        info["attn_qat_training"] = (f"Gluon sm_90 kernels ({hopper_gluon.TRAINING_FWD_VARIANT} forward, "
+                                     f"{hopper_gluon.TRAINING_BWD_VARIANT} backward)" if gluon else f"triton ({why})")
+        info["fp4_inference"] = (f"Gluon sm_90 forward ({hopper_gluon.INFERENCE_FWD_VARIANT})" if gluon
+                                 else f"triton ({why})")
     else:
         info["path"] = "triton-interpreter" if interpreting() else "pytorch-reference"
         info["fp4_path"] = "fp32 arithmetic over dequantized NVFP4 operands"
@@ -284,13 +287,32 @@ def _paths(kernel_module: str, kernel_name: str, reference_name: str):
     return kernel, ref
 
 
+def _fp4_inference(q, k, v, *, sm_scale=None, causal=False):
+    """The FP4 inference forward (nvfp4's; attn_qat's and attn_qat_dropin's without grad): on an H100 / H200 whose
+    Triton has Gluon (hopper_gluon.gluon_sm90) the Gluon sm_90 forward, elsewhere attn_qat's Triton forward; the
+    same numbers (docs/kernels.md)."""
+    if q.is_cuda and hopper_gluon.gluon_sm90(q.device)[0]:
+        return hopper_gluon.fp4_fwd_sm90(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+    return attn_qat.nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
+
+
 def _attn_qat_kernel(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max"):
-    """attn_qat's kernel path. Training on an H100 / H200 whose Triton has Gluon (hopper_gluon.gluon_training): the
-    Gluon sm_90 training forward and warp-specialised backward, the same numbers (docs/kernels.md); everywhere else,
-    and for p_bwd="normalized" (an ablation the Gluon backward does not implement), the Triton path."""
-    if q.is_cuda and needs_grad(q, k, v) and p_bwd == "final_max" and hopper_gluon.gluon_training(q.device)[0]:
+    """attn_qat's kernel path. Without grad, :func:`_fp4_inference`. Training on an H100 / H200 whose Triton has
+    Gluon (hopper_gluon.gluon_sm90): the Gluon sm_90 training forward and backward, the same numbers
+    (docs/kernels.md); everywhere else, and for p_bwd="normalized" (an ablation the Gluon backward does not
+    implement), the Triton path."""
+    if not needs_grad(q, k, v):
+        return _fp4_inference(q, k, v, sm_scale=sm_scale, causal=causal)
+    if q.is_cuda and p_bwd == "final_max" and hopper_gluon.gluon_sm90(q.device)[0]:
         return hopper_gluon.HopperAttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
     return attn_qat.attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
+
+
+def _attn_qat_dropin_kernel(q, k, v, *, sm_scale=None, causal=False):
+    """attn_qat_dropin's kernel path: without grad :func:`_fp4_inference`, else its Triton autograd Function."""
+    if not needs_grad(q, k, v):
+        return _fp4_inference(q, k, v, sm_scale=sm_scale, causal=causal)
+    return attn_qat.attn_qat_dropin_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
 
 
 def _marked(fn):
@@ -325,7 +347,7 @@ register_mode(Mode(REFERENCE_MODE, "high-precision attention (torch SDPA: cuDNN 
                    _sdpa, _sdpa, dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=None,
                    with_lse=_sdpa_with_lse, high_precision=True, demo_column=0, demo_label="BF16 (reference)"))
 register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
-                   *_paths("attn_qat", "nvfp4_unchecked", "nvfp4_attention_ref"), with_lse=_nvfp4_with_lse,
+                   _fp4_inference, reference.nvfp4_attention_ref, with_lse=_nvfp4_with_lse,
                    naive_fp4_forward=True, demo_column=3, demo_ticked=False, demo_label="naive NVFP4"))
 # Attn-QAT family (SPEC §2): one FP4 forward; the modes differ in their backward.
 register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
@@ -335,7 +357,7 @@ register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 ba
                    naive_fp4_forward=True, uses_qat_weights=True, demo_column=2, demo_label="Attn-QAT"))
 register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
                    "(unstable in training)", True,
-                   *map(_marked, _paths("attn_qat", "attn_qat_dropin_unchecked", "attn_qat_dropin_attention_ref")),
+                   _marked(_attn_qat_dropin_kernel), _marked(reference.attn_qat_dropin_attention_ref),
                    with_lse=_nvfp4_with_lse, same_forward_as="nvfp4", naive_fp4_forward=True,
                    demo_label="Attn-QAT drop-in (ablation)"))
 register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",

@@ -625,7 +625,7 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), in one place. Pin with ATTNQAT_FWD_CONFIG /
 # ATTNQAT_BWD_CONFIG / ATTNQAT_DQ_CONFIG="128,64,8,3" for tests, benchmarks and tuning (docs/environment.md).
 # Any of them pins attn_qat's Triton training kernels: on sm_90 they then run instead of the Gluon ones
-# (hopper_gluon.gluon_training).
+# (hopper_gluon.gluon_sm90).
 FWD_CONFIG_ENV, BWD_CONFIG_ENV, DQ_CONFIG_ENV = "ATTNQAT_FWD_CONFIG", "ATTNQAT_BWD_CONFIG", "ATTNQAT_DQ_CONFIG"
 # Measured on an H100 at (1, 40, 32760, 128) by bench/tune_attn_qat.py (docs/kernels.md has the table).
 # Inference forward: 128x128 tiles, 8 warps, 3 stages (50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8); at

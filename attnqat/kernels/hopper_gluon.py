@@ -1071,13 +1071,16 @@ def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     written in tile order (``key_tile``), which puts every 16-key block of P in one thread; P is then quantized
     in registers (integer running max, P~ = 2688 2^(S - m), phi along keys) before the P V wgmma.
 
-    Arguments and return as :func:`hopper_attention`. Inference only: inputs that require grad are refused.
+    Arguments as :func:`hopper_attention`. Inference only: inputs that require grad are refused.
+    Return:
+        (batch, heads, seqlen_q, head_dim) in q's dtype and stride order (contiguous where TMA cannot write that
+        layout), a new tensor, as attn_qat's Triton forward returns it.
     """
     _check(q, k, v, "hopper_fp4_attention", sm_scale, causal, variant, inference_only=True)
     block_n = _fwd_config(variant, q.shape[3], training=False)[1]
     qf = quantize_heads(q, q.dtype)
     kf, vf = (quantize_heads(t, q.dtype, key_tile=block_n) for t in (k, v))
-    return _launch(qf, kf, vf, k.shape[2], sm_scale, causal, fp4=True, variant=variant)
+    return _launch(qf, kf, vf, k.shape[2], sm_scale, causal, fp4=True, out=_output_like(q), variant=variant)
 
 
 def _output_like(q: torch.Tensor) -> torch.Tensor:
@@ -1272,18 +1275,23 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
 # attn_qat's training step on sm_90: this module's training forward and its warp-specialised backward, the
 # same numbers as the Triton path. Measured at Wan 14B's shape on an H100 (docs/benchmarks.md): forward +
 # backward 217.9 ms against the Triton forward + this backward's 229.8 and the all-Triton 250.5 (cuDNN 159.2).
-# kernels.api decides when (gluon_training), through this autograd Function and its two custom ops.
+# kernels.api decides when (gluon_sm90), through this autograd Function and its two custom ops, and the FP4 inference
+# forward's custom op.
 # ---------------------------------------------------------------------------------------------------
 
-GLUON_ENV = "ATTNQAT_GLUON"  # "0": attn_qat trains with the Triton kernels on sm_90 too (A/B runs, debugging)
-TRAINING_BWD_VARIANT = "ws"  # the backward kernels training runs: 0.87x the "default" variant's time (H100)
+GLUON_ENV = "ATTNQAT_GLUON"  # "0": the FP4 modes run the Triton kernels on sm_90 too (A/B runs, debugging)
+# The kernel layouts each job runs (H100, (1, 40, 32760, 128), bench/gluon_fwd_variants.py; docs/benchmarks.md):
+TRAINING_FWD_VARIANT = "ws"  # 69.4 ms against "default" 75.9 and "pingpong" 96.8
+TRAINING_BWD_VARIANT = "ws"  # the backward kernels training runs: 0.87x the "default" variant's time
+INFERENCE_FWD_VARIANT = "pingpong"  # the FP4 inference forward: 47.3 ms against "ws" 51.6, "default" 57.2
 
 
-def gluon_training(device: torch.device) -> tuple[bool, str]:
-    """Whether attn_qat's training step (forward and backward) on ``device`` runs the Gluon sm_90 kernels, and the
-    reason (backend_info's line): not with ATTNQAT_GLUON=0, nor with a launch config of the Triton kernels pinned.
-    Where the GPU is an sm_90 one and Gluon cannot run (Triton older than 3.6), one warning says so: the step falls
-    back to the Triton kernels, slower by about 1.2x."""
+def gluon_sm90(device: torch.device) -> tuple[bool, str]:
+    """Whether the FP4 modes' kernels on ``device`` (attn_qat's training step, forward and backward, and the FP4
+    inference forward of nvfp4, attn_qat and attn_qat_dropin) are the Gluon sm_90 ones, and the reason
+    (backend_info's line): not with ATTNQAT_GLUON=0, nor with a launch config of the Triton kernels pinned.
+    Where the GPU is an sm_90 one and Gluon cannot run (Triton older than 3.6), one warning says so: those modes
+    fall back to the Triton kernels, slower by about 1.1-1.2x."""
     if os.environ.get(GLUON_ENV, "1") == "0":
         return False, f"{GLUON_ENV}=0"
     pinned = [name for name in (FWD_CONFIG_ENV, BWD_CONFIG_ENV, DQ_CONFIG_ENV) if os.environ.get(name)]
@@ -1292,15 +1300,27 @@ def gluon_training(device: torch.device) -> tuple[bool, str]:
     ok, why = available(device)
     if not ok and device.type == "cuda" and torch.cuda.is_available() \
             and torch.cuda.get_device_capability(device) == (9, 0):
-        warnings.warn(f"attn_qat: the Gluon sm_90 kernels are unavailable ({why}); training uses the Triton "
+        warnings.warn(f"attnqat: the Gluon sm_90 kernels are unavailable ({why}); the FP4 modes use the Triton "
                       "kernels", stacklevel=2)
     return ok, why
+
+
+@torch.library.custom_op("attnqat::fp4_fwd_sm90", mutates_args=(), device_types=("cuda",))
+def fp4_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool) -> torch.Tensor:
+    """The FP4 inference forward on sm_90 (:func:`hopper_fp4_attention`, INFERENCE_FWD_VARIANT)."""
+    return hopper_fp4_attention(q, k, v, sm_scale=sm_scale, causal=causal, variant=INFERENCE_FWD_VARIANT)
+
+
+@fp4_fwd_sm90.register_fake
+def _(q, k, v, sm_scale, causal):
+    return _output_like(q)
 
 
 @torch.library.custom_op("attnqat::attn_qat_fwd_sm90", mutates_args=(), device_types=("cuda",))
 def attn_qat_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    o, o_aux, m, l, (qf, kf, vf) = hopper_attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal)
+    o, o_aux, m, l, (qf, kf, vf) = hopper_attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal,
+                                                           variant=TRAINING_FWD_VARIANT)
     return o, o_aux, m, l, qf, kf, vf
 
 
