@@ -96,6 +96,20 @@ def test_quantize_rows_matches_reference(n, block, smooth, device, poison):
     assert torch.equal(xqt, xq.transpose(-1, -2))
 
 
+def test_kmajor_copies_have_padded_rows_of_zero_codes(poison):
+    """The K-major copies' rows start 16 bytes apart (L = 97 -> 112) and the padding holds zero codes, which the
+    kernels' K-major loads read (they mask at the padded length, so Triton vectorises them); a copy laid out
+    otherwise is re-padded before the backward reads it."""
+    x = torch.randn(1, 2, 97, 64)
+    xq, xqt, _ = S.quantize_int8_rows(x, 64, col=True)
+    assert xqt.shape == (1, 2, 64, 97) and xqt.stride() == (2 * 64 * 112, 64 * 112, 112, 1)
+    padded = xqt.as_strided((1, 2, 64, 112), xqt.stride())
+    assert torch.equal(padded[..., :97], xq.transpose(-1, -2)) and (padded[..., 97:] == 0).all()
+    again = S._as_kmajor(xqt.contiguous())
+    assert again.stride() == xqt.stride() and torch.equal(again.as_strided(padded.shape, again.stride()), padded)
+    assert S._as_kmajor(xqt) is xqt
+
+
 CASES = [  # (lq, lk, causal, head_dim, dtype, smooth_q)
     (97, 97, False, 64, torch.float16, False),
     (80, 144, True, 64, torch.bfloat16, False),

@@ -68,6 +68,7 @@ from .reference import refuse_double_backward
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_FLOOR = 1e-30  # s = max(amax, 1e-30) / 127: an all-zero block quantizes to zeros, not NaN
+KMAJOR_ALIGN = 16  # rows of the K-major (D, L) copies start 16 bytes apart: see _kmajor_len
 _empty = torch.empty  # every kernel output is allocated here: tests swap in a poisoning allocator
 
 
@@ -154,8 +155,8 @@ def _quant_rows(X, MEAN, XQ, XQT, XS, L, n_blocks,
                 EXACT_FP8: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr):
     """Quantize one BLK-row block of a contiguous (B*H, L, D) tensor, minus its per-(b, h) channel
     mean when HAS_MEAN (smoothing). int8 with s = amax / 127, or e4m3 with s = amax / 448 (FP8).
-    Writes XQ as (B*H, L, D) when ROW and XQT as (B*H, D, L) when COL: Hopper's 8-bit wgmma reads
-    only K-contiguous operands, and matmuls that reduce over L want the transposed copy."""
+    Writes XQ as (B*H, L, D) when ROW and XQT as (B*H, D, L) when COL (rows padded: _kmajor_len): Hopper's
+    8-bit wgmma reads only K-contiguous operands, and matmuls that reduce over L want the transposed copy."""
     blk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows = blk * BLK + tl.arange(0, BLK)
@@ -169,22 +170,37 @@ def _quant_rows(X, MEAN, XQ, XQT, XS, L, n_blocks,
     if ROW:
         tl.store(XQ + offs, xq, mask=mask)
     if COL:
-        tl.store(XQT + bh * L * HEAD_DIM + cols[None, :] * L + rows[:, None], xq, mask=mask)
+        lp = _kmajor_len(L)  # rows L..lp - 1 get the codes of x = 0 (masked above): zeros
+        tl.store(XQT + bh * lp * HEAD_DIM + cols[None, :] * lp + rows[:, None], xq, mask=rows[:, None] < lp)
     tl.store(XS + bh * n_blocks + blk, s)
 
 
 @triton.jit
-def _load_kv8(X8, base, offs_n, offs_d, n_ok, L, HEAD_DIM: tl.constexpr, KMAJOR: tl.constexpr):
-    """A (len(offs_n), D) 8-bit tile that is the B operand of a matmul reducing over rows: from the
-    transposed (D, L) copy when KMAJOR (K-contiguous, what 8-bit wgmma needs), else row-major."""
-    if KMAJOR:
-        return tl.trans(tl.load(X8 + base + offs_d[:, None] * L + offs_n[None, :], mask=n_ok[None, :], other=0))
-    else:
-        return tl.load(X8 + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0)
+def _kmajor_len(L):
+    """Row length of a K-major (D, L) 8-bit copy: L rounded up to 16 (KMAJOR_ALIGN); the padding holds zero
+    codes. Rows then start 16-byte aligned and loads mask at a multiple of 16, both known to the compiler (a
+    multiple of a constant). With a row stride and a mask of L itself, an L that is not a multiple of 16 (Wan's
+    32,760) made Triton 3.6 load these tiles one byte per thread, outside the software pipeline (no cp.async)."""
+    return (L + 15) // 16 * 16
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base, offs_m, lo, hi, Lk,
+def _load_kv8(X8, bh, offs_n, offs_d, n_ok, L, HEAD_DIM: tl.constexpr, KMAJOR: tl.constexpr):
+    """A (len(offs_n), D) 8-bit tile of (batch*head) ``bh`` that is the B operand of a matmul reducing over rows:
+    from the transposed (D, L) copy, rows padded to _kmajor_len(L), when KMAJOR (K-contiguous, what 8-bit wgmma
+    needs), else row-major (L, D). ``n_ok``: offs_n < L; the K-major load masks at the padded length instead
+    (16-byte vectors), reading the padding's zero codes."""
+    if KMAJOR:
+        lp = _kmajor_len(L)
+        return tl.trans(tl.load(X8 + bh * lp * HEAD_DIM + offs_d[:, None] * lp + offs_n[None, :],
+                                mask=offs_n[None, :] < lp, other=0))
+    else:
+        return tl.load(X8 + bh * L * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None],
+                       other=0)
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, bh, kv_base, ks_base, offs_m, lo, hi, Lk,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KBLK: tl.constexpr,
                     CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, PV: tl.constexpr, KMAJOR: tl.constexpr,
                     EXACT_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -212,12 +228,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, 
         acc = acc * alpha[:, None]
         if PV == 0:  # int8: psi(P~) = round(127 e) with s = c / 127; e >= 0 so floor(x + .5) suffices
             p8 = tl.floor(e * 127.0 + 0.5).to(tl.int8)
-            v = _load_kv8(V8, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, KMAJOR)
+            v = _load_kv8(V8, bh, offs_n, offs_d, n_ok, Lk, HEAD_DIM, KMAJOR)
             sv = tl.load(SV + ks_base + start_n // KBLK)
             acc += tl.dot(p8, v, out_dtype=tl.int32).to(tl.float32) * (c * (sv / 127.0))[:, None]
         elif PV == 1:  # fp8 e4m3: P~ / s = 448 e, s = c / 448
             p8 = _to_fp8(e * 448.0, EXACT_FP8)
-            v = _load_kv8(V8, kv_base, offs_n, offs_d, n_ok, Lk, HEAD_DIM, KMAJOR).to(tl.float8e4nv, bitcast=True)
+            v = _load_kv8(V8, bh, offs_n, offs_d, n_ok, Lk, HEAD_DIM, KMAJOR).to(tl.float8e4nv, bitcast=True)
             sv = tl.load(SV + ks_base + start_n // KBLK)
             acc += tl.dot(p8, v) * (c * (sv / 448.0))[:, None]
         else:  # 16-bit (fp32 under the interpreter): V8 is the original V, P~ = e * c unquantized
@@ -252,11 +268,11 @@ def _attn_fwd(Q8, K8, V8, SQ, SK, SV, BIAS, Out, LSE, Lq, Lk, qk_scale, nq_block
         hi_full = tl.minimum(start_m, Lk)
     else:
         hi_full = Lk
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base, offs_m,
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, bh, kv_base, ks_base, offs_m,
                                     0, hi_full, Lk, BLOCK_N, HEAD_DIM, KBLK, False, HAS_BIAS, PV, KMAJOR,
                                     EXACT_FP8, DOT_DTYPE)
     if CAUSAL:
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, kv_base, ks_base,
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, row_scale, K8, V8, SK, SV, BIAS, bh, kv_base, ks_base,
                                         offs_m, hi_full, tl.minimum(start_m + BLOCK_M, Lk), Lk,
                                         BLOCK_N, HEAD_DIM, KBLK, True, HAS_BIAS, PV, KMAJOR, EXACT_FP8, DOT_DTYPE)
     o = acc / l_i[:, None]
@@ -282,32 +298,34 @@ def _attn_bwd_preprocess(O, DO, DELTA, DO8, SDO, Lq, n_blocks,
     tl.store(DELTA + bh * Lq + rows, tl.sum(o * do, 1), mask=rows < Lq)
     if BWD != 2:
         do8, s = _quant_tile(do, BWD == 1, EXACT_FP8)
-        if KMAJOR:  # (B*H, D, Lq): dV = P^T dO reduces over Lq
-            tl.store(DO8 + bh * Lq * HEAD_DIM + cols[None, :] * Lq + rows[:, None], do8, mask=mask)
+        if KMAJOR:  # (B*H, D, Lq), rows padded (_kmajor_len): dV = P^T dO reduces over Lq
+            lp = _kmajor_len(Lq)  # rows Lq..lp - 1: zero codes (dO masked to 0)
+            tl.store(DO8 + bh * lp * HEAD_DIM + cols[None, :] * lp + rows[:, None], do8, mask=rows[:, None] < lp)
         else:
             tl.store(DO8 + offs, do8, mask=mask)
         tl.store(SDO + bh * n_blocks + blk, s)
 
 
 @triton.jit
-def _grad_mma(acc, ds, XB, SXB, x_base, xs_base, offs, ok, L, start, x8T, sx, HEAD_DIM: tl.constexpr,
+def _grad_mma(acc, ds, XB, SXB, bh, xs_base, offs, ok, L, start, x8T, sx, HEAD_DIM: tl.constexpr,
               XBLK: tl.constexpr, DOT_DTYPE: tl.constexpr, KMAJOR: tl.constexpr, BWD: tl.constexpr,
               EXACT_FP8: tl.constexpr):
     """acc += dS X, the backward's two gradient matmuls (dK = dS^T Q in the dK/dV kernel, whose dS is already
-    transposed; dQ = dS K in the dQ kernel). X's rows ``offs`` (``ok``: inside L) start at ``start``.
+    transposed; dQ = dS K in the dQ kernel). X's rows ``offs`` (``ok``: inside L) of (batch*head) ``bh`` start
+    at ``start``.
     BWD 2: 16-bit, X = XB, the caller's Q or K. Else psi(dS) psi(X) (1: e4m3, 0: int8) with one scale per row of
     dS: X8 from XB (K-major int8 or e4m3 copy; e4m3 scales in SXB per XBLK rows) or, int8 row-major, the
     transposed tile ``x8T`` the S recompute loaded, with its scale ``sx``."""
     offs_d = tl.arange(0, HEAD_DIM)
     if BWD == 2:
-        xb = tl.load(XB + x_base + offs[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        xb = tl.load(XB + bh * L * HEAD_DIM + offs[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
         acc += tl.dot(ds.to(DOT_DTYPE), xb.to(DOT_DTYPE))
     else:
         ds8, sds = _quant_tile_rows(ds, BWD == 1, EXACT_FP8)
         if KMAJOR:
-            xb = _load_kv8(XB, x_base, offs, offs_d, ok, L, HEAD_DIM, True)
+            xb = _load_kv8(XB, bh, offs, offs_d, ok, L, HEAD_DIM, True)
         elif BWD == 1:
-            xb = _load_kv8(XB, x_base, offs, offs_d, ok, L, HEAD_DIM, False)
+            xb = _load_kv8(XB, bh, offs, offs_d, ok, L, HEAD_DIM, False)
         else:
             xb = tl.trans(x8T)
         if BWD == 1:
@@ -321,7 +339,7 @@ def _grad_mma(acc, ds, XB, SXB, x_base, xs_base, offs, ok, L, start, x8T, sx, HE
 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, QB, SQ, SQB, DO, DOB, SDO, LSE, DELTA,
-                         q_base, qs_base, offs_n, lo, hi, Lq,
+                         bh, q_base, qs_base, offs_n, lo, hi, Lq,
                          BLOCK_M1: tl.constexpr, HEAD_DIM: tl.constexpr, QBLK: tl.constexpr,
                          CAUSAL_MASK: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_DTYPE: tl.constexpr,
                          KMAJOR: tl.constexpr, BWD: tl.constexpr, EXACT_FP8: tl.constexpr):
@@ -344,7 +362,7 @@ def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, QB, SQ, 
             dpT = tl.dot(v, tl.trans(do))
         else:  # dV += psi(P)^T psi(dO), int8 or e4m3
             p8, sp = _quant_tile_rows(pT, BWD == 1, EXACT_FP8)  # one scale per key over the BLOCK_M1 queries
-            do8 = _load_kv8(DOB, q_base, offs_m, offs_d, m_ok, Lq, HEAD_DIM, KMAJOR)
+            do8 = _load_kv8(DOB, bh, offs_m, offs_d, m_ok, Lq, HEAD_DIM, KMAJOR)
             if BWD == 1:
                 do8 = do8.to(tl.float8e4nv, bitcast=True)
             sdo = tl.load(SDO + qs_base + start_m // QBLK)
@@ -356,7 +374,7 @@ def _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, QB, SQ, 
         if SMOOTH_Q:
             colsum += tl.sum(dsT, 1)
         # dK += dS^T Q (bf16: the caller's Q, so no Q-smoothing correction) or psi(dS)^T psi(Q_s)
-        dk = _grad_mma(dk, dsT, QB, SQB, q_base, qs_base, offs_m, m_ok, Lq, start_m, qT, sq, HEAD_DIM, QBLK,
+        dk = _grad_mma(dk, dsT, QB, SQB, bh, qs_base, offs_m, m_ok, Lq, start_m, qT, sq, HEAD_DIM, QBLK,
                        DOT_DTYPE, KMAJOR, BWD, EXACT_FP8)
     return dk, dv, colsum
 
@@ -395,13 +413,13 @@ def _attn_bwd_dkdv(Q8, QB, K8, V, SQ, SQB, SK, BIAS, QMEAN, DO, DOB, SDO, LSE, D
     if CAUSAL:  # queries >= start_n see these keys; the first BLOCK_N1 of them straddle the diagonal
         lo_full = start_n + BLOCK_N1
         dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, QB, SQ, SQB, DO, DOB,
-                                              SDO, LSE, DELTA, q_base, qs_base, offs_n, start_n,
+                                              SDO, LSE, DELTA, bh, q_base, qs_base, offs_n, start_n,
                                               tl.minimum(lo_full, Lq), Lq, BLOCK_M1, HEAD_DIM, QBLK,
                                               True, DK_MEAN_TERM, DOT_DTYPE, KMAJOR, BWD, EXACT_FP8)
     else:
         lo_full = 0
     dk, dv, colsum = _attn_bwd_dkdv_inner(dk, dv, colsum, k8, v, row_scale, colterm, Q8, QB, SQ, SQB, DO, DOB,
-                                          SDO, LSE, DELTA, q_base, qs_base, offs_n, lo_full, Lq, Lq,
+                                          SDO, LSE, DELTA, bh, q_base, qs_base, offs_n, lo_full, Lq, Lq,
                                           BLOCK_M1, HEAD_DIM, QBLK, False, DK_MEAN_TERM, DOT_DTYPE, KMAJOR, BWD,
                                           EXACT_FP8)
     if DK_MEAN_TERM:  # Q-smoothing: dK = dS^T Q_s + (dS^T 1) mean(Q)^T
@@ -411,7 +429,7 @@ def _attn_bwd_dkdv(Q8, QB, K8, V, SQ, SQB, SK, BIAS, QMEAN, DO, DOB, SDO, LSE, D
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BIAS, kv_base, ks_base, offs_m,
+def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BIAS, bh, kv_base, ks_base, offs_m,
                        lo, hi, Lk, BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr, KBLK: tl.constexpr,
                        CAUSAL_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        KMAJOR: tl.constexpr, BWD: tl.constexpr, EXACT_FP8: tl.constexpr):
@@ -432,7 +450,7 @@ def _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BI
         dp = tl.dot(do, vT.to(DOT_DTYPE))  # 16-bit dP = dO V^T
         ds = p * (dp - delta[:, None])
         # dQ += dS K (bf16: the caller's K) or psi(dS) psi(K_s): rows of dS sum to 0, so dS K = dS K_s
-        dq = _grad_mma(dq, ds, KB, SKB, kv_base, ks_base, offs_n, n_ok, Lk, start_n, kT, sk, HEAD_DIM, KBLK,
+        dq = _grad_mma(dq, ds, KB, SKB, bh, ks_base, offs_n, n_ok, Lk, start_n, kT, sk, HEAD_DIM, KBLK,
                        DOT_DTYPE, KMAJOR, BWD, EXACT_FP8)
     return dq
 
@@ -465,11 +483,11 @@ def _attn_bwd_dq(Q8, K8, KB, V, SQ, SK, SKB, BIAS, DO, LSE, DELTA, DQ, Lq, Lk, q
         hi_full = tl.minimum(start_m, Lk)
     else:
         hi_full = Lk
-    dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BIAS, kv_base, ks_base, offs_m,
-                            0, hi_full, Lk, BLOCK_N2, HEAD_DIM, KBLK, False, HAS_BIAS, DOT_DTYPE, KMAJOR, BWD,
+    dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BIAS, bh, kv_base, ks_base,
+                            offs_m, 0, hi_full, Lk, BLOCK_N2, HEAD_DIM, KBLK, False, HAS_BIAS, DOT_DTYPE, KMAJOR, BWD,
                             EXACT_FP8)
     if CAUSAL:
-        dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BIAS, kv_base, ks_base,
+        dq = _attn_bwd_dq_inner(dq, q8, do, row_scale, lse, delta, K8, KB, V, SK, SKB, BIAS, bh, kv_base, ks_base,
                                 offs_m, hi_full, tl.minimum(start_m + BLOCK_M2, Lk), Lk, BLOCK_N2, HEAD_DIM, KBLK,
                                 True, HAS_BIAS, DOT_DTYPE, KMAJOR, BWD, EXACT_FP8)
     tl.store(DQ + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
@@ -533,9 +551,10 @@ def step_down(cfg: LaunchConfig, keep: str) -> tuple[LaunchConfig, ...]:
     with 32-wide tiles a rare element moves by an fp32 ulp (numpy's fp32 dot for the 16-bit dP sums in a
     shape-dependent order).
 
-    Measured by compiling for sm_80/86/90 on the CPU (head_dim 128): the tuned configs need at most 82 KB
-    on sm_80/sm_86 and 107 KB on sm_90, inside every GPU's limit, so this is insurance for pinned or retuned
-    configs and other GPUs and Triton versions; no GPU has run it."""
+    Measured by compiling for sm_80/86/90 on the CPU with Triton 3.6 (head_dim 128): the tuned configs need at
+    most 91 KB on sm_80/sm_86 and 132 KB on sm_90 (dK/dV, its K-major loads pipelined), inside every GPU's
+    limit, so this is insurance for pinned or retuned configs and other GPUs and Triton versions; no GPU has
+    run it."""
     kept = cfg.block_m if keep == "m" else cfg.block_n
     free = cfg.block_n if keep == "m" else cfg.block_m
 
@@ -556,20 +575,42 @@ def kmajor() -> bool:
     return os.environ.get("ATTNQAT_SAGEBWD_KMAJOR", "1") != "0"
 
 
+def kmajor_empty(b: int, h: int, d: int, n: int, *, dtype: torch.dtype, device, empty=None) -> torch.Tensor:
+    """An uninitialised (b, h, d, n) K-major copy as the kernels read it: a view of (b, h, d, n rounded up to
+    KMAJOR_ALIGN), so that its rows start 16 bytes apart (``_kmajor_len``; the kernel that fills it writes zero
+    codes into the padding); ``empty``: the allocator (``torch.empty`` or a fake implementation's
+    ``new_empty``)."""
+    padded = (empty or _empty)((b, h, d, triton.cdiv(n, KMAJOR_ALIGN) * KMAJOR_ALIGN), dtype=dtype, device=device)
+    return padded[..., :n]
+
+
+def _as_kmajor(x: torch.Tensor) -> torch.Tensor:
+    """x, a (B, H, D, L) K-major copy, laid out as :func:`kmajor_empty` makes one (what the kernels assume): x
+    itself when it is, else a copy."""
+    b, h, d, n = x.shape
+    row = triton.cdiv(n, KMAJOR_ALIGN) * KMAJOR_ALIGN
+    if x.stride() == (h * d * row, d * row, row, 1):
+        return x
+    out = kmajor_empty(b, h, d, n, dtype=x.dtype, device=x.device)
+    out.copy_(x)
+    out.as_strided((b, h, d, row), out.stride())[..., n:].zero_()  # the padding the kernels read: zero codes
+    return out
+
+
 def quantize_int8_rows(x: torch.Tensor, block: int, mean: torch.Tensor | None = None, fp8: bool = False,
                        row: bool = True, col: bool = False):
     """psi(x - mean) per ``block`` rows of a contiguous (B, H, L, D) tensor.
 
     Return:
         xq: (B, H, L, D) int8 (float8_e4m3fn when ``fp8``), or None unless ``row``;
-        xqt: the same codes as (B, H, D, L), or None unless ``col``;
+        xqt: the same codes as (B, H, D, L) (a :func:`kmajor_empty` view: rows padded), or None unless ``col``;
         scales: (B, H, ceil(L / block)) float32.
     """
     b, h, n, d = x.shape
     nb = triton.cdiv(n, block)
     dt = torch.float8_e4m3fn if fp8 else torch.int8
     xq = _empty(x.shape, dtype=dt, device=x.device) if row else None
-    xqt = _empty(b, h, d, n, dtype=dt, device=x.device) if col else None
+    xqt = kmajor_empty(b, h, d, n, dtype=dt, device=x.device) if col else None
     s = _empty(b, h, nb, dtype=torch.float32, device=x.device)
     _quant_rows[(nb, b * h)](x, mean if mean is not None else s, xq if row else xqt, xqt if col else xq, s, n, nb,
                              BLK=block, HEAD_DIM=d, HAS_MEAN=mean is not None, FP8=fp8, EXACT_FP8=interpreting(),
@@ -666,8 +707,12 @@ def sagebwd_backward(do, q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, ls
     :func:`sagebwd_forward`'s outputs, with the gradient operands qb, kb and their scales picked by
     :func:`_gradient_operand` (bias and qmean are read only with ``smooth_q``). Returns (dq, dk, dv) in O's
     dtype, contiguous (B, H, L, D)."""
-    do, v, qb, kb = do.contiguous(), v.contiguous(), qb.contiguous(), kb.contiguous()  # bwd bf16: the caller's Q, K
     bwd_code = SAGEBWD_PRECISIONS.index(bwd)
+    do, v = do.contiguous(), v.contiguous()
+    if km and bwd_code < 2:  # the K-major 8-bit copies: rows padded, as made by sagebwd_forward
+        qb, kb = _as_kmajor(qb), _as_kmajor(kb)
+    else:  # row-major 8-bit copies, or (bwd bf16) the caller's Q, K
+        qb, kb = qb.contiguous(), kb.contiguous()
     b, h, lq, d = o.shape
     lk = k8.shape[2]
     interp = interpreting()
@@ -677,8 +722,9 @@ def sagebwd_backward(do, q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, ls
     nq = triton.cdiv(lq, Q_BLOCK)
     delta = _empty(b, h, lq, dtype=torch.float32, device=o.device)
     if bwd_code < 2:  # psi(dO): int8 or e4m3 codes, K-major for dV = P^T dO when km
-        shape = (b, h, d, lq) if km else do.shape
-        do8 = _empty(shape, dtype=torch.float8_e4m3fn if bwd_code == 1 else torch.int8, device=o.device)
+        dt = torch.float8_e4m3fn if bwd_code == 1 else torch.int8
+        do8 = (kmajor_empty(b, h, d, lq, dtype=dt, device=o.device) if km
+               else _empty(do.shape, dtype=dt, device=o.device))
         sdo = _empty(b, h, nq, dtype=torch.float32, device=o.device)
     else:  # 16-bit dV reads dO itself
         do8 = sdo = delta  # unused
@@ -751,7 +797,11 @@ def _(q, k, v, sm_scale, causal, smooth_k, smooth_q, pv, bwd, training, km):
               ((b, h, d, lq) if km else (b, h, lq, d)) if codes else (0,), (b, h, nq) if scales else (0,),
               ((b, h, d, lk) if km else (b, h, lk, d)) if codes else (0,), (b, h, nk) if scales else (0,),
               (b, h, lk) if smooth_q else (0,), (b, h, d) if smooth_q else (0,))
-    return tuple(q.new_empty(s, dtype=dt or q.dtype) for s, dt in zip(shapes, _FWD_DTYPES))
+    out = [q.new_empty(s, dtype=dt or q.dtype) for s, dt in zip(shapes, _FWD_DTYPES)]
+    if codes and km:  # qg, kg: K-major copies with padded rows (kmajor_empty)
+        for i in (6, 8):
+            out[i] = kmajor_empty(*shapes[i], dtype=out[i].dtype, device=q.device, empty=q.new_empty)
+    return tuple(out)
 
 
 @torch.library.custom_op("attnqat::sagebwd_bwd", mutates_args=(), device_types=("cuda", "cpu"))
