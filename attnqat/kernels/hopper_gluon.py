@@ -211,6 +211,16 @@ if not _MISSING:
         return gl.where(keep, s, -float("inf"))
 
     @gluon.jit
+    def _unmasked_tiles(off_m, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """How many leading key tiles of BLOCK_N keys query rows off_m, off_m + 1, ... see whole: none of their keys
+        is past Lk nor, causal, after row off_m. _masked would keep every element of those; as in Triton's tutorial
+        only the ragged and diagonal tiles pay for the compare and select (a uniform branch per tile)."""
+        n = seqlen_k // BLOCK_N
+        if CAUSAL:
+            n = gl.minimum(n, (off_m + 1) // BLOCK_N)
+        return n
+
+    @gluon.jit
     def _bf16_step(s, m_i, l_i, qk_scale, FIRST: gl.constexpr):
         """FlashAttention's online softmax step in log2 units: (P_j unnormalised, alpha = 2^(m - m_new), m_new,
         l_new). FIRST (constexpr: block 0) starts m and l; its alpha is unused (nothing is accumulated yet)."""
@@ -318,6 +328,7 @@ if not _MISSING:
         if TRAINING:
             acc_aux = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         live = off_m < seqlen_q
+        n_unmasked = _unmasked_tiles(off_m, seqlen_k, BLOCK_N, CAUSAL)
         mbarrier.wait(q_ready, 0, pred=live)
         q = q_smem.reshape([BLOCK_M, HEAD_DIM])
 
@@ -348,7 +359,8 @@ if not _MISSING:
             else:
                 s = warpgroup_mma_wait(1, deps=[s])
             mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
-            s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, FP4)
+            if j >= n_unmasked:  # a uniform branch: most tiles skip the compare and select on every element
+                s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, FP4)
             p_next, p_aux_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, dtype, BLOCK_N, False, FP4,
                                                                 TRAINING)
             # P_{j-1} stays a dependency until its wgmma is done: its registers are that MMA's A operand.
