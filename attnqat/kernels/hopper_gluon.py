@@ -7,11 +7,14 @@ FlashAttention-3 lays it out on H100, which plain Triton does not emit on sm_90:
 - a **load partition** (one warp, few registers) issues TMA copies: the Q tile once, then K and V tiles into a
   ring of ``NUM_STAGES`` shared-memory slots, each slot guarded by a ``ready`` mbarrier (TMA's byte count
   lands) and an ``empty`` one (the MMA that read it finished);
-- the **default partition** (``num_warps`` warps, i.e. one or two consumer warpgroups splitting BLOCK_M rows)
-  runs both matmuls on wgmma: S = Q K^T with both operands in shared memory, O += P V with P from registers.
-  It overlaps one block's softmax with the tensor cores by issuing S_{j} = Q K_j^T and then
-  O += P_{j-1} V_{j-1} before waiting for S_j alone (FlashAttention-3's intra-warpgroup pipelining);
-  the PV of block j-1 runs while block j's softmax computes.
+- **consumer partitions** run both matmuls on wgmma: S = Q K^T with both operands in shared memory, O += P V with
+  P from registers. Each overlaps one block's softmax with the tensor cores by issuing S_{j} = Q K_j^T and then
+  O += P_{j-1} V_{j-1} before waiting for S_j alone (FlashAttention-3's intra-warpgroup pipelining); the PV of
+  block j-1 runs while block j's softmax computes. Three layouts (``FWD_VARIANTS``), the same numbers: "default",
+  one partition of 8 warps (two warpgroups in lockstep over 128 rows); "ws", two independent warpgroups of 64 rows
+  (the default partition and a worker), so one's softmax runs under the other's wgmmas; "pingpong", "ws" with the
+  two warpgroups' wgmma rounds alternating through a pair of mbarriers (FlashAttention-3's scheduler barrier).
+  Only the ragged and causal-diagonal key tiles pay for the mask (inference variants).
 
 Inputs are (batch, heads, seqlen, head_dim) with any strides whose last dim is contiguous; each is read
 through a 4-d TMA descriptor, so ragged tails (Lq, Lk not multiples of the tiles, Lq != Lk) come back
@@ -32,9 +35,11 @@ block (K^F, V^F rows in tile order, so phi's 16-key blocks lie in one thread as 
 shared memory for the two wgmmas that read them transposed) and a dQ kernel per query block (dS from registers), each
 streaming its other operands through a double-buffered TMA ring; no warp specialisation, every wgmma waited for within
 its step. ``variant="ws"`` runs both warp-specialised instead (FlashAttention-3's backward layout: a load warp, two
-independent consumer warpgroups of 64 keys, or of 64 queries, each; in preparation, not yet run on a GPU).
+independent consumer warpgroups of 64 keys, or of 64 queries, each).
 
-This module is a fast path in preparation: nothing dispatches to it yet. :func:`available` says whether it
+``kernels.api`` dispatches to this module on sm_90 (:func:`gluon_sm90`): attn_qat's training step (the "ws" training
+forward and the "ws" backward) and the FP4 inference forward of nvfp4, attn_qat and attn_qat_dropin ("pingpong"),
+through custom ops; the Triton kernels stay the portable path. :func:`available` says whether it
 can run here (Triton's Gluon API for Hopper, an sm_90 GPU); :func:`compile_forward` and :func:`compile_backward`
 compile the kernels for sm_90a without a GPU. Triton 3.6 and 3.9 name the TMA copies differently (``async_copy_global_to_shared`` /
 ``async_copy_shared_to_global`` in 3.6, ``async_load`` / ``async_store`` in 3.9, where the old names raise);
@@ -1294,10 +1299,13 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
 # ---------------------------------------------------------------------------------------------------
 
 GLUON_ENV = "ATTNQAT_GLUON"  # "0": the FP4 modes run the Triton kernels on sm_90 too (A/B runs, debugging)
-# The kernel layouts each job runs (H100, (1, 40, 32760, 128), bench/gluon_fwd_variants.py; docs/benchmarks.md):
-TRAINING_FWD_VARIANT = "ws"  # 69.4 ms against "default" 75.9 and "pingpong" 96.8
+# The kernel layouts each job runs (H100, (1, 40, 32760, 128), bench/gluon_fwd_variants.py; docs/benchmarks.md; cuDNN's
+# forward 37.3 ms in the same runs):
+TRAINING_FWD_VARIANT = "ws"  # 72.4 ms against "default" 78.8 and "pingpong" 86.1 (its pre-pass included)
 TRAINING_BWD_VARIANT = "ws"  # the backward kernels training runs: 0.87x the "default" variant's time
-INFERENCE_FWD_VARIANT = "pingpong"  # the FP4 inference forward: 47.3 ms against "ws" 51.6, "default" 57.2
+# The FP4 inference forward: 42.6-43.3 ms against "ws" 42.7-44.1 and "default" 56.7 (two runs; before the mask split
+# pingpong led ws by 4.3 ms, 47.3 against 51.6)
+INFERENCE_FWD_VARIANT = "pingpong"
 
 
 def gluon_sm90(device: torch.device) -> tuple[bool, str]:
