@@ -717,23 +717,15 @@ def test_gpu_fp4_inference_runs_the_gluon_forward(mode, monkeypatch, poison):
 
 
 @pytest.mark.gpu
-def test_gpu_fp4_inference_op_passes_opcheck():
-    """attnqat::fp4_fwd_sm90: schema, its fake against the real output (q in diffusers' (B, L, H, D) layout)."""
+@pytest.mark.parametrize("op", ["fp4_fwd_sm90", "attn_qat_fwd_sm90"])
+def test_gpu_forward_op_passes_opcheck(op):
+    """attnqat::fp4_fwd_sm90 (the FP4 inference forward) and attnqat::attn_qat_fwd_sm90 (the training forward):
+    schema, their fakes against the real outputs (q in diffusers' (B, L, H, D) layout)."""
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)
     q, k, v = _inputs(1, 2, 96, 160, 64, "blhd")
-    torch.library.opcheck(hopper_gluon.fp4_fwd_sm90, (q, k, v, 0.125, True))
-
-
-@pytest.mark.gpu
-def test_gpu_forward_op_passes_opcheck():
-    """attnqat::attn_qat_fwd_sm90 likewise: its fake against the real outputs (q in diffusers' (B, L, H, D) layout)."""
-    ok, why = hopper_gluon.available()
-    if not ok:
-        pytest.skip(why)
-    q, k, v = _inputs(1, 2, 96, 160, 64, "blhd")
-    torch.library.opcheck(hopper_gluon.attn_qat_fwd_sm90, (q, k, v, 0.125, True))
+    torch.library.opcheck(getattr(hopper_gluon, op), (q, k, v, 0.125, True))
 
 
 @pytest.mark.gpu
