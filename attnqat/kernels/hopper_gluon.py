@@ -172,9 +172,10 @@ if not _MISSING:
 
     @gluon.jit
     def _take_turn(turn, r, PARITY: gl.constexpr, PINGPONG: gl.constexpr):
-        """PINGPONG: wait until the other consumer warpgroup has issued its round r (PARITY 1: the first consumer,
-        whose round 0 goes first) before issuing this one's wgmmas (FlashAttention-3's warp scheduler barrier: the
-        two warpgroups' matmul rounds alternate, so one's softmax runs under the other's matmuls)."""
+        """PINGPONG: wait for this consumer's turn to issue its round r of wgmmas: the first consumer (PARITY 1) until
+        the other has issued round r - 1 (round 0 passes: a fresh barrier), the second until the first has issued
+        round r (FlashAttention-3's warp scheduler barrier: the two warpgroups' matmul rounds alternate, so one's
+        softmax runs under the other's matmuls)."""
         if PINGPONG:
             mbarrier.wait(turn, (r & 1) ^ PARITY)
 
