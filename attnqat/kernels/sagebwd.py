@@ -575,12 +575,17 @@ def kmajor() -> bool:
     return os.environ.get("ATTNQAT_SAGEBWD_KMAJOR", "1") != "0"
 
 
+def _kmajor_rows(n: int) -> int:
+    """The row length of a K-major copy of n rows: n rounded up to KMAJOR_ALIGN (the kernels' _kmajor_len)."""
+    return triton.cdiv(n, KMAJOR_ALIGN) * KMAJOR_ALIGN
+
+
 def kmajor_empty(b: int, h: int, d: int, n: int, *, dtype: torch.dtype, device, empty=None) -> torch.Tensor:
     """An uninitialised (b, h, d, n) K-major copy as the kernels read it: a view of (b, h, d, n rounded up to
     KMAJOR_ALIGN), so that its rows start 16 bytes apart (``_kmajor_len``; the kernel that fills it writes zero
     codes into the padding); ``empty``: the allocator (``torch.empty`` or a fake implementation's
     ``new_empty``)."""
-    padded = (empty or _empty)((b, h, d, triton.cdiv(n, KMAJOR_ALIGN) * KMAJOR_ALIGN), dtype=dtype, device=device)
+    padded = (empty or _empty)((b, h, d, _kmajor_rows(n)), dtype=dtype, device=device)
     return padded[..., :n]
 
 
@@ -588,7 +593,7 @@ def _as_kmajor(x: torch.Tensor) -> torch.Tensor:
     """x, a (B, H, D, L) K-major copy, laid out as :func:`kmajor_empty` makes one (what the kernels assume): x
     itself when it is, else a copy."""
     b, h, d, n = x.shape
-    row = triton.cdiv(n, KMAJOR_ALIGN) * KMAJOR_ALIGN
+    row = _kmajor_rows(n)
     if x.stride() == (h * d * row, d * row, row, 1):
         return x
     out = kmajor_empty(b, h, d, n, dtype=x.dtype, device=x.device)
