@@ -1104,8 +1104,8 @@ def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
 
 
 def _output_like(q: torch.Tensor) -> torch.Tensor:
-    """The training forward's O: in q's stride order as the Triton forward's, contiguous where TMA cannot write
-    that layout (the custom op's fake calls this too, so its strides are the real ones)."""
+    """The FP4 forwards' O (inference and training): in q's stride order as the Triton forward's, contiguous where
+    TMA cannot write that layout (the custom ops' fakes call this too, so their strides are the real ones)."""
     o = torch.empty_like(q)
     return o if _tma_strides_ok(o) else q.new_empty(q.shape)
 
