@@ -1,6 +1,7 @@
 """Write one benchmark's section of docs/benchmarks.md between markers, leaving the others alone."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import pathlib
@@ -9,6 +10,18 @@ import platform
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEvery table is written by a script in `bench/`; ratios are to cuDNN SDPA (or bf16) measured in the same run.\n"
+
+
+def bhld_shape(text: str) -> tuple[int, int, int, int]:
+    """An argparse ``type=`` for an attention shape written B,H,L,D (e.g. 1,40,8192,128): a malformed one is
+    argparse's one usage line."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not four positive integers B,H,L,D, e.g. 1,40,8192,128")
+    return shape
 
 
 def bench_ms(fn, warmup=25, rep=100) -> float:

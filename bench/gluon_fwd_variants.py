@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from bench._report import bench_ms, env_line, environment  # noqa: E402
+from bench._report import bench_ms, bhld_shape, env_line, environment  # noqa: E402
 from attnqat.kernels import hopper_gluon  # noqa: E402
 from attnqat.kernels.nvfp4 import quantize_heads  # noqa: E402
 
@@ -77,20 +77,13 @@ def run(shape, causal, variants):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["1,40,32760,128", "1,40,8192,128"],
+    parser.add_argument("--shapes", nargs="+", type=bhld_shape, default=[(1, 40, 32760, 128), (1, 40, 8192, 128)],
                         help="B,H,L,D (self-attention, Lq = Lk = L)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--variants", nargs="+", default=list(hopper_gluon.FWD_VARIANTS),
                         choices=hopper_gluon.FWD_VARIANTS)
     parser.add_argument("--stages", type=int, default=None, help="NUM_STAGES of the ws variants (all head dims)")
     args = parser.parse_args(argv)
-    shapes = []
-    for shape in args.shapes:
-        try:
-            shapes.append(tuple(int(x) for x in shape.split(",")))
-            assert len(shapes[-1]) == 4
-        except (ValueError, AssertionError):
-            parser.error(f"--shapes: {shape!r} is not B,H,L,D")
     ok, why = hopper_gluon.available()
     if not ok:
         sys.exit(f"gluon_fwd_variants: {why}")
@@ -99,7 +92,7 @@ def main(argv=None):
             for d, (block_m, block_n, _) in config.items():
                 config[d] = (block_m, block_n, args.stages)
     print(env_line(environment()))
-    for shape in shapes:
+    for shape in args.shapes:
         run(shape, args.causal, args.variants)
 
 

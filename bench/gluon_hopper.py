@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from bench._report import bench_ms, env_line, environment  # noqa: E402
+from bench._report import bench_ms, bhld_shape, env_line, environment  # noqa: E402
 from attnqat.kernels import hopper_gluon  # noqa: E402
 from attnqat.kernels.attn_qat import (attn_qat_attention, attn_qat_backward, attn_qat_forward,  # noqa: E402
                                      nvfp4_attention)
@@ -167,7 +167,7 @@ def run(shape, causal, ws=True):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["1,40,32760,128", "1,40,8192,128"],
+    parser.add_argument("--shapes", nargs="+", type=bhld_shape, default=[(1, 40, 32760, 128), (1, 40, 8192, 128)],
                         help="B,H,L,D (self-attention, Lq = Lk = L)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--no-ws", action="store_true", help="leave out the warp-specialised backward's rows")
@@ -177,7 +177,7 @@ def main(argv=None):
         sys.exit(f"gluon_hopper: {why}")
     print(env_line(environment()))
     for shape in args.shapes:
-        run(tuple(int(x) for x in shape.split(",")), args.causal, ws=not args.no_ws)
+        run(shape, args.causal, ws=not args.no_ws)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,15 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from attnqat.kernels import attention, backend_info  # noqa: E402
+from bench._report import bhld_shape  # noqa: E402
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="1,40,8192,128", help="B,H,L,D (default 1,40,8192,128)")
+    p.add_argument("--shape", type=bhld_shape, default=(1, 40, 8192, 128), help="B,H,L,D (default 1,40,8192,128)")
     p.add_argument("--causal", action="store_true")
     args = p.parse_args(argv)
-    try:
-        b, h, length, d = (int(x) for x in args.shape.split(","))
-    except ValueError:
-        p.error(f"--shape {args.shape!r} must be four integers B,H,L,D, e.g. 1,40,8192,128")
+    b, h, length, d = args.shape
     if not torch.cuda.is_available():
         sys.exit("bench/ncu_attn_qat.py needs a CUDA GPU")
     print("attn_qat training:", backend_info()["attn_qat_training"], flush=True)
