@@ -371,17 +371,23 @@ if not _MISSING:
                 s = _masked(s, j, offs_m, seqlen_k, BLOCK_N, CAUSAL, FP4)
             p_next, p_aux_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, dtype, BLOCK_N, False, FP4,
                                                                 TRAINING)
+            alpha_acc = _per_row(alpha, acc_row_layout)
+            # Whether any row's max moved (alpha != 1, NaN included), decided for the whole warpgroup (a cross-warp
+            # reduction, before the wait so that it runs under the PV wgmma): multiplying by 1 changes nothing, and
+            # once the running max settles most tiles skip the rescale of O (and O'), 1 (2) FMUL per S element each.
+            rescale = gl.max(gl.where(alpha_acc == 1.0, 0, 1), axis=0) > 0
             # P_{j-1} stays a dependency until its wgmma is done: its registers are that MMA's A operand.
             if TRAINING:
                 acc, acc_aux, p, p_aux = warpgroup_mma_wait(0, deps=[acc, acc_aux, p, p_aux])
             else:
                 acc, p = warpgroup_mma_wait(0, deps=[acc, p])
             mbarrier.arrive(v_empty.index((j - 1) % NUM_STAGES), count=1)
-            alpha_acc = _per_row(alpha, acc_row_layout)[:, None]
-            acc = acc * alpha_acc
+            if rescale:
+                acc = acc * alpha_acc[:, None]
+                if TRAINING:
+                    acc_aux = acc_aux * alpha_acc[:, None]
             p = gl.convert_layout(p_next, p_layout)
             if TRAINING:
-                acc_aux = acc_aux * alpha_acc
                 p_aux = gl.convert_layout(p_aux_next, p_layout)
 
         _take_turn(turn_wait, n_blocks, PARITY, PINGPONG)
