@@ -3,11 +3,13 @@
     python bench/train_step.py                           # GPU: 30 blocks, 480x832x81 -> latents (16, 21, 60, 104)
     python bench/train_step.py --layers 10 --frames 41   # cheaper: 10 blocks, 41 frames (said in the table)
     python bench/train_step.py --tiny                    # the code path on CPU with the tiny model (seconds)
+    python bench/train_step.py --save-attention          # checkpointing that keeps the attention outputs
 
 The transformer is built in code from Wan2.1-T2V-1.3B-Diffusers' transformer/config.json (12 heads x
 128 = hidden 1536, ffn 8960, 30 blocks, text_dim 4096; checked against diffusers' conversion script)
 with random weights, as `attnqat train` trains it: fp32 master weights under bf16 autocast, diffusers'
-gradient checkpointing on every block, AdamW. One step of the default objective (distill/features):
+gradient checkpointing on every block (`--save-attention`: keeping the attention outputs, as
+train.save_attention does), AdamW. One step of the default objective (distill/features):
 frozen bf16 teacher forward (bf16 attention) + student forward and backward (the mode under test, attn1
 of every block) + normalized-MSE loss over every block's hidden states and the output + clip + AdamW step.
 `--objective flow` drops the teacher (flow-matching loss on random latents).
@@ -53,10 +55,25 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2; compiles the kernels)")
     p.add_argument("--no-checkpointing", action="store_true", help="disable gradient checkpointing")
+    p.add_argument("--save-attention", action="store_true",
+                   help="keep the attention outputs through gradient checkpointing (train.save_attention): the "
+                        "backward does not recompute the attention")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 32 tokens, fp32")
     p.add_argument("--write", action="store_true", help="write docs/benchmarks.md even with --tiny")
     p.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.save_attention and args.no_checkpointing:
+        p.error("--save-attention keeps attention outputs through gradient checkpointing: drop --no-checkpointing")
+    return args
+
+
+def checkpointing(args) -> str:
+    """The gradient checkpointing a run uses, in words (the table's section says it)."""
+    if args.no_checkpointing:
+        return "off"
+    if args.save_attention:
+        return "on every block, keeping the attention outputs (no attention recompute in the backward)"
+    return "on every block (the backward recomputes the attention)"
 
 
 def build(config: dict, device: torch.device, num_layers: int | None):
@@ -71,7 +88,7 @@ def build(config: dict, device: torch.device, num_layers: int | None):
 
 def run_mode(mode: str, args, config: dict, shape, device, autocast_dtype):
     from attnqat.train.objectives import nmse
-    from attnqat.train.student_teacher import FeatureCapture, make_student_teacher
+    from attnqat.train.student_teacher import FeatureCapture, attention_saving_checkpoint, make_student_teacher
 
     transformer, cfg = build(config, device, args.layers)
     teacher_dtype = torch.bfloat16 if autocast_dtype is not None else torch.float32
@@ -80,7 +97,7 @@ def run_mode(mode: str, args, config: dict, shape, device, autocast_dtype):
         del teacher
         teacher = None
     if not args.no_checkpointing:
-        student.enable_gradient_checkpointing()
+        student.enable_gradient_checkpointing(attention_saving_checkpoint() if args.save_attention else None)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6, weight_decay=0.01)
     s_cap = FeatureCapture(student)
     t_cap = FeatureCapture(teacher) if teacher is not None else None
@@ -165,7 +182,7 @@ def main(argv=None) -> int:
         lines.append(f"| `{r['mode']}` | {r['step_s'] * 1e3:.0f} ms | {rt} | {r['tokens_per_s']:.0f} | "
                      f"{r['peak_gib']:.1f} GiB | {rm} |")
     table = "\n".join(lines)
-    print(table)
+    print(f"gradient checkpointing {checkpointing(args)}\n{table}")
     if args.no_write or (args.tiny and not args.write):
         return 0 if all(r["finite"] for r in results) else 1
     from _report import env_line, environment, update_section
@@ -176,8 +193,8 @@ def main(argv=None) -> int:
     md = (f"{SECTION}\n\n`python bench/train_step.py {' '.join(sys.argv[1:] if argv is None else argv)}`. {what}. "
           f"One step = {'frozen bf16 teacher forward + ' if args.objective == 'distill' else ''}student forward + "
           f"backward ({args.objective}{'/' + args.target if args.objective == 'distill' else ''} loss) + grad clip + "
-          f"AdamW; fp32 master weights under bf16 autocast; gradient checkpointing "
-          f"{'off' if args.no_checkpointing else 'on every block'}; only the student's attn1 changes mode. Median of "
+          f"AdamW; fp32 master weights under bf16 autocast; gradient checkpointing {checkpointing(args)}; only the "
+          f"student's attn1 changes mode. Median of "
           f"{args.steps} steps after {args.warmup} warm-up; peak = torch.cuda.max_memory_allocated.\n\n"
           f"{table}\n\n{env_line(environment())}\n")
     update_section("train_step", md)

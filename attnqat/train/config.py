@@ -130,6 +130,8 @@ class TrainSection:
     gradient_accumulation_steps: int = 1
     mixed_precision: str = "bf16"   # accelerate's: no | bf16 | fp16 (master weights stay fp32)
     gradient_checkpointing: bool = True
+    save_attention: bool = False    # keep each block's attention outputs through gradient checkpointing: no
+                                    # attention recompute in the backward, at the memory of those outputs per block
     compile: bool = False           # torch.compile the student's blocks (small models are launch-bound)
     trainable: str = "all"          # all | attention (only the patched attention modules' weights)
     teacher_dtype: str | None = None  # bf16 | fp32; default bf16 under bf16 mixed precision, else fp32
@@ -465,6 +467,9 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
         raise ValueError(f"timesteps: need 0 <= min_sigma < max_sigma <= 1, got {t.min_sigma}, {t.max_sigma}")
     if t.shift <= 0:
         raise ValueError(f"timesteps.shift must be > 0, got {t.shift}")
+    if tr.save_attention and not tr.gradient_checkpointing:
+        raise ValueError("train.save_attention needs train.gradient_checkpointing: it keeps the attention outputs "
+                         "through the checkpointed blocks' recompute, and without checkpointing nothing is recomputed")
 
     # Data
     index: dict = {}

@@ -42,7 +42,7 @@ from .config import CheckedConfig, TrainConfig, objective_of, save_config, token
 from .corpus_source import CorpusSource
 from .data import ShardDataset, sample_indices
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
-from .student_teacher import FeatureCapture, make_student_teacher
+from .student_teacher import FeatureCapture, attention_saving_checkpoint, make_student_teacher
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "gap", "grad_norm", "lr", "tokens_per_s", "step_s",
@@ -193,7 +193,7 @@ class Trainer:
                                                 cfg.attention.options, teacher_dtype=self.teacher_dtype,
                                                 trainable=tr.trainable, with_teacher=with_teacher)
         if tr.gradient_checkpointing:
-            student.enable_gradient_checkpointing()
+            student.enable_gradient_checkpointing(attention_saving_checkpoint() if tr.save_attention else None)
         if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are
             _allow_block_graphs(len(student.blocks), len(self.index.get("latent_shapes") or [self.shape]))
             for block in student.blocks:

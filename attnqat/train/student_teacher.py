@@ -4,15 +4,18 @@ The student runs a trainable attention mode (``attn_qat``) in the selected layer
 same initial weights, runs the reference mode (bf16, exact SDPA) in the same layers. Both use
 :class:`AutocastAttnProcessor`, so under mixed precision their attention sees the same input dtype.
 :class:`FeatureCapture` records every block's output hidden states, for feature distillation and the
-held-out gap.
+held-out gap. :func:`attention_saving_checkpoint` is the student's gradient checkpointing with
+``train.save_attention``.
 """
 from __future__ import annotations
 
 import copy
+import functools
 from contextlib import contextmanager
 
 import torch
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from attnqat.kernels import REFERENCE_MODE
 from attnqat.pipelines.processor import AttnQATProcessor, patch_attention
@@ -68,6 +71,47 @@ def make_student_teacher(transformer: torch.nn.Module, mode: str, layers="self",
         for name in names:
             student.get_submodule(name).requires_grad_(True)
     return student, teacher
+
+
+# The forward ops whose outputs a trainable attention mode's backward reads: attnqat's training forwards
+# (attn_qat and attn_qat_dropin: attn_qat_fwd; attn_qat on an H100 / H200 with Gluon: attn_qat_fwd_sm90; sagebwd:
+# sagebwd_fwd) and torch's SDPA backends (bf16 runs one, and so do the layers left unpatched, such as the
+# cross-attention). Not the inference-only forwards (fp4_fwd_sm90, sage3_fwd: never under grad), nor
+# aten::_scaled_dot_product_attention_math_for_mps, whose second output is the whole L x L probability matrix.
+SAVED_ATTENTION_OPS = ("attnqat::attn_qat_fwd", "attnqat::attn_qat_fwd_sm90", "attnqat::sagebwd_fwd",
+                       "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+                       "aten::_scaled_dot_product_cudnn_attention",
+                       "aten::_scaled_dot_product_flash_attention_for_cpu",
+                       "aten::_scaled_dot_product_fused_attention_overrideable", "aten::_flash_attention_forward",
+                       "aten::_efficient_attention_forward")
+
+
+def saved_attention_ops() -> list[torch._ops.OpOverload]:
+    """Every overload of each op in :data:`SAVED_ATTENTION_OPS` that this torch has (an SDPA backend a build lacks
+    is skipped)."""
+    ops = []
+    for qualified in SAVED_ATTENTION_OPS:
+        namespace, name = qualified.split("::")
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is not None:
+            ops += [getattr(packet, overload) for overload in packet.overloads()]
+    return ops
+
+
+def attention_saving_checkpoint():
+    """A gradient-checkpointing function for diffusers (``model.enable_gradient_checkpointing(it)``; diffusers calls
+    it as ``func(block, *args)``) that keeps the attention outputs: diffusers' default, torch's non-reentrant
+    checkpoint of each block, plus selective activation checkpointing, so the backward's recompute of a block takes
+    the outputs of its :func:`saved_attention_ops` calls from the forward and reruns everything else. The gradients
+    are the same (bit for bit in tests/test_save_attention.py, on CPU); the attention forward runs once a step instead of
+    twice, at the memory of those outputs, held from each block's forward to its backward (docs/training.md,
+    ``train.save_attention``)."""
+    context_fn = functools.partial(create_selective_checkpoint_contexts, saved_attention_ops())
+
+    def checkpointed(block, *args):
+        return checkpoint(block.__call__, *args, use_reentrant=False, context_fn=context_fn)
+
+    return checkpointed
 
 
 class FeatureCapture:
