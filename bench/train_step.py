@@ -190,14 +190,16 @@ def main(argv=None) -> int:
     what = (f"{'tiny model (CPU code path)' if args.tiny else f'Wan 2.1 1.3B-sized transformer, {layers} of 30 blocks'}"
             f", random weights; latents {tuple(shape)} (B={args.batch}) -> {tokens:,} self-attention tokens, "
             f"{TEXT_TOKENS if not args.tiny else 8} text tokens")
-    md = (f"{SECTION}\n\n`python bench/train_step.py {' '.join(sys.argv[1:] if argv is None else argv)}`. {what}. "
+    section, key = (f"{SECTION}, attention outputs kept", "train_step_saved") if args.save_attention \
+        else (SECTION, "train_step")  # one section each: the docs show both checkpointings
+    md = (f"{section}\n\n`python bench/train_step.py {' '.join(sys.argv[1:] if argv is None else argv)}`. {what}. "
           f"One step = {'frozen bf16 teacher forward + ' if args.objective == 'distill' else ''}student forward + "
           f"backward ({args.objective}{'/' + args.target if args.objective == 'distill' else ''} loss) + grad clip + "
           f"AdamW; fp32 master weights under bf16 autocast; gradient checkpointing {checkpointing(args)}; only the "
           f"student's attn1 changes mode. Median of "
           f"{args.steps} steps after {args.warmup} warm-up; peak = torch.cuda.max_memory_allocated.\n\n"
           f"{table}\n\n{env_line(environment())}\n")
-    update_section("train_step", md)
+    update_section(key, md)
     return 0 if all(r["finite"] for r in results) else 1
 
 

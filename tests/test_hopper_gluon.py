@@ -395,6 +395,31 @@ def test_gpu_training_forward_matches_triton_forward_and_reference(b, h, lq, lk,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", hopper_gluon.FWD_VARIANTS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_training_forward_rescales_the_rows_whose_max_moves_late(d, variant, poison):
+    """The training forward skips the rescale of O and O' on a tile where no row's running max moved, decided once
+    for a whole warpgroup. Rows whose max jumps in a late key tile, one at a time, in different warps and consumers
+    of a program (and their neighbours, whose maxima stay), still match the reference row by row: a rescale skipped
+    wrongly would leave a jumping row's earlier tiles 2^15 or more too large against its l."""
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    q, k, v = _inputs(1, 2, 1000, 1000, d, "bhld")
+    jumps = {5: 990, 40: 700, 77: 450, 120: 200, 250: 999}  # query row: the key planted for it (later tiles first)
+    for row, key in jumps.items():
+        k[:, :, key] = (2 * q[:, :, row]).to(k.dtype)  # its logit ~2 sqrt(d): 2^15 and more above its earlier max
+    o, o_aux, m, l, _ = hopper_gluon.hopper_attn_qat_forward(q, k, v, variant=variant)
+    r_o, r_aux, r_m, r_l = R.attn_qat_forward_ref(q, k, v, training=True)
+    _stats_match(m, l, r_m, r_l)
+    for got, ref in ((o, r_o), (o_aux, r_aux)):
+        assert torch.isfinite(got).all()
+        for row in sorted({*jumps, *(r + 1 for r in jumps)}):
+            assert rel_err(got[:, :, row], ref[:, :, row]) <= _fp4_bound(ref[:, :, row]), row
+        assert rel_err(got, ref) <= _fp4_bound(ref)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", [v for v in hopper_gluon.FWD_VARIANTS if v != "default"])
 @pytest.mark.parametrize("b,h,lq,lk,d,causal,layout", GPU_SHAPES)
 def test_gpu_forward_variants_agree_bit_for_bit(b, h, lq, lk, d, causal, layout, variant, poison):
@@ -708,7 +733,10 @@ def test_gpu_fp4_inference_runs_the_gluon_forward(mode, monkeypatch, poison):
     q, k, v = _inputs(2, 3, 300, 1025, 128, "blhd")
     with torch.no_grad():
         gluon = attention(q, k, v, mode=mode)
-        assert calls == ["pingpong"] and backend_info()["fp4_inference"] == "Gluon sm_90 forward (pingpong)"
+        assert calls == ["pingpong"] and backend_info()["fp4_inference"] == \
+            "Gluon sm_90 forward (pingpong) at head_dim 128, triton at the others"
+        attention(*(t[..., :64] for t in (q, k, v)), mode=mode)  # head_dim 64: the Triton forward, faster there
+        assert calls == ["pingpong"]
         monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
         triton_out = attention(q, k, v, mode=mode)
     assert len(calls) == 1 and backend_info()["fp4_inference"] == "triton (ATTNQAT_GLUON=0)"

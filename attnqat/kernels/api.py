@@ -216,8 +216,9 @@ def backend_info(device: torch.device | str | None = None) -> dict:
         gluon, why = hopper_gluon.gluon_sm90(dev)
         info["attn_qat_training"] = (f"Gluon sm_90 kernels ({hopper_gluon.TRAINING_FWD_VARIANT} forward, "
                                      f"{hopper_gluon.TRAINING_BWD_VARIANT} backward)" if gluon else f"triton ({why})")
-        info["fp4_inference"] = (f"Gluon sm_90 forward ({hopper_gluon.INFERENCE_FWD_VARIANT})" if gluon
-                                 else f"triton ({why})")
+        dims = ", ".join(map(str, hopper_gluon.INFERENCE_HEAD_DIMS))
+        info["fp4_inference"] = (f"Gluon sm_90 forward ({hopper_gluon.INFERENCE_FWD_VARIANT}) at head_dim {dims}, "
+                                 "triton at the others" if gluon else f"triton ({why})")
     else:
         info["path"] = "triton-interpreter" if interpreting() else "pytorch-reference"
         info["fp4_path"] = "fp32 arithmetic over dequantized NVFP4 operands"
@@ -290,8 +291,8 @@ def _paths(kernel_module: str, kernel_name: str, reference_name: str):
 def _fp4_inference(q, k, v, *, sm_scale=None, causal=False):
     """The FP4 inference forward (nvfp4's; attn_qat's and attn_qat_dropin's without grad): on an H100 / H200 whose
     Triton has Gluon (hopper_gluon.gluon_sm90) the Gluon sm_90 forward, elsewhere attn_qat's Triton forward; the
-    same numbers (docs/kernels.md)."""
-    if q.is_cuda and hopper_gluon.gluon_sm90(q.device)[0]:
+    same numbers (docs/kernels.md). At head dims outside hopper_gluon.INFERENCE_HEAD_DIMS the Triton one, faster there."""
+    if q.is_cuda and q.shape[-1] in hopper_gluon.INFERENCE_HEAD_DIMS and hopper_gluon.gluon_sm90(q.device)[0]:
         return hopper_gluon.fp4_fwd_sm90(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
     return attn_qat.nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
 

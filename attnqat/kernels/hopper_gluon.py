@@ -372,10 +372,15 @@ if not _MISSING:
             p_next, p_aux_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, dtype, BLOCK_N, False, FP4,
                                                                 TRAINING)
             alpha_acc = _per_row(alpha, acc_row_layout)
-            # Whether any row's max moved (alpha != 1, NaN included), decided for the whole warpgroup (a cross-warp
-            # reduction, before the wait so that it runs under the PV wgmma): multiplying by 1 changes nothing, and
-            # once the running max settles most tiles skip the rescale of O (and O'), 1 (2) FMUL per S element each.
-            rescale = gl.max(gl.where(alpha_acc == 1.0, 0, 1), axis=0) > 0
+            if TRAINING:
+                # Whether any row's max moved (alpha != 1, NaN included), decided for the whole warpgroup (a
+                # cross-warp reduction, before the wait so that it runs under the PV wgmma): multiplying by 1 changes
+                # nothing, and once the running max settles most tiles skip the rescale of O and O', 2 FMULs per S
+                # element of the 64-key tiles. The inference forwards (1 FMUL per element of 128-key tiles) gained
+                # nothing measurable from it, and Triton 3.9's ptxas gives their head_dim-128 kernels a stack frame.
+                rescale = gl.max(gl.where(alpha_acc == 1.0, 0, 1), axis=0) > 0
+            else:
+                rescale = True
             # P_{j-1} stays a dependency until its wgmma is done: its registers are that MMA's A operand.
             if TRAINING:
                 acc, acc_aux, p, p_aux = warpgroup_mma_wait(0, deps=[acc, acc_aux, p, p_aux])
@@ -1313,6 +1318,12 @@ TRAINING_BWD_VARIANT = "ws"  # the backward kernels training runs: 0.87x the "de
 # The FP4 inference forward: 42.6-43.3 ms against "ws" 42.7-44.1 and "default" 56.7 (two runs; before the mask split
 # pingpong led ws by 4.3 ms, 47.3 against 51.6)
 INFERENCE_FWD_VARIANT = "pingpong"
+# The head dims whose FP4 inference forward runs here; at 64 attn_qat's Triton forward is as fast or faster (H100,
+# nvfp4 through attention(): (1, 12, 32760, 64) 10.03 ms both; causal (1, 24, 16384, 64) 2.87-2.89 against 2.80,
+# (2, 24, 4096, 64) 0.50-0.53 against 0.46), at 128 slower ((1, 40, 32760, 128) 1.12x against 1.41x cuDNN's forward;
+# causal (1, 40, 8192, 128) 1.70 against 2.01 ms). Training runs here at both (fwd+bwd at head_dim 64: 40.3-41.0
+# against 57.9-58.4 ms at (1, 12, 32760, 64), 1.84-1.97 against 2.16-2.18 ms causal (2, 24, 4096, 64)).
+INFERENCE_HEAD_DIMS = (128,)
 
 
 def gluon_sm90(device: torch.device) -> tuple[bool, str]:
