@@ -401,7 +401,10 @@ def test_gpu_training_forward_rescales_the_rows_whose_max_moves_late(d, variant,
     """The training forward skips the rescale of O and O' on a tile where no row's running max moved, decided once
     for a whole warpgroup. Rows whose max jumps in a late key tile, one at a time, in different warps and consumers
     of a program (and their neighbours, whose maxima stay), still match the reference row by row: a rescale skipped
-    wrongly would leave a jumping row's earlier tiles 2^15 or more too large against its l."""
+    wrongly would leave a jumping row's earlier tiles 2^15 or more too large against its l, an error of order 1
+    (3.6-6.6 on row 5 with the skip forced everywhere, H100). The per-row bound is 10x the tensor's: one key carries nearly all of a jumping row's
+    weight, so a P element that compiled exp2 puts on the neighbouring grid value is not diluted (0.0026-0.0035 at
+    head_dim 128 against the tensor bound's 0.002, H100)."""
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)
@@ -415,7 +418,7 @@ def test_gpu_training_forward_rescales_the_rows_whose_max_moves_late(d, variant,
     for got, ref in ((o, r_o), (o_aux, r_aux)):
         assert torch.isfinite(got).all()
         for row in sorted({*jumps, *(r + 1 for r in jumps)}):
-            assert rel_err(got[:, :, row], ref[:, :, row]) <= _fp4_bound(ref[:, :, row]), row
+            assert rel_err(got[:, :, row], ref[:, :, row]) <= 10 * _fp4_bound(ref[:, :, row]), row
         assert rel_err(got, ref) <= _fp4_bound(ref)
 
 
