@@ -60,7 +60,7 @@ def training_fns(q, k, v, qf, causal, ws=True):
     block_n = hopper_gluon.FWD_TRAIN_CONFIG[d][1]
     kt, vt = (quantize_heads(t, q.dtype, key_tile=block_n) for t in (k, v))
     out = torch.empty_like(q)
-    saved = (torch.empty_like(q), *(torch.empty(b, h, length, device=q.device) for _ in range(2)))  # O', m, l
+    aux, stats = torch.empty_like(q), tuple(torch.empty(b, h, length, device=q.device) for _ in range(2))  # O'; m, l
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     do = torch.randn_like(q)
 
@@ -89,7 +89,7 @@ def training_fns(q, k, v, qf, causal, ws=True):
     fwd = {"triton_qat_fwd": lambda: attn_qat_forward(q, k, v, sm_scale=scale, causal=causal, training=True),
            "gluon_qat_fwd": lambda: hopper_gluon.hopper_attn_qat_forward(q, k, v, causal=causal),
            "gluon_qat_kernel": lambda: hopper_gluon._launch(qf, kt, vt, length, None, causal, fp4=True, out=out,
-                                                            saved=saved)}
+                                                            aux=aux, stats=stats)}
     bwd = {"triton_qat_bwd": lambda: attn_qat_backward(*bwd_args, sm_scale=scale, causal=causal),
            "gluon_qat_bwd": lambda: hopper_gluon.hopper_attn_qat_backward(*bwd_args, causal=causal),
            "gluon_qat_bwd_ws": lambda: hopper_gluon.hopper_attn_qat_backward(*bwd_args, causal=causal, variant="ws")}

@@ -45,6 +45,7 @@ for head_dim, causal in ((64, False), (128, True)):
         record(f"{head_dim},{variant},ws", compile_forward(head_dim, causal, fp4=variant == "fp4",
                                                            training=variant == "train", variant="ws"))
 record("128,fp4,pingpong", compile_forward(128, True, fp4=True, variant="pingpong"))
+record("128,fp4,pingpong,stats", compile_forward(128, True, fp4=True, variant="pingpong", stats=True))
 print(json.dumps(out))
 """
 
@@ -142,6 +143,17 @@ def test_training_variant_adds_the_aux_mma_and_the_statistics(compiled):
         # 3 and 6 shuffles of its own
         assert extra["bar.arrive"] == 0 and 0 <= extra["shfl.sync"] <= 6, extra
         assert 1 <= extra["st.shared"] <= 2 and 1 <= extra["ld.shared"] <= 2 and 1 <= extra["bar.sync"] <= 3, extra
+
+
+def test_stats_variant_adds_the_row_statistics_only(compiled):
+    """The FP4 inference forward with its row statistics (ring attention's, ``return_stats``) is the FP4 one plus
+    the global stores of m and l: nothing else changes (no O', no third wgmma, no more shared-memory traffic or
+    barriers; its shared memory 32 bytes more, Triton 3.6 and 3.9)."""
+    fp4, stats = compiled["128,fp4,pingpong"], compiled["128,fp4,pingpong,stats"]
+    assert "st.global" not in fp4["ptx"] and stats["ptx"].count("st.global") >= 2
+    assert 0 <= stats["shared"] - fp4["shared"] <= 64 and stats["hgmma"] == fp4["hgmma"]
+    for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "st.shared", "ld.shared", "bar.sync", "shfl.sync"):
+        assert stats["ptx"].count(op) == fp4["ptx"].count(op), op
 
 
 @pytest.mark.parametrize("fn", [hopper_gluon.hopper_attention, hopper_gluon.hopper_fp4_attention,
@@ -753,10 +765,48 @@ def test_gpu_fp4_inference_runs_the_gluon_forward(mode, monkeypatch, poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["fp4_fwd_sm90", "attn_qat_fwd_sm90"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", ["nvfp4", "attn_qat"])
+def test_gpu_forward_with_lse_runs_the_gluon_forward(mode, causal, monkeypatch, poison):
+    """attention_with_lse (ring attention's forward) of the FP4 modes on an H100/H200 runs the Gluon forward with
+    its row statistics at head_dim 128 (once per call) and the Triton one at 64; its output equals the Triton
+    path's (ATTNQAT_GLUON=0) bit for bit and its log-sum-exp to fp32 rounding, on ragged Lq != Lk; and the
+    log-sum-exp is the reference's."""
+    from attnqat.kernels import attention_with_lse
+
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    calls = []
+    real = hopper_gluon.hopper_fp4_attention
+    monkeypatch.setattr(hopper_gluon, "hopper_fp4_attention", lambda *a, **kw: calls.append(kw.get("return_stats"))
+                        or real(*a, **kw))
+    q, k, v = _inputs(2, 3, 300, 1025, 128, "blhd")
+    with torch.no_grad():
+        o, lse = attention_with_lse(q, k, v, mode=mode, causal=causal)
+        assert calls == [True]
+        attention_with_lse(*(t[..., :64] for t in (q, k, v)), mode=mode, causal=causal)
+        assert calls == [True]
+        monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
+        t_o, t_lse = attention_with_lse(q, k, v, mode=mode, causal=causal)
+    assert len(calls) == 1
+    assert torch.isfinite(o).all() and torch.equal(o, t_o)
+    assert lse.shape == t_lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, t_lse, rtol=0, atol=1e-5)
+    # the exact log-sum-exp of the scaled logits over phi(Q), phi(K), in float64
+    qf, kf = (R.fake_quant_nvfp4_ref(t.float()).double() for t in (q, k))
+    logits = qf @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:  # top-left: query i sees keys 0..i
+        logits = logits.masked_fill(torch.ones(300, 1025, dtype=torch.bool, device=q.device).triu(1), -float("inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits, -1), rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["fp4_fwd_sm90", "fp4_fwd_stats_sm90", "attn_qat_fwd_sm90"])
 def test_gpu_forward_op_passes_opcheck(op):
-    """attnqat::fp4_fwd_sm90 (the FP4 inference forward) and attnqat::attn_qat_fwd_sm90 (the training forward):
-    schema, their fakes against the real outputs (q in diffusers' (B, L, H, D) layout)."""
+    """attnqat::fp4_fwd_sm90 (the FP4 inference forward), attnqat::fp4_fwd_stats_sm90 (the same with m and l) and
+    attnqat::attn_qat_fwd_sm90 (the training forward): schema, their fakes against the real outputs (q in
+    diffusers' (B, L, H, D) layout)."""
     ok, why = hopper_gluon.available()
     if not ok:
         pytest.skip(why)

@@ -312,11 +312,11 @@ if not _MISSING:
                           v_ready, k_empty, v_empty, turn_wait, turn_pass, off_b, off_h, off_m, n_blocks, seqlen_q,
                           seqlen_k, qk_scale, num_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP4: gl.constexpr,
-                          TRAINING: gl.constexpr, PARITY: gl.constexpr, PINGPONG: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          TRAINING: gl.constexpr, STATS: gl.constexpr, PARITY: gl.constexpr,
+                          PINGPONG: gl.constexpr, num_warps: gl.constexpr):
         """A consumer partition (BLOCK_M rows at off_m on num_warps warps): both matmuls and the online softmax, then
         O / l through shared memory and TMA. TRAINING adds O' += P~_j V_j (a third wgmma, issued after
-        P_{j-1} V_{j-1} and overlapped alike), O' / l through its own shared-memory tile, and m and l per row.
+        P_{j-1} V_{j-1} and overlapped alike) and O' / l through its own shared-memory tile; STATS, m and l per row.
         PINGPONG alternates each round of wgmma issues with the other consumer's (_take_turn, _pass_turn). Rows
         all past Lq (the second consumer of the last query block) get no Q tile: the partition still steps
         through every key tile (the ring waits for both consumers) on whatever its tile holds, and stores
@@ -416,7 +416,9 @@ if not _MISSING:
             _tma_store(o_desc, [off_b, off_h, off_m, 0], q_smem)
             if TRAINING:
                 _tma_store(aux_desc, [off_b, off_h, off_m, 0], aux_smem)
-                # m and l per row, (B, H, Lq) fp32 contiguous: the backward's P~ = 2688 2^(S - m) and P = P~ / l
+            if STATS:
+                # m and l per row, (B, H, Lq) fp32 contiguous: the backward's P~ = 2688 2^(S - m) and P = P~ / l, or
+                # ring attention's log-sum-exp
                 rows = (off_b * num_heads + off_h) * seqlen_q + offs_m
                 gl.store(m_ptr + rows, _per_row(m_i, row_layout), mask=offs_m < seqlen_q)
                 gl.store(l_ptr + rows, _per_row(l_i, row_layout), mask=offs_m < seqlen_q)
@@ -425,19 +427,21 @@ if not _MISSING:
     @gluon.jit
     def _attn_fwd(q_desc, k_desc, v_desc, o_desc, aux_desc, m_ptr, l_ptr, seqlen_q, seqlen_k, qk_scale, num_heads,
                   HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  FP4: gl.constexpr, TRAINING: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  FP4: gl.constexpr, TRAINING: gl.constexpr, STATS: gl.constexpr, CONSUMERS: gl.constexpr,
+                  PINGPONG: gl.constexpr, num_warps: gl.constexpr):
         """One program per (CONSUMERS * BLOCK_M query rows, batch * head): allocate the ring and its barriers, then
         fork into the load partition and CONSUMERS softmax/MMA partitions of BLOCK_M rows each (the Q descriptor's
         tile): one of num_warps warps (the "default" variant: 8 warps, two warpgroups in lockstep), or two
         independent warpgroups of 4 ("ws": the default partition and a worker, as FlashAttention-3's forward;
-        PINGPONG alternates their wgmma rounds). TRAINING (FP4 only) also writes O' through aux_desc and the row
-        statistics m, l to m_ptr, l_ptr; otherwise those three are not touched."""
+        PINGPONG alternates their wgmma rounds). TRAINING (FP4 only) also writes O' through aux_desc; STATS (FP4
+        only; TRAINING implies it) the row statistics m, l to m_ptr, l_ptr; otherwise those are not touched."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         gl.static_assert(q_desc.block_type.shape[3] == HEAD_DIM)
         gl.static_assert(not FP4 or BLOCK_N % 64 == 0)  # _fp4_step: each thread holds whole 16-key blocks
         gl.static_assert(FP4 or not TRAINING)  # O' is SPEC §2's auxiliary output: the FP4 forward's
+        gl.static_assert(FP4 or not STATS)  # m is the FP4 forward's integer running max
+        gl.static_assert(STATS or not TRAINING)  # the backward reads m and l
         gl.static_assert(CONSUMERS == 1 or (CONSUMERS == 2 and num_warps == 4))
         gl.static_assert(CONSUMERS == 2 or not PINGPONG)
         off_m = gl.program_id(0) * (CONSUMERS * BLOCK_M)
@@ -479,8 +483,8 @@ if not _MISSING:
                 (_attn_softmax_mma, (o_desc, aux_desc, m_ptr, l_ptr, q_smem.index(0), aux_smem.index(0), k_bufs,
                                      v_bufs, q_ready.index(0), k_ready, v_ready, k_empty, v_empty, turn.index(0),
                                      turn.index(1), off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale,
-                                     num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, FP4, TRAINING, 1,
-                                     False, num_warps)),
+                                     num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, FP4, TRAINING, STATS,
+                                     1, False, num_warps)),
                 (_attn_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
                               v_empty, off_b, off_h, off_m, n_blocks, seqlen_q, BLOCK_N, NUM_STAGES, CONSUMERS)),
             ], [LOADER_WARPS], [LOADER_REGS])
@@ -489,13 +493,13 @@ if not _MISSING:
                 (_attn_softmax_mma, (o_desc, aux_desc, m_ptr, l_ptr, q_smem.index(0), aux_smem.index(0), k_bufs,
                                      v_bufs, q_ready.index(0), k_ready, v_ready, k_empty, v_empty, turn.index(0),
                                      turn.index(1), off_b, off_h, off_m, n_blocks, seqlen_q, seqlen_k, qk_scale,
-                                     num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, FP4, TRAINING, 1,
-                                     PINGPONG, num_warps)),
+                                     num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, FP4, TRAINING, STATS,
+                                     1, PINGPONG, num_warps)),
                 (_attn_softmax_mma, (o_desc, aux_desc, m_ptr, l_ptr, q_smem.index(1), aux_smem.index(1), k_bufs,
                                      v_bufs, q_ready.index(1), k_ready, v_ready, k_empty, v_empty, turn.index(1),
                                      turn.index(0), off_b, off_h, off_m + BLOCK_M, n_blocks, seqlen_q, seqlen_k,
                                      qk_scale, num_heads, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, FP4,
-                                     TRAINING, 0, PINGPONG, num_warps)),
+                                     TRAINING, STATS, 0, PINGPONG, num_warps)),
                 (_attn_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty,
                               v_empty, off_b, off_h, off_m, n_blocks, seqlen_q, BLOCK_N, NUM_STAGES, CONSUMERS)),
             ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
@@ -1031,25 +1035,28 @@ def _fwd_config(variant: str, head_dim: int, training: bool) -> tuple[int, int, 
 
 
 def _launch(q, k, v, seqlen_k: int, sm_scale: float | None, causal: bool, fp4: bool, out=None,
-            saved=None, variant: str = "default") -> torch.Tensor:
+            aux=None, stats=None, variant: str = "default") -> torch.Tensor:
     """Run the kernel over TMA-ready (B, H, L, D) q, k, v (k, v: at least seqlen_k rows) into ``out`` (default: a
-    new contiguous (B, H, Lq, D) tensor in q's dtype), which it returns. ``saved`` = (o_aux, m, l) runs the training
-    variant (FP4 only, its own tiles: FWD_TRAIN_CONFIG, FWD_TRAIN_WS_CONFIG), which also writes O' ((B, H, Lq, D)
-    contiguous, q's dtype) and m, l ((B, H, Lq) fp32 contiguous) there."""
+    new contiguous (B, H, Lq, D) tensor in q's dtype), which it returns. ``stats`` = (m, l) ((B, H, Lq) fp32
+    contiguous, FP4 only): the kernel writes the row statistics there. ``aux`` (with ``stats``) runs the training
+    variant (its own tiles: FWD_TRAIN_CONFIG, FWD_TRAIN_WS_CONFIG), which also writes O' ((B, H, Lq, D) contiguous,
+    q's dtype) there."""
     batch, heads, seqlen_q, head_dim = q.shape
-    training = saved is not None
+    training = aux is not None
+    assert stats is not None or not training  # the backward reads m and l
     block_m, block_n, stages, warps, consumers, pingpong = _fwd_config(variant, head_dim, training)
     if out is None:
         out = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
-    # Without training the kernel touches neither O' nor the statistics (constexpr-dead code): out stands in for all
-    # three, so an inference call allocates nothing beyond its output (compile_forward types them alike)
-    o_aux, m, l = saved if training else (out, out, out)
+    # Without training the kernel does not touch O', nor without stats m and l (constexpr-dead code): out stands in
+    # for them, so an inference call allocates nothing beyond its outputs (compile_forward types them alike)
+    o_aux = aux if training else out
+    m, l = stats if stats is not None else (out, out)
     grid = (triton.cdiv(seqlen_q, consumers * block_m), batch * heads)
     _attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
                     _descriptor(out, block_m), _descriptor(o_aux, block_m), m, l, seqlen_q, seqlen_k,
                     default_scale(head_dim, sm_scale) * LOG2E, heads, HEAD_DIM=head_dim, CAUSAL=bool(causal),
-                    NUM_STAGES=stages, FP4=fp4, TRAINING=training, CONSUMERS=consumers, PINGPONG=pingpong,
-                    num_warps=warps)
+                    NUM_STAGES=stages, FP4=fp4, TRAINING=training, STATS=stats is not None, CONSUMERS=consumers,
+                    PINGPONG=pingpong, num_warps=warps)
     return out
 
 
@@ -1092,7 +1099,7 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sc
 
 
 def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                         causal: bool = False, variant: str = "default") -> torch.Tensor:
+                         causal: bool = False, variant: str = "default", return_stats: bool = False):
     """The FP4 inference forward (``nvfp4``, and ``attn_qat`` without grad; SPEC §2) with the Gluon sm_90
     forward: the numerics of attn_qat's Triton forward, on the warp-specialised pipeline.
 
@@ -1103,15 +1110,26 @@ def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     in registers (integer running max, P~ = 2688 2^(S - m), phi along keys) before the P V wgmma.
 
     Arguments as :func:`hopper_attention`. Inference only: inputs that require grad are refused.
+    ``return_stats``: also return each row's integer running max m (log2 units) and the row sum l of the
+    unquantized P~ = 2688 2^(S - m), as attn_qat's Triton forward returns them (ring attention's log-sum-exp).
     Return:
-        (batch, heads, seqlen_q, head_dim) in q's dtype and stride order (contiguous where TMA cannot write that
-        layout), a new tensor, as attn_qat's Triton forward returns it.
+        o, (batch, heads, seqlen_q, head_dim) in q's dtype and stride order (contiguous where TMA cannot write that
+        layout), a new tensor, as attn_qat's Triton forward returns it; with ``return_stats``, (o, m, l), m and l
+        (batch, heads, seqlen_q) fp32.
     """
     _check(q, k, v, "hopper_fp4_attention", sm_scale, causal, variant, inference_only=True)
     block_n = _fwd_config(variant, q.shape[3], training=False)[1]
     qf = quantize_heads(q, q.dtype)
     kf, vf = (quantize_heads(t, q.dtype, key_tile=block_n) for t in (k, v))
-    return _launch(qf, kf, vf, k.shape[2], sm_scale, causal, fp4=True, out=_output_like(q), variant=variant)
+    stats = _row_stats_like(q) if return_stats else None
+    o = _launch(qf, kf, vf, k.shape[2], sm_scale, causal, fp4=True, out=_output_like(q), stats=stats,
+                variant=variant)
+    return (o, *stats) if return_stats else o
+
+
+def _row_stats_like(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty m and l for q's rows: (B, H, Lq) fp32 contiguous, what the kernel writes (the fakes call this too)."""
+    return tuple(q.new_empty(q.shape[:3], dtype=torch.float32) for _ in range(2))
 
 
 def _output_like(q: torch.Tensor) -> torch.Tensor:
@@ -1148,9 +1166,8 @@ def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     (kf, k_tiles), (vf, v_tiles) = (quantize_heads(t, q.dtype, key_tile=block_n, both_orders=True) for t in (k, v))
     o = _output_like(q)
     o_aux = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
-    m = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    _launch(qf, k_tiles, v_tiles, k.shape[2], sm_scale, causal, fp4=True, out=o, saved=(o_aux, m, l),
+    m, l = _row_stats_like(q)
+    _launch(qf, k_tiles, v_tiles, k.shape[2], sm_scale, causal, fp4=True, out=o, aux=o_aux, stats=(m, l),
             variant=variant)
     return o, o_aux, m, l, (qf, kf, vf)
 
@@ -1260,21 +1277,23 @@ _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # Triton's names in si
 
 
 def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16, fp4: bool = False,
-                    training: bool = False, variant: str = "default"):
-    """Compile the forward (``fp4``: the FP4 inference variant; ``training``: the Attn-QAT training variant, FP4
-    with O' and the row statistics) for sm_90a without a GPU (what a launch at ``head_dim`` would build); returns
-    Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``, ...)."""
+                    training: bool = False, variant: str = "default", stats: bool = False):
+    """Compile the forward (``fp4``: the FP4 inference variant, ``stats`` with its row statistics; ``training``:
+    the Attn-QAT training variant, FP4 with O' and the row statistics) for sm_90a without a GPU (what a launch at
+    ``head_dim`` would build); returns Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``,
+    ``.metadata.shared``, ...)."""
     if _MISSING:
         raise RuntimeError(f"hopper_gluon: {_MISSING}")
     block_m, block_n, stages, warps, consumers, pingpong = _fwd_config(variant, head_dim, training)
     rows_m, rows_n = (_desc_type(rows, head_dim, dtype) for rows in (block_m, block_n))
-    stats = "*fp32" if training else f"*{_SHORT[dtype]}"  # _launch passes the output for the untouched statistics
+    stats = stats or training
+    stat_type = "*fp32" if stats else f"*{_SHORT[dtype]}"  # _launch passes the output for untouched statistics
     types = {"q_desc": rows_m, "k_desc": rows_n, "v_desc": rows_n, "o_desc": rows_m, "aux_desc": rows_m,
-             "m_ptr": stats, "l_ptr": stats, "qk_scale": "fp32"}
+             "m_ptr": stat_type, "l_ptr": stat_type, "qk_scale": "fp32"}
     return compile_for(_attn_fwd, 90, types=types, aligned=("m_ptr", "l_ptr"), num_warps=warps, num_stages=stages,
                        constexprs={"HEAD_DIM": head_dim, "CAUSAL": bool(causal), "NUM_STAGES": stages,
-                                   "FP4": bool(fp4 or training), "TRAINING": bool(training), "CONSUMERS": consumers,
-                                   "PINGPONG": pingpong, "num_warps": warps})
+                                   "FP4": bool(fp4 or stats), "TRAINING": bool(training), "STATS": bool(stats),
+                                   "CONSUMERS": consumers, "PINGPONG": pingpong, "num_warps": warps})
 
 
 def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16,
@@ -1356,6 +1375,19 @@ def _(q, k, v, sm_scale, causal):
     return _output_like(q)
 
 
+@torch.library.custom_op("attnqat::fp4_fwd_stats_sm90", mutates_args=(), device_types=("cuda",))
+def fp4_fwd_stats_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                       causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP4 inference forward on sm_90 with its row statistics (o, m, l): ring attention's forward."""
+    return hopper_fp4_attention(q, k, v, sm_scale=sm_scale, causal=causal, variant=INFERENCE_FWD_VARIANT,
+                                return_stats=True)
+
+
+@fp4_fwd_stats_sm90.register_fake
+def _(q, k, v, sm_scale, causal):
+    return (_output_like(q), *_row_stats_like(q))
+
+
 @torch.library.custom_op("attnqat::attn_qat_fwd_sm90", mutates_args=(), device_types=("cuda",))
 def attn_qat_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1366,9 +1398,8 @@ def attn_qat_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scal
 
 @attn_qat_fwd_sm90.register_fake
 def _(q, k, v, sm_scale, causal):
-    b, h, lq, d = q.shape
-    stats = (q.new_empty((b, h, lq), dtype=torch.float32) for _ in range(2))
-    return (_output_like(q), q.new_empty(q.shape), *stats, q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype),
+    return (_output_like(q), q.new_empty(q.shape), *_row_stats_like(q), q.new_empty(q.shape),
+            k.new_empty(k.shape, dtype=q.dtype),
             v.new_empty(v.shape, dtype=q.dtype))
 
 
