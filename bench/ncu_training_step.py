@@ -7,7 +7,7 @@ GPU: what each kernel spends its time on (docs/kernels.md, "The Gluon sm_90 back
 One untimed step first (compiles and caches the kernels), then the profiled step between cudaProfilerStart and
 cudaProfilerStop, so ncu replays only that step's kernels: for attn_qat the pre-pass, the training forward, D =
 rowsum(dO O'), the dK/dV kernel and the dQ kernel of whatever path ``attention(mode="attn_qat")`` dispatches here
-(``backend_info()["attn_qat_training"]`` is printed first); for sagebwd its pre-passes, forward and backward kernels
+(``backend_info()["attn_qat_training"]`` is printed first, whatever the mode); for sagebwd its pre-passes, forward and backward kernels
 with the SPEC numerics (the mode's default options).
 """
 from __future__ import annotations
@@ -34,8 +34,7 @@ def main(argv=None) -> None:
     b, h, length, d = args.shape
     if not torch.cuda.is_available():
         sys.exit("bench/ncu_training_step.py needs a CUDA GPU")
-    if args.mode == "attn_qat":
-        print("attn_qat training:", backend_info()["attn_qat_training"], flush=True)
+    print(f"mode {args.mode}; attn_qat training here:", backend_info()["attn_qat_training"], flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, length, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
 
