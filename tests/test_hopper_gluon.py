@@ -772,7 +772,7 @@ def test_gpu_forward_with_lse_runs_the_gluon_forward(mode, causal, monkeypatch, 
     its row statistics at head_dim 128 (once per call) and the Triton one at 64; its output equals the Triton
     path's (ATTNQAT_GLUON=0) bit for bit and its log-sum-exp to fp32 rounding, on ragged Lq != Lk; and the
     log-sum-exp is the reference's."""
-    from attnqat.kernels import attention_with_lse
+    from attnqat.kernels.api import attention_with_lse
 
     ok, why = hopper_gluon.available()
     if not ok:
