@@ -14,7 +14,8 @@ FlashAttention-3 lays it out on H100, which plain Triton does not emit on sm_90:
   one partition of 8 warps (two warpgroups in lockstep over 128 rows); "ws", two independent warpgroups of 64 rows
   (the default partition and a worker), so one's softmax runs under the other's wgmmas; "pingpong", "ws" with the
   two warpgroups' wgmma rounds alternating through a pair of mbarriers (FlashAttention-3's scheduler barrier).
-  Only the ragged and causal-diagonal key tiles pay for the mask (inference variants).
+  Only the ragged and causal-diagonal key tiles pay for the mask (inference variants); the training variant skips
+  the rescale of O and O' on tiles where no row's running max moved.
 
 Inputs are (batch, heads, seqlen, head_dim) with any strides whose last dim is contiguous; each is read
 through a 4-d TMA descriptor, so ragged tails (Lq, Lk not multiples of the tiles, Lq != Lk) come back
@@ -27,7 +28,8 @@ numerics): a pre-pass writes phi(Q), phi(K), phi(V) exactly in bf16 (K and V row
 partition quantizes P in registers (:func:`_fp4_step`) before the P V wgmma; :func:`hopper_attn_qat_forward`, the
 Attn-QAT training forward: the FP4 variant plus a third wgmma per tile for the auxiliary output O' (unquantized
 P~ times V^F), O' and the row statistics m, l written as the Triton training forward writes them, so its Triton
-backward runs on them unchanged. The pipeline is the same.
+backward runs on them unchanged. The pipeline is the same. ``STATS`` (which training implies) writes m and l: the FP4
+inference forward with ``return_stats``, ring attention's (``api.attention_with_lse``).
 
 :func:`hopper_attn_qat_backward` is attn_qat's Triton backward (SPEC §2: S recomputed from Q^F, K^F, P^F = phi(P~)/l
 with the saved integer max, D = rowsum(dO O')) on wgmma and TMA, from the same saved tensors: a dK/dV kernel per key
