@@ -212,13 +212,16 @@ def markdown(results: list[dict], meta: dict) -> str:
 
 
 def write_section(path: Path, text: str, section: str = SECTION) -> None:
-    """Replace (or append) only this benchmark's section of a markdown file; other sections stay."""
+    """Replace (or append) only this benchmark's section of a markdown file, from its heading to the next heading or
+    the next section's BEGIN marker (the sections _report.update_section writes open with one); other sections, and
+    their markers, stay."""
     old = path.read_text() if path.exists() else "# Benchmarks\n"
     start = old.find(section)
     if start < 0:
         new = old.rstrip("\n") + "\n\n" + text
     else:
-        nxt = old.find("\n## ", start + len(section))
+        ends = [i for i in (old.find(mark, start + len(section)) for mark in ("\n## ", "\n<!-- BEGIN ")) if i >= 0]
+        nxt = min(ends, default=-1)
         new = old[:start] + text + ("\n" + old[nxt + 1:] if nxt >= 0 else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new)

@@ -277,7 +277,8 @@ def test_missing_models_say_how_to_download(tmp_path):
 def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
     """bench/e2e.py --tiny --compile (its main, in this process: a subprocess would spend most of the test
     importing): diffusers' own processor first, each mode eager and under torch.compile(fullgraph=True); its own
-    section of the docs page (the compiled one) replaced, the rest (the eager table included) left alone."""
+    section of the docs page (the compiled one) replaced, the rest (the eager table, and the BEGIN marker of a
+    section update_section writes after it) left alone."""
     import json
     from pathlib import Path
 
@@ -286,7 +287,8 @@ def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
     e2e = load_script(Path(__file__).resolve().parents[1] / "bench" / "e2e.py", "bench_e2e")
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n## End-to-end: Wan 2.1 14B transformer step\n\neager\n"
-                    "\n## End-to-end, compiled: Wan 2.1 14B transformer step\n\nold\n\n## Later\n\nkeep me too\n")
+                    "\n## End-to-end, compiled: Wan 2.1 14B transformer step\n\nold\n\n<!-- BEGIN later -->\n## Later\n\n"
+                    "keep me too\n<!-- END later -->\n")
     assert e2e.main(["--tiny", "--modes", "bf16,diffusers", "--compile", "--compile-backend", "aot_eager",
                      "--repeats", "1", "--docs", str(docs), "--json", str(tmp_path / "e2e.json")]) == 0
     torch._dynamo.reset()
@@ -299,7 +301,7 @@ def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
     text = docs.read_text()
     assert text.count("## End-to-end, compiled") == 1 and "old" not in text
     assert "## End-to-end: Wan 2.1 14B transformer step\n\neager\n" in text  # the eager run's table stays
-    assert "keep me\n" in text and "## Later\n\nkeep me too" in text
+    assert "keep me\n" in text and "\n<!-- BEGIN later -->\n## Later\n\nkeep me too\n<!-- END later -->" in text
     assert "| mode | step (s) | × diffusers | compiled step (s) | compiled × diffusers |" in text
     assert "| diffusers | " in text and "| bf16 | " in text and "(aot_eager)" in text
 
