@@ -289,15 +289,15 @@ def _paths(kernel_module: str, kernel_name: str, reference_name: str):
 
 
 def _gluon_fp4_inference(q) -> bool:
-    """Whether the FP4 inference forward of CUDA tensor q runs the Gluon sm_90 kernel: on an H100 / H200 whose
+    """Whether the FP4 inference forward of q runs the Gluon sm_90 kernel: a CUDA tensor on an H100 / H200 whose
     Triton has Gluon (hopper_gluon.gluon_sm90), at hopper_gluon.INFERENCE_HEAD_DIMS (the Triton one is faster at
     the others); elsewhere attn_qat's Triton forward. The same numbers either way (docs/kernels.md)."""
-    return q.shape[-1] in hopper_gluon.INFERENCE_HEAD_DIMS and hopper_gluon.gluon_sm90(q.device)[0]
+    return q.is_cuda and q.shape[-1] in hopper_gluon.INFERENCE_HEAD_DIMS and hopper_gluon.gluon_sm90(q.device)[0]
 
 
 def _fp4_inference(q, k, v, *, sm_scale=None, causal=False):
     """The FP4 inference forward (nvfp4's; attn_qat's and attn_qat_dropin's without grad)."""
-    if q.is_cuda and _gluon_fp4_inference(q):
+    if _gluon_fp4_inference(q):
         return hopper_gluon.fp4_fwd_sm90(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
     return attn_qat.nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
 
@@ -340,7 +340,7 @@ def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None):
     ``p_bwd``, attn_qat's option, is the backward's) with its row statistics: the kernel :func:`_fp4_inference`
     would run."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    if use_kernel and q.is_cuda and _gluon_fp4_inference(q):
+    if use_kernel and _gluon_fp4_inference(q):
         o, m, l = hopper_gluon.fp4_fwd_stats_sm90(q, k, v, scale, causal)
     elif use_kernel:
         o, _, m, l = attn_qat.attn_qat_fwd(q, k, v, scale, causal, False)[:4]
