@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import hopper_gluon, hopper_sagebwd
 from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, pinned_config
 from .formats import LOG2E, SAGEBWD_PRECISIONS  # the pv / bwd options, in the order of the PV / BWD constexprs
 from .formats import SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
@@ -567,6 +568,21 @@ def step_down(cfg: LaunchConfig, keep: str) -> tuple[LaunchConfig, ...]:
     return tuple(c for c in dict.fromkeys(steps) if c != cfg)
 
 
+def gluon_backward(device: torch.device, head_dim: int, bwd: str, km: bool, smooth_q: bool) -> tuple[bool, str]:
+    """Whether :func:`sagebwd_backward` runs the Gluon sm_90 dK/dV and dQ kernels (``hopper_sagebwd``, the same
+    numbers) instead of the Triton ones, and why not: they cover the SPEC's int8 backward (``bwd="int8"``) reading
+    K-major copies, without Q-smoothing, at head_dim 64 or 128, on an sm_90 GPU where Gluon runs; not with
+    ATTNQAT_GLUON=0 nor with a dK/dV or dQ launch config pinned (which asks for the Triton kernels)."""
+    if not (bwd == "int8" and km and not smooth_q and head_dim in hopper_gluon.HEAD_DIMS):
+        return False, "the Gluon backward covers bwd='int8' with K-major copies, no smooth_q, head_dim 64 or 128"
+    pinned = [name for name in _ENV[1:] if os.environ.get(name)]
+    if pinned:
+        return False, f"{' and '.join(pinned)} pin the Triton kernels' launch config"
+    if os.environ.get(hopper_gluon.GLUON_ENV, "1") == "0":
+        return False, f"{hopper_gluon.GLUON_ENV}=0"
+    return hopper_gluon.available(device)
+
+
 def kmajor() -> bool:
     """Whether the kernels read the B operand of every L-reducing 8-bit matmul (P V, P^T dO, dS^T Q,
     dS K) from a transposed (D, L) int8 copy. Default on; ``ATTNQAT_SAGEBWD_KMAJOR=0`` reads the
@@ -740,6 +756,10 @@ def sagebwd_backward(do, q8, qb, k8, kb, v, sq, sqb, sk, skb, bias, qmean, o, ls
     dq = _empty(b, h, lq, d, dtype=gdt, device=o.device)
     dk = _empty(b, h, lk, d, dtype=gdt, device=o.device)
     dv = _empty(b, h, lk, d, dtype=gdt, device=o.device)
+    if gluon_backward(o.device, d, bwd, km, smooth_q)[0]:
+        hopper_sagebwd.sagebwd_dkdv_dq(do, q8, qb, k8, kb, v, sq, sk, dob, sdo, lse, delta, dq, dk, dv,
+                                       sm_scale=sm_scale, causal=causal, q_block=Q_BLOCK, k_block=K_BLOCK)
+        return dq, dk, dv
     has_bias = smooth_q
     variant = (o.device, d, causal, km, has_bias, bwd_code)
 

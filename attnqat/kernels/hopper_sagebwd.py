@@ -1,0 +1,441 @@
+"""SageBwd's backward (SPEC §4, ``bwd="int8"``) for Hopper (sm_90) in Gluon: its dK/dV and dQ kernels on int8 and
+bf16 wgmma, warp-specialised as FlashAttention-3's backward (a one-warp TMA load partition, two consumer
+warpgroups of 64 rows that share nothing but the ring).
+
+The numbers are the Triton kernels' (``sagebwd._attn_bwd_dkdv``, ``_attn_bwd_dq``) element for element: the
+same S recompute from psi(Q), psi(K_s) and their block scales, the same P, dP, dS, the same per-row int8 blocks
+(P and dS per key over 64 queries for dK/dV, dS per query over 64 keys for dQ), int32 products scaled and
+added to fp32 accumulators in the same order. What changes is where the work runs:
+
+- **dK/dV**, one program per 128 keys (64 per consumer), stepping over 64-query tiles. Each step computes
+  S^T = psi(K) psi(Q)^T (keys x queries) rather than S, so P^T and dS^T come out of wgmma's accumulator with one
+  key per row: their per-key int8 blocks are row maxima (a quad's shuffles), and psi(P^T), psi(dS^T) feed
+  dV += psi(P)^T psi(dO) and dK += psi(dS)^T psi(Q_s) as wgmma's register operand, with no trip through shared
+  memory. The B operands reduce over queries, so they are the K-major (D, L) int8 copies that the forward and
+  the pre-pass already make (``kmajor_empty``): the ring carries psi(Q) (row-major, for S^T), psi(Q)^T, dO (bf16,
+  for dP^T = V dO^T) and psi(dO)^T per query tile.
+- **dQ**, one program per 128 queries (64 per consumer), stepping over 64-key tiles of psi(K), psi(K)^T and V:
+  S, dP by wgmma, dS = P (dP - D) and its per-query int8 block in registers, dQ += psi(dS) psi(K_s) with dS as the
+  register operand.
+
+The int8 products are exact (int32), so splitting dK/dV's 128 keys over two warpgroups changes nothing; dP is a
+bf16 wgmma with fp32 accumulation over head_dim in 16-element steps, as Triton's. ``sagebwd.sagebwd_backward``
+runs these kernels on sm_90 for ``bwd="int8"`` with K-major copies and no Q-smoothing (``sagebwd.gluon_backward``
+decides); the Triton kernels stay the portable path and the reference the GPU tests compare against.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .hopper_gluon import _MISSING
+
+if not _MISSING:
+    from .hopper_gluon import (LOADER_REGS, LOADER_WARPS, WS_CONSUMER_REGS, TensorDescriptor, _tma_load,
+                               _wgmma_layout, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
+                               warpgroup_mma_wait)
+
+BLOCK = 64  # rows per consumer warpgroup and per ring tile, both kernels: the int8 blocks of P and dS
+CONSUMERS = 2  # consumer warpgroups per program
+DKDV_STAGES = {64: 4, 128: 3}  # ring depth by head_dim: 40 KB a slot at 128 (psi(Q), psi(Q)^T, dO, psi(dO)^T)
+DQ_STAGES = {64: 4, 128: 4}  # 32 KB a slot at 128 (psi(K), psi(K)^T, V)
+WARPS = 4  # the default partition: the first consumer warpgroup
+
+if not _MISSING:
+    _WARPS = gl.constexpr(WARPS)  # the kernels' view of the launch constants
+    _CONSUMERS = gl.constexpr(CONSUMERS)
+
+    @gluon.constexpr_function
+    def _wgmma8_layout(num_warps, n):
+        """wgmma's accumulator layout for an int8 matmul: _wgmma_layout's with K = 32 int8 elements (256 bits) per
+        instruction. The registers hold the same (row, column) elements as the bf16 one's."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
+
+    @gluon.jit
+    def _round_half_away(y):
+        """round(y), ties away from zero, exactly (sagebwd._round_half_away)."""
+        a = gl.abs(y)
+        r = gl.floor(a)
+        r = r + gl.where(a - r >= 0.5, 1.0, 0.0)
+        return gl.where(y < 0.0, -r, r)
+
+    @gluon.jit
+    def _quant_rows(x, a_layout: gl.constexpr):
+        """psi(x) with one scale per row (sagebwd._quant_tile_rows, int8): the int8 codes in ``a_layout`` (wgmma's
+        register operand) and the scales s = max(row amax, 1e-30) / 127 (NaN for a row holding NaN or inf)."""
+        amax = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-30) + gl.sum(x * 0.0, axis=1)
+        s = amax / 127.0
+        xq = _round_half_away(x / s[:, None]).to(gl.int8)
+        return gl.convert_layout(xq, a_layout), s
+
+    @gluon.jit
+    def _rows(x, layout: gl.constexpr):
+        """A per-row vector moved to ``layout`` (the row slice of another wgmma accumulator: the same rows)."""
+        return gl.convert_layout(x, layout)
+
+    # -----------------------------------------------------------------------------------------------------------
+    # dK/dV: a program owns _CONSUMERS * 64 keys; the load partition brings each consumer's psi(K) and V tile once,
+    # then streams the query tiles through a NUM_STAGES ring that both consumers read (a slot is free once both
+    # arrived on its empty barrier).
+    # -----------------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _dkdv_load(k8_desc, v_desc, q8_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q8_bufs, qt_bufs, do_bufs,
+                   dot_bufs, kv_ready, ready, empty, off_b, off_h, n0, lo, n_steps, seqlen_k,
+                   NUM_STAGES: gl.constexpr):
+        """Load partition. A consumer whose keys all lie past Lk gets no K, V (no TMA box wholly out of bounds); it
+        computes on whatever its tiles hold, into rows the stores mask."""
+        BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
+        BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
+        for c in gl.static_range(_CONSUMERS):
+            live = n0 + c * BLOCK_N < seqlen_k
+            bar = kv_ready.index(c)
+            mbarrier.expect(bar, k8_desc.block_type.nbytes + v_desc.block_type.nbytes, live)
+            _tma_load(k8_desc, [off_b, off_h, n0 + c * BLOCK_N, 0], bar, k_smem.index(c), pred=live)
+            _tma_load(v_desc, [off_b, off_h, n0 + c * BLOCK_N, 0], bar, v_smem.index(c), pred=live)
+        nbytes: gl.constexpr = (q8_desc.block_type.nbytes + qt_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + dot_desc.block_type.nbytes)
+        for i in range(n_steps):
+            slot = i % NUM_STAGES
+            # a fresh barrier is in phase 0, so waiting on parity 1 passes: the first lap finds every slot free
+            mbarrier.wait(empty.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            row = lo + i * BLOCK_M
+            mbarrier.expect(bar, nbytes)
+            _tma_load(q8_desc, [off_b, off_h, row, 0], bar, q8_bufs.index(slot))
+            _tma_load(qt_desc, [off_b, off_h, 0, row], bar, qt_bufs.index(slot))
+            _tma_load(do_desc, [off_b, off_h, row, 0], bar, do_bufs.index(slot))
+            _tma_load(dot_desc, [off_b, off_h, 0, row], bar, dot_bufs.index(slot))
+
+    @gluon.jit
+    def _scaled_products(a8, b_tile, acc0, acc1, scale, layout: gl.constexpr):
+        """acc_h += (a8 b_h) * scale[:, None] for the two column halves h of the (K-major, sliced along its rows)
+        B tile: int32 wgmmas of N = head_dim / 2, one at a time, so that one half's product (32 registers a thread)
+        is live beside dK and dV, not a whole one. ``layout``: the halves' (acc0's)."""
+        HALF: gl.constexpr = b_tile.shape[0] // 2
+        zero = gl.zeros(acc0.shape, gl.int32, layout)
+        scale = _rows(scale, gl.SliceLayout(1, layout))[:, None]
+        prod = warpgroup_mma(a8, b_tile.slice(0, HALF).permute((1, 0)), zero, use_acc=False, is_async=True)
+        prod = warpgroup_mma_wait(0, deps=[prod])
+        acc0 += prod.to(gl.float32) * scale
+        prod = warpgroup_mma(a8, b_tile.slice(HALF, HALF).permute((1, 0)), zero, use_acc=False, is_async=True)
+        prod = warpgroup_mma_wait(0, deps=[prod])
+        acc1 += prod.to(gl.float32) * scale
+        return acc0, acc1
+
+    @gluon.jit
+    def _dkdv_mma(k_smem, v_smem, q8_bufs, qt_bufs, do_bufs, dot_bufs, kv_ready, ready, empty, sq_ptr, sk_ptr,
+                  sdo_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bh, n0, lo, n_steps, seqlen_q, seqlen_k, nq_blocks,
+                  nk_blocks, qk_scale, sm_scale, QBLK: gl.constexpr, KBLK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr):
+        """One consumer warpgroup: the 64 keys at n0 against every query tile of the ring, then dK * sm_scale and dV
+        out from wgmma's registers. dK and dV are kept as two column halves each (_scaled_products)."""
+        BLOCK_N: gl.constexpr = k_smem.shape[2]
+        BLOCK_M: gl.constexpr = q8_bufs.shape[3]
+        HEAD_DIM: gl.constexpr = q8_bufs.shape[4]
+        s_layout: gl.constexpr = _wgmma_layout(_WARPS, BLOCK_M)  # dP^T, P^T: (keys, queries)
+        s8_layout: gl.constexpr = _wgmma8_layout(_WARPS, BLOCK_M)  # S^T's int32
+        kv_layout: gl.constexpr = _wgmma8_layout(_WARPS, HEAD_DIM // 2)  # a half of dK, dV and its int32 product
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=4)  # int8 A
+        key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        keys = n0 + gl.arange(0, BLOCK_N, key_layout)
+        colterm = gl.where(keys < seqlen_k, 0.0, float("-inf"))  # keys past Lk get P = 0
+        # one K block per consumer (BLOCK_N divides KBLK): the Triton kernel's per-key row_scale, all equal
+        k_scale = gl.load(sk_ptr + bh * nk_blocks + n0 // KBLK) * qk_scale
+        k8 = k_smem.reshape([BLOCK_N, HEAD_DIM])
+        v = v_smem.reshape([BLOCK_N, HEAD_DIM])
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, s8_layout)
+        dp_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+        dk0 = gl.zeros([BLOCK_N, HEAD_DIM // 2], gl.float32, kv_layout)
+        dk1 = gl.zeros([BLOCK_N, HEAD_DIM // 2], gl.float32, kv_layout)
+        dv0 = gl.zeros([BLOCK_N, HEAD_DIM // 2], gl.float32, kv_layout)
+        dv1 = gl.zeros([BLOCK_N, HEAD_DIM // 2], gl.float32, kv_layout)
+        mbarrier.wait(kv_ready, 0, pred=n0 < seqlen_k)
+        for i in range(n_steps):
+            slot = i % NUM_STAGES
+            off_m = lo + i * BLOCK_M
+            queries = off_m + gl.arange(0, BLOCK_M, query_layout)
+            q_ok = queries < seqlen_q
+            lse = gl.load(lse_ptr + bh * seqlen_q + queries, mask=q_ok, other=float("inf"))  # inf: P = 0 past Lq
+            sq = gl.load(sq_ptr + bh * nq_blocks + off_m // QBLK)  # BLOCK_M divides QBLK: one Q and dO scale
+            sdo = gl.load(sdo_ptr + bh * nq_blocks + off_m // QBLK)
+            mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
+            q8 = q8_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            st = warpgroup_mma(k8, q8.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(0, deps=[st])
+            st = gl.convert_layout(st.to(gl.float32), s_layout) * (k_scale * sq) + colterm[:, None]
+            if CAUSAL:
+                st = gl.where(queries[None, :] >= keys[:, None], st, float("-inf"))
+            pt = gl.exp2(st - lse[None, :])
+            # dP^T is issued only now: in flight during P^T's quantization its accumulator, and a column vector of
+            # this layout (lse, D: 16 registers a thread each), would put the step past 240 registers
+            dpt = warpgroup_mma(v, do.permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+            p8, sp = _quant_rows(pt, a_layout)  # one scale per key over the BLOCK_M queries
+            delta = gl.load(delta_ptr + bh * seqlen_q + queries, mask=q_ok, other=0.0)
+            dpt = warpgroup_mma_wait(0, deps=[dpt])
+            ds8, sds = _quant_rows(pt * (dpt - delta[None, :]), a_layout)  # dS^T = P^T (dP^T - D)
+            dv0, dv1 = _scaled_products(p8, dot_bufs.index(slot).reshape([HEAD_DIM, BLOCK_M]), dv0, dv1, sp * sdo,
+                                        kv_layout)
+            dk0, dk1 = _scaled_products(ds8, qt_bufs.index(slot).reshape([HEAD_DIM, BLOCK_M]), dk0, dk1, sds * sq,
+                                        kv_layout)
+            mbarrier.arrive(empty.index(slot), count=1)  # every wgmma that read the slot is done
+
+        rows = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, kv_layout))
+        cols = gl.arange(0, HEAD_DIM // 2, gl.SliceLayout(0, kv_layout))
+        offs = (bh.to(gl.int64) * seqlen_k + rows)[:, None] * HEAD_DIM + cols[None, :]
+        ok = (rows < seqlen_k)[:, None]
+        out_dtype: gl.constexpr = dk_ptr.dtype.element_ty
+        gl.store(dk_ptr + offs, (dk0 * sm_scale).to(out_dtype), mask=ok)
+        gl.store(dk_ptr + offs + HEAD_DIM // 2, (dk1 * sm_scale).to(out_dtype), mask=ok)
+        gl.store(dv_ptr + offs, dv0.to(out_dtype), mask=ok)
+        gl.store(dv_ptr + offs + HEAD_DIM // 2, dv1.to(out_dtype), mask=ok)
+
+    @gluon.jit
+    def _sagebwd_dkdv(k8_desc, v_desc, q8_desc, qt_desc, do_desc, dot_desc, sq_ptr, sk_ptr, sdo_ptr, lse_ptr,
+                      delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, nq_blocks, nk_blocks, qk_scale, sm_scale,
+                      num_heads, QBLK: gl.constexpr, KBLK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """dK and dV of _CONSUMERS * 64 keys per program (dK, dV contiguous (B, H, Lk, D) in dO's dtype)."""
+        BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
+        BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
+        gl.static_assert(num_warps == _WARPS)
+        gl.static_assert(BLOCK_M == 16 * num_warps)  # S^T's queries: one wgmma N of 64
+        gl.static_assert(BLOCK_N == 64)  # a consumer's keys: one m64 wgmma tile
+        gl.static_assert(KBLK % BLOCK_N == 0)
+        gl.static_assert(QBLK % BLOCK_M == 0)
+        bh = gl.program_id(1)
+        off_b = bh // num_heads
+        off_h = bh % num_heads
+        n0 = gl.program_id(0) * (_CONSUMERS * BLOCK_N)
+        k_smem = gl.allocate_shared_memory(k8_desc.dtype, [_CONSUMERS] + k8_desc.block_type.shape, k8_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [_CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
+        q8_bufs = gl.allocate_shared_memory(q8_desc.dtype, [NUM_STAGES] + q8_desc.block_type.shape, q8_desc.layout)
+        qt_bufs = gl.allocate_shared_memory(qt_desc.dtype, [NUM_STAGES] + qt_desc.block_type.shape, qt_desc.layout)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+        dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [NUM_STAGES] + dot_desc.block_type.shape,
+                                             dot_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(_CONSUMERS):
+            mbarrier.init(kv_ready.index(c), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=_CONSUMERS)
+        fence_async_shared()
+
+        # causal (top-left): queries before the program's keys never see them (the second consumer's first step is
+        # masked out whole, as in the Triton kernel's 128-key programs)
+        lo = n0 if CAUSAL else 0
+        n_steps = gl.maximum(gl.cdiv(seqlen_q - lo, BLOCK_M), 0)
+        gl.warp_specialize([
+            (_dkdv_mma, (k_smem.index(0), v_smem.index(0), q8_bufs, qt_bufs, do_bufs, dot_bufs, kv_ready.index(0),
+                         ready, empty, sq_ptr, sk_ptr, sdo_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bh, n0, lo,
+                         n_steps, seqlen_q, seqlen_k, nq_blocks, nk_blocks, qk_scale, sm_scale, QBLK, KBLK,
+                         NUM_STAGES, CAUSAL)),
+            (_dkdv_mma, (k_smem.index(1), v_smem.index(1), q8_bufs, qt_bufs, do_bufs, dot_bufs, kv_ready.index(1),
+                         ready, empty, sq_ptr, sk_ptr, sdo_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bh,
+                         n0 + BLOCK_N, lo, n_steps, seqlen_q, seqlen_k, nq_blocks, nk_blocks, qk_scale, sm_scale,
+                         QBLK, KBLK, NUM_STAGES, CAUSAL)),
+            (_dkdv_load, (k8_desc, v_desc, q8_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q8_bufs, qt_bufs,
+                          do_bufs, dot_bufs, kv_ready, ready, empty, off_b, off_h, n0, lo, n_steps, seqlen_k,
+                          NUM_STAGES)),
+        ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
+
+    # -----------------------------------------------------------------------------------------------------------
+    # dQ: a program owns _CONSUMERS * 64 queries; the load partition brings each consumer's psi(Q) and dO tile once,
+    # then streams the key tiles (psi(K), psi(K)^T, V) through a NUM_STAGES ring that both consumers read.
+    # -----------------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _dq_load(q8_desc, do_desc, k8_desc, kt_desc, v_desc, q8_smem, do_smem, k8_bufs, kt_bufs, v_bufs, q_ready,
+                 ready, empty, off_b, off_h, m0, n_blocks, seqlen_q, NUM_STAGES: gl.constexpr):
+        """Load partition. A consumer whose queries all lie past Lq gets no psi(Q), dO (no TMA box wholly out of
+        bounds); it computes on whatever its tiles hold, into rows the store masks."""
+        BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
+        for c in gl.static_range(_CONSUMERS):
+            live = m0 + c * BLOCK_M < seqlen_q
+            bar = q_ready.index(c)
+            mbarrier.expect(bar, q8_desc.block_type.nbytes + do_desc.block_type.nbytes, live)
+            _tma_load(q8_desc, [off_b, off_h, m0 + c * BLOCK_M, 0], bar, q8_smem.index(c), pred=live)
+            _tma_load(do_desc, [off_b, off_h, m0 + c * BLOCK_M, 0], bar, do_smem.index(c), pred=live)
+        nbytes: gl.constexpr = k8_desc.block_type.nbytes + kt_desc.block_type.nbytes + v_desc.block_type.nbytes
+        for j in range(n_blocks):
+            slot = j % NUM_STAGES
+            mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            _tma_load(k8_desc, [off_b, off_h, j * BLOCK_N, 0], bar, k8_bufs.index(slot))
+            _tma_load(kt_desc, [off_b, off_h, 0, j * BLOCK_N], bar, kt_bufs.index(slot))
+            _tma_load(v_desc, [off_b, off_h, j * BLOCK_N, 0], bar, v_bufs.index(slot))
+
+    @gluon.jit
+    def _dq_mma(q8_smem, do_smem, k8_bufs, kt_bufs, v_bufs, q_ready, ready, empty, sq_ptr, sk_ptr, lse_ptr,
+                delta_ptr, dq_ptr, bh, m0, n_blocks, seqlen_q, seqlen_k, nq_blocks, nk_blocks, qk_scale, sm_scale,
+                QBLK: gl.constexpr, KBLK: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """One consumer warpgroup: the 64 queries at m0 against every key tile of the ring, then dQ * sm_scale out
+        from wgmma's registers."""
+        BLOCK_M: gl.constexpr = q8_smem.shape[2]
+        HEAD_DIM: gl.constexpr = q8_smem.shape[3]
+        BLOCK_N: gl.constexpr = k8_bufs.shape[3]
+        s_layout: gl.constexpr = _wgmma_layout(_WARPS, BLOCK_N)  # dP, P: (queries, keys)
+        s8_layout: gl.constexpr = _wgmma8_layout(_WARPS, BLOCK_N)  # S's int32
+        dq_layout: gl.constexpr = _wgmma8_layout(_WARPS, HEAD_DIM)  # dQ and its int32 product
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=4)
+        query_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        queries = m0 + gl.arange(0, BLOCK_M, query_layout)
+        q_ok = queries < seqlen_q
+        row_scale = gl.load(sq_ptr + bh * nq_blocks + queries // QBLK, mask=q_ok, other=0.0) * qk_scale
+        lse = gl.load(lse_ptr + bh * seqlen_q + queries, mask=q_ok, other=float("inf"))  # inf: P = 0 past Lq
+        delta = gl.load(delta_ptr + bh * seqlen_q + queries, mask=q_ok, other=0.0)
+        q8 = q8_smem.reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.reshape([BLOCK_M, HEAD_DIM])
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s8_layout)
+        dp_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        prod_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.int32, dq_layout)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+        mbarrier.wait(q_ready, 0, pred=m0 < seqlen_q)
+        for j in range(n_blocks):
+            slot = j % NUM_STAGES
+            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, key_layout)
+            colterm = gl.where(keys < seqlen_k, 0.0, float("-inf"))
+            sk = gl.load(sk_ptr + bh * nk_blocks + (j * BLOCK_N) // KBLK)  # BLOCK_N divides KBLK: one K scale
+            mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
+            k8 = k8_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            kt = kt_bufs.index(slot).reshape([HEAD_DIM, BLOCK_N])
+            v = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            s = warpgroup_mma(q8, k8.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do, v.permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])  # dP runs on while P computes
+            s = gl.convert_layout(s.to(gl.float32), s_layout) * (row_scale * sk)[:, None] + colterm[None, :]
+            if CAUSAL:
+                s = gl.where(keys[None, :] <= queries[:, None], s, float("-inf"))
+            p = gl.exp2(s - lse[:, None])
+            dp = warpgroup_mma_wait(0, deps=[dp])
+            ds8, sds = _quant_rows(p * (dp - delta[:, None]), a_layout)  # one scale per query over BLOCK_N keys
+            prod = warpgroup_mma(ds8, kt.permute((1, 0)), prod_zero, use_acc=False, is_async=True)
+            prod = warpgroup_mma_wait(0, deps=[prod])
+            mbarrier.arrive(empty.index(slot), count=1)  # every wgmma that read the slot is done
+            dq += prod.to(gl.float32) * _rows(sds * sk, gl.SliceLayout(1, dq_layout))[:, None]
+
+        rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, dq_layout))
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, dq_layout))
+        offs = (bh.to(gl.int64) * seqlen_q + rows)[:, None] * HEAD_DIM + cols[None, :]
+        gl.store(dq_ptr + offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=(rows < seqlen_q)[:, None])
+
+    @gluon.jit
+    def _sagebwd_dq(q8_desc, do_desc, k8_desc, kt_desc, v_desc, sq_ptr, sk_ptr, lse_ptr, delta_ptr, dq_ptr, seqlen_q,
+                    seqlen_k, nq_blocks, nk_blocks, qk_scale, sm_scale, num_heads, QBLK: gl.constexpr,
+                    KBLK: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """dQ of _CONSUMERS * 64 queries per program (dQ contiguous (B, H, Lq, D) in dO's dtype)."""
+        BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
+        gl.static_assert(num_warps == _WARPS)
+        gl.static_assert(BLOCK_M == 16 * num_warps)
+        gl.static_assert(KBLK % BLOCK_N == 0)
+        gl.static_assert(QBLK % (_CONSUMERS * BLOCK_M) == 0)  # causal: the program's rows end on a tile boundary
+        bh = gl.program_id(1)
+        off_b = bh // num_heads
+        off_h = bh % num_heads
+        m0 = gl.program_id(0) * (_CONSUMERS * BLOCK_M)
+        if CAUSAL:  # top-left aligned: key tiles past the program's last query are skipped (the first consumer's
+            # last tile may be masked out whole, as in the Triton kernel's 128-query programs)
+            n_blocks = gl.cdiv(gl.minimum(seqlen_k, m0 + _CONSUMERS * BLOCK_M), BLOCK_N)
+        else:
+            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+        q8_smem = gl.allocate_shared_memory(q8_desc.dtype, [_CONSUMERS] + q8_desc.block_type.shape, q8_desc.layout)
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, [_CONSUMERS] + do_desc.block_type.shape, do_desc.layout)
+        k8_bufs = gl.allocate_shared_memory(k8_desc.dtype, [NUM_STAGES] + k8_desc.block_type.shape, k8_desc.layout)
+        kt_bufs = gl.allocate_shared_memory(kt_desc.dtype, [NUM_STAGES] + kt_desc.block_type.shape, kt_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(_CONSUMERS):
+            mbarrier.init(q_ready.index(c), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=_CONSUMERS)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_dq_mma, (q8_smem.index(0), do_smem.index(0), k8_bufs, kt_bufs, v_bufs, q_ready.index(0), ready, empty,
+                       sq_ptr, sk_ptr, lse_ptr, delta_ptr, dq_ptr, bh, m0, n_blocks, seqlen_q, seqlen_k, nq_blocks,
+                       nk_blocks, qk_scale, sm_scale, QBLK, KBLK, NUM_STAGES, CAUSAL)),
+            (_dq_mma, (q8_smem.index(1), do_smem.index(1), k8_bufs, kt_bufs, v_bufs, q_ready.index(1), ready, empty,
+                       sq_ptr, sk_ptr, lse_ptr, delta_ptr, dq_ptr, bh, m0 + BLOCK_M, n_blocks, seqlen_q, seqlen_k,
+                       nq_blocks, nk_blocks, qk_scale, sm_scale, QBLK, KBLK, NUM_STAGES, CAUSAL)),
+            (_dq_load, (q8_desc, do_desc, k8_desc, kt_desc, v_desc, q8_smem, do_smem, k8_bufs, kt_bufs, v_bufs,
+                        q_ready, ready, empty, off_b, off_h, m0, n_blocks, seqlen_q, NUM_STAGES)),
+        ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> "TensorDescriptor":
+    """A 4-d TMA descriptor over ``t`` (its shape and strides: a K-major copy's row stride is its padded length)
+    that loads one ``block``-shaped tile."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(t.dtype).removeprefix("torch.")))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def sagebwd_dkdv_dq(do: torch.Tensor, q8: torch.Tensor, qt: torch.Tensor, k8: torch.Tensor, kt: torch.Tensor,
+                    v: torch.Tensor, sq: torch.Tensor, sk: torch.Tensor, dot: torch.Tensor, sdo: torch.Tensor,
+                    lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
+                    sm_scale: float, causal: bool, q_block: int, k_block: int) -> None:
+    """Launch the dK/dV and dQ kernels into dq, dk, dv (contiguous (B, H, L, D) in dO's dtype), from what
+    ``sagebwd_backward`` holds after its pre-pass: dO and V contiguous; psi(Q_s), psi(K_s) row-major int8 and
+    their K-major copies qt, kt (``kmajor_empty`` views); psi(dO)'s K-major copy dot; the block scales sq, sk, sdo
+    ((B, H, n) fp32; ``q_block``, ``k_block`` rows each); the log2-domain lse and D = rowsum(dO O)."""
+    b, h, lq, d = q8.shape
+    lk = k8.shape[2]
+    qk_scale = sm_scale * 1.4426950408889634  # log2 units, as the forward's LSE
+    rows, cols = [1, 1, BLOCK, d], [1, 1, d, BLOCK]
+    args = (sq, sk)
+    _sagebwd_dkdv[(triton.cdiv(lk, CONSUMERS * BLOCK), b * h)](
+        _descriptor(k8, rows), _descriptor(v, rows), _descriptor(q8, rows), _descriptor(qt, cols),
+        _descriptor(do, rows), _descriptor(dot, cols), *args, sdo, lse, delta, dk, dv, lq, lk, sq.shape[-1],
+        sk.shape[-1], qk_scale, sm_scale, h, QBLK=q_block, KBLK=k_block, NUM_STAGES=DKDV_STAGES[d], CAUSAL=causal,
+        num_warps=WARPS)
+    _sagebwd_dq[(triton.cdiv(lq, CONSUMERS * BLOCK), b * h)](
+        _descriptor(q8, rows), _descriptor(do, rows), _descriptor(k8, rows), _descriptor(kt, cols),
+        _descriptor(v, rows), *args, lse, delta, dq, lq, lk, sq.shape[-1], sk.shape[-1], qk_scale, sm_scale, h,
+        QBLK=q_block, KBLK=k_block, NUM_STAGES=DQ_STAGES[d], CAUSAL=causal, num_warps=WARPS)
+
+
+def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Compile the two kernels for sm_90a without a GPU (what a launch at ``head_dim`` builds); returns
+    {"dkdv": ..., "dq": ...}, Triton's compiled kernels."""
+    from ._hardware import compile_for
+    from .formats import SAGEBWD_K_BLOCK, SAGEBWD_Q_BLOCK
+
+    if _MISSING:
+        raise RuntimeError(f"hopper_sagebwd: {_MISSING}")
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8"}
+
+    def desc(block, dt):
+        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(dt).removeprefix("torch.")))
+        return f"tensordesc<{short[dt]}[{', '.join(map(str, block))}],{layout!r}>"
+
+    rows8, cols8, rows16 = (desc([1, 1, BLOCK, head_dim], torch.int8), desc([1, 1, head_dim, BLOCK], torch.int8),
+                            desc([1, 1, BLOCK, head_dim], dtype))
+    fp32 = dict.fromkeys(("sq_ptr", "sk_ptr", "sdo_ptr", "lse_ptr", "delta_ptr"), "*fp32")
+    scalars = {"qk_scale": "fp32", "sm_scale": "fp32"}
+    common = {"QBLK": SAGEBWD_Q_BLOCK, "KBLK": SAGEBWD_K_BLOCK, "CAUSAL": bool(causal), "num_warps": WARPS}
+    dkdv = compile_for(_sagebwd_dkdv, 90, types={"k8_desc": rows8, "v_desc": rows16, "q8_desc": rows8,
+                                                 "qt_desc": cols8, "do_desc": rows16, "dot_desc": cols8, **fp32,
+                                                 "dk_ptr": f"*{short[dtype]}", "dv_ptr": f"*{short[dtype]}",
+                                                 **scalars},
+                       aligned=(*fp32, "dk_ptr", "dv_ptr"), num_warps=WARPS, num_stages=1,
+                       constexprs={**common, "NUM_STAGES": DKDV_STAGES[head_dim]})
+    fp32.pop("sdo_ptr")
+    dq = compile_for(_sagebwd_dq, 90, types={"q8_desc": rows8, "do_desc": rows16, "k8_desc": rows8,
+                                             "kt_desc": cols8, "v_desc": rows16, **fp32, "dq_ptr": f"*{short[dtype]}",
+                                             **scalars},
+                     aligned=(*fp32, "dq_ptr"), num_warps=WARPS, num_stages=1,
+                     constexprs={**common, "NUM_STAGES": DQ_STAGES[head_dim]})
+    return {"dkdv": dkdv, "dq": dq}
