@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from .hopper_gluon import _MISSING
 
@@ -52,20 +53,32 @@ if not _MISSING:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
     @gluon.jit
-    def _round_half_away(y):
-        """round(y), ties away from zero, exactly (sagebwd._round_half_away)."""
-        a = gl.abs(y)
-        r = gl.floor(a)
-        r = r + gl.where(a - r >= 0.5, 1.0, 0.0)
-        return gl.where(y < 0.0, -r, r)
+    def _max_nan(a, b):
+        """max that returns NaN when either is NaN (max.NaN.f32): a row maximum that a NaN anywhere in it makes NaN."""
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @gluon.jit
+    def _round_half_away_int8(y):
+        """round(y) as int8, ties away from zero, exactly, for |y| < 2^22 (here |y| <= 127): sagebwd's
+        _round_half_away and the cast, in full-rate FP32 adds instead of floor and a float-to-int conversion (each
+        a quarter-rate instruction). Adding 1.5 * 2^23 rounds y to an integer, ties to even, and leaves it in the
+        low bits of the sum; where that tie went towards zero (y - r = 0.5 with y > 0, or -0.5 with y < 0) one
+        more step away is added; the int8 code is then the sum's low byte (1.5 * 2^23 = 0x4B400000 ends in 0x00).
+        NaN or inf gives some code: such a row's scale is NaN (_quant_rows), so its products are NaN anyway."""
+        t = y + 12582912.0
+        half = gl.where(y < 0.0, -0.5, 0.5)
+        t += gl.where(y - (t - 12582912.0) == half, half + half, 0.0)
+        return t.to(gl.int32, bitcast=True).to(gl.int8)
 
     @gluon.jit
     def _quant_rows(x, a_layout: gl.constexpr):
-        """psi(x) with one scale per row (sagebwd._quant_tile_rows, int8): the int8 codes in ``a_layout`` (wgmma's
-        register operand) and the scales s = max(row amax, 1e-30) / 127 (NaN for a row holding NaN or inf)."""
-        amax = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-30) + gl.sum(x * 0.0, axis=1)
-        s = amax / 127.0
-        xq = _round_half_away(x / s[:, None]).to(gl.int8)
+        """psi(x) with one scale per row (sagebwd._quant_tile_rows, int8, bit for bit): the int8 codes in
+        ``a_layout`` (wgmma's register operand) and the scales s = max(row amax, 1e-30) / 127, NaN for a row holding
+        NaN or inf (the Triton kernel adds sum(x * 0) for that; here one NaN-propagating max: m - m is NaN for
+        m = inf or NaN, and +0 otherwise, as the sum of signed zeros is)."""
+        m = gl.reduce(gl.abs(x), 1, _max_nan)
+        s = (gl.maximum(m, 1e-30) + (m - m)) / 127.0
+        xq = _round_half_away_int8(x / s[:, None])
         return gl.convert_layout(xq, a_layout), s
 
     @gluon.jit
