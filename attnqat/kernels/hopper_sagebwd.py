@@ -59,16 +59,15 @@ if not _MISSING:
 
     @gluon.jit
     def _round_half_away_int8(y):
-        """round(y) as int8, ties away from zero, exactly, for |y| < 2^22 (here |y| <= 127): sagebwd's
-        _round_half_away and the cast, in full-rate FP32 adds instead of floor and a float-to-int conversion (each
-        a quarter-rate instruction). Adding 1.5 * 2^23 rounds y to an integer, ties to even, and leaves it in the
-        low bits of the sum; where that tie went towards zero (y - r = 0.5 with y > 0, or -0.5 with y < 0) one
-        more step away is added; the int8 code is then the sum's low byte (1.5 * 2^23 = 0x4B400000 ends in 0x00).
-        NaN or inf gives some code: such a row's scale is NaN (_quant_rows), so its products are NaN anyway."""
-        t = y + 12582912.0
-        half = gl.where(y < 0.0, -0.5, 0.5)
-        t += gl.where(y - (t - 12582912.0) == half, half + half, 0.0)
-        return t.to(gl.int32, bitcast=True).to(gl.int8)
+        """round(y) as int8, ties away from zero, exactly, for |y| <= 128 (here |y| <= 127): sagebwd's
+        _round_half_away and the cast in three instructions instead of nine. trunc(y + copysign(0.5 - 2^-25, y)) is
+        round-half-away for every fp32 |y| <= 128 (checked exhaustively): with 0.5 a y of 0.5 - 2^-25 would round
+        up (the sum's tie goes to 1.0), with 0.5 - 2^-25 every tie k + 0.5 still lands on k + 1. The copysign is one
+        bitwise op, the truncation the cast. NaN or inf gives some code: such a row's scale is NaN (_quant_rows), so
+        its products are NaN anyway."""
+        sign = y.to(gl.int32, bitcast=True) & -2147483648
+        h = (sign | 0x3EFFFFFF).to(gl.float32, bitcast=True)  # 0x3EFFFFFF: 0.5 - 2^-25
+        return (y + h).to(gl.int8)
 
     @gluon.jit
     def _quant_rows(x, a_layout: gl.constexpr):
