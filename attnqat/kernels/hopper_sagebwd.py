@@ -70,6 +70,14 @@ if not _MISSING:
         return (y + h).to(gl.int8)
 
     @gluon.jit
+    def _mul_rn(a, b):
+        """a * b rounded on its own (mul.rn.f32): ptxas may not fuse it with the add that follows into one FMA, which
+        would round the sum, not the product and the sum (the division it stands for is never fused)."""
+        a, b = gl.broadcast(a, b)
+        return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
     def _quant_rows(x, a_layout: gl.constexpr):
         """psi(x) with one scale per row (sagebwd._quant_tile_rows, int8, bit for bit): the int8 codes in
         ``a_layout`` (wgmma's register operand) and the scales s = max(row amax, 1e-30) / 127, NaN for a row holding
@@ -77,7 +85,11 @@ if not _MISSING:
         m = inf or NaN, and +0 otherwise, as the sum of signed zeros is)."""
         m = gl.reduce(gl.abs(x), 1, _max_nan)
         s = (gl.maximum(m, 1e-30) + (m - m)) / 127.0
-        xq = _round_half_away_int8(x / s[:, None])
+        # x / s as the Triton kernel's division computes it (div.full.f32: x times the approximate reciprocal of s,
+        # with power-of-two rescaling for operands at the ends of the range), with the reciprocal taken once per
+        # row: s >= 1e-30 / 127 is a normal number and at most 2^121, so no rescaling applies to it, and where one
+        # would apply to x (|x / s| far below 0.5) the code rounds to 0 either way
+        xq = _round_half_away_int8(_mul_rn(x, (1.0 / s)[:, None]))
         return gl.convert_layout(xq, a_layout), s
 
     @gluon.jit
@@ -92,13 +104,17 @@ if not _MISSING:
     # -----------------------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _dkdv_load(k8_desc, v_desc, q8_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q8_bufs, qt_bufs, do_bufs,
-                   dot_bufs, kv_ready, ready, empty, off_b, off_h, n0, lo, n_steps, seqlen_k,
-                   NUM_STAGES: gl.constexpr):
-        """Load partition. A consumer whose keys all lie past Lk gets no K, V (no TMA box wholly out of bounds); it
-        computes on whatever its tiles hold, into rows the stores mask."""
+    def _dkdv_load(k8_desc, v_desc, q8_desc, qt_desc, do_desc, dot_desc, lse_ptr, delta_ptr, k_smem, v_smem, q8_bufs,
+                   qt_bufs, do_bufs, dot_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, bh, off_b, off_h, n0, lo,
+                   n_steps, seqlen_q, seqlen_k, NUM_STAGES: gl.constexpr):
+        """Load partition. Per query tile: psi(Q), psi(Q)^T, dO, psi(dO)^T by TMA and the tile's lse and D by plain
+        loads into shared memory (lse = inf, D = 0 past Lq: P = 0 there), stored before the arrive that the
+        consumers' wait on the slot's ready barrier acquires; the consumers then read them without a global load's
+        latency in their step. A consumer whose keys all lie past Lk gets no K, V (no TMA box wholly out of bounds);
+        it computes on whatever its tiles hold, into rows the stores mask."""
         BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
         BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
+        row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])  # one warp
         for c in gl.static_range(_CONSUMERS):
             live = n0 + c * BLOCK_N < seqlen_k
             bar = kv_ready.index(c)
@@ -113,7 +129,11 @@ if not _MISSING:
             mbarrier.wait(empty.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             row = lo + i * BLOCK_M
-            mbarrier.expect(bar, nbytes)
+            queries = row + gl.arange(0, BLOCK_M, row_layout)
+            ok = queries < seqlen_q
+            lse_bufs.index(slot).store(gl.load(lse_ptr + bh * seqlen_q + queries, mask=ok, other=float("inf")))
+            delta_bufs.index(slot).store(gl.load(delta_ptr + bh * seqlen_q + queries, mask=ok, other=0.0))
+            mbarrier.expect(bar, nbytes)  # an arrive: releases the stores above to the consumers' wait
             _tma_load(q8_desc, [off_b, off_h, row, 0], bar, q8_bufs.index(slot))
             _tma_load(qt_desc, [off_b, off_h, 0, row], bar, qt_bufs.index(slot))
             _tma_load(do_desc, [off_b, off_h, row, 0], bar, do_bufs.index(slot))
@@ -136,8 +156,8 @@ if not _MISSING:
         return acc0, acc1
 
     @gluon.jit
-    def _dkdv_mma(k_smem, v_smem, q8_bufs, qt_bufs, do_bufs, dot_bufs, kv_ready, ready, empty, sq_ptr, sk_ptr,
-                  sdo_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bh, n0, lo, n_steps, seqlen_q, seqlen_k, nq_blocks,
+    def _dkdv_mma(k_smem, v_smem, q8_bufs, qt_bufs, do_bufs, dot_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty,
+                  sq_ptr, sk_ptr, sdo_ptr, dk_ptr, dv_ptr, bh, n0, lo, n_steps, seqlen_q, seqlen_k, nq_blocks,
                   nk_blocks, qk_scale, sm_scale, QBLK: gl.constexpr, KBLK: gl.constexpr, NUM_STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr):
         """One consumer warpgroup: the 64 keys at n0 against every query tile of the ring, then dK * sm_scale and dV
@@ -168,9 +188,6 @@ if not _MISSING:
         for i in range(n_steps):
             slot = i % NUM_STAGES
             off_m = lo + i * BLOCK_M
-            queries = off_m + gl.arange(0, BLOCK_M, query_layout)
-            q_ok = queries < seqlen_q
-            lse = gl.load(lse_ptr + bh * seqlen_q + queries, mask=q_ok, other=float("inf"))  # inf: P = 0 past Lq
             sq = gl.load(sq_ptr + bh * nq_blocks + off_m // QBLK)  # BLOCK_M divides QBLK: one Q and dO scale
             sdo = gl.load(sdo_ptr + bh * nq_blocks + off_m // QBLK)
             mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
@@ -180,15 +197,13 @@ if not _MISSING:
             st = warpgroup_mma_wait(0, deps=[st])
             st = gl.convert_layout(st.to(gl.float32), s_layout) * (k_scale * sq) + colterm[:, None]
             if CAUSAL:
+                queries = off_m + gl.arange(0, BLOCK_M, query_layout)
                 st = gl.where(queries[None, :] >= keys[:, None], st, float("-inf"))
-            pt = gl.exp2(st - lse[None, :])
-            # dP^T is issued only now: in flight during P^T's quantization its accumulator, and a column vector of
-            # this layout (lse, D: 16 registers a thread each), would put the step past 240 registers
-            dpt = warpgroup_mma(v, do.permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+            pt = gl.exp2(st - lse_bufs.index(slot).load(query_layout)[None, :])  # lse = inf past Lq: P = 0
             p8, sp = _quant_rows(pt, a_layout)  # one scale per key over the BLOCK_M queries
-            delta = gl.load(delta_ptr + bh * seqlen_q + queries, mask=q_ok, other=0.0)
+            dpt = warpgroup_mma(v, do.permute((1, 0)), dp_zero, use_acc=False, is_async=True)
             dpt = warpgroup_mma_wait(0, deps=[dpt])
-            ds8, sds = _quant_rows(pt * (dpt - delta[None, :]), a_layout)  # dS^T = P^T (dP^T - D)
+            ds8, sds = _quant_rows(pt * (dpt - delta_bufs.index(slot).load(query_layout)[None, :]), a_layout)  # dS^T
             dv0, dv1 = _scaled_products(p8, dot_bufs.index(slot).reshape([HEAD_DIM, BLOCK_M]), dv0, dv1, sp * sdo,
                                         kv_layout)
             dk0, dk1 = _scaled_products(ds8, qt_bufs.index(slot).reshape([HEAD_DIM, BLOCK_M]), dk0, dk1, sds * sq,
@@ -229,6 +244,9 @@ if not _MISSING:
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
         dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [NUM_STAGES] + dot_desc.block_type.shape,
                                              dot_desc.layout)
+        row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # lse, D: read whole by every consumer
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_smem)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_smem)
         kv_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -244,17 +262,17 @@ if not _MISSING:
         lo = n0 if CAUSAL else 0
         n_steps = gl.maximum(gl.cdiv(seqlen_q - lo, BLOCK_M), 0)
         gl.warp_specialize([
-            (_dkdv_mma, (k_smem.index(0), v_smem.index(0), q8_bufs, qt_bufs, do_bufs, dot_bufs, kv_ready.index(0),
-                         ready, empty, sq_ptr, sk_ptr, sdo_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bh, n0, lo,
+            (_dkdv_mma, (k_smem.index(0), v_smem.index(0), q8_bufs, qt_bufs, do_bufs, dot_bufs, lse_bufs, delta_bufs,
+                         kv_ready.index(0), ready, empty, sq_ptr, sk_ptr, sdo_ptr, dk_ptr, dv_ptr, bh, n0, lo,
                          n_steps, seqlen_q, seqlen_k, nq_blocks, nk_blocks, qk_scale, sm_scale, QBLK, KBLK,
                          NUM_STAGES, CAUSAL)),
-            (_dkdv_mma, (k_smem.index(1), v_smem.index(1), q8_bufs, qt_bufs, do_bufs, dot_bufs, kv_ready.index(1),
-                         ready, empty, sq_ptr, sk_ptr, sdo_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bh,
+            (_dkdv_mma, (k_smem.index(1), v_smem.index(1), q8_bufs, qt_bufs, do_bufs, dot_bufs, lse_bufs, delta_bufs,
+                         kv_ready.index(1), ready, empty, sq_ptr, sk_ptr, sdo_ptr, dk_ptr, dv_ptr, bh,
                          n0 + BLOCK_N, lo, n_steps, seqlen_q, seqlen_k, nq_blocks, nk_blocks, qk_scale, sm_scale,
                          QBLK, KBLK, NUM_STAGES, CAUSAL)),
-            (_dkdv_load, (k8_desc, v_desc, q8_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q8_bufs, qt_bufs,
-                          do_bufs, dot_bufs, kv_ready, ready, empty, off_b, off_h, n0, lo, n_steps, seqlen_k,
-                          NUM_STAGES)),
+            (_dkdv_load, (k8_desc, v_desc, q8_desc, qt_desc, do_desc, dot_desc, lse_ptr, delta_ptr, k_smem, v_smem,
+                          q8_bufs, qt_bufs, do_bufs, dot_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty, bh, off_b,
+                          off_h, n0, lo, n_steps, seqlen_q, seqlen_k, NUM_STAGES)),
         ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
 
     # -----------------------------------------------------------------------------------------------------------
@@ -313,11 +331,14 @@ if not _MISSING:
         prod_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.int32, dq_layout)
         dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
         mbarrier.wait(q_ready, 0, pred=m0 < seqlen_q)
+        # the step's K block scale (BLOCK_N divides KBLK: one), loaded a step ahead (past the last block: 1, unused)
+        sk_next = gl.load(sk_ptr + bh * nk_blocks)
         for j in range(n_blocks):
             slot = j % NUM_STAGES
             keys = j * BLOCK_N + gl.arange(0, BLOCK_N, key_layout)
             colterm = gl.where(keys < seqlen_k, 0.0, float("-inf"))
-            sk = gl.load(sk_ptr + bh * nk_blocks + (j * BLOCK_N) // KBLK)  # BLOCK_N divides KBLK: one K scale
+            sk = sk_next
+            sk_next = gl.load(sk_ptr + bh * nk_blocks + ((j + 1) * BLOCK_N) // KBLK, mask=j + 1 < n_blocks, other=1.0)
             mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
             k8 = k8_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
             kt = kt_bufs.index(slot).reshape([HEAD_DIM, BLOCK_N])
