@@ -18,8 +18,9 @@ from conftest import compiled_outside_interpreter, rel_err
 H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
 
 
-# A compile script's head: record(key, compiled) keeps the PTX, the shared memory, ptxas's resource usage and two
-# counts from the SASS (full wgmma waits, HGMMA instructions); the script prints `out` as its last line.
+# A compile script's head: record(key, compiled) keeps the PTX, the shared memory, ptxas's resource usage and three
+# counts from the SASS (full wgmma waits, HGMMA and IGMMA instructions: bf16 and int8 wgmma); the script prints `out`
+# as its last line.
 COMPILE_HEAD = """
 import json, re, subprocess, tempfile
 import triton
@@ -35,7 +36,8 @@ def record(key, compiled):
                               text=True).stdout
     out[key] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
                 "usage": re.search(r"REG:\\d+ STACK:\\d+ SHARED:\\d+ LOCAL:\\d+", usage)[0],
-                "full_waits": sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"), "hgmma": sass.count("HGMMA.")}
+                "full_waits": sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"), "hgmma": sass.count("HGMMA."),
+                "igmma": sass.count("IGMMA.")}
 """
 COMPILE = COMPILE_HEAD + """
 for head_dim, causal in ((64, False), (128, True)):
