@@ -40,6 +40,7 @@ BLOCK = 64  # rows per consumer warpgroup and per ring tile, both kernels: the i
 CONSUMERS = 2  # consumer warpgroups per program
 DKDV_STAGES = {64: 4, 128: 3}  # ring depth by head_dim: 40 KB a slot at 128 (psi(Q), psi(Q)^T, dO, psi(dO)^T)
 DQ_STAGES = {64: 4, 128: 4}  # 32 KB a slot at 128 (psi(K), psi(K)^T, V)
+FWD_STAGES = {64: 4, 128: 4}  # 16 KB a slot at 128 (psi(K), psi(V)^T)
 WARPS = 4  # the default partition: the first consumer warpgroup
 
 if not _MISSING:
@@ -409,6 +410,150 @@ if not _MISSING:
         ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
 
 
+    # -----------------------------------------------------------------------------------------------------------
+    # Forward (pv="int8"): a program owns CONSUMERS * 64 queries; the load partition brings each consumer's psi(Q)
+    # tile once, then streams psi(K) and psi(V)^T (the K-major copy: P V reduces over keys) in 64-key tiles through a
+    # NUM_STAGES ring that both consumers read. The online softmax is the Triton kernel's, row for row.
+    # -----------------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _fwd_load(q8_desc, k8_desc, vt_desc, q8_smem, k8_bufs, vt_bufs, q_ready, ready, empty, off_b, off_h, m0,
+                  n_blocks, seqlen_q, NUM_STAGES: gl.constexpr):
+        """Load partition: each consumer's psi(Q) tile (none for a consumer whose rows all lie past Lq), then the
+        ring."""
+        BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
+        for c in gl.static_range(_CONSUMERS):
+            live = m0 + c * BLOCK_M < seqlen_q
+            bar = q_ready.index(c)
+            mbarrier.expect(bar, q8_desc.block_type.nbytes, live)
+            _tma_load(q8_desc, [off_b, off_h, m0 + c * BLOCK_M, 0], bar, q8_smem.index(c), pred=live)
+        nbytes: gl.constexpr = k8_desc.block_type.nbytes + vt_desc.block_type.nbytes
+        for j in range(n_blocks):
+            slot = j % NUM_STAGES
+            mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            _tma_load(k8_desc, [off_b, off_h, j * BLOCK_N, 0], bar, k8_bufs.index(slot))
+            _tma_load(vt_desc, [off_b, off_h, 0, j * BLOCK_N], bar, vt_bufs.index(slot))
+
+    @gluon.jit
+    def _fwd_mma(q8_smem, k8_bufs, vt_bufs, q_ready, ready, empty, sq_ptr, sk_ptr, sv_ptr, o_ptr, lse_ptr, bh, m0,
+                 n_blocks, seqlen_q, seqlen_k, nq_blocks, nk_blocks, qk_scale, QBLK: gl.constexpr, KBLK: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """One consumer warpgroup: its 64 queries at m0 against every key tile of the ring (sagebwd._attn_fwd_inner's
+        step with pv int8), then O = acc / l and the log2-domain LSE = m + log2(l) out from registers."""
+        BLOCK_M: gl.constexpr = q8_smem.shape[2]
+        HEAD_DIM: gl.constexpr = q8_smem.shape[3]
+        BLOCK_N: gl.constexpr = k8_bufs.shape[3]
+        s_layout: gl.constexpr = _wgmma_layout(_WARPS, BLOCK_N)  # S, P~: (queries, keys)
+        s8_layout: gl.constexpr = _wgmma8_layout(_WARPS, BLOCK_N)
+        o_layout: gl.constexpr = _wgmma8_layout(_WARPS, HEAD_DIM)  # O's accumulator and the P V product
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        rows = m0 + gl.arange(0, BLOCK_M, row_layout)
+        row_ok = rows < seqlen_q
+        row_scale = gl.load(sq_ptr + bh * nq_blocks + rows // QBLK, mask=row_ok, other=0.0) * qk_scale
+        q8 = q8_smem.reshape([BLOCK_M, HEAD_DIM])
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s8_layout)
+        pv_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.int32, o_layout)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        # the tile's K and V block scales (BLOCK_N divides KBLK: one each), loaded a step ahead
+        sk_next = gl.load(sk_ptr + bh * nk_blocks)
+        sv_next = gl.load(sv_ptr + bh * nk_blocks)
+        mbarrier.wait(q_ready, 0, pred=m0 < seqlen_q)
+        for j in range(n_blocks):
+            slot = j % NUM_STAGES
+            sk = sk_next
+            sv = sv_next
+            more = j + 1 < n_blocks
+            sk_next = gl.load(sk_ptr + bh * nk_blocks + ((j + 1) * BLOCK_N) // KBLK, mask=more, other=1.0)
+            sv_next = gl.load(sv_ptr + bh * nk_blocks + ((j + 1) * BLOCK_N) // KBLK, mask=more, other=1.0)
+            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, key_layout)
+            colterm = gl.where(keys < seqlen_k, 0.0, float("-inf"))
+            mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
+            k8 = k8_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            s = warpgroup_mma(q8, k8.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s])
+            s = gl.convert_layout(s.to(gl.float32), s_layout) * (row_scale * sk)[:, None] + colterm[None, :]
+            if CAUSAL:
+                if j * BLOCK_N + BLOCK_N > m0:  # a tile that reaches past this consumer's first row
+                    s = gl.where(keys[None, :] <= rows[:, None], s, float("-inf"))
+            rowmax = gl.max(s, 1)
+            m_new = gl.maximum(m_i, rowmax)
+            # rows with no visible key in this tile: exponentiate against 0 so e = 0, not NaN
+            e = gl.exp2(s - gl.where(rowmax == float("-inf"), 0.0, rowmax)[:, None])
+            c = gl.exp2(rowmax - m_new)  # max of this tile's P~ row: exp(rowmax(S_j) - m_j)
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(e, 1) * c
+            # psi(P~) = round(127 e) with s = c / 127; e >= 0, so the truncating cast of 127 e + 0.5 is the Triton
+            # kernel's floor and cast
+            p8 = gl.convert_layout((e * 127.0 + 0.5).to(gl.int8), a_layout)
+            vt = vt_bufs.index(slot).reshape([HEAD_DIM, BLOCK_N])
+            prod = warpgroup_mma(p8, vt.permute((1, 0)), pv_zero, use_acc=False, is_async=True)
+            o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+            acc = acc * _rows(alpha, o_rows)[:, None]
+            prod = warpgroup_mma_wait(0, deps=[prod])
+            mbarrier.arrive(empty.index(slot), count=1)  # both wgmmas that read the slot are done
+            acc += prod.to(gl.float32) * _rows(c * (sv / 127.0), o_rows)[:, None]
+            m_i = m_new
+
+        o_rows2: gl.constexpr = gl.SliceLayout(1, o_layout)
+        o = acc / _rows(l_i, o_rows2)[:, None]
+        gl.store(lse_ptr + bh * seqlen_q + rows, m_i + gl.log2(l_i), mask=row_ok)
+        out_rows = m0 + gl.arange(0, BLOCK_M, o_rows2)
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+        offs = (bh.to(gl.int64) * seqlen_q + out_rows)[:, None] * HEAD_DIM + cols[None, :]
+        gl.store(o_ptr + offs, o.to(o_ptr.dtype.element_ty), mask=(out_rows < seqlen_q)[:, None])
+
+    @gluon.jit
+    def _sagebwd_fwd(q8_desc, k8_desc, vt_desc, sq_ptr, sk_ptr, sv_ptr, o_ptr, lse_ptr, seqlen_q, seqlen_k, nq_blocks,
+                     nk_blocks, qk_scale, num_heads, QBLK: gl.constexpr, KBLK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """O and LSE of CONSUMERS * 64 queries per program (O contiguous (B, H, Lq, D), LSE (B, H, Lq) fp32)."""
+        BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
+        gl.static_assert(num_warps == _WARPS)
+        gl.static_assert(BLOCK_M == 16 * num_warps)
+        gl.static_assert(KBLK % BLOCK_N == 0)
+        gl.static_assert(QBLK % (_CONSUMERS * BLOCK_M) == 0)
+        bh = gl.program_id(1)
+        off_b = bh // num_heads
+        off_h = bh % num_heads
+        m0 = gl.program_id(0) * (_CONSUMERS * BLOCK_M)
+        if CAUSAL:  # top-left aligned: key tiles past the program's last query are skipped
+            n_blocks = gl.cdiv(gl.minimum(seqlen_k, m0 + _CONSUMERS * BLOCK_M), BLOCK_N)
+        else:
+            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+        q8_smem = gl.allocate_shared_memory(q8_desc.dtype, [_CONSUMERS] + q8_desc.block_type.shape, q8_desc.layout)
+        k8_bufs = gl.allocate_shared_memory(k8_desc.dtype, [NUM_STAGES] + k8_desc.block_type.shape, k8_desc.layout)
+        vt_bufs = gl.allocate_shared_memory(vt_desc.dtype, [NUM_STAGES] + vt_desc.block_type.shape, vt_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(_CONSUMERS):
+            mbarrier.init(q_ready.index(c), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=_CONSUMERS)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_fwd_mma, (q8_smem.index(0), k8_bufs, vt_bufs, q_ready.index(0), ready, empty, sq_ptr, sk_ptr, sv_ptr,
+                        o_ptr, lse_ptr, bh, m0, n_blocks, seqlen_q, seqlen_k, nq_blocks, nk_blocks, qk_scale, QBLK,
+                        KBLK, NUM_STAGES, CAUSAL)),
+            (_fwd_mma, (q8_smem.index(1), k8_bufs, vt_bufs, q_ready.index(1), ready, empty, sq_ptr, sk_ptr, sv_ptr,
+                        o_ptr, lse_ptr, bh, m0 + BLOCK_M, n_blocks, seqlen_q, seqlen_k, nq_blocks, nk_blocks, qk_scale,
+                        QBLK, KBLK, NUM_STAGES, CAUSAL)),
+            (_fwd_load, (q8_desc, k8_desc, vt_desc, q8_smem, k8_bufs, vt_bufs, q_ready, ready, empty, off_b, off_h, m0,
+                         n_blocks, seqlen_q, NUM_STAGES)),
+        ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
+
+
 def _descriptor(t: torch.Tensor, block: list[int]) -> "TensorDescriptor":
     """A 4-d TMA descriptor over ``t`` (its shape and strides: a K-major copy's row stride is its padded length)
     that loads one ``block``-shaped tile."""
@@ -438,6 +583,21 @@ def sagebwd_dkdv_dq(do: torch.Tensor, q8: torch.Tensor, qt: torch.Tensor, k8: to
         _descriptor(q8, rows), _descriptor(do, rows), _descriptor(k8, rows), _descriptor(kt, cols),
         _descriptor(v, rows), *args, lse, delta, dq, lq, lk, sq.shape[-1], sk.shape[-1], qk_scale, sm_scale, h,
         QBLK=q_block, KBLK=k_block, NUM_STAGES=DQ_STAGES[d], CAUSAL=causal, num_warps=WARPS)
+
+
+def sagebwd_forward_sm90(q8: torch.Tensor, k8: torch.Tensor, vt: torch.Tensor, sq: torch.Tensor, sk: torch.Tensor,
+                         sv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float, causal: bool,
+                         q_block: int, k_block: int) -> None:
+    """Launch the forward into o (contiguous (B, H, Lq, D)) and lse ((B, H, Lq) fp32, log2 units), from what
+    ``sagebwd_forward`` holds after its pre-pass: psi(Q_s), psi(K_s) row-major int8, psi(V)'s K-major copy vt (a
+    ``kmajor_empty`` view) and the block scales sq, sk, sv ((B, H, n) fp32; ``q_block``, ``k_block`` rows each)."""
+    b, h, lq, d = q8.shape
+    lk = k8.shape[2]
+    rows, cols = [1, 1, BLOCK, d], [1, 1, d, BLOCK]
+    _sagebwd_fwd[(triton.cdiv(lq, CONSUMERS * BLOCK), b * h)](
+        _descriptor(q8, rows), _descriptor(k8, rows), _descriptor(vt, cols), sq, sk, sv, o, lse, lq, lk, sq.shape[-1],
+        sk.shape[-1], sm_scale * 1.4426950408889634, h, QBLK=q_block, KBLK=k_block, NUM_STAGES=FWD_STAGES[d],
+        CAUSAL=causal, num_warps=WARPS)
 
 
 def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -472,3 +632,27 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
                      aligned=(*fp32, "dq_ptr"), num_warps=WARPS, num_stages=1,
                      constexprs={**common, "NUM_STAGES": DQ_STAGES[head_dim]})
     return {"dkdv": dkdv, "dq": dq}
+
+
+def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16):
+    """Compile the forward for sm_90a without a GPU (what a launch at ``head_dim`` with an output of ``dtype``
+    builds); returns Triton's compiled kernel."""
+    from ._hardware import compile_for
+    from .formats import SAGEBWD_K_BLOCK, SAGEBWD_Q_BLOCK
+
+    if _MISSING:
+        raise RuntimeError(f"hopper_sagebwd: {_MISSING}")
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8"}
+
+    def desc(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.int8)
+        return f"tensordesc<i8[{', '.join(map(str, block))}],{layout!r}>"
+
+    fp32 = dict.fromkeys(("sq_ptr", "sk_ptr", "sv_ptr", "lse_ptr"), "*fp32")
+    return compile_for(_sagebwd_fwd, 90, types={"q8_desc": desc([1, 1, BLOCK, head_dim]),
+                                                "k8_desc": desc([1, 1, BLOCK, head_dim]),
+                                                "vt_desc": desc([1, 1, head_dim, BLOCK]), **fp32,
+                                                "o_ptr": f"*{short[dtype]}", "qk_scale": "fp32"},
+                       aligned=(*fp32, "o_ptr"), num_warps=WARPS, num_stages=1,
+                       constexprs={"QBLK": SAGEBWD_Q_BLOCK, "KBLK": SAGEBWD_K_BLOCK, "CAUSAL": bool(causal),
+                                   "num_warps": WARPS, "NUM_STAGES": FWD_STAGES[head_dim]})

@@ -568,19 +568,35 @@ def step_down(cfg: LaunchConfig, keep: str) -> tuple[LaunchConfig, ...]:
     return tuple(c for c in dict.fromkeys(steps) if c != cfg)
 
 
-def gluon_backward(device: torch.device, head_dim: int, bwd: str, km: bool, smooth_q: bool) -> tuple[bool, str]:
-    """Whether :func:`sagebwd_backward` runs the Gluon sm_90 dK/dV and dQ kernels (``hopper_sagebwd``, the same
-    numbers) instead of the Triton ones, and why not: they cover the SPEC's int8 backward (``bwd="int8"``) reading
-    K-major copies, without Q-smoothing, at head_dim 64 or 128, on an sm_90 GPU where Gluon runs; not with
-    ATTNQAT_GLUON=0 nor with a dK/dV or dQ launch config pinned (which asks for the Triton kernels)."""
-    if not (bwd == "int8" and km and not smooth_q and head_dim in hopper_gluon.HEAD_DIMS):
-        return False, "the Gluon backward covers bwd='int8' with K-major copies, no smooth_q, head_dim 64 or 128"
-    pinned = [name for name in _ENV[1:] if os.environ.get(name)]
+def _gluon(device: torch.device, head_dim: int, precision: str, km: bool, smooth_q: bool, pins: tuple[str, ...],
+           what: str) -> tuple[bool, str]:
+    """gluon_forward's and gluon_backward's one decision (``precision``: pv or bwd; ``pins``: the launch-config
+    variables of the Triton kernels it would replace)."""
+    if not (precision == "int8" and km and not smooth_q and head_dim in hopper_gluon.HEAD_DIMS):
+        return False, f"the Gluon {what} covers {what == 'forward' and 'pv' or 'bwd'}='int8' with K-major copies, " \
+                      "no smooth_q, head_dim 64 or 128"
+    pinned = [name for name in pins if os.environ.get(name)]
     if pinned:
         return False, f"{' and '.join(pinned)} pin the Triton kernels' launch config"
     if os.environ.get(hopper_gluon.GLUON_ENV, "1") == "0":
         return False, f"{hopper_gluon.GLUON_ENV}=0"
     return hopper_gluon.available(device)
+
+
+def gluon_forward(device: torch.device, head_dim: int, pv: str, km: bool, smooth_q: bool) -> tuple[bool, str]:
+    """Whether :func:`sagebwd_forward` runs the Gluon sm_90 forward (``hopper_sagebwd``, the same numbers) instead of
+    the Triton one, and why not: for the SPEC's int8 P V (``pv="int8"``) reading K-major copies, without
+    Q-smoothing, at head_dim 64 or 128, on an sm_90 GPU where Gluon runs; not with ATTNQAT_GLUON=0 nor with the
+    forward's launch config pinned (which asks for the Triton kernel)."""
+    return _gluon(device, head_dim, pv, km, smooth_q, _ENV[:1], "forward")
+
+
+def gluon_backward(device: torch.device, head_dim: int, bwd: str, km: bool, smooth_q: bool) -> tuple[bool, str]:
+    """Whether :func:`sagebwd_backward` runs the Gluon sm_90 dK/dV and dQ kernels (``hopper_sagebwd``, the same
+    numbers) instead of the Triton ones, and why not: they cover the SPEC's int8 backward (``bwd="int8"``) reading
+    K-major copies, without Q-smoothing, at head_dim 64 or 128, on an sm_90 GPU where Gluon runs; not with
+    ATTNQAT_GLUON=0 nor with a dK/dV or dQ launch config pinned (which asks for the Triton kernels)."""
+    return _gluon(device, head_dim, bwd, km, smooth_q, _ENV[1:], "backward")
 
 
 def kmajor() -> bool:
@@ -704,6 +720,10 @@ def sagebwd_forward(q, k, v, *, sm_scale: float, causal: bool, smooth_k: bool, s
         bias = ((ks @ qmean[..., None]).squeeze(-1) * qk_scale).contiguous()
     o = _empty(q.shape, dtype=torch.float32 if interp else q.dtype, device=q.device)
     lse = _empty(b, h, lq, dtype=torch.float32, device=q.device)
+    if gluon_forward(q.device, d, pv, km, smooth_q)[0]:
+        hopper_sagebwd.sagebwd_forward_sm90(q8, k8, v8, sq, sk, sv, o, lse, sm_scale=sm_scale, causal=causal,
+                                            q_block=Q_BLOCK, k_block=K_BLOCK)
+        return _forward_outputs(q, k, o, lse, q8, k8, sq, sk, q8t, k8t, bias, qmean, training, bwd, km, kmean)
 
     def launch(f):
         _attn_fwd[(triton.cdiv(lq, f.block_m), b * h)](
@@ -714,6 +734,12 @@ def sagebwd_forward(q, k, v, *, sm_scale: float, causal: bool, smooth_k: bool, s
 
     launch_fitting(launch, cfg, ("sagebwd forward", q.device, d, causal, pv_code, km, smooth_q),
                    step_down(cfg, keep="n"))
+    return _forward_outputs(q, k, o, lse, q8, k8, sq, sk, q8t, k8t, bias, qmean, training, bwd, km, kmean)
+
+
+def _forward_outputs(q, k, o, lse, q8, k8, sq, sk, q8t, k8t, bias, qmean, training, bwd, km, kmean):
+    """:func:`sagebwd_forward`'s return value once O and the LSE are computed: O in q's dtype, and the backward's
+    gradient operands (bwd fp8: e4m3 copies made here; int8: the K-major int8 copies the pre-pass made)."""
     o = o.to(q.dtype)
     if training and bwd == "fp8":
         (qg, sqg), (kg, skg) = _e4m3_operand(q, Q_BLOCK, qmean, km), _e4m3_operand(k, K_BLOCK, kmean, km)
