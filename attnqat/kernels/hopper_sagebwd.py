@@ -438,6 +438,30 @@ if not _MISSING:
             _tma_load(vt_desc, [off_b, off_h, 0, j * BLOCK_N], bar, vt_bufs.index(slot))
 
     @gluon.jit
+    def _fwd_softmax(s, j, rows, row_scale, sk, sv, m_i, l_i, m0, seqlen_k, s_layout: gl.constexpr,
+                     a_layout: gl.constexpr, CAUSAL: gl.constexpr):
+        """Tile j's step of sagebwd._attn_fwd_inner (pv int8) on its int32 S, with the tile's K and V block scales sk,
+        sv: (psi(P~) in ``a_layout``, alpha, the scale of its P V product c * sv / 127, m, l)."""
+        BLOCK_N: gl.constexpr = s.shape[1]
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        colterm = gl.where(keys < seqlen_k, 0.0, float("-inf"))
+        s = gl.convert_layout(s.to(gl.float32), s_layout) * (row_scale * sk)[:, None] + colterm[None, :]
+        if CAUSAL:
+            if j * BLOCK_N + BLOCK_N > m0:  # a tile that reaches past this consumer's first row
+                s = gl.where(keys[None, :] <= rows[:, None], s, float("-inf"))
+        rowmax = gl.max(s, 1)
+        m_new = gl.maximum(m_i, rowmax)
+        # rows with no visible key in this tile: exponentiate against 0 so e = 0, not NaN
+        e = gl.exp2(s - gl.where(rowmax == float("-inf"), 0.0, rowmax)[:, None])
+        c = gl.exp2(rowmax - m_new)  # max of this tile's P~ row: exp(rowmax(S_j) - m_j)
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(e, 1) * c
+        # psi(P~) = round(127 e) with s = c / 127; e >= 0, so the truncating cast of 127 e + 0.5 is the Triton
+        # kernel's floor and cast
+        p8 = gl.convert_layout((e * 127.0 + 0.5).to(gl.int8), a_layout)
+        return p8, alpha, c * (sv / 127.0), m_new, l_new
+
+    @gluon.jit
     def _fwd_mma(q8_smem, k8_bufs, vt_bufs, q_ready, ready, empty, sq_ptr, sk_ptr, sv_ptr, o_ptr, lse_ptr, bh, m0,
                  n_blocks, seqlen_q, seqlen_k, nq_blocks, nk_blocks, qk_scale, QBLK: gl.constexpr, KBLK: gl.constexpr,
                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
@@ -451,7 +475,6 @@ if not _MISSING:
         o_layout: gl.constexpr = _wgmma8_layout(_WARPS, HEAD_DIM)  # O's accumulator and the P V product
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
         rows = m0 + gl.arange(0, BLOCK_M, row_layout)
         row_ok = rows < seqlen_q
@@ -462,50 +485,53 @@ if not _MISSING:
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        # the tile's K and V block scales (BLOCK_N divides KBLK: one each), loaded a step ahead
-        sk_next = gl.load(sk_ptr + bh * nk_blocks)
-        sv_next = gl.load(sv_ptr + bh * nk_blocks)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         mbarrier.wait(q_ready, 0, pred=m0 < seqlen_q)
-        for j in range(n_blocks):
+        # FlashAttention-3's intra-warpgroup pipelining: tile j's S is issued together with tile j-1's P V, so j's
+        # softmax runs while that product does; j-1's product is folded into O after it (O * alpha_{j-1} + P V *
+        # scale_{j-1}: the Triton kernel's two operations, in its order). Tile 0 (there is always one) starts it.
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q8, k8_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        # a tile's K and V block scales (BLOCK_N divides KBLK: one each), each loaded a tile ahead of its use
+        sk_ptr += bh * nk_blocks
+        sv_ptr += bh * nk_blocks
+        sk_next = gl.load(sk_ptr + BLOCK_N // KBLK, mask=n_blocks > 1, other=1.0)
+        sv_next = gl.load(sv_ptr + BLOCK_N // KBLK, mask=n_blocks > 1, other=1.0)
+        p8, alpha, pv_scale, m_i, l_i = _fwd_softmax(s, 0, rows, row_scale, gl.load(sk_ptr), gl.load(sv_ptr), m_i,
+                                                     l_i, m0, seqlen_k, s_layout, a_layout, CAUSAL)
+        for j in range(1, n_blocks):
             slot = j % NUM_STAGES
+            prev = (j - 1) % NUM_STAGES
             sk = sk_next
             sv = sv_next
-            more = j + 1 < n_blocks
-            sk_next = gl.load(sk_ptr + bh * nk_blocks + ((j + 1) * BLOCK_N) // KBLK, mask=more, other=1.0)
-            sv_next = gl.load(sv_ptr + bh * nk_blocks + ((j + 1) * BLOCK_N) // KBLK, mask=more, other=1.0)
-            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, key_layout)
-            colterm = gl.where(keys < seqlen_k, 0.0, float("-inf"))
+            sk_next = gl.load(sk_ptr + ((j + 1) * BLOCK_N) // KBLK, mask=j + 1 < n_blocks, other=1.0)
+            sv_next = gl.load(sv_ptr + ((j + 1) * BLOCK_N) // KBLK, mask=j + 1 < n_blocks, other=1.0)
             mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
-            k8 = k8_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-            s = warpgroup_mma(q8, k8.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s])
-            s = gl.convert_layout(s.to(gl.float32), s_layout) * (row_scale * sk)[:, None] + colterm[None, :]
-            if CAUSAL:
-                if j * BLOCK_N + BLOCK_N > m0:  # a tile that reaches past this consumer's first row
-                    s = gl.where(keys[None, :] <= rows[:, None], s, float("-inf"))
-            rowmax = gl.max(s, 1)
-            m_new = gl.maximum(m_i, rowmax)
-            # rows with no visible key in this tile: exponentiate against 0 so e = 0, not NaN
-            e = gl.exp2(s - gl.where(rowmax == float("-inf"), 0.0, rowmax)[:, None])
-            c = gl.exp2(rowmax - m_new)  # max of this tile's P~ row: exp(rowmax(S_j) - m_j)
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(e, 1) * c
-            # psi(P~) = round(127 e) with s = c / 127; e >= 0, so the truncating cast of 127 e + 0.5 is the Triton
-            # kernel's floor and cast
-            p8 = gl.convert_layout((e * 127.0 + 0.5).to(gl.int8), a_layout)
-            vt = vt_bufs.index(slot).reshape([HEAD_DIM, BLOCK_N])
-            prod = warpgroup_mma(p8, vt.permute((1, 0)), pv_zero, use_acc=False, is_async=True)
-            o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-            acc = acc * _rows(alpha, o_rows)[:, None]
+            s = warpgroup_mma(q8, k8_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            prod = warpgroup_mma(p8, vt_bufs.index(prev).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0)), pv_zero,
+                                 use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])  # P_{j-1} V_{j-1} runs on through this tile's softmax
+            p8_j, alpha_j, pv_scale_j, m_i, l_i = _fwd_softmax(s, j, rows, row_scale, sk, sv, m_i, l_i, m0, seqlen_k,
+                                                               s_layout, a_layout, CAUSAL)
             prod = warpgroup_mma_wait(0, deps=[prod])
-            mbarrier.arrive(empty.index(slot), count=1)  # both wgmmas that read the slot are done
-            acc += prod.to(gl.float32) * _rows(c * (sv / 127.0), o_rows)[:, None]
-            m_i = m_new
+            mbarrier.arrive(empty.index(prev), count=1)  # both wgmmas that read the slot are done
+            acc = acc * _rows(alpha, o_rows)[:, None]
+            acc += prod.to(gl.float32) * _rows(pv_scale, o_rows)[:, None]
+            p8, alpha, pv_scale = p8_j, alpha_j, pv_scale_j
+        last = (n_blocks - 1) % NUM_STAGES
+        prod = warpgroup_mma(p8, vt_bufs.index(last).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0)), pv_zero,
+                             use_acc=False, is_async=True)
+        prod = warpgroup_mma_wait(0, deps=[prod])
+        mbarrier.arrive(empty.index(last), count=1)
+        acc = acc * _rows(alpha, o_rows)[:, None]
+        acc += prod.to(gl.float32) * _rows(pv_scale, o_rows)[:, None]
 
-        o_rows2: gl.constexpr = gl.SliceLayout(1, o_layout)
-        o = acc / _rows(l_i, o_rows2)[:, None]
+        o = acc / _rows(l_i, o_rows)[:, None]
         gl.store(lse_ptr + bh * seqlen_q + rows, m_i + gl.log2(l_i), mask=row_ok)
-        out_rows = m0 + gl.arange(0, BLOCK_M, o_rows2)
+        out_rows = m0 + gl.arange(0, BLOCK_M, o_rows)
         cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
         offs = (bh.to(gl.int64) * seqlen_q + out_rows)[:, None] * HEAD_DIM + cols[None, :]
         gl.store(o_ptr + offs, o.to(o_ptr.dtype.element_ty), mask=(out_rows < seqlen_q)[:, None])
