@@ -11,6 +11,7 @@ Times are medians of ``triton.testing.do_bench``; TFLOP/s count 4*B*H*Lq*Lk*D fo
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
@@ -21,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench._report import ROOT, bench_ms, env_line, environment, update_section, write_json  # noqa: E402
 from attnqat.kernels import attention, backend_info, hopper_gluon  # noqa: E402
+from attnqat.kernels.hopper_gluon import GLUON_ENV  # noqa: E402
 from attnqat.kernels._common import LaunchConfig  # noqa: E402
 from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_backward, attn_qat_forward  # noqa: E402
 
@@ -98,6 +100,14 @@ def run(lengths, heads=40, head_dim=128, batch=1, sweep=False):
             attention(q, k, v, mode="sagebwd").backward(do)
         res["sagebwd_fwdbwd"] = bench_ms(sagebwd_fwd_bwd)
 
+        def sagebwd_triton_fwd_bwd():  # the portable Triton kernels, where the Gluon sm_90 ones would run
+            os.environ[GLUON_ENV] = "0"
+            try:
+                attention(q, k, v, mode="sagebwd").backward(do)
+            finally:
+                os.environ.pop(GLUON_ENV)
+        res["sagebwd_triton_fwdbwd"] = bench_ms(sagebwd_triton_fwd_bwd)
+
         def sagebwd_16bit_fwd_bwd():  # INT8 QK^T and S recompute only; PV, dV, dQ, dK in bf16 (docs/sagebwd.md)
             attention(q, k, v, mode="sagebwd", pv="bf16", bwd="bf16").backward(do)
         res["sagebwd_16bit_fwdbwd"] = bench_ms(sagebwd_16bit_fwd_bwd)
@@ -155,12 +165,13 @@ def markdown(rows, env) -> str:
             f"{r['flash_fwdbwd']:.2f} ms ({r['flash_fwdbwd'] / cb:.2f}x) | "
             f"{r['attn_qat_fwdbwd']:.2f} ms ({r['attn_qat_fwdbwd'] / cb:.2f}x) | "
             f"{r['attn_qat_triton_fwdbwd']:.2f} ms ({r['attn_qat_triton_fwdbwd'] / cb:.2f}x) |")
-    extra = [k_ for k_ in ("nvfp4_infer", "sage3_infer", "sagebwd_infer", "sagebwd_fwdbwd",
+    extra = [k_ for k_ in ("nvfp4_infer", "sage3_infer", "sagebwd_infer", "sagebwd_fwdbwd", "sagebwd_triton_fwdbwd",
                                    "sagebwd_16bit_fwdbwd") if k_ in rows[0]]
     if extra:
         lines += ["", "Every mode's inference forward (no grad) through `attnqat.kernels.attention`, and SageBwd "
-                  "training, same run (ratio to cuDNN fwd, or cuDNN fwd+bwd for `*_fwdbwd`; `sagebwd_16bit`: "
-                  "`pv=\"bf16\", bwd=\"bf16\"`, INT8 only in QK^T and its recompute):", "",
+                  "training, same run (ratio to cuDNN fwd, or cuDNN fwd+bwd for `*_fwdbwd`; SageBwd ran: "
+                  f"{env.get('sagebwd', 'triton')}; `sagebwd_triton`: its Triton kernels (`ATTNQAT_GLUON=0`); "
+                  "`sagebwd_16bit`: `pv=\"bf16\", bwd=\"bf16\"`, INT8 only in QK^T and its recompute):", "",
                   "| L | " + " | ".join(extra) + " |", "|---|" + "---|" * len(extra)]
         for r in rows:
             cells = [f"{r[k_]:.2f} ms ({r[k_] / (r['cudnn_fwdbwd'] if k_.endswith('fwdbwd') else r['cudnn_fwd']):.2f}x)"
@@ -185,7 +196,7 @@ def main(argv=None):
         sys.exit("bench/kernels.py needs a CUDA GPU")
     env = environment()
     info = backend_info()
-    env.update({key: info[key] for key in ("attn_qat_training", "fp4_inference") if key in info})
+    env.update({key: info[key] for key in ("attn_qat_training", "fp4_inference", "sagebwd") if key in info})
     rows, sweeps = run(args.lengths, heads=args.heads, sweep=args.sweep)
     md = markdown(rows, env)
     print(md)

@@ -219,6 +219,13 @@ def backend_info(device: torch.device | str | None = None) -> dict:
         dims = ", ".join(map(str, hopper_gluon.INFERENCE_HEAD_DIMS))
         info["fp4_inference"] = (f"Gluon sm_90 forward ({hopper_gluon.INFERENCE_FWD_VARIANT}) at head_dim {dims}, "
                                  "triton at the others" if gluon else f"triton ({why})")
+        # the defaults' answer (pv="int8", bwd="int8", K-major copies, no smooth_q) at head_dim 128
+        fwd, why_fwd = sagebwd.gluon_forward(dev, 128, "int8", sagebwd.kmajor(), False)
+        bwd, why_bwd = sagebwd.gluon_backward(dev, 128, "int8", sagebwd.kmajor(), False)
+        info["sagebwd"] = ("Gluon sm_90 forward and backward (the defaults: pv and bwd int8, no smooth_q, head_dim 64 "
+                           "or 128), triton otherwise" if fwd and bwd else
+                           f"triton (forward: {why_fwd if not fwd else 'Gluon'}; backward: "
+                           f"{why_bwd if not bwd else 'Gluon'})")
     else:
         info["path"] = "triton-interpreter" if interpreting() else "pytorch-reference"
         info["fp4_path"] = "fp32 arithmetic over dequantized NVFP4 operands"
