@@ -98,6 +98,37 @@ if not _MISSING:
         """A per-row vector moved to ``layout`` (the row slice of another wgmma accumulator: the same rows)."""
         return gl.convert_layout(x, layout)
 
+    @gluon.jit
+    def _barriers(n: gl.constexpr, count: gl.constexpr):
+        """n mbarriers in shared memory, each initialised to complete once ``count`` arrivals (and any expected TMA
+        bytes) have come."""
+        bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(n):
+            mbarrier.init(bars.index(i), count=count)
+        return bars
+
+    @gluon.jit
+    def _tiles(desc, n: gl.constexpr):
+        """n shared-memory tiles for ``desc``'s TMA copies (a ring, or one per consumer)."""
+        return gl.allocate_shared_memory(desc.dtype, [n] + desc.block_type.shape, desc.layout)
+
+    @gluon.jit
+    def _program(num_heads, ROWS: gl.constexpr):
+        """(batch * head, batch, head, first row) of this program, which owns ROWS rows along grid axis 0."""
+        bh = gl.program_id(1)
+        return bh, bh // num_heads, bh % num_heads, gl.program_id(0) * ROWS
+
+    @gluon.jit
+    def _key_tiles(m0, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """How many BLOCK_N-key tiles a program of _CONSUMERS * BLOCK_M queries from m0 steps over: every tile, or,
+        causal (top-left aligned), those up to its last query (the first consumer's last tile may be masked out
+        whole, as in the Triton kernels' 128-query programs)."""
+        if CAUSAL:
+            n_blocks = gl.cdiv(gl.minimum(seqlen_k, m0 + _CONSUMERS * BLOCK_M), BLOCK_N)
+        else:
+            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+        return n_blocks
+
     # -----------------------------------------------------------------------------------------------------------
     # dK/dV: a program owns _CONSUMERS * 64 keys; the load partition brings each consumer's psi(K) and V tile once,
     # then streams the query tiles through a NUM_STAGES ring that both consumers read (a slot is free once both
@@ -234,28 +265,19 @@ if not _MISSING:
         gl.static_assert(BLOCK_N == 64)  # a consumer's keys: one m64 wgmma tile
         gl.static_assert(KBLK % BLOCK_N == 0)
         gl.static_assert(QBLK % BLOCK_M == 0)
-        bh = gl.program_id(1)
-        off_b = bh // num_heads
-        off_h = bh % num_heads
-        n0 = gl.program_id(0) * (_CONSUMERS * BLOCK_N)
-        k_smem = gl.allocate_shared_memory(k8_desc.dtype, [_CONSUMERS] + k8_desc.block_type.shape, k8_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [_CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
-        q8_bufs = gl.allocate_shared_memory(q8_desc.dtype, [NUM_STAGES] + q8_desc.block_type.shape, q8_desc.layout)
-        qt_bufs = gl.allocate_shared_memory(qt_desc.dtype, [NUM_STAGES] + qt_desc.block_type.shape, qt_desc.layout)
-        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
-        dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [NUM_STAGES] + dot_desc.block_type.shape,
-                                             dot_desc.layout)
+        bh, off_b, off_h, n0 = _program(num_heads, _CONSUMERS * BLOCK_N)
+        k_smem = _tiles(k8_desc, _CONSUMERS)
+        v_smem = _tiles(v_desc, _CONSUMERS)
+        q8_bufs = _tiles(q8_desc, NUM_STAGES)
+        qt_bufs = _tiles(qt_desc, NUM_STAGES)
+        do_bufs = _tiles(do_desc, NUM_STAGES)
+        dot_bufs = _tiles(dot_desc, NUM_STAGES)
         row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # lse, D: read whole by every consumer
         lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_smem)
         delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_smem)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for c in gl.static_range(_CONSUMERS):
-            mbarrier.init(kv_ready.index(c), count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=_CONSUMERS)
+        kv_ready = _barriers(_CONSUMERS, 1)
+        ready = _barriers(NUM_STAGES, 1)
+        empty = _barriers(NUM_STAGES, _CONSUMERS)  # a slot is free once every consumer is done with it
         fence_async_shared()
 
         # causal (top-left): queries before the program's keys never see them (the second consumer's first step is
@@ -374,28 +396,16 @@ if not _MISSING:
         gl.static_assert(BLOCK_M == 16 * num_warps)
         gl.static_assert(KBLK % BLOCK_N == 0)
         gl.static_assert(QBLK % (_CONSUMERS * BLOCK_M) == 0)  # causal: the program's rows end on a tile boundary
-        bh = gl.program_id(1)
-        off_b = bh // num_heads
-        off_h = bh % num_heads
-        m0 = gl.program_id(0) * (_CONSUMERS * BLOCK_M)
-        if CAUSAL:  # top-left aligned: key tiles past the program's last query are skipped (the first consumer's
-            # last tile may be masked out whole, as in the Triton kernel's 128-query programs)
-            n_blocks = gl.cdiv(gl.minimum(seqlen_k, m0 + _CONSUMERS * BLOCK_M), BLOCK_N)
-        else:
-            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-        q8_smem = gl.allocate_shared_memory(q8_desc.dtype, [_CONSUMERS] + q8_desc.block_type.shape, q8_desc.layout)
-        do_smem = gl.allocate_shared_memory(do_desc.dtype, [_CONSUMERS] + do_desc.block_type.shape, do_desc.layout)
-        k8_bufs = gl.allocate_shared_memory(k8_desc.dtype, [NUM_STAGES] + k8_desc.block_type.shape, k8_desc.layout)
-        kt_bufs = gl.allocate_shared_memory(kt_desc.dtype, [NUM_STAGES] + kt_desc.block_type.shape, kt_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for c in gl.static_range(_CONSUMERS):
-            mbarrier.init(q_ready.index(c), count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=_CONSUMERS)
+        bh, off_b, off_h, m0 = _program(num_heads, _CONSUMERS * BLOCK_M)
+        n_blocks = _key_tiles(m0, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        q8_smem = _tiles(q8_desc, _CONSUMERS)
+        do_smem = _tiles(do_desc, _CONSUMERS)
+        k8_bufs = _tiles(k8_desc, NUM_STAGES)
+        kt_bufs = _tiles(kt_desc, NUM_STAGES)
+        v_bufs = _tiles(v_desc, NUM_STAGES)
+        q_ready = _barriers(_CONSUMERS, 1)
+        ready = _barriers(NUM_STAGES, 1)
+        empty = _barriers(NUM_STAGES, _CONSUMERS)  # a slot is free once every consumer is done with it
         fence_async_shared()
 
         gl.warp_specialize([
@@ -547,25 +557,14 @@ if not _MISSING:
         gl.static_assert(BLOCK_M == 16 * num_warps)
         gl.static_assert(KBLK % BLOCK_N == 0)
         gl.static_assert(QBLK % (_CONSUMERS * BLOCK_M) == 0)
-        bh = gl.program_id(1)
-        off_b = bh // num_heads
-        off_h = bh % num_heads
-        m0 = gl.program_id(0) * (_CONSUMERS * BLOCK_M)
-        if CAUSAL:  # top-left aligned: key tiles past the program's last query are skipped
-            n_blocks = gl.cdiv(gl.minimum(seqlen_k, m0 + _CONSUMERS * BLOCK_M), BLOCK_N)
-        else:
-            n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-        q8_smem = gl.allocate_shared_memory(q8_desc.dtype, [_CONSUMERS] + q8_desc.block_type.shape, q8_desc.layout)
-        k8_bufs = gl.allocate_shared_memory(k8_desc.dtype, [NUM_STAGES] + k8_desc.block_type.shape, k8_desc.layout)
-        vt_bufs = gl.allocate_shared_memory(vt_desc.dtype, [NUM_STAGES] + vt_desc.block_type.shape, vt_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for c in gl.static_range(_CONSUMERS):
-            mbarrier.init(q_ready.index(c), count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=_CONSUMERS)
+        bh, off_b, off_h, m0 = _program(num_heads, _CONSUMERS * BLOCK_M)
+        n_blocks = _key_tiles(m0, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        q8_smem = _tiles(q8_desc, _CONSUMERS)
+        k8_bufs = _tiles(k8_desc, NUM_STAGES)
+        vt_bufs = _tiles(vt_desc, NUM_STAGES)
+        q_ready = _barriers(_CONSUMERS, 1)
+        ready = _barriers(NUM_STAGES, 1)
+        empty = _barriers(NUM_STAGES, _CONSUMERS)  # a slot is free once every consumer is done with it
         fence_async_shared()
 
         gl.warp_specialize([
@@ -580,11 +579,24 @@ if not _MISSING:
         ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
 
 
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8"}  # Triton's names in signatures
+LOG2E = 1.4426950408889634  # the kernels work in log2 units, as the forward's LSE
+
+
+def _tile_layout(block: list[int], dtype: torch.dtype):
+    """The shared-memory layout of a TMA tile of ``dtype`` (NVMMA swizzle for its row width)."""
+    return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(dtype).removeprefix("torch.")))
+
+
 def _descriptor(t: torch.Tensor, block: list[int]) -> "TensorDescriptor":
     """A 4-d TMA descriptor over ``t`` (its shape and strides: a K-major copy's row stride is its padded length)
     that loads one ``block``-shaped tile."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(t.dtype).removeprefix("torch.")))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _tile_layout(block, t.dtype))
+
+
+def _desc_type(block: list[int], dtype: torch.dtype) -> str:
+    """Triton's signature type of a :func:`_descriptor` of ``dtype`` with ``block``-shaped tiles (compiles only)."""
+    return f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, block))}],{_tile_layout(block, dtype)!r}>"
 
 
 def sagebwd_dkdv_dq(do: torch.Tensor, q8: torch.Tensor, qt: torch.Tensor, k8: torch.Tensor, kt: torch.Tensor,
@@ -597,7 +609,7 @@ def sagebwd_dkdv_dq(do: torch.Tensor, q8: torch.Tensor, qt: torch.Tensor, k8: to
     ((B, H, n) fp32; ``q_block``, ``k_block`` rows each); the log2-domain lse and D = rowsum(dO O)."""
     b, h, lq, d = q8.shape
     lk = k8.shape[2]
-    qk_scale = sm_scale * 1.4426950408889634  # log2 units, as the forward's LSE
+    qk_scale = sm_scale * LOG2E
     rows, cols = [1, 1, BLOCK, d], [1, 1, d, BLOCK]
     args = (sq, sk)
     _sagebwd_dkdv[(triton.cdiv(lk, CONSUMERS * BLOCK), b * h)](
@@ -622,7 +634,7 @@ def sagebwd_forward_sm90(q8: torch.Tensor, k8: torch.Tensor, vt: torch.Tensor, s
     rows, cols = [1, 1, BLOCK, d], [1, 1, d, BLOCK]
     _sagebwd_fwd[(triton.cdiv(lq, CONSUMERS * BLOCK), b * h)](
         _descriptor(q8, rows), _descriptor(k8, rows), _descriptor(vt, cols), sq, sk, sv, o, lse, lq, lk, sq.shape[-1],
-        sk.shape[-1], sm_scale * 1.4426950408889634, h, QBLK=q_block, KBLK=k_block, NUM_STAGES=FWD_STAGES[d],
+        sk.shape[-1], sm_scale * LOG2E, h, QBLK=q_block, KBLK=k_block, NUM_STAGES=FWD_STAGES[d],
         CAUSAL=causal, num_warps=WARPS)
 
 
@@ -634,26 +646,20 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
 
     if _MISSING:
         raise RuntimeError(f"hopper_sagebwd: {_MISSING}")
-    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8"}
-
-    def desc(block, dt):
-        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(dt).removeprefix("torch.")))
-        return f"tensordesc<{short[dt]}[{', '.join(map(str, block))}],{layout!r}>"
-
-    rows8, cols8, rows16 = (desc([1, 1, BLOCK, head_dim], torch.int8), desc([1, 1, head_dim, BLOCK], torch.int8),
-                            desc([1, 1, BLOCK, head_dim], dtype))
+    rows8, cols8, rows16 = (_desc_type([1, 1, BLOCK, head_dim], torch.int8),
+                            _desc_type([1, 1, head_dim, BLOCK], torch.int8), _desc_type([1, 1, BLOCK, head_dim], dtype))
     fp32 = dict.fromkeys(("sq_ptr", "sk_ptr", "sdo_ptr", "lse_ptr", "delta_ptr"), "*fp32")
     scalars = {"qk_scale": "fp32", "sm_scale": "fp32"}
     common = {"QBLK": SAGEBWD_Q_BLOCK, "KBLK": SAGEBWD_K_BLOCK, "CAUSAL": bool(causal), "num_warps": WARPS}
     dkdv = compile_for(_sagebwd_dkdv, 90, types={"k8_desc": rows8, "v_desc": rows16, "q8_desc": rows8,
                                                  "qt_desc": cols8, "do_desc": rows16, "dot_desc": cols8, **fp32,
-                                                 "dk_ptr": f"*{short[dtype]}", "dv_ptr": f"*{short[dtype]}",
+                                                 "dk_ptr": f"*{_SHORT[dtype]}", "dv_ptr": f"*{_SHORT[dtype]}",
                                                  **scalars},
                        aligned=(*fp32, "dk_ptr", "dv_ptr"), num_warps=WARPS, num_stages=1,
                        constexprs={**common, "NUM_STAGES": DKDV_STAGES[head_dim]})
     fp32.pop("sdo_ptr")
     dq = compile_for(_sagebwd_dq, 90, types={"q8_desc": rows8, "do_desc": rows16, "k8_desc": rows8,
-                                             "kt_desc": cols8, "v_desc": rows16, **fp32, "dq_ptr": f"*{short[dtype]}",
+                                             "kt_desc": cols8, "v_desc": rows16, **fp32, "dq_ptr": f"*{_SHORT[dtype]}",
                                              **scalars},
                      aligned=(*fp32, "dq_ptr"), num_warps=WARPS, num_stages=1,
                      constexprs={**common, "NUM_STAGES": DQ_STAGES[head_dim]})
@@ -668,17 +674,10 @@ def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bflo
 
     if _MISSING:
         raise RuntimeError(f"hopper_sagebwd: {_MISSING}")
-    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8"}
-
-    def desc(block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.int8)
-        return f"tensordesc<i8[{', '.join(map(str, block))}],{layout!r}>"
-
+    rows8, cols8 = _desc_type([1, 1, BLOCK, head_dim], torch.int8), _desc_type([1, 1, head_dim, BLOCK], torch.int8)
     fp32 = dict.fromkeys(("sq_ptr", "sk_ptr", "sv_ptr", "lse_ptr"), "*fp32")
-    return compile_for(_sagebwd_fwd, 90, types={"q8_desc": desc([1, 1, BLOCK, head_dim]),
-                                                "k8_desc": desc([1, 1, BLOCK, head_dim]),
-                                                "vt_desc": desc([1, 1, head_dim, BLOCK]), **fp32,
-                                                "o_ptr": f"*{short[dtype]}", "qk_scale": "fp32"},
+    return compile_for(_sagebwd_fwd, 90, types={"q8_desc": rows8, "k8_desc": rows8, "vt_desc": cols8, **fp32,
+                                                "o_ptr": f"*{_SHORT[dtype]}", "qk_scale": "fp32"},
                        aligned=(*fp32, "o_ptr"), num_warps=WARPS, num_stages=1,
                        constexprs={"QBLK": SAGEBWD_Q_BLOCK, "KBLK": SAGEBWD_K_BLOCK, "CAUSAL": bool(causal),
                                    "num_warps": WARPS, "NUM_STAGES": FWD_STAGES[head_dim]})
