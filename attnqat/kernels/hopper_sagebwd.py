@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._hardware import compile_for
+from .formats import SAGEBWD_K_BLOCK, SAGEBWD_Q_BLOCK
 from .hopper_gluon import _MISSING
 
 if not _MISSING:
@@ -641,9 +643,6 @@ def sagebwd_forward_sm90(q8: torch.Tensor, k8: torch.Tensor, vt: torch.Tensor, s
 def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Compile the two kernels for sm_90a without a GPU (what a launch at ``head_dim`` builds); returns
     {"dkdv": ..., "dq": ...}, Triton's compiled kernels."""
-    from ._hardware import compile_for
-    from .formats import SAGEBWD_K_BLOCK, SAGEBWD_Q_BLOCK
-
     if _MISSING:
         raise RuntimeError(f"hopper_sagebwd: {_MISSING}")
     rows8, cols8, rows16 = (_desc_type([1, 1, BLOCK, head_dim], torch.int8),
@@ -669,9 +668,6 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
 def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16):
     """Compile the forward for sm_90a without a GPU (what a launch at ``head_dim`` with an output of ``dtype``
     builds); returns Triton's compiled kernel."""
-    from ._hardware import compile_for
-    from .formats import SAGEBWD_K_BLOCK, SAGEBWD_Q_BLOCK
-
     if _MISSING:
         raise RuntimeError(f"hopper_sagebwd: {_MISSING}")
     rows8, cols8 = _desc_type([1, 1, BLOCK, head_dim], torch.int8), _desc_type([1, 1, head_dim, BLOCK], torch.int8)
