@@ -451,6 +451,27 @@ def test_gpu_gluon_backward_matches_triton_at_8192(causal, monkeypatch, poison):
 
 
 @pytest.mark.gpu
+def test_gpu_gluon_backward_takes_a_v_off_tma_alignment(monkeypatch, poison):
+    """A contiguous V whose storage starts 2 bytes off a 16-byte boundary (a view one element into its buffer): TMA
+    cannot read it in place, so the launcher copies it (hopper_gluon._tma_ready) and the gradients are the aligned
+    V's, bit for bit."""
+    q, k, v, do = _inputs(1, 2, 256, 256, 128, torch.bfloat16, "cuda", k_offset=1.0, seed=11)
+    shifted = torch.empty(v.numel() + 1, dtype=v.dtype, device=v.device)[1:].view(v.shape)
+    shifted.copy_(v)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
+
+    def run(v):  # V as given (not cloned: a clone would be aligned), needing no gradient; dQ, dK read it through dP
+        q_, k_ = (t.detach().clone().requires_grad_(True) for t in (q, k))
+        o = S.sagebwd_attention(q_, k_, v)
+        o.backward(do)
+        return o.detach(), q_.grad, k_.grad
+
+    aligned, _ = _gluon_and_triton(monkeypatch, q, False, lambda: run(v))
+    off, _ = _gluon_and_triton(monkeypatch, q, False, lambda: run(shifted))
+    _assert_equal(off, aligned, (q, q, k), names=("o", "dq", "dk"))
+
+
+@pytest.mark.gpu
 def test_gpu_gluon_kernels_launch(monkeypatch):
     """The GPU runs the Gluon kernels (_sagebwd_fwd, _sagebwd_dkdv, _sagebwd_dq) and not the Triton forward and
     gradient kernels for a default sagebwd_attention forward and backward, and the reverse with ATTNQAT_GLUON=0 (the

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._hardware import compile_for
 from .formats import SAGEBWD_K_BLOCK, SAGEBWD_Q_BLOCK
-from .hopper_gluon import _MISSING
+from .hopper_gluon import _MISSING, _tma_ready
 
 if not _MISSING:
     from .hopper_gluon import (LOADER_REGS, LOADER_WARPS, WS_CONSUMER_REGS, TensorDescriptor, _tma_load,
@@ -611,6 +611,7 @@ def sagebwd_dkdv_dq(do: torch.Tensor, q8: torch.Tensor, qt: torch.Tensor, k8: to
     ((B, H, n) fp32; ``q_block``, ``k_block`` rows each); the log2-domain lse and D = rowsum(dO O)."""
     b, h, lq, d = q8.shape
     lk = k8.shape[2]
+    do, v = _tma_ready(do), _tma_ready(v)  # contiguous, but a view's base may sit off TMA's 16-byte alignment
     qk_scale = sm_scale * LOG2E
     rows, cols = [1, 1, BLOCK, d], [1, 1, d, BLOCK]
     args = (sq, sk)
