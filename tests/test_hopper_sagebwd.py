@@ -4,6 +4,7 @@ psi(P~), P^T, dS^T, dS from registers) and a bf16 one for dP only; sagebwd.gluon
 when sagebwd_forward and sagebwd_backward run them; on an H100/H200 they give the Triton kernels' O, LSE, dQ, dK, dV
 bit for bit (ATTNQAT_GLUON=0 runs those), ragged, causal, Lq != Lk, NaN included."""
 import re
+import warnings
 
 import pytest
 import torch
@@ -354,6 +355,25 @@ def test_forward_hands_its_operands_to_the_gluon_kernel(runnable, monkeypatch, p
     assert calls == [expected] * 3 and (o == 0.25).all()
     for g, x in ((dq, q), (dk, k), (dv, v)):
         assert g.shape == x.shape and torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("cap,warns", [((9, 0), True), ((8, 0), False)])
+def test_an_sm90_gpu_without_gluon_warns(cap, warns, monkeypatch):
+    """Where an sm_90 GPU cannot run the Gluon kernels (Triton < 3.6), SageBwd's forward and backward run the Triton
+    ones and a warning names why (hopper_gluon.available_or_warn, as for the FP4 modes); elsewhere the Triton path is
+    simply the path."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(hopper_gluon, "available", lambda device=None: (False, "Triton 3.5.1 lacks Gluon's Hopper API"))
+    for name in (hopper_gluon.GLUON_ENV, *PINS):
+        monkeypatch.delenv(name, raising=False)
+    for decide in (S.gluon_forward, S.gluon_backward):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert decide(torch.device("cuda"), 128, "int8", True, False) == (
+                False, "Triton 3.5.1 lacks Gluon's Hopper API")
+        assert len(seen) == warns
+        assert all("Triton 3.5.1 lacks" in str(w.message) and "sagebwd" in str(w.message) for w in seen)
 
 
 # --- On an H100/H200: the Triton kernels' outputs, bit for bit -----------------------------------------------------

@@ -1359,11 +1359,17 @@ def gluon_sm90(device: torch.device) -> tuple[bool, str]:
     pinned = [name for name in (FWD_CONFIG_ENV, BWD_CONFIG_ENV, DQ_CONFIG_ENV) if os.environ.get(name)]
     if pinned:  # a launch config pinned for the Triton kernels asks for those kernels
         return False, f"{' and '.join(pinned)} pin the Triton kernels' launch config"
+    return available_or_warn(device, "the FP4 modes")
+
+
+def available_or_warn(device: torch.device, who: str) -> tuple[bool, str]:
+    """:func:`available`, and where the GPU is an sm_90 one and Gluon cannot run (Triton older than 3.6), one warning
+    that ``who`` falls back to its Triton kernels."""
     ok, why = available(device)
     if not ok and device.type == "cuda" and torch.cuda.is_available() \
             and torch.cuda.get_device_capability(device) == (9, 0):
-        warnings.warn(f"attnqat: the Gluon sm_90 kernels are unavailable ({why}); the FP4 modes use the Triton "
-                      "kernels", stacklevel=2)
+        warnings.warn(f"attnqat: the Gluon sm_90 kernels are unavailable ({why}); {who} use the Triton kernels",
+                      stacklevel=3)
     return ok, why
 
 

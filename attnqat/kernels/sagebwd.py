@@ -580,7 +580,7 @@ def _gluon(device: torch.device, head_dim: int, precision: str, km: bool, smooth
         return False, f"{' and '.join(pinned)} pin the Triton kernels' launch config"
     if os.environ.get(hopper_gluon.GLUON_ENV, "1") == "0":
         return False, f"{hopper_gluon.GLUON_ENV}=0"
-    return hopper_gluon.available(device)
+    return hopper_gluon.available_or_warn(device, "sagebwd's forward and backward")
 
 
 def gluon_forward(device: torch.device, head_dim: int, pv: str, km: bool, smooth_q: bool) -> tuple[bool, str]:
