@@ -1,11 +1,17 @@
-"""SageBwd's backward (SPEC §4, ``bwd="int8"``) for Hopper (sm_90) in Gluon: its dK/dV and dQ kernels on int8 and
-bf16 wgmma, warp-specialised as FlashAttention-3's backward (a one-warp TMA load partition, two consumer
-warpgroups of 64 rows that share nothing but the ring).
+"""SageBwd (SPEC §4, ``pv="int8"``, ``bwd="int8"``) for Hopper (sm_90) in Gluon: its forward, dK/dV and dQ kernels on
+int8 wgmma (and bf16 for dP), warp-specialised as FlashAttention-3's kernels (a one-warp TMA load partition, two
+consumer warpgroups of 64 rows that share nothing but the ring).
 
-The numbers are the Triton kernels' (``sagebwd._attn_bwd_dkdv``, ``_attn_bwd_dq``) element for element: the
-same S recompute from psi(Q), psi(K_s) and their block scales, the same P, dP, dS, the same per-row int8 blocks
-(P and dS per key over 64 queries for dK/dV, dS per query over 64 keys for dQ), int32 products scaled and
-added to fp32 accumulators in the same order. What changes is where the work runs:
+The numbers are the Triton kernels' (``sagebwd._attn_fwd``, ``_attn_bwd_dkdv``, ``_attn_bwd_dq``) element for
+element: the same S from psi(Q), psi(K_s) and their block scales, the same online softmax and psi(P~) per row of a
+key tile, the same P, dP, dS and per-row int8 blocks (P and dS per key over 64 queries for dK/dV, dS per query
+over 64 keys for dQ), int32 products scaled and added to fp32 accumulators in the same order. What changes is where
+the work runs:
+
+- **forward**, one program per 128 queries (64 per consumer), stepping over 64-key tiles of psi(K) and psi(V)^T
+  (the K-major copy): S by wgmma from shared memory, the softmax and psi(P~) in registers, P~ V with psi(P~) as
+  wgmma's register operand; tile j's S is issued with tile j-1's P~ V (FlashAttention-3's intra-warpgroup
+  pipelining).
 
 - **dK/dV**, one program per 128 keys (64 per consumer), stepping over 64-query tiles. Each step computes
   S^T = psi(K) psi(Q)^T (keys x queries) rather than S, so P^T and dS^T come out of wgmma's accumulator with one
@@ -19,9 +25,10 @@ added to fp32 accumulators in the same order. What changes is where the work run
   register operand.
 
 The int8 products are exact (int32), so splitting dK/dV's 128 keys over two warpgroups changes nothing; dP is a
-bf16 wgmma with fp32 accumulation over head_dim in 16-element steps, as Triton's. ``sagebwd.sagebwd_backward``
-runs these kernels on sm_90 for ``bwd="int8"`` with K-major copies and no Q-smoothing (``sagebwd.gluon_backward``
-decides); the Triton kernels stay the portable path and the reference the GPU tests compare against.
+bf16 wgmma with fp32 accumulation over head_dim in 16-element steps, as Triton's. ``sagebwd.sagebwd_forward`` and
+``sagebwd_backward`` run these kernels on sm_90 for the int8 defaults with K-major copies and no Q-smoothing
+(``sagebwd.gluon_forward``, ``gluon_backward`` decide); the Triton kernels stay the portable path and the reference
+the GPU tests compare against. Design notes and measurements: docs/sagebwd.md ("Speed").
 """
 from __future__ import annotations
 
