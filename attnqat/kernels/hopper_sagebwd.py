@@ -215,8 +215,9 @@ if not _MISSING:
 
         keys = n0 + gl.arange(0, BLOCK_N, key_layout)
         colterm = gl.where(keys < seqlen_k, 0.0, float("-inf"))  # keys past Lk get P = 0
-        # one K block per consumer (BLOCK_N divides KBLK): the Triton kernel's per-key row_scale, all equal
-        k_scale = gl.load(sk_ptr + bh * nk_blocks + n0 // KBLK) * qk_scale
+        # one K block per consumer (BLOCK_N divides KBLK): the Triton kernel's per-key row_scale, all equal (a
+        # consumer whose keys all lie past Lk has no block: 1, unused)
+        k_scale = gl.load(sk_ptr + bh * nk_blocks + n0 // KBLK, mask=n0 < seqlen_k, other=1.0) * qk_scale
         k8 = k_smem.reshape([BLOCK_N, HEAD_DIM])
         v = v_smem.reshape([BLOCK_N, HEAD_DIM])
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, s8_layout)
