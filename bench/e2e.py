@@ -42,9 +42,11 @@ sys.path.insert(0, str(ROOT))
 from attnqat.kernels import REFERENCE_MODE, available_modes, mode_of  # noqa: E402
 from attnqat.pipelines import AttentionTimer, TINY_TRANSFORMER_CONFIG, patch_attention, unpatch_attention  # noqa: E402
 from attnqat.pipelines.wan_configs import WAN21_14B_TRANSFORMER_CONFIG  # noqa: E402
+from bench._report import update_section  # noqa: E402
 
 SECTION = "## End-to-end: Wan 2.1 14B transformer step"
 COMPILED_SECTION = "## End-to-end, compiled: Wan 2.1 14B transformer step"  # --compile: its own table, beside eager's
+MARKERS = {SECTION: "e2e", COMPILED_SECTION: "e2e_compiled"}  # each table's section of the docs page (update_section)
 
 # 480x832 pixels, 81 frames -> latents (16, 21, 60, 104): VAE 4x in time (+1 frame), 8x in space.
 LATENT_480P = (16, 21, 60, 104)
@@ -211,22 +213,6 @@ def markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, text: str, section: str = SECTION) -> None:
-    """Replace (or append) only this benchmark's section of a markdown file, from its heading to the next heading or
-    the next section's BEGIN marker (the sections _report.update_section writes open with one); other sections, and
-    their markers, stay."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = old.find(section)
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        ends = [i for i in (old.find(mark, start + len(section)) for mark in ("\n## ", "\n<!-- BEGIN ")) if i >= 0]
-        nxt = min(ends, default=-1)
-        new = old[:start] + text + ("\n" + old[nxt + 1:] if nxt >= 0 else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -314,8 +300,8 @@ def main(argv=None) -> int:
     print(table)
     docs = args.docs or (None if args.tiny else str(ROOT / "docs" / "benchmarks.md"))
     if docs:
-        section = table.split("\n", 1)[0]  # markdown() chose it: the compiled run's own, or the eager one
-        write_section(Path(docs), table, section)
+        section = MARKERS[table.split("\n", 1)[0]]  # markdown() chose it: the compiled run's own, or the eager one
+        update_section(section, table, Path(docs))
         print(f"wrote section {section!r} of {docs}", file=sys.stderr)
     js = args.json or (None if args.tiny else str(ROOT / "bench" / "results" / "e2e.json"))
     if js:

@@ -35,7 +35,8 @@ from attnqat.pipelines import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from attnqat.pipelines.context_parallel import check_degrees, enable_context_parallel  # noqa: E402
 from attnqat.pipelines.launch import launch_from_env, process_group, rank_device  # noqa: E402
 from attnqat.pipelines.wan_configs import WAN21_14B_TRANSFORMER_CONFIG  # noqa: E402
-import e2e  # noqa: E402 - bench/e2e.py: the timed step, write_section
+import e2e  # noqa: E402 - bench/e2e.py: the timed step
+from _report import update_section  # noqa: E402
 
 
 SECTION = "## Multi-GPU: Wan 2.1 14B step"
@@ -174,7 +175,7 @@ def _run(args, launch, device, config, modes, resolutions) -> int:
     print(table)
     docs = args.docs or (None if args.tiny else str(ROOT / "docs" / "benchmarks.md"))
     if docs:
-        e2e.write_section(Path(docs), table, SECTION)
+        update_section("multigpu", table, Path(docs))
     js = args.json or (None if args.tiny else str(ROOT / "bench" / "results" / "multigpu.json"))
     if js:
         Path(js).parent.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,8 @@ from attnqat.kernels import REFERENCE_MODE  # noqa: E402
 from attnqat.pipelines import TINY_TRANSFORMER_CONFIG  # noqa: E402
 from attnqat.pipelines.launch import launch_from_env, process_group, rank_device  # noqa: E402
 from attnqat.pipelines.wan_configs import WAN21_14B_TRANSFORMER_CONFIG  # noqa: E402
-from _report import timed_steps  # noqa: E402
-import e2e  # noqa: E402 - bench/e2e.py: its latent shapes, text length and write_section
+from _report import timed_steps, update_section  # noqa: E402
+import e2e  # noqa: E402 - bench/e2e.py: its latent shapes and text length
 
 
 SECTION = "## Training step: Wan 2.1 14B, FSDP + sequence parallelism"
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
               f"({tokens:,} tokens, {tokens // n:,} per GPU), features distillation from a frozen bf16 teacher, FSDP1 "
               f"FULL_SHARD per block with bf16 compute over fp32 master weights, Ulysses over {n} GPUs, gradient "
               f"checkpointing, AdamW. Median of {args.steps} steps after {args.warmup} warm-up.\n\n{table}\n")
-        e2e.write_section(ROOT / "docs" / "benchmarks.md", md, SECTION)
+        update_section("train_step_sp", md, ROOT / "docs" / "benchmarks.md")
     return 0 if all(r["finite"] for r in results) else 1
 
 

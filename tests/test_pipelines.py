@@ -277,8 +277,8 @@ def test_missing_models_say_how_to_download(tmp_path):
 def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
     """bench/e2e.py --tiny --compile (its main, in this process: a subprocess would spend most of the test
     importing): diffusers' own processor first, each mode eager and under torch.compile(fullgraph=True); its own
-    section of the docs page (the compiled one) replaced, the rest (the eager table, and the BEGIN marker of a
-    section update_section writes after it) left alone."""
+    section of the docs page (the compiled one, between its markers) replaced, the rest (the eager table, the other
+    sections and their markers) left alone."""
     import json
     from pathlib import Path
 
@@ -286,8 +286,9 @@ def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
 
     e2e = load_script(Path(__file__).resolve().parents[1] / "bench" / "e2e.py", "bench_e2e")
     docs = tmp_path / "benchmarks.md"
-    docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n## End-to-end: Wan 2.1 14B transformer step\n\neager\n"
-                    "\n## End-to-end, compiled: Wan 2.1 14B transformer step\n\nold\n\n<!-- BEGIN later -->\n## Later\n\n"
+    docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n<!-- BEGIN e2e -->\n## End-to-end: Wan 2.1 14B transformer "
+                    "step\n\neager\n<!-- END e2e -->\n\n<!-- BEGIN e2e_compiled -->\n## End-to-end, compiled: Wan 2.1 14B "
+                    "transformer step\n\nold\n<!-- END e2e_compiled -->\n\n<!-- BEGIN later -->\n## Later\n\n"
                     "keep me too\n<!-- END later -->\n")
     assert e2e.main(["--tiny", "--modes", "bf16,diffusers", "--compile", "--compile-backend", "aot_eager",
                      "--repeats", "1", "--docs", str(docs), "--json", str(tmp_path / "e2e.json")]) == 0
@@ -300,7 +301,9 @@ def test_e2e_benchmark_code_path_on_tiny_model(tmp_path):
         assert r["compiled_step_s"] > 0 and r["compiled_rel_err"] < 1e-5, r
     text = docs.read_text()
     assert text.count("## End-to-end, compiled") == 1 and "old" not in text
-    assert "## End-to-end: Wan 2.1 14B transformer step\n\neager\n" in text  # the eager run's table stays
+    assert text.count("<!-- BEGIN e2e_compiled -->\n## End-to-end, compiled") == 1
+    assert text.count("<!-- END e2e_compiled -->") == 1
+    assert "<!-- BEGIN e2e -->\n## End-to-end: Wan 2.1 14B transformer step\n\neager\n<!-- END e2e -->" in text
     assert "keep me\n" in text and "\n<!-- BEGIN later -->\n## Later\n\nkeep me too\n<!-- END later -->" in text
     assert "| mode | step (s) | × diffusers | compiled step (s) | compiled × diffusers |" in text
     assert "| diffusers | " in text and "| bf16 | " in text and "(aot_eager)" in text
