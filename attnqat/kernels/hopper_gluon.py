@@ -57,6 +57,7 @@ import triton
 
 from ._common import check_qkv, default_scale, interpreting, needs_grad
 from ._hardware import compile_for
+from .formats import LOG2E  # exp(x) = exp2(x * log2(e)): the softmax runs in exp2, the MUFU instruction
 from .attn_qat import BWD_CONFIG_ENV, DQ_CONFIG_ENV, FWD_CONFIG_ENV, _attn_bwd_preprocess, _phi_blocks, _round_p
 from .nvfp4 import quantize_heads, tile_keys
 from .reference import refuse_double_backward
@@ -73,7 +74,6 @@ try:
 except (ImportError, AttributeError) as exc:  # Triton older than 3.6: no Gluon Hopper API
     _MISSING = f"Triton {triton.__version__} lacks Gluon's Hopper API ({exc}); needs Triton >= 3.6"
 
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the softmax runs in exp2, the MUFU instruction
 HEAD_DIMS = (64, 128)
 # (BLOCK_M, BLOCK_N, NUM_STAGES, num_warps) per head_dim. Two consumer warpgroups (8 warps) each own 64 of
 # BLOCK_M=128 query rows, as FlashAttention-3's forward; 2 stages of K and V plus Q fit H100's 227 KB of shared
@@ -137,10 +137,11 @@ if not _MISSING:
     WS_CONSUMER_REGS = gl.constexpr(240)
 
     @gluon.constexpr_function
-    def _wgmma_layout(num_warps, n):
+    def _wgmma_layout(num_warps, n, k=16):
         """wgmma's accumulator layout for a (16 * num_warps, n) tile: instruction M=16 per warp, warps stacked along
-        M (4 per warpgroup), N = the whole tile, K = 16 bf16 elements (256 bits)."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+        M (4 per warpgroup), N = the whole tile, K = 256 bits of the operands: 16 bf16 elements, or (k=32) 32 int8
+        ones (the registers hold the same (row, column) elements either way)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, k])
 
     @gluon.jit
     def _kv_ring(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, off_b, off_h, n_blocks,
@@ -1002,7 +1003,12 @@ def _tile_layout(block: list[int], dtype: torch.dtype):
 
 def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     """A 4-d TMA descriptor over (B, H, L, D) ``t`` that loads or stores one (1, 1, rows, D) tile."""
-    block = [1, 1, rows, t.shape[3]]
+    return _tile_descriptor(t, [1, 1, rows, t.shape[3]])
+
+
+def _tile_descriptor(t: torch.Tensor, block: list[int]) -> "TensorDescriptor":
+    """A 4-d TMA descriptor over ``t`` (its shape and strides, e.g. a K-major copy's padded row stride) that loads
+    or stores one ``block``-shaped tile."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _tile_layout(block, t.dtype))
 
 
@@ -1272,11 +1278,15 @@ def hopper_attn_qat_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 def _desc_type(rows: int, head_dim: int, dtype: torch.dtype) -> str:
     """Triton's signature type of a :func:`_descriptor` over (B, H, L, head_dim) ``dtype`` with ``rows``-row tiles."""
-    block = [1, 1, rows, head_dim]
+    return _tile_desc_type([1, 1, rows, head_dim], dtype)
+
+
+def _tile_desc_type(block: list[int], dtype: torch.dtype) -> str:
+    """Triton's signature type of a :func:`_tile_descriptor` of ``dtype`` with ``block``-shaped tiles."""
     return f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, block))}],{_tile_layout(block, dtype)!r}>"
 
 
-_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # Triton's names in signatures
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8"}  # Triton's names in signatures
 
 
 def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16, fp4: bool = False,

@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from ._hardware import compile_for
-from .formats import SAGEBWD_K_BLOCK, SAGEBWD_Q_BLOCK
-from .hopper_gluon import _MISSING, _tma_ready
+from .formats import LOG2E, SAGEBWD_K_BLOCK, SAGEBWD_Q_BLOCK
+from .hopper_gluon import _MISSING, _SHORT, _tile_desc_type, _tile_descriptor, _tma_ready
 
 if not _MISSING:
     from .hopper_gluon import (LOADER_REGS, LOADER_WARPS, WS_CONSUMER_REGS, TensorDescriptor, _tma_load,
@@ -55,12 +55,6 @@ WARPS = 4  # the default partition: the first consumer warpgroup
 if not _MISSING:
     _WARPS = gl.constexpr(WARPS)  # the kernels' view of the launch constants
     _CONSUMERS = gl.constexpr(CONSUMERS)
-
-    @gluon.constexpr_function
-    def _wgmma8_layout(num_warps, n):
-        """wgmma's accumulator layout for an int8 matmul: _wgmma_layout's with K = 32 int8 elements (256 bits) per
-        instruction. The registers hold the same (row, column) elements as the bf16 one's."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
     @gluon.jit
     def _max_nan(a, b):
@@ -128,15 +122,30 @@ if not _MISSING:
         return bh, bh // num_heads, bh % num_heads, gl.program_id(0) * ROWS
 
     @gluon.jit
-    def _key_tiles(m0, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """How many BLOCK_N-key tiles a program of _CONSUMERS * BLOCK_M queries from m0 steps over: every tile, or,
-        causal (top-left aligned), those up to its last query (the first consumer's last tile may be masked out
-        whole, as in the Triton kernels' 128-query programs)."""
+    def _ring_barriers(NUM_STAGES: gl.constexpr):
+        """The barriers every kernel here uses: one per consumer for its own tiles (loaded once), and the ring's ready
+        and empty ones (a slot is free once every consumer is done with it)."""
+        return _barriers(_CONSUMERS, 1), _barriers(NUM_STAGES, 1), _barriers(NUM_STAGES, _CONSUMERS)
+
+    @gluon.jit
+    def _query_program(q_desc, k_desc, seqlen_k, num_heads, QBLK: gl.constexpr, KBLK: gl.constexpr,
+                       CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """A program of _CONSUMERS * BLOCK_M queries (the forward's, dQ's) stepping over BLOCK_N-key tiles (the
+        descriptors' tiles): (batch * head, batch, head, first query, key tiles). The key tiles: every one, or, causal
+        (top-left aligned), those up to its last query (the first consumer's last tile may be masked out whole, as in
+        the Triton kernels' 128-query programs)."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        gl.static_assert(num_warps == _WARPS)
+        gl.static_assert(BLOCK_M == 16 * num_warps)  # a consumer's rows: one m64 wgmma tile
+        gl.static_assert(KBLK % BLOCK_N == 0)  # one K (and V) block scale per key tile
+        gl.static_assert(QBLK % (_CONSUMERS * BLOCK_M) == 0)  # causal: the program's rows end on a tile boundary
+        bh, off_b, off_h, m0 = _program(num_heads, _CONSUMERS * BLOCK_M)
         if CAUSAL:
             n_blocks = gl.cdiv(gl.minimum(seqlen_k, m0 + _CONSUMERS * BLOCK_M), BLOCK_N)
         else:
             n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-        return n_blocks
+        return bh, off_b, off_h, m0, n_blocks
 
     # -----------------------------------------------------------------------------------------------------------
     # dK/dV: a program owns _CONSUMERS * 64 keys; the load partition brings each consumer's psi(K) and V tile once,
@@ -207,8 +216,8 @@ if not _MISSING:
         BLOCK_M: gl.constexpr = q8_bufs.shape[3]
         HEAD_DIM: gl.constexpr = q8_bufs.shape[4]
         s_layout: gl.constexpr = _wgmma_layout(_WARPS, BLOCK_M)  # dP^T, P^T: (keys, queries)
-        s8_layout: gl.constexpr = _wgmma8_layout(_WARPS, BLOCK_M)  # S^T's int32
-        kv_layout: gl.constexpr = _wgmma8_layout(_WARPS, HEAD_DIM // 2)  # a half of dK, dV and its int32 product
+        s8_layout: gl.constexpr = _wgmma_layout(_WARPS, BLOCK_M, 32)  # S^T's int32
+        kv_layout: gl.constexpr = _wgmma_layout(_WARPS, HEAD_DIM // 2, 32)  # a half of dK, dV and its int32 product
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=4)  # int8 A
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -285,9 +294,7 @@ if not _MISSING:
         row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # lse, D: read whole by every consumer
         lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_smem)
         delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], row_smem)
-        kv_ready = _barriers(_CONSUMERS, 1)
-        ready = _barriers(NUM_STAGES, 1)
-        empty = _barriers(NUM_STAGES, _CONSUMERS)  # a slot is free once every consumer is done with it
+        kv_ready, ready, empty = _ring_barriers(NUM_STAGES)
         fence_async_shared()
 
         # causal (top-left): queries before the program's keys never see them (the second consumer's first step is
@@ -346,8 +353,8 @@ if not _MISSING:
         HEAD_DIM: gl.constexpr = q8_smem.shape[3]
         BLOCK_N: gl.constexpr = k8_bufs.shape[3]
         s_layout: gl.constexpr = _wgmma_layout(_WARPS, BLOCK_N)  # dP, P: (queries, keys)
-        s8_layout: gl.constexpr = _wgmma8_layout(_WARPS, BLOCK_N)  # S's int32
-        dq_layout: gl.constexpr = _wgmma8_layout(_WARPS, HEAD_DIM)  # dQ and its int32 product
+        s8_layout: gl.constexpr = _wgmma_layout(_WARPS, BLOCK_N, 32)  # S's int32
+        dq_layout: gl.constexpr = _wgmma_layout(_WARPS, HEAD_DIM, 32)  # dQ and its int32 product
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=4)
         query_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -401,21 +408,14 @@ if not _MISSING:
                     KBLK: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
         """dQ of _CONSUMERS * 64 queries per program (dQ contiguous (B, H, Lq, D) in dO's dtype)."""
         BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
-        BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
-        gl.static_assert(num_warps == _WARPS)
-        gl.static_assert(BLOCK_M == 16 * num_warps)
-        gl.static_assert(KBLK % BLOCK_N == 0)
-        gl.static_assert(QBLK % (_CONSUMERS * BLOCK_M) == 0)  # causal: the program's rows end on a tile boundary
-        bh, off_b, off_h, m0 = _program(num_heads, _CONSUMERS * BLOCK_M)
-        n_blocks = _key_tiles(m0, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        bh, off_b, off_h, m0, n_blocks = _query_program(q8_desc, k8_desc, seqlen_k, num_heads, QBLK, KBLK, CAUSAL,
+                                                        num_warps)
         q8_smem = _tiles(q8_desc, _CONSUMERS)
         do_smem = _tiles(do_desc, _CONSUMERS)
         k8_bufs = _tiles(k8_desc, NUM_STAGES)
         kt_bufs = _tiles(kt_desc, NUM_STAGES)
         v_bufs = _tiles(v_desc, NUM_STAGES)
-        q_ready = _barriers(_CONSUMERS, 1)
-        ready = _barriers(NUM_STAGES, 1)
-        empty = _barriers(NUM_STAGES, _CONSUMERS)  # a slot is free once every consumer is done with it
+        q_ready, ready, empty = _ring_barriers(NUM_STAGES)
         fence_async_shared()
 
         gl.warp_specialize([
@@ -491,8 +491,8 @@ if not _MISSING:
         HEAD_DIM: gl.constexpr = q8_smem.shape[3]
         BLOCK_N: gl.constexpr = k8_bufs.shape[3]
         s_layout: gl.constexpr = _wgmma_layout(_WARPS, BLOCK_N)  # S, P~: (queries, keys)
-        s8_layout: gl.constexpr = _wgmma8_layout(_WARPS, BLOCK_N)
-        o_layout: gl.constexpr = _wgmma8_layout(_WARPS, HEAD_DIM)  # O's accumulator and the P V product
+        s8_layout: gl.constexpr = _wgmma_layout(_WARPS, BLOCK_N, 32)
+        o_layout: gl.constexpr = _wgmma_layout(_WARPS, HEAD_DIM, 32)  # O's accumulator and the P V product
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -562,19 +562,12 @@ if not _MISSING:
                      CAUSAL: gl.constexpr, num_warps: gl.constexpr):
         """O and LSE of CONSUMERS * 64 queries per program (O contiguous (B, H, Lq, D), LSE (B, H, Lq) fp32)."""
         BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
-        BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
-        gl.static_assert(num_warps == _WARPS)
-        gl.static_assert(BLOCK_M == 16 * num_warps)
-        gl.static_assert(KBLK % BLOCK_N == 0)
-        gl.static_assert(QBLK % (_CONSUMERS * BLOCK_M) == 0)
-        bh, off_b, off_h, m0 = _program(num_heads, _CONSUMERS * BLOCK_M)
-        n_blocks = _key_tiles(m0, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        bh, off_b, off_h, m0, n_blocks = _query_program(q8_desc, k8_desc, seqlen_k, num_heads, QBLK, KBLK, CAUSAL,
+                                                        num_warps)
         q8_smem = _tiles(q8_desc, _CONSUMERS)
         k8_bufs = _tiles(k8_desc, NUM_STAGES)
         vt_bufs = _tiles(vt_desc, NUM_STAGES)
-        q_ready = _barriers(_CONSUMERS, 1)
-        ready = _barriers(NUM_STAGES, 1)
-        empty = _barriers(NUM_STAGES, _CONSUMERS)  # a slot is free once every consumer is done with it
+        q_ready, ready, empty = _ring_barriers(NUM_STAGES)
         fence_async_shared()
 
         gl.warp_specialize([
@@ -587,26 +580,6 @@ if not _MISSING:
             (_fwd_load, (q8_desc, k8_desc, vt_desc, q8_smem, k8_bufs, vt_bufs, q_ready, ready, empty, off_b, off_h, m0,
                          n_blocks, seqlen_q, NUM_STAGES)),
         ], [num_warps, LOADER_WARPS], [WS_CONSUMER_REGS, LOADER_REGS])
-
-
-_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8"}  # Triton's names in signatures
-LOG2E = 1.4426950408889634  # the kernels work in log2 units, as the forward's LSE
-
-
-def _tile_layout(block: list[int], dtype: torch.dtype):
-    """The shared-memory layout of a TMA tile of ``dtype`` (NVMMA swizzle for its row width)."""
-    return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(dtype).removeprefix("torch.")))
-
-
-def _descriptor(t: torch.Tensor, block: list[int]) -> "TensorDescriptor":
-    """A 4-d TMA descriptor over ``t`` (its shape and strides: a K-major copy's row stride is its padded length)
-    that loads one ``block``-shaped tile."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _tile_layout(block, t.dtype))
-
-
-def _desc_type(block: list[int], dtype: torch.dtype) -> str:
-    """Triton's signature type of a :func:`_descriptor` of ``dtype`` with ``block``-shaped tiles (compiles only)."""
-    return f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, block))}],{_tile_layout(block, dtype)!r}>"
 
 
 def sagebwd_dkdv_dq(do: torch.Tensor, q8: torch.Tensor, qt: torch.Tensor, k8: torch.Tensor, kt: torch.Tensor,
@@ -622,16 +595,15 @@ def sagebwd_dkdv_dq(do: torch.Tensor, q8: torch.Tensor, qt: torch.Tensor, k8: to
     do, v = _tma_ready(do), _tma_ready(v)  # contiguous, but a view's base may sit off TMA's 16-byte alignment
     qk_scale = sm_scale * LOG2E
     rows, cols = [1, 1, BLOCK, d], [1, 1, d, BLOCK]
-    args = (sq, sk)
+    tile = _tile_descriptor
     _sagebwd_dkdv[(triton.cdiv(lk, CONSUMERS * BLOCK), b * h)](
-        _descriptor(k8, rows), _descriptor(v, rows), _descriptor(q8, rows), _descriptor(qt, cols),
-        _descriptor(do, rows), _descriptor(dot, cols), *args, sdo, lse, delta, dk, dv, lq, lk, sq.shape[-1],
-        sk.shape[-1], qk_scale, sm_scale, h, QBLK=q_block, KBLK=k_block, NUM_STAGES=DKDV_STAGES[d], CAUSAL=causal,
-        num_warps=WARPS)
+        tile(k8, rows), tile(v, rows), tile(q8, rows), tile(qt, cols), tile(do, rows), tile(dot, cols), sq, sk, sdo,
+        lse, delta, dk, dv, lq, lk, sq.shape[-1], sk.shape[-1], qk_scale, sm_scale, h, QBLK=q_block, KBLK=k_block,
+        NUM_STAGES=DKDV_STAGES[d], CAUSAL=causal, num_warps=WARPS)
     _sagebwd_dq[(triton.cdiv(lq, CONSUMERS * BLOCK), b * h)](
-        _descriptor(q8, rows), _descriptor(do, rows), _descriptor(k8, rows), _descriptor(kt, cols),
-        _descriptor(v, rows), *args, lse, delta, dq, lq, lk, sq.shape[-1], sk.shape[-1], qk_scale, sm_scale, h,
-        QBLK=q_block, KBLK=k_block, NUM_STAGES=DQ_STAGES[d], CAUSAL=causal, num_warps=WARPS)
+        tile(q8, rows), tile(do, rows), tile(k8, rows), tile(kt, cols), tile(v, rows), sq, sk, lse, delta, dq, lq, lk,
+        sq.shape[-1], sk.shape[-1], qk_scale, sm_scale, h, QBLK=q_block, KBLK=k_block, NUM_STAGES=DQ_STAGES[d],
+        CAUSAL=causal, num_warps=WARPS)
 
 
 def sagebwd_forward_sm90(q8: torch.Tensor, k8: torch.Tensor, vt: torch.Tensor, sq: torch.Tensor, sk: torch.Tensor,
@@ -644,9 +616,14 @@ def sagebwd_forward_sm90(q8: torch.Tensor, k8: torch.Tensor, vt: torch.Tensor, s
     lk = k8.shape[2]
     rows, cols = [1, 1, BLOCK, d], [1, 1, d, BLOCK]
     _sagebwd_fwd[(triton.cdiv(lq, CONSUMERS * BLOCK), b * h)](
-        _descriptor(q8, rows), _descriptor(k8, rows), _descriptor(vt, cols), sq, sk, sv, o, lse, lq, lk, sq.shape[-1],
-        sk.shape[-1], sm_scale * LOG2E, h, QBLK=q_block, KBLK=k_block, NUM_STAGES=FWD_STAGES[d],
+        _tile_descriptor(q8, rows), _tile_descriptor(k8, rows), _tile_descriptor(vt, cols), sq, sk, sv, o, lse, lq, lk,
+        sq.shape[-1], sk.shape[-1], sm_scale * LOG2E, h, QBLK=q_block, KBLK=k_block, NUM_STAGES=FWD_STAGES[d],
         CAUSAL=causal, num_warps=WARPS)
+
+
+def _int8_tile_types(head_dim: int) -> tuple[str, str]:
+    """The signature types of the kernels' int8 TMA tiles: (BLOCK, head_dim) row-major and (head_dim, BLOCK) K-major."""
+    return (_tile_desc_type([1, 1, BLOCK, head_dim], torch.int8), _tile_desc_type([1, 1, head_dim, BLOCK], torch.int8))
 
 
 def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -654,8 +631,8 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
     {"dkdv": ..., "dq": ...}, Triton's compiled kernels."""
     if _MISSING:
         raise RuntimeError(f"hopper_sagebwd: {_MISSING}")
-    rows8, cols8, rows16 = (_desc_type([1, 1, BLOCK, head_dim], torch.int8),
-                            _desc_type([1, 1, head_dim, BLOCK], torch.int8), _desc_type([1, 1, BLOCK, head_dim], dtype))
+    rows8, cols8 = _int8_tile_types(head_dim)
+    rows16 = _tile_desc_type([1, 1, BLOCK, head_dim], dtype)
     fp32 = dict.fromkeys(("sq_ptr", "sk_ptr", "sdo_ptr", "lse_ptr", "delta_ptr"), "*fp32")
     scalars = {"qk_scale": "fp32", "sm_scale": "fp32"}
     common = {"QBLK": SAGEBWD_Q_BLOCK, "KBLK": SAGEBWD_K_BLOCK, "CAUSAL": bool(causal), "num_warps": WARPS}
@@ -679,7 +656,7 @@ def compile_forward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bflo
     builds); returns Triton's compiled kernel."""
     if _MISSING:
         raise RuntimeError(f"hopper_sagebwd: {_MISSING}")
-    rows8, cols8 = _desc_type([1, 1, BLOCK, head_dim], torch.int8), _desc_type([1, 1, head_dim, BLOCK], torch.int8)
+    rows8, cols8 = _int8_tile_types(head_dim)
     fp32 = dict.fromkeys(("sq_ptr", "sk_ptr", "sv_ptr", "lse_ptr"), "*fp32")
     return compile_for(_sagebwd_fwd, 90, types={"q8_desc": rows8, "k8_desc": rows8, "vt_desc": cols8, **fp32,
                                                 "o_ptr": f"*{_SHORT[dtype]}", "qk_scale": "fp32"},
