@@ -101,11 +101,15 @@ def run(lengths, heads=40, head_dim=128, batch=1, sweep=False):
         res["sagebwd_fwdbwd"] = bench_ms(sagebwd_fwd_bwd)
 
         def sagebwd_triton_fwd_bwd():  # the portable Triton kernels, where the Gluon sm_90 ones would run
+            before = os.environ.get(GLUON_ENV)
             os.environ[GLUON_ENV] = "0"
             try:
                 attention(q, k, v, mode="sagebwd").backward(do)
             finally:
-                os.environ.pop(GLUON_ENV)
+                if before is None:
+                    os.environ.pop(GLUON_ENV)
+                else:
+                    os.environ[GLUON_ENV] = before
         res["sagebwd_triton_fwdbwd"] = bench_ms(sagebwd_triton_fwd_bwd)
 
         def sagebwd_16bit_fwd_bwd():  # INT8 QK^T and S recompute only; PV, dV, dQ, dK in bf16 (docs/sagebwd.md)

@@ -569,12 +569,11 @@ def step_down(cfg: LaunchConfig, keep: str) -> tuple[LaunchConfig, ...]:
 
 
 def _gluon(device: torch.device, head_dim: int, precision: str, km: bool, smooth_q: bool, pins: tuple[str, ...],
-           what: str) -> tuple[bool, str]:
-    """gluon_forward's and gluon_backward's one decision (``precision``: pv or bwd; ``pins``: the launch-config
-    variables of the Triton kernels it would replace)."""
+           what: str, option: str) -> tuple[bool, str]:
+    """gluon_forward's and gluon_backward's one decision (``precision``: the value of ``option``, pv or bwd;
+    ``pins``: the launch-config variables of the Triton kernels it would replace)."""
     if not (precision == "int8" and km and not smooth_q and head_dim in hopper_gluon.HEAD_DIMS):
-        return False, f"the Gluon {what} covers {what == 'forward' and 'pv' or 'bwd'}='int8' with K-major copies, " \
-                      "no smooth_q, head_dim 64 or 128"
+        return False, f"the Gluon {what} covers {option}='int8' with K-major copies, no smooth_q, head_dim 64 or 128"
     pinned = [name for name in pins if os.environ.get(name)]
     if pinned:
         return False, f"{' and '.join(pinned)} pin the Triton kernels' launch config"
@@ -588,7 +587,7 @@ def gluon_forward(device: torch.device, head_dim: int, pv: str, km: bool, smooth
     the Triton one, and why not: for the SPEC's int8 P V (``pv="int8"``) reading K-major copies, without
     Q-smoothing, at head_dim 64 or 128, on an sm_90 GPU where Gluon runs; not with ATTNQAT_GLUON=0 nor with the
     forward's launch config pinned (which asks for the Triton kernel)."""
-    return _gluon(device, head_dim, pv, km, smooth_q, _ENV[:1], "forward")
+    return _gluon(device, head_dim, pv, km, smooth_q, _ENV[:1], "forward", "pv")
 
 
 def gluon_backward(device: torch.device, head_dim: int, bwd: str, km: bool, smooth_q: bool) -> tuple[bool, str]:
@@ -596,7 +595,7 @@ def gluon_backward(device: torch.device, head_dim: int, bwd: str, km: bool, smoo
     numbers) instead of the Triton ones, and why not: they cover the SPEC's int8 backward (``bwd="int8"``) reading
     K-major copies, without Q-smoothing, at head_dim 64 or 128, on an sm_90 GPU where Gluon runs; not with
     ATTNQAT_GLUON=0 nor with a dK/dV or dQ launch config pinned (which asks for the Triton kernels)."""
-    return _gluon(device, head_dim, bwd, km, smooth_q, _ENV[1:], "backward")
+    return _gluon(device, head_dim, bwd, km, smooth_q, _ENV[1:], "backward", "bwd")
 
 
 def kmajor() -> bool:
