@@ -196,12 +196,17 @@ def test_training_forward_checks_inputs_first(device):
 
 
 def test_tma_ready_copies_what_a_descriptor_cannot_express():
-    """A broadcast (stride 0) dimension, as autograd's dO of a sum, or a stride TMA cannot take is copied; strided views
-    TMA can read ((B, L, H, D) tensors seen as (B, H, L, D), slices along L) are passed as they are."""
+    """A broadcast (stride 0) dimension, as autograd's dO of a sum, a stride TMA cannot take, or a contiguous view whose
+    base sits off the 16-byte boundary is copied to a contiguous, aligned tensor of the same values; strided views TMA
+    can read ((B, L, H, D) tensors seen as (B, H, L, D), slices along L) are passed as they are."""
     wide = torch.randn(2, 100, 3, 64).transpose(1, 2)
-    for t in (torch.randn(2, 3, 1, 64).expand(2, 3, 100, 64), torch.randn(2, 3, 100, 65)[..., :64]):
+    off = torch.randn(2 * 3 * 100 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 3, 100, 64)
+    assert off.is_contiguous() and off.data_ptr() % 16
+    for t in (torch.randn(2, 3, 1, 64).expand(2, 3, 100, 64), torch.randn(2, 3, 100, 65)[..., :64], off):
         assert not hopper_gluon._tma_ok(t)
-        assert hopper_gluon._tma_ready(t).is_contiguous()
+        ready = hopper_gluon._tma_ready(t)
+        assert ready.is_contiguous() and ready.data_ptr() % 16 == 0 and hopper_gluon._tma_ok(ready)
+        assert torch.equal(ready, t)
     for t in (wide, wide[:, :, :50], torch.randn(1, 1, 8, 64).expand(1, 1, 8, 64)):
         assert hopper_gluon._tma_ready(t) is t
 

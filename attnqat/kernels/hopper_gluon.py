@@ -1027,8 +1027,9 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when TMA can read it, else a contiguous copy."""
-    return t if _tma_ok(t) else t.contiguous()
+    """``t`` itself when TMA can read it, else a contiguous copy in fresh (aligned) storage: ``t.contiguous()`` would
+    hand back a contiguous view whose base sits off the 16-byte boundary unchanged."""
+    return t if _tma_ok(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _fwd_config(variant: str, head_dim: int, training: bool) -> tuple[int, int, int, int, int, bool]:
