@@ -892,20 +892,28 @@ if not _MISSING:
     # a one-warp load partition streams K^F and V^F in 64-key tiles through a NUM_STAGES ring that both consume.
 
     @gluon.jit
+    def _issue_consumer_tiles(a_desc, b_desc, a_bufs, b_bufs, bars, off_b, off_h, row0, seqlen,
+                              CONSUMERS: gl.constexpr):
+        """A load partition's first copies: consumer c's row tile at row0 + c * BLOCK of two (B, H, L, D) tensors
+        (Q and dO for a dQ kernel, K and V for a dK/dV kernel), once, on its barrier bars[c]. A consumer whose rows
+        all lie past ``seqlen`` gets none (no TMA box wholly out of bounds)."""
+        BLOCK: gl.constexpr = a_desc.block_type.shape[2]
+        for c in gl.static_range(CONSUMERS):
+            live = row0 + c * BLOCK < seqlen
+            bar = bars.index(c)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, live)
+            _tma_load(a_desc, [off_b, off_h, row0 + c * BLOCK, 0], bar, a_bufs.index(c), pred=live)
+            _tma_load(b_desc, [off_b, off_h, row0 + c * BLOCK, 0], bar, b_bufs.index(c), pred=live)
+
+    @gluon.jit
     def _dq_ws_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, ready, empty, off_b,
                     off_h, off_m, n_blocks, seqlen_q, CONSUMERS: gl.constexpr, NUM_STAGES: gl.constexpr):
         """Load partition: each consumer's Q^F and dO tiles once (on its q_ready barrier), then K^F_j and V^F_j into
         ring slot j % NUM_STAGES once both consumers freed it. A consumer whose rows all lie past Lq gets no tiles (no
         TMA box wholly out of bounds) and does not wait for them: it computes on whatever its tiles hold, into rows
         that the dQ store clips."""
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-        for c in gl.static_range(CONSUMERS):
-            live = off_m + c * BLOCK_M < seqlen_q
-            bar = q_ready.index(c)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, live)
-            _tma_load(q_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], bar, q_bufs.index(c), pred=live)
-            _tma_load(do_desc, [off_b, off_h, off_m + c * BLOCK_M, 0], bar, do_bufs.index(c), pred=live)
+        _issue_consumer_tiles(q_desc, do_desc, q_bufs, do_bufs, q_ready, off_b, off_h, off_m, seqlen_q, CONSUMERS)
         for j in range(n_blocks):
             slot = j % NUM_STAGES
             mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)  # the first lap passes (fresh barriers)

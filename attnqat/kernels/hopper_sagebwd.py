@@ -41,8 +41,8 @@ from .formats import LOG2E, SAGEBWD_K_BLOCK, SAGEBWD_Q_BLOCK
 from .hopper_gluon import _MISSING, _SHORT, _tile_desc_type, _tile_descriptor, _tma_ready
 
 if not _MISSING:
-    from .hopper_gluon import (LOADER_REGS, LOADER_WARPS, WS_CONSUMER_REGS, TensorDescriptor, _tma_load,
-                               _wgmma_layout, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
+    from .hopper_gluon import (LOADER_REGS, LOADER_WARPS, WS_CONSUMER_REGS, TensorDescriptor, _issue_consumer_tiles,
+                               _tma_load, _wgmma_layout, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
                                warpgroup_mma_wait)
 
 BLOCK = 64  # rows per consumer warpgroup and per ring tile, both kernels: the int8 blocks of P and dS
@@ -162,15 +162,9 @@ if not _MISSING:
         consumers' wait on the slot's ready barrier acquires; the consumers then read them without a global load's
         latency in their step. A consumer whose keys all lie past Lk gets no K, V (no TMA box wholly out of bounds);
         it computes on whatever its tiles hold, into rows the stores mask."""
-        BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
         BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
         row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])  # one warp
-        for c in gl.static_range(_CONSUMERS):
-            live = n0 + c * BLOCK_N < seqlen_k
-            bar = kv_ready.index(c)
-            mbarrier.expect(bar, k8_desc.block_type.nbytes + v_desc.block_type.nbytes, live)
-            _tma_load(k8_desc, [off_b, off_h, n0 + c * BLOCK_N, 0], bar, k_smem.index(c), pred=live)
-            _tma_load(v_desc, [off_b, off_h, n0 + c * BLOCK_N, 0], bar, v_smem.index(c), pred=live)
+        _issue_consumer_tiles(k8_desc, v_desc, k_smem, v_smem, kv_ready, off_b, off_h, n0, seqlen_k, _CONSUMERS)
         nbytes: gl.constexpr = (q8_desc.block_type.nbytes + qt_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + dot_desc.block_type.nbytes)
         for i in range(n_steps):
@@ -325,14 +319,8 @@ if not _MISSING:
                  ready, empty, off_b, off_h, m0, n_blocks, seqlen_q, NUM_STAGES: gl.constexpr):
         """Load partition. A consumer whose queries all lie past Lq gets no psi(Q), dO (no TMA box wholly out of
         bounds); it computes on whatever its tiles hold, into rows the store masks."""
-        BLOCK_M: gl.constexpr = q8_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k8_desc.block_type.shape[2]
-        for c in gl.static_range(_CONSUMERS):
-            live = m0 + c * BLOCK_M < seqlen_q
-            bar = q_ready.index(c)
-            mbarrier.expect(bar, q8_desc.block_type.nbytes + do_desc.block_type.nbytes, live)
-            _tma_load(q8_desc, [off_b, off_h, m0 + c * BLOCK_M, 0], bar, q8_smem.index(c), pred=live)
-            _tma_load(do_desc, [off_b, off_h, m0 + c * BLOCK_M, 0], bar, do_smem.index(c), pred=live)
+        _issue_consumer_tiles(q8_desc, do_desc, q8_smem, do_smem, q_ready, off_b, off_h, m0, seqlen_q, _CONSUMERS)
         nbytes: gl.constexpr = k8_desc.block_type.nbytes + kt_desc.block_type.nbytes + v_desc.block_type.nbytes
         for j in range(n_blocks):
             slot = j % NUM_STAGES
