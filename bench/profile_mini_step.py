@@ -1,13 +1,23 @@
-"""Where a step of the mini model's training goes: the corpus pool refresh (render, VAE encode, caption
-embedding), the transformer's forward + backward, and the optimizer + EMA, each timed with the device
-synchronised around it, at each training size of configs/mini.yaml.
+"""Where a step of the mini model's training goes, and what the training loop takes a step.
 
     python bench/profile_mini_step.py --out runs/mini [--steps 30] [--set KEY=VALUE ...] [--json FILE]
     python bench/profile_mini_step.py --config configs/mini_qat.yaml --model attnqat/models/mini [--set ...]
+    python bench/profile_mini_step.py --config configs/mini_qat.yaml --model attnqat/models/mini \
+        --loop eager,graphs,graphs+compile --loop-steps 60      # the loop itself, variants side by side
 
 OUT is a `python -m attnqat.train.mini` working folder (its model/ is used; nothing is written there:
 the run goes to a temporary folder). With --config, that training config (e.g. the QAT fine-tune's) on
---model instead. The numbers are per step, medians over --steps steps after a warm-up.
+--model instead.
+
+Parts (default): the corpus pool refresh (render, VAE encode, caption embedding), the transformer's forward +
+backward, and the optimizer + EMA, each timed with the device synchronised around it, at each training size:
+medians over --steps steps after a warm-up, eager.
+
+--loop: ``attnqat train`` itself (the loop of attnqat/train/loop.py, no held-out evaluation, no checkpoint) for
+--loop-warmup + --loop-steps steps per variant, in one process one after another: ``eager`` (train.cuda_graphs
+off), ``graphs`` (on), ``+compile`` (train.compile). Per size: the median step (log.csv's step_s, which with
+graphs is the wall time from one step's start to the next's) and the mean over every timed step, pool
+refreshes included: the mean is the rate a build trains at.
 """
 from __future__ import annotations
 
@@ -38,18 +48,78 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override configs/mini.yaml")
     p.add_argument("--json", help="also write the numbers here")
+    p.add_argument("--loop", metavar="VARIANTS",
+                   help="time the training loop instead, per comma-separated variant: eager, graphs, graphs+compile, "
+                        "eager+compile")
+    p.add_argument("--loop-steps", type=int, default=60)
+    p.add_argument("--loop-warmup", type=int, default=12, help="untimed steps (each size's first step captures)")
     args = p.parse_args(argv)
     if (args.config is None) == (args.out is None) or (args.config is not None) != (args.model is not None):
         p.error("give --out, or --config with --model")
+    variants = args.loop.split(",") if args.loop else []
+    for v in variants:
+        if v.split("+")[0] not in ("eager", "graphs") or v.split("+")[1:] not in ([], ["compile"]):
+            p.error(f"--loop variant {v!r}: eager or graphs, optionally +compile")
     from attnqat.train.config import load_config
-    from attnqat.train.loop import Trainer
     from attnqat.train.mini import transformer_config
+
+    def config(tmp, extra):
+        run = [f"output_dir={tmp}/run", "data.held_out=0", *args.set, *extra]
+        return (load_config(args.config, [f"model={args.model}", *run]) if args.config
+                else transformer_config(Path(args.out), run))
+
+    if variants:
+        return _loop(args, variants, config)
+    return _parts(args, config)
+
+
+def _loop(args, variants, config) -> int:
+    """The loop's own step times per variant (module docstring)."""
+    from attnqat.train.loop import train
+
+    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "config": args.config or "configs/mini.yaml", "overrides": args.set,
+              "warmup": args.loop_warmup, "steps": args.loop_steps, "variants": {}}
+    for variant in variants:
+        graphs, compiled = variant.startswith("graphs"), variant.endswith("+compile")
+        extra = [f"train.cuda_graphs={'on' if graphs else 'off'}", f"train.compile={str(compiled).lower()}",
+                 "log.every=1", "log.eval_every=0", "log.progress=false", "checkpoint.every=9999999",
+                 f"train.max_steps={args.loop_warmup + args.loop_steps + 1}"]
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = config(tmp, extra)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            rows = train(cfg, stop_after=args.loop_warmup + args.loop_steps).log_rows
+            wall = time.perf_counter() - t0
+        sizes = ["x".join(map(str, s)) for s in cfg.data.corpus.sizes]
+        pattern = [i for i, w in enumerate(cfg.data.corpus.size_weights or [1] * len(sizes)) for _ in range(int(w))]
+        per: dict[str, list[float]] = {}
+        for r in rows[args.loop_warmup:]:
+            per.setdefault(sizes[pattern[(int(r["step"]) - 1) % len(pattern)]], []).append(float(r["step_s"]))
+        timed = [float(r["step_s"]) for r in rows[args.loop_warmup:]]
+        result["variants"][variant] = {
+            "per_size": {k: {"median_ms": 1e3 * statistics.median(v), "mean_ms": 1e3 * statistics.fmean(v),
+                             "max_ms": 1e3 * max(v), "steps": len(v)} for k, v in per.items()},
+            "mean_ms": 1e3 * statistics.fmean(timed), "wall_s": wall,
+            "loss_first_last": [rows[0]["loss"], rows[-1]["loss"]],
+            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None}
+        r = result["variants"][variant]
+        print(f"{variant}: " + "; ".join(f"{k} median {v['median_ms']:.1f} ms mean {v['mean_ms']:.1f} (max "
+                                         f"{v['max_ms']:.0f})" for k, v in r["per_size"].items())
+              + f"; all sizes mean {r['mean_ms']:.1f} ms/step; wall {wall:.0f} s", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _parts(args, config) -> int:
+    """The parts of an eager step (module docstring)."""
+    from attnqat.train.loop import Trainer
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
-        run = [f"output_dir={tmp}/run", "data.held_out=0", *args.set]
-        cfg = (load_config(args.config, [f"model={args.model}", *run]) if args.config
-               else transformer_config(Path(args.out), run))
+        cfg = config(tmp, [])
         trainer = Trainer(cfg)
         acc, src = trainer.accelerator, trainer.corpus
         params = [p for p in trainer.student.parameters() if p.requires_grad]
@@ -59,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             key = "x".join(str(v) for v in cfg.data.corpus.sizes[size])
             batch, t_batch = _timed(lambda: trainer.micro_batch(step, 0), sync)
 
-            def fwd_bwd():
+            def fwd_bwd(batch=batch):
                 out = trainer.losses(batch)
                 acc.backward(out["loss"])
                 return out["loss"].item()

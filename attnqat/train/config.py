@@ -37,6 +37,7 @@ from attnqat.pipelines.model_folder import check_model_folder
 from attnqat.pipelines.tiny import TINY_TRANSFORMER_CONFIG
 
 from .data import read_index
+from .graphed import use_graphs
 from .objectives import OBJECTIVES, Objective
 
 DISTILL_TARGETS = ("output", "features")
@@ -46,6 +47,7 @@ LR_SCHEDULES = ("constant", "cosine")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 SAVE_DTYPES = ("bf16", "fp32")
 TRAINABLE = ("all", "attention")
+CUDA_GRAPHS = ("auto", "on", "off")
 DATA_SOURCES = ("precomputed", "corpus")
 
 # Upper bounds, each with its reason (the lower bounds are in validate()).
@@ -133,6 +135,8 @@ class TrainSection:
     save_attention: bool = False    # keep each block's attention outputs through gradient checkpointing: no
                                     # attention recompute in the backward, at the memory of those outputs per block
     compile: bool = False           # torch.compile the student's blocks (small models are launch-bound)
+    cuda_graphs: str = "auto"       # auto | on | off: replay each micro-batch's forward + backward as a CUDA graph
+                                    # (one GPU, no gradient checkpointing: graphed.py); auto where it can
     trainable: str = "all"          # all | attention (only the patched attention modules' weights)
     teacher_dtype: str | None = None  # bf16 | fp32; default bf16 under bf16 mixed precision, else fp32
     from_scratch: bool = False      # start from a seeded random initialisation of the model's architecture
@@ -412,6 +416,7 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     _one_of(tr.mixed_precision, MIXED_PRECISION, "train.mixed_precision")
     _one_of(tr.trainable, TRAINABLE, "train.trainable")
     _one_of(ck.save_dtype, SAVE_DTYPES, "checkpoint.save_dtype")
+    _one_of(tr.cuda_graphs, CUDA_GRAPHS, "train.cuda_graphs")
     if tr.teacher_dtype is not None:
         _one_of(tr.teacher_dtype, SAVE_DTYPES, "train.teacher_dtype")
     mode = mode_of(a.mode, "attention.mode")
@@ -537,6 +542,7 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     if device_type == "cpu" and tr.mixed_precision == "fp16":
         raise ValueError("train.mixed_precision 'fp16' needs a GPU; use 'no' on CPU")
     _check_sequence_parallel(tr.sequence_parallel, tc, shapes, world_size)
+    use_graphs(cfg, device_type, world_size)  # train.cuda_graphs 'on' where graphs cannot run
     index["latent_shape"] = shapes[0]
     index["latent_shapes"] = shapes
     return CheckedConfig(copy.deepcopy(cfg), index, dict(tc), device_type, world_size)

@@ -31,6 +31,15 @@ from attnqat.pipelines.loading import resolve_model
 from .config import CorpusConfig
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU tensor on ``device`` without waiting for the device: a plain copy from pageable memory to a GPU
+    synchronises the stream (the training loop's GPU then idles while the host catches up); from pinned memory it
+    is queued like a kernel."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def size_pattern(cfg: CorpusConfig) -> list[int]:
     weights = cfg.size_weights or [1] * len(cfg.sizes)
     return [i for i, w in enumerate(weights) for _ in range(int(w))]
@@ -166,13 +175,14 @@ class CorpusSource:
         size = self.size_of_step(step)
         if self.cfg.pool:
             pool = self._pool(size, step)
-            pick = torch.randint(self.cfg.pool, (n,), generator=g).to(self.device)
-            x0, embeds = pool["x0"][pick], pool["embeds"][pick].clone()
+            pick = to_device(torch.randint(self.cfg.pool, (n,), generator=g), self.device)
+            x0, embeds = pool["x0"][pick], pool["embeds"][pick]
         else:
             x0, embeds = self.encode_clips("train", [self.clip_number(size, position + k) for k in range(n)], size)
         drop = torch.rand(n, generator=g) < self.cfg.caption_dropout
-        if drop.any():
-            embeds[drop.to(self.device)] = self.empty_embedding().to(embeds.dtype)
+        if drop.any():  # a select, not a masked assignment: that one waits for the GPU to count the mask
+            embeds = torch.where(to_device(drop, self.device).view(n, 1, 1),
+                                 self.empty_embedding().to(embeds.dtype), embeds)
         return {"x0": x0, "embeds": embeds}
 
     def empty_embedding(self) -> torch.Tensor:

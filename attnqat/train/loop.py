@@ -39,7 +39,8 @@ from . import checkpoint as ck
 from . import sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
 from .config import CheckedConfig, TrainConfig, objective_of, save_config, tokens_per_sample, validate
-from .corpus_source import CorpusSource
+from .corpus_source import CorpusSource, to_device
+from .graphed import TERMS, StepGraphs, use_graphs
 from .data import ShardDataset, sample_indices
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
 from .student_teacher import FeatureCapture, attention_saving_checkpoint, make_student_teacher
@@ -228,6 +229,14 @@ class Trainer:
                 raise ValueError("train.ema_decay is not supported with FSDP (the weights are sharded); set it to 0")
             self.ema = {n: p.detach().float().clone() for n, p in self._trainable()}
 
+    def step_graphs(self) -> StepGraphs | None:
+        """The CUDA graphs that replay this run's forward + backward (:mod:`.graphed`), or None where the run
+        steps eagerly (``train.cuda_graphs``; :func:`.graphed.unsupported` says why not)."""
+        acc = self.accelerator
+        if not use_graphs(self.cfg, acc.device.type, acc.num_processes):
+            return None
+        return StepGraphs(self, self.cfg.train.gradient_accumulation_steps)
+
     def tokens_at(self, step: int) -> int:
         """Self-attention tokens of one sample at ``step`` (corpus runs cycle through video sizes)."""
         if self.corpus is None:
@@ -243,8 +252,11 @@ class Trainer:
         if self.ema is None:
             return
         d = min(self.cfg.train.ema_decay, (1 + step) / (10 + step))
-        named = dict(self._trainable())
-        torch._foreach_lerp_(list(self.ema.values()), [named[n].detach().float() for n in self.ema], 1.0 - d)
+        if not hasattr(self, "_ema_pairs"):  # looked up once: named_parameters() each step cost host time
+            named = dict(self._trainable())
+            self._ema_pairs = (list(self.ema.values()), [named[n] for n in self.ema])
+        ema, weights = self._ema_pairs
+        torch._foreach_lerp_(ema, [w.detach().float() for w in weights], 1.0 - d)
 
     # -- one micro-batch ------------------------------------------------------------------------------------
     def _forward(self, model, batch, dtype=None):
@@ -309,7 +321,7 @@ class Trainer:
         # draw on the CPU plus its copy cost ~25 ms a step there (bench/profile_mini_step.py)
         seed = int(torch.randint(2 ** 62, (1,), generator=g))
         noise = torch.randn(x0.shape, generator=torch.Generator(x0.device).manual_seed(seed), device=x0.device)
-        sigma = sample_sigmas(n, g, t.sampling, t.shift, t.min_sigma, t.max_sigma).to(x0.device)
+        sigma = to_device(sample_sigmas(n, g, t.sampling, t.shift, t.min_sigma, t.max_sigma), x0.device)
         return {"x0": x0, "noise": noise, "sigma": sigma, "embeds": data["embeds"]}
 
     # -- held-out gap ---------------------------------------------------------------------------------------
@@ -826,34 +838,48 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
     bar = tqdm(total=tr.max_steps, initial=start, disable=not (acc.is_main_process and cfg.log.progress),
                desc="attnqat train", dynamic_ncols=True)
     max_norm = tr.grad_clip if tr.grad_clip > 0 else float("inf")
+    trainable = [p for p in trainer.student.parameters() if p.requires_grad]
+    graphs = trainer.step_graphs()  # None: the eager step
+    if graphs is not None:
+        acc.print("attnqat train: each micro-batch's forward and backward replays a CUDA graph "
+                  "(train.cuda_graphs; the first step of each video size captures it)")
     t_start = time.perf_counter()
     for step in range(start, end):
         t0 = time.perf_counter()
         trainer.student.train()
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}
         for micro in range(accum):
             batch = trainer.micro_batch(step, micro)
-            ctx = acc.no_sync(trainer.student) if micro < accum - 1 else _null()
-            with ctx:
-                out = trainer.losses(batch)
-                # x sequence_parallel: each process's gradient is its sequence shard's share of the sample's,
-                # which the group must sum, but DDP / FSDP average over every process (sequence_parallel.py)
-                acc.backward(out["loss"] * trainer.sp.degree / accum)
-            for k in ("loss", "distill", "flow", "gap"):
-                if k in out:
-                    sums[k] = sums.get(k, 0.0) + out[k].detach().float() / accum
-        grad_norm = acc.clip_grad_norm_([p for p in trainer.student.parameters() if p.requires_grad], max_norm)
+            if graphs is not None:
+                terms = graphs.forward_backward(batch)  # the same terms, over accum
+            else:
+                ctx = acc.no_sync(trainer.student) if micro < accum - 1 else _null()
+                with ctx:
+                    out = trainer.losses(batch)
+                    # x sequence_parallel: each process's gradient is its sequence shard's share of the sample's,
+                    # which the group must sum, but DDP / FSDP average over every process (sequence_parallel.py)
+                    acc.backward(out["loss"] * trainer.sp.degree / accum)
+                terms = {k: out[k].detach().float() / accum for k in TERMS if k in out}
+            for k, v in terms.items():
+                sums[k] = sums.get(k, 0.0) + v
+        grad_norm = acc.clip_grad_norm_(trainable, max_norm)
         lr = trainer.scheduler.get_last_lr()[0]
-        # averaged over processes before the optimizer step, so that every process stops at the same step
-        reduced = {k: acc.reduce(v.reshape(1).to(acc.device), "mean").item() for k, v in sums.items()}
+        if graphs is not None:  # one process: one transfer of the terms and the norm, the step's only sync
+            *values, grad_norm = torch.stack([*sums.values(), grad_norm.float()]).tolist()
+            reduced = dict(zip(sums, values))
+        else:  # averaged over processes before the optimizer step, so that every process stops at the same step
+            reduced = {k: acc.reduce(v.reshape(1).to(acc.device), "mean").item() for k, v in sums.items()}
         _check_finite(trainer, logger, bar, step + 1, reduced, grad_norm, lr)
         trainer.optimizer.step()
         trainer.scheduler.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        if graphs is not None:
+            graphs.zero_grad()
+        else:
+            trainer.optimizer.zero_grad(set_to_none=True)
         trainer.update_ema(step)
         trainer.state.step = step + 1
         trainer.state.position = (step + 1) * accum * cfg.data.batch_size * trainer.sp.dp_size
-        if acc.device.type == "cuda":
+        if acc.device.type == "cuda" and graphs is None:  # (with graphs the read of the terms waited already)
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         losses.append(reduced["loss"])
@@ -873,9 +899,9 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
             row.update(_eval_columns(gap_after))
         if (step + 1) % cfg.log.every == 0 or last or "eval_gap_output" in row:
             logger.log(row)
-        bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.4g}", lr=f"{lr:.2e}", gn=f"{row['grad_norm']:.3g}",
-                        tok_s=f"{row['tokens_per_s']:.3g}")
+                        tok_s=f"{row['tokens_per_s']:.3g}", refresh=False)  # drawn by update, at most 10 a second
+        bar.update(1)
         out_of_time = time_limit is not None and time.perf_counter() - t_start > time_limit
         if (step + 1) % cfg.checkpoint.every == 0 or last or out_of_time:
             trainer.save(trainer.checkpoint_dir(step + 1))
