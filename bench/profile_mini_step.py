@@ -83,8 +83,7 @@ def _loop(args, variants, config) -> int:
     for variant in variants:
         graphs, compiled = variant.startswith("graphs"), variant.endswith("+compile")
         extra = [f"train.cuda_graphs={'on' if graphs else 'off'}", f"train.compile={str(compiled).lower()}",
-                 "log.every=1", "log.eval_every=0", "log.progress=false", "checkpoint.every=9999999",
-                 f"train.max_steps={args.loop_warmup + args.loop_steps + 1}"]
+                 "log.every=1", "log.eval_every=0", "log.progress=false", "checkpoint.every=9999999"]
         with tempfile.TemporaryDirectory() as tmp:
             cfg = config(tmp, extra)
             if torch.cuda.is_available():

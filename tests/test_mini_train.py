@@ -94,6 +94,25 @@ def test_prompt_embeddings_equal_the_pipelines(mini_folder):
     assert torch.equal(got == 0, want == 0)  # the same zero padding past each prompt
 
 
+def test_prefetched_pool_refreshes_equal_the_inline_ones(mini_folder):
+    """The pool's next refresh encoded ahead on a worker thread (what a GPU run does) gives the very batches the
+    inline refresh gives, at every step of two sizes, through several refreshes; a jump in steps (a resumed run)
+    drops the stale prefetch and rebuilds the pool as it was."""
+    from attnqat.train.config import CorpusConfig
+    from attnqat.train.corpus_source import CorpusSource
+
+    cfg = CorpusConfig(sizes=[[5, 32, 32], [1, 32, 32]], size_weights=[2, 1], pool=6, refresh=2, refresh_every=2,
+                       encode_batch=4)
+    inline = CorpusSource(str(mini_folder), cfg, text_len=16, device="cpu", prefetch=False)
+    ahead = CorpusSource(str(mini_folder), cfg, text_len=16, device="cpu", prefetch=True)
+    assert ahead.prefetch and not inline.prefetch
+    for step in [*range(14), 30, 31, 32]:
+        draws = [torch.Generator().manual_seed(step) for _ in range(2)]
+        a, b = (src.batch(step, 0, 4, g, 0) for src, g in zip((inline, ahead), draws))
+        assert torch.equal(a["x0"], b["x0"]) and torch.equal(a["embeds"], b["embeds"]), step
+    assert ahead._executor is not None  # the prefetch ran
+
+
 @pytest.mark.parametrize("every", [1, 2])
 def test_corpus_training_resumes_exactly_with_pool_and_ema(mini_folder, tmp_path, every):
     """The uninterrupted run, and the one stopped after step 3 and resumed, side by side in two processes forked

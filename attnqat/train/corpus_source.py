@@ -20,6 +20,8 @@ from the integer ``size_weights`` (weights [2, 1] give sizes 0, 0, 1, 0, 0, 1, .
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from diffusers import AutoencoderKLWan
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
@@ -75,12 +77,13 @@ class CorpusSource:
         rank, world: this process among ``world``; processes draw disjoint clips.
     """
 
-    def __init__(self, model: str, cfg: CorpusConfig, *, text_len: int, device, rank: int = 0, world: int = 1):
+    def __init__(self, model: str, cfg: CorpusConfig, *, text_len: int, device, rank: int = 0, world: int = 1,
+                 prefetch: bool | None = None):
         folder = resolve_model(model)
         tokenizer = AutoTokenizer.from_pretrained(folder, subfolder="tokenizer")
         text_encoder = UMT5EncoderModel.from_pretrained(folder, subfolder="text_encoder", dtype=torch.float32)
         vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32)
-        self._setup(tokenizer, text_encoder, vae, cfg, text_len, device, rank, world)
+        self._setup(tokenizer, text_encoder, vae, cfg, text_len, device, rank, world, prefetch)
 
     @classmethod
     def from_components(cls, tokenizer, text_encoder, vae, cfg: CorpusConfig, *, text_len: int,
@@ -88,11 +91,14 @@ class CorpusSource:
         """A source encoding with components already loaded (a pipeline's: ``pipe.tokenizer``,
         ``pipe.text_encoder``, ``pipe.vae``, used as they are, in their dtype; they are moved to ``device``)."""
         self = cls.__new__(cls)
-        self._setup(tokenizer, text_encoder, vae, cfg, text_len, device, 0, 1)
+        self._setup(tokenizer, text_encoder, vae, cfg, text_len, device, 0, 1, False)
         return self
 
-    def _setup(self, tokenizer, text_encoder, vae, cfg, text_len, device, rank, world) -> None:
+    def _setup(self, tokenizer, text_encoder, vae, cfg, text_len, device, rank, world, prefetch) -> None:
         self.cfg, self.text_len, self.device, self.rank, self.world = cfg, text_len, torch.device(device), rank, world
+        # the next refresh of a pool encoded on a worker thread (a stream of its own) while steps train: a refresh of
+        # 32 clips at 33x256x256 took ~0.5 s of an H200, mostly the host launching the VAE's kernels
+        self.prefetch = bool(cfg.pool) and (self.device.type == "cuda" if prefetch is None else prefetch)
         self.tokenizer = tokenizer
         self.text_encoder = text_encoder.to(self.device).eval()
         self.vae = vae.to(self.device).eval()
@@ -105,6 +111,9 @@ class CorpusSource:
         self.pattern = size_pattern(cfg)
         self._empty = None
         self._pools: dict[int, dict] = {}  # size -> {"use": int, "clips": list, "x0": T, "embeds": T}
+        self._encoding = threading.Lock()
+        self._ahead: dict[int, tuple] = {}  # size -> (use, clips, future of their encoding)
+        self._executor = self._stream = None
 
     # -- encoding -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -130,6 +139,10 @@ class CorpusSource:
 
     @torch.no_grad()
     def encode_clips(self, split: str, indices: list[int], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._encoding:  # one caller at a time: Wan's VAE keeps its causal caches on the module
+            return self._encode_clips(split, indices, size)
+
+    def _encode_clips(self, split: str, indices: list[int], size: int) -> tuple[torch.Tensor, torch.Tensor]:
         corpus = self.corpora[split]
         frames, height, width = self.cfg.sizes[size]
         x0, embeds = [], []
@@ -159,7 +172,7 @@ class CorpusSource:
         else:  # first use, or a resumed run: rebuild the whole pool
             pool = {"x0": None, "embeds": None}
             changed = list(range(cfg.pool))
-        x0, embeds = self.encode_clips("train", [self.clip_number(size, want[j]) for j in changed], size)
+        x0, embeds = self._refresh_clips(size, use, [self.clip_number(size, want[j]) for j in changed])
         if pool["x0"] is None:
             pool["x0"], pool["embeds"] = x0, embeds
         else:
@@ -167,7 +180,46 @@ class CorpusSource:
             pool["x0"][idx], pool["embeds"][idx] = x0, embeds
         pool["use"], pool["clips"] = use, want
         self._pools[size] = pool
+        if self.prefetch:  # the next refresh of this size, encoded while the coming steps train
+            nxt = pool_clips(cfg.pool, cfg.refresh * cfg.refresh_every, use + 1)
+            clips = [self.clip_number(size, nxt[j]) for j in range(cfg.pool) if nxt[j] != want[j]]
+            self._ahead[size] = (use + 1, clips, self._worker().submit(self._encode_ahead, clips, size))
         return pool
+
+    def _refresh_clips(self, size: int, use: int, clips: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoded ``clips`` of refresh ``use`` of ``size``: the prefetched ones if they are these, else now."""
+        ahead = self._ahead.pop(size, None)
+        if ahead is not None and ahead[:2] == (use, clips):
+            x0, embeds, done = ahead[2].result()
+            if done is not None:  # encoded on the worker's stream: this stream waits for it, and their memory
+                stream = torch.cuda.current_stream(self.device)  # is not reused before this stream is done
+                stream.wait_event(done)
+                x0.record_stream(stream)
+                embeds.record_stream(stream)
+            return x0, embeds
+        if ahead is not None:
+            ahead[2].result()  # a resumed or jumped run: let the stale encode finish (it holds the encoder)
+        return self.encode_clips("train", clips, size)
+
+    def _worker(self):
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="attnqat-pool")
+        return self._executor
+
+    def _encode_ahead(self, clips: list[int], size: int):
+        """On the worker thread: encode ``clips`` (on a stream of its own on a GPU); returns the tensors and the
+        event that marks them done (None on a CPU)."""
+        if self.device.type != "cuda":
+            return (*self.encode_clips("train", clips, size), None)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            x0, embeds = self.encode_clips("train", clips, size)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return x0, embeds, done
 
     def batch(self, step: int, micro: int, n: int, g: torch.Generator, position: int) -> dict[str, torch.Tensor]:
         """``x0`` and ``embeds`` of one micro-batch of ``n`` samples (``position``: global sample number,
