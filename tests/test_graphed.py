@@ -158,3 +158,34 @@ def test_gpu_replayed_graphs_equal_the_eager_step(tmp_path, compiled):
         trainer.optimizer.step()
         graphs.zero_grad()
     assert len(graphs.graphs) == 2
+
+
+def test_a_failed_capture_falls_back_to_the_eager_body_under_auto(tmp_path, monkeypatch, capsys):
+    """``auto``: a capture that fails (here: the capture itself raising, as CUDA does for a forbidden call) is said
+    in one line and the run goes on eagerly, with the gradients the warm-up left thrown away; ``on`` raises."""
+    trainer_cfg = tiny(tmp_path, "train.max_steps=2", "data.batch_size=2")
+    grads = []
+    _record_grads(monkeypatch, grads)
+
+    def capture(self, key, batch):
+        self._saved = [g.clone() for g in self.grads]
+        self._body(batch)  # a warm-up's gradient, which the fallback must drop
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(StepGraphs, "_capture", capture)
+    monkeypatch.setattr(Trainer, "step_graphs", lambda self: StepGraphs(self, 1, capture=True, fallback=True))
+    fast = train(trainer_cfg)
+    assert "capturing the step as a CUDA graph failed (CUDA error: operation not permitted when stream is " \
+           "capturing); training on eagerly" in capsys.readouterr().out
+    eager_grads = []
+    with monkeypatch.context() as m:
+        _record_grads(m, eager_grads)
+        m.setattr(Trainer, "step_graphs", lambda self: None)
+        eager = train(tiny(tmp_path / "eager", "train.max_steps=2", "data.batch_size=2"))
+    assert fast.losses == eager.losses
+    for a, b in zip(grads, eager_grads):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-12)
+    monkeypatch.setattr(Trainer, "step_graphs", lambda self: StepGraphs(self, 1, capture=True, fallback=False))
+    with pytest.raises(RuntimeError, match="not permitted"):
+        train(tiny(tmp_path / "on", "train.max_steps=2", "data.batch_size=2"))

@@ -20,6 +20,7 @@ from the integer ``size_weights`` (weights [2, 1] give sizes 0, 0, 1, 0, 0, 1, .
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -111,7 +112,7 @@ class CorpusSource:
         self.pattern = size_pattern(cfg)
         self._empty = None
         self._pools: dict[int, dict] = {}  # size -> {"use": int, "clips": list, "x0": T, "embeds": T}
-        self._encoding = threading.Lock()
+        self._encoding = threading.RLock()
         self._ahead: dict[int, tuple] = {}  # size -> (use, clips, future of their encoding)
         self._executor = self._stream = None
 
@@ -183,7 +184,15 @@ class CorpusSource:
         if self.prefetch:  # the next refresh of this size, encoded while the coming steps train
             nxt = pool_clips(cfg.pool, cfg.refresh * cfg.refresh_every, use + 1)
             clips = [self.clip_number(size, nxt[j]) for j in range(cfg.pool) if nxt[j] != want[j]]
-            self._ahead[size] = (use + 1, clips, self._worker().submit(self._encode_ahead, clips, size))
+            # The worker's tensors were made on its stream and read here on this one. Rather than record_stream
+            # (whose free records an event on this stream, which fails inside a CUDA graph capture when the garbage
+            # collector frees them there), the worker waits for this event before it allocates again: only it
+            # allocates on its stream, so their memory is not reused before this stream is done with them.
+            consumed = None
+            if self.device.type == "cuda":
+                consumed = torch.cuda.Event()
+                consumed.record(torch.cuda.current_stream(self.device))
+            self._ahead[size] = (use + 1, clips, self._worker().submit(self._encode_ahead, clips, size, consumed))
         return pool
 
     def _refresh_clips(self, size: int, use: int, clips: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,11 +200,8 @@ class CorpusSource:
         ahead = self._ahead.pop(size, None)
         if ahead is not None and ahead[:2] == (use, clips):
             x0, embeds, done = ahead[2].result()
-            if done is not None:  # encoded on the worker's stream: this stream waits for it, and their memory
-                stream = torch.cuda.current_stream(self.device)  # is not reused before this stream is done
-                stream.wait_event(done)
-                x0.record_stream(stream)
-                embeds.record_stream(stream)
+            if done is not None:  # encoded on the worker's stream: this stream waits for it
+                torch.cuda.current_stream(self.device).wait_event(done)
             return x0, embeds
         if ahead is not None:
             ahead[2].result()  # a resumed or jumped run: let the stale encode finish (it holds the encoder)
@@ -208,18 +214,32 @@ class CorpusSource:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="attnqat-pool")
         return self._executor
 
-    def _encode_ahead(self, clips: list[int], size: int):
-        """On the worker thread: encode ``clips`` (on a stream of its own on a GPU); returns the tensors and the
-        event that marks them done (None on a CPU)."""
+    def _encode_ahead(self, clips: list[int], size: int, consumed=None):
+        """On the worker thread: encode ``clips`` (on a stream of its own on a GPU), once the main stream has passed
+        ``consumed`` (the last prefetch's tensors read); returns the tensors and the event that marks them done
+        (None on a CPU)."""
         if self.device.type != "cuda":
             return (*self.encode_clips("train", clips, size), None)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+        with self._encoding:  # all of its GPU work under the lock that paused() takes
+            if consumed is not None:
+                consumed.synchronize()
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            return self._encode_on_stream(clips, size)
+
+    def _encode_on_stream(self, clips: list[int], size: int):
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             x0, embeds = self.encode_clips("train", clips, size)
             done = torch.cuda.Event()
             done.record(self._stream)
         return x0, embeds, done
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No encoding while inside: a CUDA graph capture on the main thread fails if the worker touches the GPU
+        meanwhile (a pageable copy uses the legacy stream, which capture forbids)."""
+        with self._encoding:
+            yield
 
     def batch(self, step: int, micro: int, n: int, g: torch.Generator, position: int) -> dict[str, torch.Tensor]:
         """``x0`` and ``embeds`` of one micro-batch of ``n`` samples (``position``: global sample number,

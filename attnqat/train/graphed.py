@@ -23,6 +23,9 @@ cuda_graphs: auto`` then runs eagerly, ``on`` refuses the config).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 #: The loss terms the loop logs, in the order of :meth:`StepGraphs.forward_backward`'s result.
@@ -58,6 +61,17 @@ def use_graphs(cfg, device_type: str, world_size: int) -> bool:
     return cfg.train.cuda_graphs != "off" and why is None
 
 
+@contextlib.contextmanager
+def _gc_disabled():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class StepGraphs:
     """The micro-batch's forward + loss + backward of ``trainer``, captured per batch shape.
 
@@ -65,10 +79,12 @@ class StepGraphs:
         trainer: the :class:`~.loop.Trainer` (its ``losses``, student and ``sp`` scale).
         accum: micro-batches per optimizer step (each backward adds 1/accum of its loss's gradient).
         capture: replay CUDA graphs; False runs the same body eagerly (CPU, tests).
+        fallback: when a capture fails, say so in one line and run the body eagerly from then on (``train.
+            cuda_graphs: auto``); False raises (``on``).
     """
 
-    def __init__(self, trainer, accum: int, *, capture: bool = True):
-        self.trainer, self.capture = trainer, capture
+    def __init__(self, trainer, accum: int, *, capture: bool = True, fallback: bool = True):
+        self.trainer, self.capture, self.fallback = trainer, capture, fallback
         self.scale = trainer.sp.degree / accum  # as the eager loop scales (1 without sequence parallelism)
         self.accum = accum
         self.params = [p for p in trainer.student.parameters() if p.requires_grad]
@@ -97,7 +113,16 @@ class StepGraphs:
         key = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()))
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(key, batch)
+            try:
+                entry = self._capture(key, batch)
+            except RuntimeError as e:  # a CUDA call the capture forbids, in code we do not control
+                if not self.fallback:
+                    raise
+                print(f"attnqat train: capturing the step as a CUDA graph failed ({str(e).splitlines()[0]}); "
+                      f"training on eagerly (train.cuda_graphs: off skips the attempt)", flush=True)
+                self.capture = False
+                torch._foreach_copy_(self.grads, self._saved)
+                return self.forward_backward(batch)
         graph, inputs, terms = entry
         for k, v in batch.items():
             inputs[k].copy_(v, non_blocking=True)
@@ -109,7 +134,7 @@ class StepGraphs:
             raise ValueError(f"the run feeds more than {MAX_GRAPHS} batch shapes; each CUDA graph keeps its own "
                              f"activations: set train.cuda_graphs: off")
         inputs = {k: v.clone() for k, v in batch.items()}
-        saved = [g.clone() for g in self.grads]  # the warm-up's gradients are thrown away
+        self._saved = saved = [g.clone() for g in self.grads]  # the warm-up's gradients are thrown away
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs asks
@@ -117,8 +142,12 @@ class StepGraphs:
                 self._body(inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            terms = self._body(inputs)
+        corpus = self.trainer.corpus
+        # No prefetch and no garbage collection during the capture: another thread's GPU work, or a tensor freed
+        # with an event to record on another stream, is a CUDA call the capture refuses.
+        with corpus.paused() if corpus is not None else contextlib.nullcontext(), _gc_disabled():
+            with torch.cuda.graph(graph, pool=self.pool):
+                terms = self._body(inputs)
         self.pool = graph.pool()
         with torch.no_grad():
             torch._foreach_copy_(self.grads, saved)  # the capture ran nothing: only the warm-ups added to them

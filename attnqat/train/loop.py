@@ -238,7 +238,8 @@ class Trainer:
         steps eagerly (``train.cuda_graphs``; :func:`.graphed.unsupported` says why not)."""
         if not self.graphs:
             return None
-        return StepGraphs(self, self.cfg.train.gradient_accumulation_steps)
+        return StepGraphs(self, self.cfg.train.gradient_accumulation_steps,
+                          fallback=self.cfg.train.cuda_graphs == "auto")
 
     def tokens_at(self, step: int) -> int:
         """Self-attention tokens of one sample at ``step`` (corpus runs cycle through video sizes)."""
