@@ -14,6 +14,8 @@ a step): each clip is seen about ``batch_size / refresh`` times on average inste
 VAE encode costs about the same for 4 clips as for 16 (H100: 87 ms; launch-bound), so fewer, larger
 refreshes cost less per clip. What a pool holds is a function of (seed, step) alone, so a resumed run
 rebuilds the very pool the uninterrupted run had, and batches stay identical. ``pool: 0`` encodes every sample fresh.
+On a GPU each pool's next refresh is encoded ahead, on a worker thread and a CUDA stream of its own, while the
+steps before it train (a refresh is mostly the host launching the VAE's kernels): the same clips, in time.
 
 Video sizes: ``sizes`` lists (frames, height, width); the step's size cycles through a pattern built
 from the integer ``size_weights`` (weights [2, 1] give sizes 0, 0, 1, 0, 0, 1, ...).
