@@ -4,7 +4,9 @@ the student and the teacher under diffusers' Ulysses ``enable_parallelism``).
 The tiny model, 2 steps of feature distillation with every weight trainable (fp32, gradient checkpointing):
 - 2 processes with ``sequence_parallel: 2`` end with the weights, losses and gradient norms of 1 process on the
   same batches; a run stopped after step 1 and resumed repeats the uninterrupted one exactly;
-- 4 processes with ``sequence_parallel: 2`` (two groups, DDP across them) end as 2 plain DDP processes do.
+- 4 processes with ``sequence_parallel: 2`` (two groups, DDP across them) end as 2 plain DDP processes do;
+- a LoRA run (``train.trainable: lora``: its teacher is the student's own module) on 2 processes with
+  ``sequence_parallel: 2`` ends as on 1 process.
 The config's refusals are one line each. FSDP + sequence parallelism is not tested here: accelerate 1.15 makes
 a CPU run MULTI_CPU (DDP) whatever the FSDP settings say (docs/multigpu.md).
 """
@@ -26,9 +28,11 @@ TINY = ROOT / "configs" / "tiny.yaml"
 COMMON = ["log.progress=false", "train.max_steps=2", "data.batch_size=2", "data.held_out=2", "train.trainable=all",
           "checkpoint.every=1", "train.lr_schedule=cosine"]
 SP2 = ["train.sequence_parallel=2"]
+LORA = ["train.trainable=lora", "train.lora.rank=4"]
 # per world size: (output folder, overrides, train() arguments), run in this order on one process group
 RUNS = {2: [("sp", SP2, {}), ("cut", SP2, {"stop_after": 1}), ("cut", SP2, {"resume": "auto"}),
-            ("dp", [], {})],                # plain DDP over 2 processes: the reference of the 4-process run
+            ("dp", [], {}),                 # plain DDP over 2 processes: the reference of the 4-process run
+            ("sp_lora", SP2 + LORA, {})],
         4: [("sp4", SP2, {})]}              # two sequence groups of 2, DDP across them
 
 
@@ -123,7 +127,8 @@ def runs(tmp_path_factory):
     with pytest.MonkeyPatch.context() as m:
         m.setenv("TRITON_INTERPRET", "0")  # the FP4 reference path, in the forked processes too
         results = {world: _run_processes(world, root) for world in RUNS}
-        results[1] = [{"one/0": train(load_config(TINY, [f"output_dir={root}/one", *COMMON])).losses}]
+        results[1] = [{name: train(load_config(TINY, [f"output_dir={root}/{name[:-2]}", *COMMON, *extra])).losses
+                       for name, extra in (("one/0", []), ("one_lora/0", LORA))}]
     return root, results
 
 
@@ -175,6 +180,27 @@ def test_fsdp_wrapping_keeps_the_sequence_parallel_hooks(runs):
     for r in results[2]:
         out_err, grad_err = r["fsdp"]
         assert out_err <= 1e-6 and grad_err <= 1e-5, r["fsdp"]  # measured: 0 and 8.5e-7
+
+
+def test_a_lora_run_under_sequence_parallel_equals_one_process(runs):
+    """The LoRA teacher (the student's module, adapter off, reference processors swapped in) runs sharded as the
+    student does: the same losses, gradient norms and adapter weights as one process."""
+    from safetensors.torch import load_file
+
+    from attnqat.pipelines.lora import LORA_FILE
+    from attnqat.train.loop import read_log
+
+    root, results = runs
+    losses = [r["sp_lora/4"] for r in results[2]]
+    assert all(x == losses[0] for x in losses)
+    assert losses[0] == pytest.approx(results[1][0]["one_lora/0"], rel=1e-6, abs=0)
+    norms = [[float(r["grad_norm"]) for r in read_log(root / name / "log.csv")] for name in ("sp_lora", "one_lora")]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5, abs=0)
+    got, ref = (load_file(str(root / name / "final" / LORA_FILE)) for name in ("sp_lora", "one_lora"))
+    moved = max(ref[k].abs().max().item() for k in ref if ".lora_B." in k)  # B starts at zero
+    assert got.keys() == ref.keys() and moved > 1e-5
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=4 * torch.finfo(torch.float32).eps, atol=1e-3 * moved)
 
 
 def test_resume_under_sequence_parallel_is_exact(runs):
