@@ -184,10 +184,10 @@ def fused(transformer: torch.nn.Module, path: str | os.PathLike) -> Iterator[tor
 def _fuse(transformer: torch.nn.Module, state: dict[str, torch.Tensor], metadata: dict | None) -> list[str]:
     if getattr(transformer, "peft_config", None):  # unload_lora below would remove those too
         raise ValueError("the transformer already holds LoRA adapters; fuse a LoRA file into one without")
-    transformer.load_lora_adapter(state, prefix=_PREFIX[:-1], adapter_name=ADAPTER, metadata=metadata)
     try:
+        transformer.load_lora_adapter(state, prefix=_PREFIX[:-1], adapter_name=ADAPTER, metadata=metadata)
         transformer.fuse_lora(adapter_names=[ADAPTER])
-    finally:
+    finally:  # also after a failed load, which leaves peft's wrappers around the layers it reached
         transformer.unload_lora()
     return _adapted(state)
 
