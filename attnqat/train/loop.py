@@ -183,8 +183,11 @@ class Trainer:
         self.teacher_dtype = DTYPES[tdt]
         self.lora = tr.trainable == "lora"
         # fp32 master weights where they train; a LoRA run's frozen weights are its teacher's, in the teacher's dtype
-        # (Wan 14B: 28 GB in bf16 instead of 57 GB), and only the adapter is fp32
-        dtype = self.teacher_dtype if self.lora else torch.float32
+        # (Wan 14B: 28 GB in bf16 instead of 57 GB), and only the adapter is fp32. Not under FSDP1: it flattens each
+        # block's weights, the adapter's with them, into one tensor of one dtype (a bf16 base is refused at the wrap);
+        # sharded, fp32 frozen weights cost 1/N a process, and FSDP's mixed precision computes in bf16 all the same
+        fsdp1 = acc.distributed_type.value == "FSDP" and not acc.is_fsdp2
+        dtype = self.teacher_dtype if self.lora and not fsdp1 else torch.float32
         if tr.from_scratch:  # the model's architecture at a seeded random initialisation
             from diffusers import WanTransformer3DModel
 
