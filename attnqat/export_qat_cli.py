@@ -4,7 +4,8 @@
   attnqat export-qat --model ./my-wan-folder --from runs/qat --out my_qat.safetensors
 
 --from is the fine-tune as `attnqat train` wrote it (a run folder: its final/, else its newest complete
-checkpoint; a checkpoint folder; a .safetensors file or a folder of shards); --model is the base it was
+checkpoint; a checkpoint folder; a .safetensors file or a folder of shards; a LoRA run's or any Wan LoRA file,
+fused into the base first); --model is the base it was
 fine-tuned from (default: mini). The file holds only the tensors whose bf16 values differ from the base's,
 with the base's fingerprint in its metadata (attnqat.pipelines.qat_weights), so it loads only over that base.
 --storage auto (the default) stores their values in bf16 where that fits in 12 MB, else their changes from
@@ -37,7 +38,7 @@ MAX_TRAINED_CHARS = 200  # the metadata's one line on how the weights were train
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="finetune", required=True, metavar="PATH",
                    help="the QAT fine-tune: an `attnqat train` run or checkpoint folder, a .safetensors file or a "
-                        "folder of shards")
+                        "folder of shards, or a LoRA file (fused into the base)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the base model it was fine-tuned from (default: "
                    f"{DEFAULT_MODEL}): mini, tiny or a diffusers-format Wan 2.1 folder")
     p.add_argument("--out", required=True, metavar="FILE", help="the QAT weights file to write, ending in "

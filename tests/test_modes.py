@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = (sorted(p for p in (ROOT / "attnqat").rglob("*.py") if "kernels" not in p.parts) + [ROOT / "app.py"]
            + sorted((ROOT / "bench").glob("*.py")) + sorted((ROOT / "experiments").glob("*.py")))
 # Comparisons with a literal that happens to be a mode's name but is not a mode
-NOT_A_MODE = {("attnqat/train/loop.py", 'mp == "bf16"')}  # accelerate's mixed precision
+NOT_A_MODE = {("attnqat/train/loop.py", 'mp == "bf16"'),  # accelerate's mixed precision
+              ("attnqat/train/config.py", 'tr.teacher_dtype == "bf16"')}  # a dtype (train.teacher_dtype)
 
 
 def _trees():

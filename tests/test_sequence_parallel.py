@@ -4,7 +4,10 @@ the student and the teacher under diffusers' Ulysses ``enable_parallelism``).
 The tiny model, 2 steps of feature distillation with every weight trainable (fp32, gradient checkpointing):
 - 2 processes with ``sequence_parallel: 2`` end with the weights, losses and gradient norms of 1 process on the
   same batches; a run stopped after step 1 and resumed repeats the uninterrupted one exactly;
-- 4 processes with ``sequence_parallel: 2`` (two groups, DDP across them) end as 2 plain DDP processes do.
+- 4 processes with ``sequence_parallel: 2`` (two groups, DDP across them) end as 2 plain DDP processes do;
+- a LoRA run (``train.trainable: lora``: its teacher is the student's own module) on 2 processes with
+  ``sequence_parallel: 2`` ends as on 1 process; a LoRA student and its teacher in torch's FSDP1 (not through the
+  loop) compute what the unsharded model does.
 The config's refusals are one line each. FSDP + sequence parallelism is not tested here: accelerate 1.15 makes
 a CPU run MULTI_CPU (DDP) whatever the FSDP settings say (docs/multigpu.md).
 """
@@ -26,9 +29,11 @@ TINY = ROOT / "configs" / "tiny.yaml"
 COMMON = ["log.progress=false", "train.max_steps=2", "data.batch_size=2", "data.held_out=2", "train.trainable=all",
           "checkpoint.every=1", "train.lr_schedule=cosine"]
 SP2 = ["train.sequence_parallel=2"]
+LORA = ["train.trainable=lora", "train.lora.rank=4"]
 # per world size: (output folder, overrides, train() arguments), run in this order on one process group
 RUNS = {2: [("sp", SP2, {}), ("cut", SP2, {"stop_after": 1}), ("cut", SP2, {"resume": "auto"}),
-            ("dp", [], {})],                # plain DDP over 2 processes: the reference of the 4-process run
+            ("dp", [], {}),                 # plain DDP over 2 processes: the reference of the 4-process run
+            ("sp_lora", SP2 + LORA, {})],
         4: [("sp4", SP2, {})]}              # two sequence groups of 2, DDP across them
 
 
@@ -51,6 +56,7 @@ def _worker(rank: int, world: int, port: int, root: str):
             losses[f"{name}/{i}"] = train(cfg, **kwargs).losses
         if world == 2:
             losses["fsdp"] = _fsdp_under_sequence_parallel(rank)
+            losses["fsdp_lora"] = _fsdp_lora_teacher()
     except Exception:  # noqa: BLE001 - reported to the parent
         losses["error"] = traceback.format_exc()
     finally:
@@ -101,6 +107,59 @@ def _fsdp_under_sequence_parallel(rank: int) -> tuple[float, float]:
     return (out - ref_out).abs().max().item(), worst
 
 
+def _fsdp_lora_teacher() -> tuple[float, float]:
+    """A LoRA student (fp32 frozen weights and adapter, as the loop loads them under FSDP1) inside torch's FSDP1 as
+    configs/fsdp_wan14b.yaml has accelerate build it, with its AdapterOffTeacher called through the wrapper, two
+    steps of (student - teacher)^2: the largest difference of the outputs and of the adapter's gradients from the
+    unsharded model's (relative)."""
+    import functools
+
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from attnqat.pipelines import build_tiny_transformer
+    from attnqat.pipelines.lora import DEFAULT_TARGETS
+    from attnqat.train.student_teacher import make_student_teacher
+
+    def model():
+        torch.manual_seed(0)  # the adapter's A
+        student, teacher = make_student_teacher(build_tiny_transformer(), "attn_qat", trainable="lora", lora=dict(
+            rank=4, alpha=4.0, target_modules=DEFAULT_TARGETS, dropout=0.0))
+        for n, p in student.named_parameters():
+            if ".lora_B." in n:  # B starts at zero: the adapter would change nothing
+                p.data.copy_(torch.linspace(-0.1, 0.1, p.numel()).reshape(p.shape))
+        return student, teacher
+
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 16, 2, 8, 8, generator=g), timestep=torch.tensor([500.0]),
+                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
+    ref, ref_teacher = model()
+    with torch.no_grad():
+        ref_t = ref_teacher(**inputs)[0]
+    ref_s = ref(**inputs)[0]
+    (ref_s - ref_t).pow(2).sum().backward()
+    student, teacher = model()
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={WanTransformerBlock})
+    wrapped = FullyShardedDataParallel(student, auto_wrap_policy=policy, use_orig_params=True,
+                                       device_id=torch.device("cpu"))
+    teacher.forward_module = wrapped  # as the Trainer sets it
+    for _ in range(2):  # the second step after the teacher switched the adapter off and on again
+        wrapped.zero_grad()
+        with torch.no_grad():
+            out_t = teacher(**inputs)[0]
+        out_s = wrapped(**inputs)[0]
+        (out_s - out_t).pow(2).sum().backward()
+    out_err = max((out_t - ref_t).abs().max().item(), (out_s - ref_s).abs().max().item())
+    worst = 0.0
+    with FullyShardedDataParallel.summon_full_params(wrapped, with_grads=True):
+        grads = {n.replace("_fsdp_wrapped_module.", ""): p.grad for n, p in student.named_parameters()}
+        for n, p in ref.named_parameters():
+            if p.requires_grad:
+                worst = max(worst, ((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item())
+    return out_err, worst
+
+
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -123,7 +182,8 @@ def runs(tmp_path_factory):
     with pytest.MonkeyPatch.context() as m:
         m.setenv("TRITON_INTERPRET", "0")  # the FP4 reference path, in the forked processes too
         results = {world: _run_processes(world, root) for world in RUNS}
-        results[1] = [{"one/0": train(load_config(TINY, [f"output_dir={root}/one", *COMMON])).losses}]
+        results[1] = [{name: train(load_config(TINY, [f"output_dir={root}/{name[:-2]}", *COMMON, *extra])).losses
+                       for name, extra in (("one/0", []), ("one_lora/0", LORA))}]
     return root, results
 
 
@@ -175,6 +235,36 @@ def test_fsdp_wrapping_keeps_the_sequence_parallel_hooks(runs):
     for r in results[2]:
         out_err, grad_err = r["fsdp"]
         assert out_err <= 1e-6 and grad_err <= 1e-5, r["fsdp"]  # measured: 0 and 8.5e-7
+
+
+def test_a_lora_run_under_sequence_parallel_equals_one_process(runs):
+    """The LoRA teacher (the student's module, adapter off, reference processors swapped in) runs sharded as the
+    student does: the same losses, gradient norms and adapter weights as one process."""
+    from safetensors.torch import load_file
+
+    from attnqat.pipelines.lora import LORA_FILE
+    from attnqat.train.loop import read_log
+
+    root, results = runs
+    losses = [r["sp_lora/4"] for r in results[2]]
+    assert all(x == losses[0] for x in losses)
+    assert losses[0] == pytest.approx(results[1][0]["one_lora/0"], rel=1e-6, abs=0)
+    norms = [[float(r["grad_norm"]) for r in read_log(root / name / "log.csv")] for name in ("sp_lora", "one_lora")]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5, abs=0)
+    got, ref = (load_file(str(root / name / "final" / LORA_FILE)) for name in ("sp_lora", "one_lora"))
+    moved = max(ref[k].abs().max().item() for k in ref if ".lora_B." in k)  # B starts at zero
+    assert got.keys() == ref.keys() and moved > 1e-5
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=4 * torch.finfo(torch.float32).eps, atol=1e-3 * moved)
+
+
+def test_fsdp1_runs_the_lora_teacher(runs):
+    """Not the loop either: a LoRA student in torch's FSDP1 (the wrapping configs/fsdp_wan14b.yaml asks of accelerate)
+    with its AdapterOffTeacher called through the wrapper gives the unsharded outputs and adapter gradients."""
+    _, results = runs
+    for r in results[2]:
+        out_err, grad_err = r["fsdp_lora"]
+        assert out_err <= 1e-6 and grad_err <= 1e-5, r["fsdp_lora"]
 
 
 def test_resume_under_sequence_parallel_is_exact(runs):

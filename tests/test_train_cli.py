@@ -61,6 +61,8 @@ ABSURD = [
     "attention.options={p_bwd: nope}", "attention.options={p_bwd: 1}", "attention.mode=attn",
     "attention.options={smooth_k: 1}", "attention.mode=nvfp4", "model=/nonexistent/model",
     "data.path=/nonexistent/data", "objective.type=flow", "train.sequence_parallel=2", "train.sequence_parallel=0",
+    "train.lora.rank=0", "train.lora.alpha=0", "train.lora.dropout=1", "train.lora.target_modules=[to_q, to_q]",
+    "train.lora.target_modules=[' to_q']",
 ] + ([] if torch.cuda.is_available() else ["train.mixed_precision=fp16"])  # fp16 needs a GPU
 ABSURD_KEYS = {s.split("=", 1)[0] for s in ABSURD}
 MALFORMED = ["train.lr", "=1", ".lr=1", "train..lr=1", "train.lr.x=1", "nosuch.key=1", "train=5", "train.lr=[1",

@@ -152,7 +152,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--high-precision-mode", metavar="MODE", help="the mode of those steps and blocks: bf16 "
                    "(default) or sagebwd; needs --high-precision-steps or --high-precision-blocks")
     g.add_argument("--qat-checkpoint", metavar="PATH", help="transformer weights to load (a .safetensors file or "
-                   "a folder of them, e.g. from attnqat's QAT fine-tuning, or QAT weights from `attnqat export-qat`); "
+                   "a folder of them, e.g. from attnqat's QAT fine-tuning, QAT weights from `attnqat export-qat`, or a "
+                   "LoRA file, fused into the weights); "
                    "must match --model's architecture. Default: with --mode attn_qat on mini, the QAT fine-tune "
                    f"shipped with it ({MINI_QAT_WEIGHTS}, where installed), else the base weights; 'none': the base "
                    "weights. The summary's 'weights' line says which ran")

@@ -18,6 +18,7 @@ from attnqat.errors import CheckpointMismatchError
 from attnqat.kernels import mode_of
 
 from attnqat.mini.model import is_mini, is_shipped_mini, mini_folder, shipped_qat_weights
+from .lora import LORA_FILE, fuse_lora_file, fused, is_lora_file
 from .model_folder import ModelConfigError, check_model_folder, check_regular_file
 from .qat_weights import is_qat_weights, read_qat_weights, weights_fingerprint
 from .tiny import TINY_TRANSFORMER_CONFIG, build_tiny_pipeline, build_tiny_transformer
@@ -33,10 +34,12 @@ __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "lo
 
 # The folders of an `attnqat train` output, as attnqat.train.checkpoint writes them and load_qat_checkpoint reads
 # them: OUTPUT/final/ and OUTPUT/checkpoints/step-NNNNNNN/ (7 digits, so names sort by step), each holding the
-# exported weights and a manifest written last (a folder without it is an unfinished write).
+# exported weights and a manifest written last (a folder without it is an unfinished write). The exported weights
+# are WEIGHTS_FILE, or for a LoRA run (train.trainable: lora) the LoRA file diffusers loads, LORA_FILE.
 CHECKPOINTS_DIR, FINAL_DIR = "checkpoints", "final"
 STEP_DIR = re.compile(r"step-(\d{7})")
 WEIGHTS_FILE, MANIFEST = "transformer.safetensors", "manifest.json"
+EXPORTED_FILES = (WEIGHTS_FILE, LORA_FILE)
 
 
 def step_dir_name(step: int) -> str:
@@ -217,31 +220,36 @@ def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16
     return transformer.to(device) if device is not None else transformer
 
 
+def _exported(folder: Path) -> Path | None:
+    """The exported weights of an ``attnqat train`` checkpoint or final/ folder (:data:`EXPORTED_FILES`), or None."""
+    return next((folder / name for name in EXPORTED_FILES if (folder / name).is_file()), None)
+
+
 def _latest_step_weights(checkpoints: Path) -> Path | None:
-    """``checkpoints/step-N/transformer.safetensors`` of the newest step folder that finished writing (its
-    manifest.json is written last), or None."""
+    """The exported weights of the newest ``checkpoints/step-N`` folder that finished writing (its manifest.json is
+    written last), or None."""
     steps = sorted((p for p in checkpoints.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()), reverse=True)
     for step in steps:
-        if (step / MANIFEST).is_file() and (step / WEIGHTS_FILE).is_file():
-            return step / WEIGHTS_FILE
+        if (step / MANIFEST).is_file() and _exported(step) is not None:
+            return _exported(step)
     return None
 
 
 def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
     """The safetensors file(s) holding the transformer weights that ``path`` names: a file; an ``attnqat train``
-    checkpoint or final/ folder (its transformer.safetensors: the exported, EMA where kept, weights); an
-    ``attnqat train`` run folder (its final/, else its newest complete checkpoint); a folder of shards; or a
-    diffusers model folder (its transformer/)."""
+    checkpoint or final/ folder (its transformer.safetensors: the exported, EMA where kept, weights; a LoRA run's
+    LoRA file); an ``attnqat train`` run folder (its final/, else its newest complete checkpoint); a folder of
+    shards; or a diffusers model folder (its transformer/)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"QAT checkpoint {str(p)!r} does not exist")
     if not p.is_dir():
         check_regular_file(p, "QAT checkpoint")  # a FIFO would block the read for ever
         return [p]
-    if (p / WEIGHTS_FILE).is_file():  # a checkpoint or final/ folder (beside ema.safetensors, state/)
-        return [p / WEIGHTS_FILE]
-    if (p / FINAL_DIR / WEIGHTS_FILE).is_file():  # a finished run folder
-        return [p / FINAL_DIR / WEIGHTS_FILE]
+    if _exported(p) is not None:  # a checkpoint or final/ folder (beside ema.safetensors, state/)
+        return [_exported(p)]
+    if _exported(p / FINAL_DIR) is not None:  # a finished run folder
+        return [_exported(p / FINAL_DIR)]
     if (p / CHECKPOINTS_DIR).is_dir():  # a run folder without final/ (stopped early)
         latest = _latest_step_weights(p / CHECKPOINTS_DIR)
         if latest is not None:
@@ -320,15 +328,17 @@ def _read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def _qat_weights_file(path: str | os.PathLike) -> Path | None:
-    """The QAT weights file (:mod:`.qat_weights`: a subset of the weights, recognised by its metadata) that
-    ``path`` names, or None when its files are a plain state dict."""
+def _partial_file(path: str | os.PathLike) -> tuple[str, Path] | None:
+    """``("subset", file)`` for the QAT weights file (:mod:`.qat_weights`: a subset of the weights, recognised by its
+    metadata) that ``path`` names, ``("lora", file)`` for a LoRA file (:mod:`.lora`: adapters fused over the
+    transformer's weights, recognised by its keys), or None when its files are a plain state dict."""
     files = _checkpoint_files(path)
-    subsets = [f for f in files if is_qat_weights(f)]
-    if subsets and len(files) > 1:
-        raise CheckpointMismatchError(f"QAT checkpoint {str(path)!r} mixes a QAT weights file ({subsets[0].name}) "
+    kinds = [(kind, f) for f in files if (kind := "subset" if is_qat_weights(f) else "lora" if is_lora_file(f) else None)]
+    if kinds and len(files) > 1:
+        what = "QAT weights" if kinds[0][0] == "subset" else "LoRA"
+        raise CheckpointMismatchError(f"QAT checkpoint {str(path)!r} mixes a {what} file ({kinds[0][1].name}) "
                                       f"with {len(files) - 1} other safetensors files; pass the one file itself")
-    return subsets[0] if subsets else None
+    return kinds[0] if kinds else None
 
 
 def _check_keys(transformer: torch.nn.Module, path, state: dict, *, subset: bool = False) -> None:
@@ -381,10 +391,14 @@ def read_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -
     A QAT weights file (:mod:`attnqat.pipelines.qat_weights`: only the tensors a fine-tune changed) gives
     ``transformer``'s current weights (CPU copies) with its tensors in their place, once its keys and shapes
     fit and ``transformer`` holds the base weights it was made for (otherwise
-    :class:`CheckpointMismatchError`)."""
-    subset = _qat_weights_file(path)
-    if subset is not None:
-        return {**cpu_state_dict(transformer), **_read_subset(transformer, subset)}
+    :class:`CheckpointMismatchError`). A LoRA file (:mod:`attnqat.pipelines.lora`, e.g. an ``attnqat train`` run with
+    ``train.trainable: lora``) gives ``transformer``'s current weights with the LoRA fused in."""
+    partial = _partial_file(path)
+    if partial is not None and partial[0] == "subset":
+        return {**cpu_state_dict(transformer), **_read_subset(transformer, partial[1])}
+    if partial is not None:
+        with fused(transformer, partial[1]):
+            return cpu_state_dict(transformer)
     state = _read_state_dict(path)
     _check_keys(transformer, path, state)
     return state
@@ -393,19 +407,25 @@ def read_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -
 def load_qat_checkpoint(transformer: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     """Load transformer weights (a QAT fine-tune) from a safetensors file, a folder of shards, an
     ``attnqat train`` checkpoint folder (``OUTPUT/checkpoints/step-N``, ``OUTPUT/final``) or run folder
-    (``OUTPUT``: its final/, else its newest complete checkpoint), a diffusers model folder, or a QAT
-    weights file (:mod:`attnqat.pipelines.qat_weights`, e.g. the ``attn_qat.safetensors`` shipped with mini).
+    (``OUTPUT``: its final/, else its newest complete checkpoint), a diffusers model folder, a QAT
+    weights file (:mod:`attnqat.pipelines.qat_weights`, e.g. the ``attn_qat.safetensors`` shipped with mini), or a
+    LoRA file.
 
     A checkpoint must be a full state dict of this architecture: every key present, no extra key, every
     shape equal; otherwise :class:`CheckpointMismatchError` says what differs (and nothing is loaded). A QAT
     weights file holds some of the keys, with their shapes, and only loads over the base weights it was
-    made for: its tensors replace those weights, the others stay. Values are cast to each parameter's
-    dtype and device. Attention processors are kept.
+    made for: its tensors replace those weights, the others stay. A LoRA file (what ``WanPipeline.load_lora_weights``
+    loads; ``attnqat train`` writes one with ``train.trainable: lora``) is checked against the transformer's layers
+    and fused into their weights (:func:`~attnqat.pipelines.lora.fuse_lora_file`), leaving no adapter behind. Values
+    are cast to each parameter's dtype and device. Attention processors are kept.
     Return: ``transformer``.
     """
-    subset = _qat_weights_file(path)
-    if subset is not None:
-        transformer.load_state_dict(_read_subset(transformer, subset), strict=False)  # the others are the base
+    partial = _partial_file(path)
+    if partial is not None and partial[0] == "subset":
+        transformer.load_state_dict(_read_subset(transformer, partial[1]), strict=False)  # the others are the base
+        return transformer
+    if partial is not None:
+        fuse_lora_file(transformer, partial[1])
         return transformer
     transformer.load_state_dict(read_qat_checkpoint(transformer, path), strict=True)
     return transformer

@@ -46,7 +46,7 @@ from .context_parallel import context_parallel_attention
 from .schedule import PrecisionSchedule, SwitchableProcessor
 
 __all__ = ["AttnQATProcessor", "AttentionTimer", "patch_attention", "unpatch_attention", "patched_attention",
-           "attention_modes"]
+           "processors_swapped", "attention_modes"]
 
 Layers = Union[Literal["self", "all"], Iterable[int]]
 
@@ -392,6 +392,26 @@ def patched_attention(transformer: torch.nn.Module, mode: str, layers: Layers = 
                 restored[name] = (original, ours)
         if restored:
             transformer.__dict__[_PATCHED_ATTR] = restored
+
+
+@contextmanager
+def processors_swapped(swaps: Iterable[tuple[WanAttention, AttnQATProcessor]]) -> Iterator[None]:
+    """``with processors_swapped([(module, processor), ...]): ...``: inside the block each attention module runs the
+    processor paired with it (which takes on the context-parallel config of the one it replaces); after it, even when
+    the block raises, its own processor again. Unlike :func:`patched_attention`, which builds new processors each
+    time, the caller builds them once: a compiled block then meets the same objects on every call (the LoRA
+    teacher's forward, ``attnqat.train.student_teacher.AdapterOffTeacher``, swaps its processors in every step)."""
+    before = []
+    try:
+        for module, processor in swaps:
+            current = module.get_processor()
+            _keep_parallel_config(current, processor)
+            module.set_processor(processor)
+            before.append((module, current))
+        yield
+    finally:
+        for module, processor in reversed(before):
+            module.set_processor(processor)
 
 
 def attention_modes(transformer: torch.nn.Module) -> dict[str, str]:

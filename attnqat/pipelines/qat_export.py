@@ -21,7 +21,8 @@ __all__ = ["export_qat_weights"]
 def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.PathLike, *,
                        trained: str | None = None, storage: str = "auto") -> QatWeights:
     """Write the QAT weights file ``out``: the tensors of the fine-tune ``finetune`` (a safetensors file, a
-    folder of shards, an ``attnqat train`` run or checkpoint folder) that differ from the transformer of
+    folder of shards, an ``attnqat train`` run or checkpoint folder, or a LoRA file: fused into the base by
+    :func:`~.loading.read_qat_checkpoint`) that differ from the transformer of
     ``model`` (the base it was fine-tuned from: ``mini``, ``tiny`` or a diffusers folder) in bf16.
     ``storage``: ``subset`` (their values in bf16), ``fp8-delta`` (their changes in FP8, module docstring) or
     ``auto`` (``subset`` where it fits in :data:`MAX_BYTES`, else ``fp8-delta``).

@@ -2,10 +2,11 @@
 
 A checkpoint folder (``OUTPUT/checkpoints/step-NNNNNNN/``, and ``OUTPUT/final/`` without ``state/``)::
 
-    transformer.safetensors     the exported weights (checkpoint.save_dtype), what `generate` loads
+    transformer.safetensors     the exported weights (checkpoint.save_dtype), what `generate` loads; a LoRA run
+                                writes the LoRA file pytorch_lora_weights.safetensors instead
     config.yaml                 the run's config
     trainer_state.json          {"step", "position"}
-    state/model.safetensors     fp32 master weights (full state dict)
+    state/model.safetensors     fp32 master weights (full state dict; a LoRA run's: the adapter's alone)
     state/optimizer.safetensors the optimizer's state tensors (t0, t1, ...), a full state dict flattened
     state/optimizer.json        everything else of it: param groups, which tensor is which
     state/scheduler.json        the LR scheduler's state_dict

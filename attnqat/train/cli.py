@@ -8,9 +8,11 @@
   accelerate launch --config_file configs/fsdp_wan14b.yaml -m attnqat.train --config configs/wan2.1-14b-sp.yaml
 
 The student trains `attention.mode` (attn_qat) attention; a frozen copy with bf16 attention is the
-teacher. Checkpoints go to OUTPUT_DIR/checkpoints/step-N/ (atomic, sha256 manifest, no pickles), the last
-weights to OUTPUT_DIR/final/transformer.safetensors (load it with `attnqat generate --qat-checkpoint`), the
-log to OUTPUT_DIR/log.csv. A folder that already holds a run needs --resume or --overwrite. Config keys:
+teacher (with --set train.trainable=lora: a LoRA adapter trains over frozen weights, and the teacher is the same
+module with the adapter off). Checkpoints go to OUTPUT_DIR/checkpoints/step-N/ (atomic, sha256 manifest, no
+pickles), the last weights to OUTPUT_DIR/final/transformer.safetensors (a LoRA run: the LoRA file
+pytorch_lora_weights.safetensors; load either with `attnqat generate --qat-checkpoint`), the log to
+OUTPUT_DIR/log.csv. A folder that already holds a run needs --resume or --overwrite. Config keys:
 docs/training.md.
 """
 from __future__ import annotations

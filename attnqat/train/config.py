@@ -33,6 +33,7 @@ from diffusers import WanTransformer3DModel
 from attnqat.checks import latent_shape
 from attnqat.kernels import available_modes, mode_of
 from attnqat.pipelines.loading import ModelNotFoundError, is_tiny, resolve_model
+from attnqat.pipelines.lora import DEFAULT_TARGETS, require_peft, target_layers
 from attnqat.pipelines.model_folder import check_model_folder
 from attnqat.pipelines.tiny import TINY_TRANSFORMER_CONFIG
 
@@ -46,7 +47,7 @@ TIMESTEP_SAMPLING = ("uniform", "shifted")
 LR_SCHEDULES = ("constant", "cosine")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 SAVE_DTYPES = ("bf16", "fp32")
-TRAINABLE = ("all", "attention")
+TRAINABLE = ("all", "attention", "lora")
 CUDA_GRAPHS = ("auto", "on", "off")
 DATA_SOURCES = ("precomputed", "corpus")
 
@@ -119,6 +120,16 @@ class DataConfig:
 
 
 @dataclass
+class LoraSection:
+    """``train.lora``: the adapter of ``train.trainable: lora`` (peft's LoraConfig through diffusers' add_adapter)."""
+    rank: int = 64                  # Wan 14B at rank 64 on these targets: 307M trainable weights
+    alpha: float = 64.0             # the adapter's output is scaled by alpha / rank
+    target_modules: list = field(default_factory=lambda: list(DEFAULT_TARGETS))  # peft's names: a module's name
+                                    # or its ending (to_q: every block's attn1.to_q and attn2.to_q)
+    dropout: float = 0.0            # dropout on the adapter's input (peft's lora_dropout)
+
+
+@dataclass
 class TrainSection:
     max_steps: int = 1000           # optimizer steps
     lr: float = 1e-6                # the published recipe's
@@ -137,8 +148,11 @@ class TrainSection:
     compile: bool = False           # torch.compile the student's blocks (small models are launch-bound)
     cuda_graphs: str = "auto"       # auto | on | off: replay each micro-batch's forward + backward as a CUDA graph
                                     # (one GPU, no gradient checkpointing: graphed.py); auto where it can
-    trainable: str = "all"          # all | attention (only the patched attention modules' weights)
-    teacher_dtype: str | None = None  # bf16 | fp32; default bf16 under bf16 mixed precision, else fp32
+    trainable: str = "all"          # all | attention (only the patched attention modules' weights) | lora (an
+                                    # adapter over frozen weights; the teacher is the same module, adapter off)
+    lora: LoraSection = field(default_factory=LoraSection)
+    teacher_dtype: str | None = None  # bf16 | fp32; default bf16 under bf16 mixed precision, else fp32; with lora
+                                      # also the frozen base weights' dtype (they are the teacher)
     from_scratch: bool = False      # start from a seeded random initialisation of the model's architecture
     ema_decay: float = 0.0          # > 0: keep an exponential moving average of the weights and export it
     sequence_parallel: int = 1      # Ulysses degree: N consecutive processes share each sample's sequence
@@ -472,6 +486,11 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
         raise ValueError(f"timesteps: need 0 <= min_sigma < max_sigma <= 1, got {t.min_sigma}, {t.max_sigma}")
     if t.shift <= 0:
         raise ValueError(f"timesteps.shift must be > 0, got {t.shift}")
+    _check_lora_form(tr.lora)  # whatever train.trainable is: no setting is silently ignored
+    if tr.trainable == "lora" and tr.mixed_precision == "no" and tr.teacher_dtype == "bf16":
+        raise ValueError("train.trainable 'lora' with train.teacher_dtype 'bf16' needs train.mixed_precision 'bf16': "
+                         "the frozen base weights are the teacher's, in its dtype, and without autocast the fp32 "
+                         "student cannot run on bf16 weights")
     if tr.save_attention and not tr.gradient_checkpointing:
         raise ValueError("train.save_attention needs train.gradient_checkpointing: it keeps the attention outputs "
                          "through the checkpointed blocks' recompute, and without checkpointing nothing is recomputed")
@@ -541,6 +560,8 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
             raise ValueError(f"attention.layers {bad} out of range: the transformer has {tc['num_layers']} blocks")
     if device_type == "cpu" and tr.mixed_precision == "fp16":
         raise ValueError("train.mixed_precision 'fp16' needs a GPU; use 'no' on CPU")
+    if tr.trainable == "lora":
+        _check_lora_targets(tr.lora, tc)
     _check_sequence_parallel(tr.sequence_parallel, tc, shapes, world_size)
     use_graphs(cfg, device_type, world_size)  # train.cuda_graphs 'on' where graphs cannot run
     index["latent_shape"] = shapes[0]
@@ -565,6 +586,35 @@ def _check_sequence_parallel(degree: int, tc: dict, shapes: list[list[int]], wor
         if tokens % degree:
             raise ValueError(f"train.sequence_parallel {degree} must divide the {tokens} tokens of latent shape "
                              f"{list(shape)}: diffusers splits the sequence into equal parts")
+
+
+def _check_lora_form(lora: LoraSection) -> None:
+    """``train.lora``'s values on their own (their fit to the transformer: :func:`_check_lora_targets`)."""
+    if lora.rank < 1:
+        raise ValueError(f"train.lora.rank must be >= 1, got {lora.rank}")
+    if not lora.alpha > 0:
+        raise ValueError(f"train.lora.alpha must be > 0 (the adapter's output is scaled by alpha / rank), got "
+                         f"{_show(lora.alpha)}")
+    if not 0 <= lora.dropout < 1:
+        raise ValueError(f"train.lora.dropout must be in [0, 1), got {_show(lora.dropout)}")
+    t = lora.target_modules
+    if not (t and all(isinstance(x, str) and x.strip() and x == x.strip() for x in t) and len(set(t)) == len(t)):
+        raise ValueError(f"train.lora.target_modules must be a list of distinct module names (e.g. "
+                         f"{list(DEFAULT_TARGETS)}), got {_show(t)}")
+
+
+def _check_lora_targets(lora: LoraSection, tc: dict) -> None:
+    """peft is there, each of ``train.lora.target_modules`` selects linear layers of the transformer (built on the
+    meta device: names and shapes, no memory), and the rank fits the narrowest of them."""
+    require_peft("train.trainable 'lora'")
+    with torch.device("meta"):
+        model = WanTransformer3DModel.from_config(tc)
+    layers = [name for names in target_layers(model, lora.target_modules).values() for name in names]
+    width, name = min((min(model.get_submodule(n).in_features, model.get_submodule(n).out_features), n)
+                      for n in layers)
+    if lora.rank > width:
+        raise ValueError(f"train.lora.rank {lora.rank} > {width}, the width of the targeted layer {name}: a rank past a "
+                         f"layer's width adds weights but nothing it can express")
 
 
 def tokens_per_sample(shape, tc: dict) -> int:

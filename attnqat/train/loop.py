@@ -26,7 +26,7 @@ import os
 import shlex
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ import torch
 from attnqat.checks import check_not_input
 from attnqat.locking import output_lock
 from attnqat.pipelines.loading import CHECKPOINTS_DIR, load_transformer, model_inputs, step_dir_name
+from attnqat.pipelines.lora import save_lora
 
 from . import checkpoint as ck
 from . import sequence_parallel
@@ -43,7 +44,7 @@ from .corpus_source import CorpusSource, to_device
 from .graphed import TERMS, StepGraphs, use_graphs
 from .data import ShardDataset, sample_indices
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
-from .student_teacher import FeatureCapture, attention_saving_checkpoint, make_student_teacher
+from .student_teacher import AdapterOffTeacher, FeatureCapture, attention_saving_checkpoint, make_student_teacher
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "gap", "grad_norm", "lr", "tokens_per_s", "step_s",
@@ -61,12 +62,13 @@ class TrainResult:
     log_rows: list[dict] = field(default_factory=list)
 
 
-def _allow_block_graphs(blocks: int, shapes: int) -> None:
+def _allow_block_graphs(blocks: int, shapes: int, passes: int = 2) -> None:
     """Raise Dynamo's recompile limits to the graphs compiled blocks can need, which fullgraph=True turns from a
-    warning into a hard failure: static shapes make one graph per video shape and grad mode (training, held-out
-    evaluation), and on some torch versions (2.11 on the H200s) each block instance compiles its own, so a
-    16-block transformer on 6 sizes failed at the old fixed limit of 64 after 8 steps (8 blocks fitted)."""
-    graphs = blocks * shapes * 2 + 8  # + 8: autocast and other one-off guards
+    warning into a hard failure: static shapes make one graph per video shape and kind of pass (``passes``: training
+    and held-out evaluation, and a LoRA run's teacher, which runs the student's blocks), and on some torch versions
+    (2.11 on the H200s) each block instance compiles its own, so a 16-block transformer on 6 sizes failed at the old
+    fixed limit of 64 after 8 steps (8 blocks fitted)."""
+    graphs = blocks * shapes * passes + 8  # + 8: autocast and other one-off guards
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, graphs)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, graphs + 256)
@@ -178,32 +180,43 @@ class Trainer:
         self.dataset = ShardDataset(cfg.data.path) if cfg.data.path else None
         set_seed(cfg.seed)
 
+        tdt = tr.teacher_dtype or ("bf16" if mp == "bf16" else "fp32")
+        self.teacher_dtype = DTYPES[tdt]
+        self.lora = tr.trainable == "lora"
+        # fp32 master weights where they train; a LoRA run's frozen weights are its teacher's, in the teacher's dtype
+        # (Wan 14B: 28 GB in bf16 instead of 57 GB), and only the adapter is fp32. Not under FSDP1: it flattens each
+        # block's weights, the adapter's with them, into one tensor of one dtype (a bf16 base is refused at the wrap);
+        # sharded, fp32 frozen weights cost 1/N a process, and FSDP's mixed precision computes in bf16 all the same
+        fsdp1 = acc.distributed_type.value == "FSDP" and not acc.is_fsdp2
+        dtype = self.teacher_dtype if self.lora and not fsdp1 else torch.float32
         if tr.from_scratch:  # the model's architecture at a seeded random initialisation
             from diffusers import WanTransformer3DModel
 
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(cfg.seed)
-                transformer = WanTransformer3DModel.from_config(self.tc)
+                transformer = WanTransformer3DModel.from_config(self.tc).to(dtype)
         else:
-            transformer = load_transformer(cfg.model, dtype=torch.float32)  # fp32 master weights
-        tdt = tr.teacher_dtype or ("bf16" if mp == "bf16" else "fp32")
-        self.teacher_dtype = DTYPES[tdt]
+            transformer = load_transformer(cfg.model, dtype=dtype)
         # the held-out gap is measured against the teacher too, whatever the objective
         with_teacher = self.objective.needs_teacher or self.objective.latents == "teacher" or cfg.data.held_out > 0
         student, teacher = make_student_teacher(transformer, cfg.attention.mode, cfg.attention.layers,
                                                 cfg.attention.options, teacher_dtype=self.teacher_dtype,
-                                                trainable=tr.trainable, with_teacher=with_teacher)
+                                                trainable=tr.trainable, with_teacher=with_teacher,
+                                                lora=asdict(tr.lora))
+        # a LoRA run's teacher is the student's module (student_teacher.AdapterOffTeacher), else a copy of its own
+        shared = isinstance(teacher, AdapterOffTeacher)
         if tr.gradient_checkpointing:
             student.enable_gradient_checkpointing(attention_saving_checkpoint() if tr.save_attention else None)
         if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are
-            _allow_block_graphs(len(student.blocks), len(self.index.get("latent_shapes") or [self.shape]))
+            _allow_block_graphs(len(student.blocks), len(self.index.get("latent_shapes") or [self.shape]),
+                                passes=3 if shared else 2)
             for block in student.blocks:
                 block.compile(dynamic=False, fullgraph=True)  # the patched attention traces inside
         if self.sp.degree > 1:
             # the teacher too: its block features must be the same sequence shards as the student's, and a
             # whole-sequence teacher forward would cost every process N times its share
             sequence_parallel.enable(student, self.sp)
-            if teacher is not None:
+            if teacher is not None and not shared:
                 sequence_parallel.enable(teacher, self.sp)
         # With CUDA graphs the optimizer is what is left of the host's work in a step: the multi-tensor AdamW's Python
         # kept mini's H200 idle 4-9 ms a step (profiler trace); the fused one is one kernel launch per dtype.
@@ -211,15 +224,21 @@ class Trainer:
         optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=tr.lr,
                                       betas=tuple(float(b) for b in tr.betas), eps=tr.eps,
                                       weight_decay=tr.weight_decay, fused=self.graphs or None)
-        self.model_shapes = {k: tuple(v.shape) for k, v in student.state_dict().items()}  # checks a resume
         self.trainable_names = sorted(n for n, p in student.named_parameters() if p.requires_grad)
+        # what state/model.safetensors holds: every weight, or a LoRA run's adapter alone (the frozen weights are
+        # the model's, loaded again on resume)
+        self.saved_names = set(self.trainable_names) if self.lora else None
+        self.model_shapes = {k: tuple(v.shape) for k, v in student.state_dict().items()  # checks a resume
+                             if self.saved_names is None or k in self.saved_names}
         self.student, self.optimizer = acc.prepare(student, optimizer)
-        self.teacher = teacher.to(acc.device) if teacher is not None else None
+        if shared:
+            teacher.forward_module = self.student  # through accelerate's wrapper, as the student's forward goes
+        self.teacher = teacher.to(acc.device) if teacher is not None and not shared else teacher
         # Not prepared: accelerate would step it once per process per step; the checkpoint saves it.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainerState()
         self.s_cap = FeatureCapture(self.student)
-        self.t_cap = FeatureCapture(self.teacher) if self.teacher is not None else None
+        self.t_cap = None if teacher is None else FeatureCapture(teacher.transformer if shared else self.teacher)
         self.batcher = Batcher(cfg, self.tc, self.shape, self.dataset, self.objective)
         self.tokens = tokens_per_sample(self.shape, self.tc)
         self.corpus = None
@@ -313,7 +332,8 @@ class Trainer:
         if self.objective.latents == "teacher":
             with acc.autocast():
                 batch["x0"] = teacher_samples(self.teacher, torch.randn(batch["x0"].shape, generator=g).to(acc.device),
-                                              batch["embeds"], cfg.objective.teacher_steps, cfg.timesteps.shift)
+                                              batch["embeds"], cfg.objective.teacher_steps, cfg.timesteps.shift,
+                                              self.teacher_dtype)
         return batch
 
     def _noise(self, data: dict[str, torch.Tensor], g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -404,6 +424,8 @@ class Trainer:
         acc = self.accelerator
         target = Path(target)
         state_dict = acc.get_state_dict(self.student)  # FSDP: gathered to the main process
+        if self.saved_names is not None:
+            state_dict = {k: v for k, v in state_dict.items() if k in self.saved_names}
         osd = None
         if with_state:  # FQN-keyed full state dict (FSDP: gathered to the main process, offloaded to CPU)
             osd = get_optimizer_state_dict(self.student, self._raw_optimizer(),
@@ -447,10 +469,13 @@ class Trainer:
             if self.ema is not None:  # export the EMA weights; keep the exact fp32 EMA for a resume
                 ck.write_tensors(tmp / "ema.safetensors", {k: v.to("cpu") for k, v in self.ema.items()})
                 exported = {**state_dict, **self.ema}
-            ck.write_tensors(tmp / "transformer.safetensors",
-                             {k: v.to("cpu", dt if v.is_floating_point() else v.dtype) for k, v in exported.items()},
-                             metadata={"format": "pt", "attnqat": "qat",
-                                       "weights": "ema" if self.ema is not None else "raw"})
+            if self.lora:  # the LoRA file diffusers' load_lora_weights loads (pipelines/lora.py)
+                ck.fsync_file(save_lora(tmp, acc.unwrap_model(self.student), exported, dt))
+            else:
+                ck.write_tensors(tmp / "transformer.safetensors",
+                                 {k: v.to("cpu", dt if v.is_floating_point() else v.dtype) for k, v in exported.items()},
+                                 metadata={"format": "pt", "attnqat": "qat",
+                                           "weights": "ema" if self.ema is not None else "raw"})
             save_config(self.cfg, tmp / "config.yaml")
             ck.fsync_file(tmp / "config.yaml")
             ck.write_json(tmp / "trainer_state.json", self.state.state_dict())
@@ -516,7 +541,8 @@ class Trainer:
                                   f"{len(self.trainable_names)})")
         multi = acc.num_processes > 1
         reads = acc.is_main_process or not multi  # several processes: the main one reads, then broadcasts
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=multi)
+        # a LoRA run's checkpoint holds the adapter's weights alone (strict=False: the frozen others stay)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=multi, strict=self.saved_names is None)
         set_model_state_dict(self.student, load_file(str(model_file)) if reads else {}, options=options)
         osd = {}
         if reads:
@@ -828,7 +854,8 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
     groups = f", sequence parallel {trainer.sp.degree} x {trainer.sp.dp_size}" if trainer.sp.degree > 1 else ""
     acc.print(f"attnqat train: {cfg.model}, {acc.num_processes} process(es) on {acc.device.type} "
               f"({acc.distributed_type.value}{groups}), objective {trainer.objective.label}, "
-              f"student {cfg.attention.mode}, "
+              f"student {cfg.attention.mode}"
+              f"{f' + LoRA rank {tr.lora.rank}' if trainer.lora else ''}, "
               f"{trainer.tokens_at(start)} tokens/sample, steps {start}..{tr.max_steps}")
     logger = _Logger(cfg, acc, start, resuming=bool(resume))
     gap_before = trainer.evaluate()

@@ -63,12 +63,14 @@ def noised(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.
 
 
 @torch.no_grad()
-def teacher_samples(teacher, noise: torch.Tensor, embeds: torch.Tensor, steps: int, shift: float) -> torch.Tensor:
-    """Clean latents from the teacher: ``steps`` Euler steps of the flow ODE from ``noise`` (no guidance)."""
+def teacher_samples(teacher, noise: torch.Tensor, embeds: torch.Tensor, steps: int, shift: float,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Clean latents from the teacher (whose weights are in ``dtype``): ``steps`` Euler steps of the flow ODE from
+    ``noise`` (no guidance)."""
     sig = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
     sig = (shift * sig / (1 + (shift - 1) * sig)).tolist()
     x = noise
-    dt = next(teacher.parameters()).dtype
+    dt = dtype
     for a, b in zip(sig[:-1], sig[1:]):
         t = torch.full((x.shape[0],), a * 1000.0, device=x.device)
         v = teacher(hidden_states=x.to(dt), timestep=t, encoder_hidden_states=embeds.to(dt), return_dict=False)[0]

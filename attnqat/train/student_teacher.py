@@ -2,7 +2,9 @@
 
 The student runs a trainable attention mode (``attn_qat``) in the selected layers; the teacher, a copy of the
 same initial weights, runs the reference mode (bf16, exact SDPA) in the same layers. Both use
-:class:`AutocastAttnProcessor`, so under mixed precision their attention sees the same input dtype.
+:class:`AutocastAttnProcessor`, so under mixed precision their attention sees the same input dtype. With
+``train.trainable: lora`` the student is the frozen transformer with a LoRA adapter, and the teacher is no copy:
+:class:`AdapterOffTeacher` runs the same module with the adapter off and the reference attention.
 :class:`FeatureCapture` records every block's output hidden states, for feature distillation and the
 held-out gap. :func:`attention_saving_checkpoint` is the student's gradient checkpointing with
 ``train.save_attention``.
@@ -18,7 +20,8 @@ from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from attnqat.kernels import REFERENCE_MODE
-from attnqat.pipelines.processor import AttnQATProcessor, patch_attention
+from attnqat.pipelines.lora import add_lora
+from attnqat.pipelines.processor import AttnQATProcessor, patch_attention, processors_swapped
 
 
 class AutocastAttnProcessor(AttnQATProcessor):
@@ -54,12 +57,53 @@ def cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return copy.deepcopy(module, memo).to(dtype)  # .to: whatever else Module.to casts (complex buffers)
 
 
+class AdapterOffTeacher:
+    """The teacher of a LoRA run: the student's own transformer with its adapter off (diffusers'
+    ``disable_adapters``) and the reference mode's attention in the student's patched layers, so that no second
+    copy of the weights is held (Wan 14B's frozen weights are 28 GB in bf16).
+
+    ``teacher(...)`` calls ``forward_module`` inside :meth:`active`: the transformer, or the module accelerate
+    wrapped around it (the :class:`~.loop.Trainer` sets it after ``prepare``: FSDP gathers the weights in its
+    wrapper's forward). Its blocks are the student's, so a :class:`FeatureCapture` on ``transformer`` records the
+    teacher's features while it captures.
+    """
+
+    def __init__(self, transformer: torch.nn.Module, names: list[str]):
+        self.transformer = transformer
+        self.forward_module = transformer
+        # built once: a compiled block meets the same processors every step (processors_swapped)
+        self._swaps = [(transformer.get_submodule(n), AutocastAttnProcessor(REFERENCE_MODE)) for n in names]
+
+    @contextmanager
+    def active(self):
+        """Inside the block the transformer is the teacher; after it, even when the block raises, the student
+        again (its processors back, the adapter on and trainable)."""
+        with processors_swapped(self._swaps):
+            self.transformer.disable_adapters()
+            try:
+                yield self.transformer
+            finally:
+                self.transformer.enable_adapters()  # peft's: also makes the adapter's weights trainable again
+
+    def __call__(self, *args, **kwargs):
+        with self.active():
+            return self.forward_module(*args, **kwargs)
+
+
 def make_student_teacher(transformer: torch.nn.Module, mode: str, layers="self", options: dict | None = None,
                          teacher_dtype: torch.dtype = torch.float32, trainable: str = "all", *,
-                         with_teacher: bool = True):
+                         with_teacher: bool = True, lora: dict | None = None):
     """(student, teacher): the student trains ``mode`` attention; the teacher is a frozen deep copy with the
     reference mode's attention in the same layers, cast to ``teacher_dtype`` (None when ``with_teacher`` is
-    false). ``trainable="attention"`` leaves only the patched attention modules' weights trainable."""
+    false). ``trainable="attention"`` leaves only the patched attention modules' weights trainable.
+    ``trainable="lora"``: the transformer is frozen as it is (its dtype is the teacher's) and a LoRA adapter
+    (``lora``: :func:`~attnqat.pipelines.lora.add_lora`'s keywords) is what trains; the teacher is an
+    :class:`AdapterOffTeacher` of the student."""
+    if trainable == "lora":
+        student = transformer.train()
+        names = patch_for_training(student, mode, layers, **(options or {}))
+        add_lora(student, **lora)
+        return student, AdapterOffTeacher(student, names) if with_teacher else None
     teacher = None
     if with_teacher:  # copied before the student is patched: the copy starts from diffusers' processors
         teacher = cast_copy(transformer, teacher_dtype).eval().requires_grad_(False)
