@@ -1,0 +1,223 @@
+"""Sharded training checkpoints (``checkpoint.format: sharded``, the default under FSDP) on the tiny model, in two
+processes over gloo under real FSDP sharding (CPU):
+
+- each process writes its own shard (torch.distributed.checkpoint through safetensors), nothing is gathered, and a
+  run stopped and resumed gives the uninterrupted run's losses and final weights exactly;
+- a checkpoint whose write one process fails (a full disk) or dies in (a real kill) leaves the previous checkpoint
+  whole, and --resume auto continues from it exactly;
+- a sharded checkpoint of two processes loads into one (DCP reshards) with the very values a full checkpoint of
+  the same run holds, and nothing is unpickled while it loads (DCP's own FileSystemReader, the control, unpickles);
+- shard files the manifest does not list, or pieces that do not cover a tensor, are refused by name.
+
+accelerate (1.15) offers FSDP on GPUs only: on the CPU it builds a MULTI_CPU (DDP) state whatever the config says.
+torch's FSDP itself runs on the CPU over gloo, so :func:`fsdp_accelerator` puts accelerate's state into FSDP1 by
+hand, with configs/fsdp_wan14b.yaml's settings (FULL_SHARD, one unit per WanTransformerBlock, use_orig_params):
+``prepare`` then wraps the student in torch's FullyShardedDataParallel, and each process holds half of every block.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from attnqat.train import checkpoint as ck
+from attnqat.train import load_config, train
+from attnqat.train.checkpoint import CheckpointError
+from attnqat.train.loop import read_log
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+# all weights trained (FSDP's flat parameters with every requires_grad alike), a cosine schedule after a warmup step
+# (a scheduler state that did not come back shows), checkpoints at 2 and 4
+COMMON = ["log.progress=false", "data.held_out=0", "data.batch_size=2", "train.trainable=all", "objective.target=output",
+          "train.lr_schedule=cosine", "train.warmup_steps=1", "train.max_steps=4", "checkpoint.every=2",
+          "checkpoint.keep=2", "checkpoint.save_dtype=fp32"]
+
+FSDP_VERSION = int(os.environ.get("FSDPV", "2"))
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # the forked processes run one thread: so does this one
+
+
+@pytest.fixture(autouse=True)
+def reference_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch reference attention (see tests/test_train.py)
+
+
+def cfg(out, *overrides):
+    return load_config(TINY, [f"output_dir={out}", *COMMON, *overrides])
+
+
+def fsdp_accelerator():
+    """This process's accelerator, in accelerate's FSDP1 state with configs/fsdp_wan14b.yaml's sharding, on the CPU.
+    The state is shared by two singletons (AcceleratorState copies PartialState's when it is built again), so both
+    are set; the device is the plain "cpu" FSDP1 compares its own with."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    acc = Accelerator(cpu=True)
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=FSDP_VERSION, reshard_after_forward="FULL_SHARD" if FSDP_VERSION == 1 else True,
+        auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["WanTransformerBlock"],
+        use_orig_params=True, sync_module_states=False)
+    for state in (acc.state, PartialState()):
+        state.distributed_type = DistributedType.FSDP
+        state.device = torch.device("cpu")
+    return acc
+
+
+def _rank(rank: int, jobs: list, out_dir: str):
+    """Rank ``rank % 2`` of job ``rank // 2`` ((port, name, fn) each): ``fn(rank)`` under FSDP on 2 gloo processes;
+    its result (or traceback) goes to OUT_DIR/NAME-<rank>.json."""
+    from conftest import as_torchrun_rank
+
+    port, name, fn = jobs[rank // 2]
+    as_torchrun_rank(rank % 2, 2, port)
+    try:
+        result = {"ok": fn(rank % 2)}
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    Path(out_dir, f"{name}-{rank % 2}.json").write_text(json.dumps(result))
+
+
+def run_jobs(tmp: Path, *jobs: tuple[str, object]) -> dict[str, list[dict]]:
+    """Each (name, fn) of ``jobs`` on its own 2 FSDP processes, all at once; {name: [rank 0's result, rank 1's]}."""
+    from conftest import free_port, run_forked
+
+    run_forked(_rank, ([(free_port(), name, fn) for name, fn in jobs], str(tmp)), 2 * len(jobs), "the FSDP runs")
+    return {name: [json.loads((tmp / f"{name}-{r}.json").read_text()) for r in (0, 1)] for name, _ in jobs}
+
+
+def fsdp_train(out, *overrides, **kw):
+    """A job: train on the FSDP accelerator; its losses and the checkpoint layout accelerate's state gave."""
+    def job(rank):
+        acc = fsdp_accelerator()
+        r = train(cfg(out, *overrides), accelerator=acc, **kw)
+        return {"losses": r.losses, "distributed_type": acc.distributed_type.value}
+    return job
+
+
+def ok(results: list[dict]) -> list:
+    for r in results:
+        assert "ok" in r, r.get("traceback", r)[-3000:]
+    return [r["ok"] for r in results]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three 2-process FSDP runs side by side: the uninterrupted one (checkpoint.format auto), the same stopped after
+    step 2 (sharded checkpoint step-2), and one stopped there with checkpoint.format: full (the reference state)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "0")
+        results = run_jobs(tmp, ("whole", fsdp_train(tmp / "whole")),
+                           ("cut", fsdp_train(tmp / "cut", stop_after=2)),
+                           ("full", fsdp_train(tmp / "full", "checkpoint.format=full", stop_after=2)))
+    whole, cut, full = (ok(results[k]) for k in ("whole", "cut", "full"))
+    assert whole[0]["distributed_type"] == "FSDP" and whole[0]["losses"] == whole[1]["losses"]
+    assert len(set(whole[0]["losses"])) == 4
+    copy_run(tmp / "cut", tmp / "stopped")  # kept as it is: the tests below resume copies of it
+    return {"tmp": tmp, "losses": whole[0]["losses"], "cut": tmp / "cut", "full": tmp / "full", "whole": tmp / "whole",
+            "stopped": tmp / "stopped"}
+
+
+def copy_run(src: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dest)
+    return dest
+
+
+def shard_pieces(ckpt: Path) -> dict[str, dict[str, int]]:
+    """{shard file: {tensor: elements in it}} of a sharded checkpoint."""
+    out = {}
+    for f in sorted((ckpt / ck.SHARDS).iterdir()):
+        with safe_open(str(f), framework="pt") as s:
+            out[f.name] = {k: s.get_slice(k).get_shape() for k in s.keys()}
+    return {name: {k: int(torch.Size(shape).numel()) for k, shape in d.items()} for name, d in out.items()}
+
+
+def test_each_process_writes_its_shard_and_a_resume_is_exact(runs, tmp_path):
+    ckpt = runs["cut"] / "checkpoints" / "step-0000002"
+    manifest = ck.verify(ckpt)
+    assert manifest["layout"] == "sharded"  # checkpoint.format auto, under FSDP
+    assert not (ckpt / "state" / "model.safetensors").exists() and not (ckpt / "state" / "optimizer.safetensors").exists()
+    assert not [p for p in ckpt.rglob("*") if p.suffix in (".pkl", ".bin", ".pt", ".pth", ".metadata")]
+    pieces = shard_pieces(ckpt)
+    assert sorted(pieces) == ["shard-00001-model-00001-of-00001.safetensors",
+                              "shard-00002-model-00001-of-00001.safetensors"]
+    # every block weight is split between the two files, half each: no process wrote a gathered copy
+    whole = load_file(str(runs["full"] / "checkpoints" / "step-0000002" / "state" / "model.safetensors"))
+    block = "blocks.0.ffn.net.0.proj.weight"
+    for kind in (f"model/{block}", f"optimizer/{block}/exp_avg_sq"):
+        assert [p[kind] for p in pieces.values()] == [whole[block].numel() // 2] * 2, kind
+    # resumed in two fresh FSDP processes: steps 3 and 4 as the uninterrupted run's, the final weights the same
+    resumed = ok(run_jobs(tmp_path, ("resume", fsdp_train(runs["cut"], resume="auto")))["resume"])
+    assert resumed[0]["losses"] == runs["losses"][2:]
+    assert [float(r["loss"]) for r in read_log(runs["cut"] / "log.csv")] == runs["losses"]
+    a, b = (load_file(str(runs[k] / "final" / "transformer.safetensors")) for k in ("cut", "whole"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.rglob("*") if p.name.endswith((".tmp", ".old")))
+
+
+def failing_shard_write(how: str):
+    """A job: resume the stopped run (step 2) to step 4, and in process 1 fail the write of its shard of step-4: a
+    full disk (OSError ENOSPC), or a real kill (os._exit, no cleanup; the launcher then stops process 0)."""
+    def job(rank):
+        import safetensors.torch
+
+        real, calls = safetensors.torch.save, []
+
+        def save(*a, **kw):  # what DCP's safetensors writer calls to serialise a shard
+            calls.append(1)
+            if rank == 1 and len(calls) == 1:  # this run's first checkpoint: step-4
+                if how == "kill":
+                    os._exit(9)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(*a, **kw)
+
+        safetensors.torch.save = save
+        return fsdp_train(OUT[how], resume="auto")(rank)
+    return job
+
+
+OUT: dict[str, Path] = {}  # the run folder of each failing job (set before the processes fork)
+
+
+def test_a_failed_or_killed_shard_write_leaves_the_last_checkpoint(runs, tmp_path):
+    """One process cannot write its shard of step-4 (a full disk), or dies writing it (a real kill). Either way
+    step-2 stays whole and --resume auto continues from it to the uninterrupted run's losses and weights; the full
+    disk stops both processes with the same one-line error and leaves no step-4.tmp."""
+    from torch.multiprocessing import ProcessExitedException
+
+    OUT.update(kill=copy_run(runs["stopped"], tmp_path / "kill"), disk=copy_run(runs["stopped"], tmp_path / "disk"))
+    with pytest.raises(ProcessExitedException, match="exit code 9"):
+        run_jobs(tmp_path, ("killed", failing_shard_write("kill")))
+    # no step-4: at most its partial copy (process 0 deletes it if it sees the failure before it is stopped)
+    ckpts = OUT["kill"] / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) in (["step-0000002"], ["step-0000002", "step-0000004.tmp"])
+    assert not (ckpts / "step-0000004.tmp" / "manifest.json").exists()
+    assert ck.verify(ckpts / "step-0000002")["step"] == 2
+    results = run_jobs(tmp_path, ("disk", failing_shard_write("disk")),
+                       ("resume", fsdp_train(OUT["kill"], resume="auto")))
+    for r in results["disk"]:
+        assert "OutputWriteError" in r.get("error", "") and "process 1 could not write its shard" in r["error"], r
+        assert "No space left on device" in r["error"] and "\n" not in r["error"]
+    assert [p.name for p in (OUT["disk"] / "checkpoints").iterdir()] == ["step-0000002"]
+    assert ck.verify(OUT["disk"] / "checkpoints" / "step-0000002")["step"] == 2
+    assert not (OUT["disk"] / "final").exists()
+    resumed = ok(results["resume"])  # the recovery removed the killed write; step-2 continued
+    assert resumed[0]["losses"] == runs["losses"][2:]
+    assert leftovers(OUT["kill"]) == []
+    a, b = (load_file(str(d / "final" / "transformer.safetensors")) for d in (OUT["kill"], runs["whole"]))
+    assert all(torch.equal(a[k], b[k]) for k in b)
