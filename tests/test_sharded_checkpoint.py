@@ -221,3 +221,104 @@ def test_a_failed_or_killed_shard_write_leaves_the_last_checkpoint(runs, tmp_pat
     assert leftovers(OUT["kill"]) == []
     a, b = (load_file(str(d / "final" / "transformer.safetensors")) for d in (OUT["kill"], runs["whole"]))
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def _no_unpickling_while(fn, control) -> dict:
+    """Run ``control()`` then ``fn()`` in this (forked) process, counting what the unpickler does: the audit event
+    "pickle.find_class" (every unpickler, C or Python, raises it for each class or function a pickle names) and
+    calls of pickle.load / loads / Unpickler and torch.load. The control must be seen; during ``fn`` nothing may
+    happen, and pickle.load / loads / Unpickler and torch.load raise."""
+    import pickle
+    import sys
+
+    seen = {"control": 0, "fn": 0}
+    phase = ["control"]
+    sys.addaudithook(lambda event, args: event == "pickle.find_class" and seen.__setitem__(phase[0], seen[phase[0]] + 1))
+    control()
+
+    def refuse(*a, **kw):
+        seen["fn"] += 1
+        raise AssertionError("something was unpickled")
+
+    phase[0] = "fn"
+    pickle.load = pickle.loads = pickle.Unpickler = torch.load = refuse
+    out = fn()
+    return {**out, **seen}
+
+
+def test_two_processes_shards_load_into_one_with_nothing_unpickled(runs, tmp_path):
+    """World size 2 -> 1: the sharded step-2 of the 2-process FSDP run, resumed by one plain process (DCP puts the
+    pieces together), holds exactly the weights and optimizer state that the same run's full checkpoint
+    (checkpoint.format: full, gathered by FSDP) holds. Loading it unpickles nothing; the control does: DCP's
+    default FileSystemWriter/Reader pair on a small state, whose .metadata is a pickle."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from attnqat.train import Trainer
+    from conftest import forked_process
+
+    ckpt = runs["stopped"] / "checkpoints" / "step-0000002"
+    full = runs["full"] / "checkpoints" / "step-0000002"
+
+    def control():
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"x": torch.ones(3)}, checkpoint_id=str(tmp_path / "dcp_default"))
+        dcp.load({"x": torch.zeros(3)}, checkpoint_id=str(tmp_path / "dcp_default"))
+
+    def load_in_one_process():
+        from attnqat.train.checkpoint import unflatten_optimizer
+
+        trainer = Trainer(cfg(tmp_path / "one"))
+        assert trainer.accelerator.num_processes == 1
+        trainer.resume_from(str(ckpt))
+        got_model = trainer.student.state_dict()
+        got_opt = get_optimizer_state_dict(trainer.student, trainer.optimizer.optimizer,
+                                           options=StateDictOptions(full_state_dict=True))
+        want_model = load_file(str(full / "state" / "model.safetensors"))
+        want_opt = unflatten_optimizer(load_file(str(full / "state" / "optimizer.safetensors")),
+                                       json.loads((full / "state" / "optimizer.json").read_text()))
+        same_model = got_model.keys() == want_model.keys() and all(torch.equal(got_model[k], want_model[k])
+                                                                    for k in want_model)
+        same_opt = (got_opt["state"].keys() == want_opt["state"].keys()
+                    and all(torch.equal(got_opt["state"][p][k], v) for p, d in want_opt["state"].items()
+                            for k, v in d.items())
+                    and got_opt["param_groups"] == [dict(g) for g in want_opt["param_groups"]])
+        # the state really moved: a fresh trainer's differs
+        fresh = Trainer(cfg(tmp_path / "fresh")).student.state_dict()
+        return {"model": same_model, "optimizer": same_opt, "step": trainer.state.step,
+                "scheduler": trainer.scheduler.last_epoch, "fresh_differs": not all(torch.equal(fresh[k], want_model[k])
+                                                                                    for k in want_model)}
+
+    result = {}
+
+    def child():
+        result.update(_no_unpickling_while(load_in_one_process, control))
+        print("RESULT " + json.dumps(result))
+
+    p = forked_process(child)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert result["control"] > 0  # the detector sees DCP's own pickle
+    assert result["fn"] == 0, result  # ours: nothing unpickled
+    assert result == {**result, "model": True, "optimizer": True, "step": 2, "scheduler": 2, "fresh_differs": True}
+
+
+def test_shard_files_not_in_the_manifest_or_missing_pieces_are_refused(runs, tmp_path):
+    """DCP's reader opens every safetensors file in the shards folder: one the manifest does not list is refused by
+    name, never read. A crafted checkpoint (its manifest rewritten) that lacks a process's shard is refused for the
+    pieces it lacks, before anything loads."""
+    run = copy_run(runs["stopped"], tmp_path / "run")
+    ckpt = run / "checkpoints" / "step-0000002"
+    shards = ckpt / ck.SHARDS
+    stray = shards / "shard-00003-model-00001-of-00001.safetensors"
+    stray.write_bytes((shards / "shard-00002-model-00001-of-00001.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="does not hold exactly the shard files its manifest.json lists "
+                                              r"\(shard-00003"):
+        train(cfg(tmp_path / "a"), resume=str(ckpt))
+    stray.unlink()
+    # without process 0's shard, the pieces of process 1 (the second half of each block weight) leave a hole
+    (shards / "shard-00001-model-00001-of-00001.safetensors").unlink()
+    ck.write_manifest(ckpt, kind="checkpoint", step=2, layout="sharded")
+    with pytest.raises(CheckpointError, match=r"the pieces of \S+ in state/shards/ cover \d+ of its \d+ elements"):
+        train(cfg(tmp_path / "b"), resume=str(ckpt))
+    assert not (tmp_path / "a" / "final").exists() and not (tmp_path / "b" / "final").exists()

@@ -620,6 +620,12 @@ def load_sharded(folder: Path, manifest: dict, model, optimizer, structure: dict
 
     shards = _shard_files(folder, manifest)
     tensors, _ = sharded_state(model, optimizer)  # this run's layout: DCP fills it in place
+    saved = sharded_shapes(folder, manifest)
+    want = {k: tuple(v.shape) for k, v in tensors.items()}  # whole shapes (a DTensor's and ShardedTensor's too)
+    if saved != want:  # DCP would load the overlap of a tensor of another shape and leave the rest as it was
+        diff = sorted(set(saved) ^ set(want)) or sorted(k for k in want if saved[k] != want[k])
+        raise CheckpointError(f"{folder}: {SHARDS}/ holds another model's or optimizer's state ({len(diff)} tensors "
+                              f"differ, e.g. {diff[0]})")
     try:
         with _single_process_is_meant():
             dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(shards)))
