@@ -10,9 +10,10 @@ processes over gloo under real FSDP sharding (CPU):
 - shard files the manifest does not list, or pieces that do not cover a tensor, are refused by name.
 
 accelerate (1.15) offers FSDP on GPUs only: on the CPU it builds a MULTI_CPU (DDP) state whatever the config says.
-torch's FSDP itself runs on the CPU over gloo, so :func:`fsdp_accelerator` puts accelerate's state into FSDP1 by
-hand, with configs/fsdp_wan14b.yaml's settings (FULL_SHARD, one unit per WanTransformerBlock, use_orig_params):
-``prepare`` then wraps the student in torch's FullyShardedDataParallel, and each process holds half of every block.
+torch's FSDP itself runs on the CPU over gloo, so :func:`fsdp_accelerator` puts accelerate's state into FSDP by hand
+(one unit per WanTransformerBlock, as configs/fsdp_wan14b.yaml): ``prepare`` then shards the student, and each
+process holds half of every block. The runs use FSDP2; FSDP1's sharded state (what the config's fsdp_version 1
+gives DCP) is saved and loaded without the loop (see :func:`fsdp_accelerator` for why).
 """
 from __future__ import annotations
 
@@ -40,8 +41,6 @@ COMMON = ["log.progress=false", "data.held_out=0", "data.batch_size=2", "train.t
           "train.lr_schedule=cosine", "train.warmup_steps=1", "train.max_steps=4", "checkpoint.every=2",
           "checkpoint.keep=2", "checkpoint.save_dtype=fp32"]
 
-FSDP_VERSION = int(os.environ.get("FSDPV", "2"))
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # the forked processes run one thread: so does this one
 
 
@@ -54,17 +53,22 @@ def cfg(out, *overrides):
     return load_config(TINY, [f"output_dir={out}", *COMMON, *overrides])
 
 
-def fsdp_accelerator():
-    """This process's accelerator, in accelerate's FSDP1 state with configs/fsdp_wan14b.yaml's sharding, on the CPU.
-    The state is shared by two singletons (AcceleratorState copies PartialState's when it is built again), so both
-    are set; the device is the plain "cpu" FSDP1 compares its own with."""
+def fsdp_accelerator(version: int = 2):
+    """This process's accelerator, in accelerate's FSDP state (``version`` 2: fully_shard; 1: FullyShardedDataParallel
+    with configs/fsdp_wan14b.yaml's FULL_SHARD) with one unit per WanTransformerBlock, on the CPU. The state is shared
+    by two singletons (AcceleratorState copies PartialState's when it is built again), so both are set; the device
+    is the plain "cpu" FSDP1 compares its own with.
+
+    The loop runs under FSDP2: under FSDP1 on the CPU, accelerate's gather of the exported weights (FSDP1's
+    FULL_STATE_DICT with offload_to_cpu) crashes the process (SIGSEGV in torch's state-dict hook, torch 2.13 CPU).
+    FSDP1's sharded state (ShardedTensor, where FSDP2 has DTensor) is tested without the loop, below."""
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     acc = Accelerator(cpu=True)
     acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=FSDP_VERSION, reshard_after_forward="FULL_SHARD" if FSDP_VERSION == 1 else True,
+        fsdp_version=version, reshard_after_forward="FULL_SHARD" if version == 1 else True,
         auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["WanTransformerBlock"],
         use_orig_params=True, sync_module_states=False)
     for state in (acc.state, PartialState()):
@@ -322,3 +326,76 @@ def test_shard_files_not_in_the_manifest_or_missing_pieces_are_refused(runs, tmp
     with pytest.raises(CheckpointError, match=r"the pieces of \S+ in state/shards/ cover \d+ of its \d+ elements"):
         train(cfg(tmp_path / "b"), resume=str(ckpt))
     assert not (tmp_path / "a" / "final").exists() and not (tmp_path / "b" / "final").exists()
+
+
+def same_optimizer_state(a: dict, b: dict) -> bool:
+    """Two FQN-keyed optimizer state dicts hold the same tensors, compared by FQN and key (flatten_optimizer's t0,
+    t1, ... follow each dict's own order of parameters, which FSDP1's gather and a plain optimizer's differ in)."""
+    return a["state"].keys() == b["state"].keys() and all(
+        a["state"][p].keys() == b["state"][p].keys() and all(torch.equal(a["state"][p][k], b["state"][p][k])
+                                                             for k in a["state"][p])
+        for p in a["state"])
+
+
+def test_fsdp1_sharded_state_round_trips_and_reshards(tmp_path):
+    """FSDP1 (configs/fsdp_wan14b.yaml's version: ShardedTensor pieces) through the same functions the loop calls:
+    two processes save their shards after an AdamW step, load them into a fresh FSDP1 model and optimizer of another
+    initialisation, and one plain process loads them too; every copy holds FSDP1's own full gather of the saved
+    model and optimizer state, exactly."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    from attnqat.pipelines import build_tiny_transformer
+    from attnqat.outputs import save_safetensors
+
+    folder = tmp_path / "ckpt"
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=False)  # with offload_to_cpu, FSDP1 crashes on the CPU
+
+    def fresh(acc, seed):
+        torch.manual_seed(seed)
+        model = build_tiny_transformer().float()
+        return acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+
+    def gathered(model, opt):
+        return get_model_state_dict(model, options=whole), get_optimizer_state_dict(model, opt, options=whole)
+
+    def job(rank):
+        acc = fsdp_accelerator(version=1)
+        model, opt = fresh(acc, 0)
+        torch.manual_seed(10 + rank)  # each process its own batch
+        out = model(hidden_states=torch.randn(1, 16, 2, 8, 8), timestep=torch.tensor([500.0]),
+                    encoder_hidden_states=torch.randn(1, 8, 32), return_dict=False)[0]
+        acc.backward(out.pow(2).mean())
+        opt.step()
+        tensors, structure = ck.sharded_state(model, opt.optimizer)
+        assert type(tensors["model/blocks.0.ffn.net.0.proj.weight"]).__name__ == "ShardedTensor"
+        ck.save_sharded(folder / ck.SHARDS, tensors)
+        want_model, want_opt = gathered(model, opt.optimizer)
+        if rank == 0:
+            want_tensors, want_structure = ck.flatten_optimizer(want_opt)
+            save_safetensors(folder / "want_model.safetensors", want_model)
+            save_safetensors(folder / "want_optimizer.safetensors", want_tensors)
+            (folder / "structure.json").write_text(json.dumps({"saved": structure, "want": want_structure}))
+        acc.wait_for_everyone()
+        manifest = {"files": {f"{ck.SHARDS}/{p.name}": {} for p in (folder / ck.SHARDS).iterdir()}}
+        model2, opt2 = fresh(acc, 1)
+        ck.load_sharded(folder, manifest, model2, opt2.optimizer, structure)
+        got_model, got_opt = gathered(model2, opt2.optimizer)
+        return {"model": all(torch.equal(got_model[k], v) for k, v in want_model.items()),
+                "optimizer": same_optimizer_state(got_opt, want_opt)}
+
+    results = ok(run_jobs(tmp_path, ("fsdp1", job))["fsdp1"])
+    assert all(r["model"] and r["optimizer"] for r in results), results
+    # one plain process: the pieces of both put together (DCP's resharding, ShardedTensor -> whole tensors)
+    structure = json.loads((folder / "structure.json").read_text())
+    manifest = {"files": {f"{ck.SHARDS}/{p.name}": {} for p in (folder / ck.SHARDS).iterdir()}}
+    model = build_tiny_transformer().float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck.load_sharded(folder, manifest, model, opt, structure["saved"])
+    want_model = load_file(str(folder / "want_model.safetensors"))
+    got = model.state_dict()
+    assert got.keys() == want_model.keys() and all(torch.equal(got[k], want_model[k]) for k in got)
+    want_opt = ck.unflatten_optimizer(load_file(str(folder / "want_optimizer.safetensors")), structure["want"])
+    assert same_optimizer_state(get_optimizer_state_dict(model, opt, options=whole), want_opt)
+    assert opt.param_groups[0]["weight_decay"] == 0.01  # the saved hyperparameters, not this optimizer's default
+    assert any(not torch.equal(v, build_tiny_transformer().float().state_dict()[k]) for k, v in got.items())
