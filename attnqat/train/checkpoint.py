@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from attnqat.errors import OutputWriteError
 from attnqat.outputs import save_safetensors
 from attnqat.pipelines.loading import CHECKPOINTS_DIR, FINAL_DIR, MANIFEST, STEP_DIR
 
@@ -555,8 +556,6 @@ def save_sharded(folder: Path, tensors: dict) -> None:
     calls it. A process that fails (a full disk) fails it on all, as an OutputWriteError naming the process."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from attnqat.errors import OutputWriteError
 
     try:
         with _single_process_is_meant():
