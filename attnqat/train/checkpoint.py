@@ -565,7 +565,7 @@ def save_sharded(folder: Path, tensors: dict) -> None:
         if isinstance(exc, OSError):
             raise OutputWriteError(exc.errno, f"process {rank} could not write its shard of the training state "
                                               f"({exc.strerror or exc})", exc.filename) from None
-        raise exc from None
+        raise  # not the disk: a bug, with every process's traceback
     fsync_dir(Path(folder))
 
 

@@ -716,7 +716,8 @@ class _Logger:
 
     def close(self):
         """End the trackers, so their files are complete when training returns (log.csv is closed after each row).
-        Not accelerator.end_training(): that also ends the process group, which the final export still needs."""
+        Not accelerator.end_training(): that also destroys the process group, which the held-out evaluation after
+        the last step still uses (train() calls it last)."""
         if self.main and self.trackers:
             for tracker in self.acc.trackers:
                 tracker.finish()
