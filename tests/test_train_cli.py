@@ -45,8 +45,10 @@ BOOLS = {k for k, h in KEYS.items() if h is bool}
 # Values no key accepts (with the exceptions named below), as YAML text.
 GENERIC = ["null", ".nan", ".inf", "-.inf", "1e999", "-1", "[]", "{a: 1}", "true", "''", "'" + "x" * 5000 + "'",
            "[[[[1]]]]", "&a [*a]", "2026-01-01", "{1: 2}", "'\u202e\u0000'"]
-# legal after all: null where a key is optional, true for booleans, a folder named 1e999
-SKIP = {(k, "null") for k in OPTIONAL} | {(k, "true") for k in BOOLS} | {("output_dir", "1e999")}
+# legal after all: null where a key is optional, true for booleans, a folder or trackers' project named 1e999 (YAML
+# reads it as a string), no trackers
+SKIP = {(k, "null") for k in OPTIONAL} | {(k, "true") for k in BOOLS} | {("output_dir", "1e999"),
+                                                                          ("log.project", "1e999"), ("log.trackers", "[]")}
 # Well-typed but absurd: past the limits docs/training.md gives (LIMITS and the size limits), or inconsistent.
 ABSURD = [
     "train.max_steps=10000000", "train.max_steps=0", "seed=4294967296", "seed=-5", "data.held_out_seed=-1",

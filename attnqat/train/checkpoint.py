@@ -14,6 +14,14 @@ A checkpoint folder (``OUTPUT/checkpoints/step-NNNNNNN/``, and ``OUTPUT/final/``
     state/rng-R.safetensors     process R's torch (CPU, CUDA) RNG states; Python's and NumPy's in its metadata
     manifest.json               written last: the size and sha256 of every other file
 
+With ``checkpoint.format: sharded`` (:func:`layout_for`; the manifest says ``"layout": "sharded"``) the two
+full-state files are replaced by ``state/shards/``: one safetensors file per process, each written by its own
+process through ``torch.distributed.checkpoint`` (DCP's ``HuggingFaceStorageWriter``: the tensors and, in the
+header's metadata, where each piece sits in its whole tensor; no ``.metadata`` pickle), holding that process's
+part of the fp32 master weights (``model/FQN``) and of the optimizer state (``optimizer/FQN/KEY``); the rest of
+the optimizer state stays in ``state/optimizer.json``. Nothing is gathered to one process, and DCP reshards on
+load, so a run may resume on another number of processes.
+
 Only safetensors and JSON are ever read back (``safetensors.torch.load_file``, ``json.loads``): a checkpoint
 from someone else cannot run code. Folders written by accelerate's ``save_state`` (older attnqat: pickles
 in ``state/``) are refused by name. Files the manifest does not list are never opened.
@@ -24,22 +32,28 @@ interrupted commit from whatever a kill left, and never deletes the only complet
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import re
 import shutil
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from attnqat.errors import OutputWriteError
 from attnqat.outputs import save_safetensors
 from attnqat.pipelines.loading import CHECKPOINTS_DIR, FINAL_DIR, MANIFEST, STEP_DIR
 
 FORMAT = "attnqat-checkpoint"
 VERSION = 1
+LAYOUTS = ("full", "sharded")  # a manifest without "layout" is full (written before sharded checkpoints existed)
+SHARDS = "state/shards"
 MAX_MANIFEST_BYTES = 16 << 20
 KNOWN_SIDE = (".tmp", ".old")  # an interrupted write (.tmp) or commit (.old)
 CORRUPT = ".corrupt"  # a checkpoint that failed verification, moved aside by --resume auto
@@ -125,13 +139,13 @@ def _hash_all(paths: list[Path]) -> list[str]:
         return list(pool.map(_sha256, paths))
 
 
-def write_manifest(folder: Path, *, kind: str, step: int) -> None:
+def write_manifest(folder: Path, *, kind: str, step: int, layout: str = "full") -> None:
     """List every file of ``folder`` with its size and sha256 in ``folder/manifest.json``; written last and
-    atomically, so a folder with a manifest is complete."""
+    atomically, so a folder with a manifest is complete. ``layout``: how the training state is stored (LAYOUTS)."""
     folder = Path(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
     digests = _hash_all(files)
-    manifest = {"format": FORMAT, "version": VERSION, "kind": kind, "step": int(step),
+    manifest = {"format": FORMAT, "version": VERSION, "kind": kind, "step": int(step), "layout": layout,
                 "files": {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": d}
                           for p, d in zip(files, digests)}}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1))
@@ -160,7 +174,7 @@ def read_manifest(folder: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     ok = (isinstance(m, dict) and m.get("format") == FORMAT and m.get("version") == VERSION
           and isinstance(m.get("step"), int) and m.get("kind") in ("checkpoint", "final")
-          and isinstance(m.get("files"), dict))
+          and m.get("layout", "full") in LAYOUTS and isinstance(m.get("files"), dict))
     if not ok:
         raise CheckpointError(f"{path} is not an attnqat {FORMAT} v{VERSION} manifest")
     for rel, info in m["files"].items():
@@ -345,9 +359,9 @@ def run_artifacts(output_dir: Path) -> list[Path]:
     for p in sorted(out_dir.glob("final*")):
         if p.is_dir() and (p.name == "final" and is_ours(p) or re.fullmatch(r"final(\.tmp|\.old|\.corrupt\d*)", p.name)):
             found.append(p)
-    tb = out_dir / "tensorboard"
-    if tb.is_dir() and all(f.is_file() and f.name.startswith("events.out.tfevents.") for f in tb.iterdir()):
-        found.append(tb)
+    for name in ("tensorboard", TRACKERS):  # tensorboard/: older attnqat's SummaryWriter
+        if _only_tensorboard_files(out_dir / name):
+            found.append(out_dir / name)
     ckpts = out_dir / "checkpoints"
     if ckpts.is_dir():
         for p in sorted(ckpts.iterdir()):
@@ -358,6 +372,20 @@ def run_artifacts(output_dir: Path) -> list[Path]:
             elif re.fullmatch(STEP_DIR.pattern + r"(\.tmp|\.old|\.corrupt\d*)", p.name):
                 found.append(p)
     return found
+
+
+TRACKERS = "trackers"  # accelerate's logging_dir for log.trackers (TensorBoard's events in trackers/PROJECT/)
+
+
+def _only_tensorboard_files(folder: Path) -> bool:
+    """``folder`` holds nothing but what TensorBoard writes there through accelerate: event files, and the
+    hparams.yml of its init_trackers (in a folder named by the time), at any depth."""
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    for p in folder.rglob("*"):
+        if p.is_symlink() or (p.is_file() and not (p.name.startswith("events.out.tfevents.") or p.name == "hparams.yml")):
+            return False
+    return True
 
 
 def remove_run(output_dir: Path, log=print) -> list[Path]:
@@ -401,17 +429,19 @@ def decode(value):
     return value
 
 
-def flatten_optimizer(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """A full (FQN-keyed) optimizer state dict -> (tensors named t0, t1, ..., JSON-able structure)."""
+def flatten_optimizer(osd: dict, name=None) -> tuple[dict[str, torch.Tensor], dict]:
+    """A (FQN-keyed) optimizer state dict -> (its tensors, JSON-able structure naming them). The tensors are named
+    t0, t1, ... and copied to the CPU (a full state dict), or ``name(fqn, key)`` and left as they are (a sharded
+    one: DTensor / ShardedTensor on the device, which DCP writes piece by piece)."""
     tensors: dict[str, torch.Tensor] = {}
     state = {}
     for fqn, entries in osd.get("state", {}).items():
         state[str(fqn)] = {}
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
-                name = f"t{len(tensors)}"
-                tensors[name] = value.detach().cpu()
-                state[str(fqn)][key] = {"tensor": name}
+                ref = f"t{len(tensors)}" if name is None else name(fqn, key)
+                tensors[ref] = value.detach().cpu() if name is None else value
+                state[str(fqn)][key] = {"tensor": ref}
             else:
                 state[str(fqn)][key] = {"value": encode(value)}
     return tensors, {"state": state, "param_groups": encode(osd.get("param_groups", []))}
@@ -464,3 +494,145 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Non
         np.random.set_state((str(name), np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"RNG state does not load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sharded training state (checkpoint.format: sharded): torch.distributed.checkpoint, through safetensors
+#
+# DCP's default FileSystemWriter stores its index (which piece of which tensor is where) as a pickle,
+# ``.metadata``, which its FileSystemReader unpickles: loading someone else's checkpoint could run code. Its
+# HuggingFaceStorageWriter with ``save_distributed`` writes each process's pieces as one safetensors file and the
+# index in that file's header (JSON: each piece's offsets in its whole tensor), and HuggingFaceStorageReader
+# rebuilds the index from the headers: nothing is pickled either way. It stores tensors only, so the optimizer's
+# other values (param groups, hyperparameters) go to optimizer.json as in a full checkpoint.
+
+
+def layout_for(fmt: str, distributed_type: str) -> str:
+    """The layout of the training state a run writes: ``checkpoint.format`` (full, sharded, or auto: sharded under
+    FSDP, where a full state dict gathers the whole model and optimizer state on one process, else full)."""
+    if fmt == "auto":
+        return "sharded" if distributed_type == "FSDP" else "full"
+    return fmt
+
+
+def sharded_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """This process's part of the model's and the optimizer's state (DTensor / ShardedTensor under FSDP, whole
+    tensors otherwise), flat, keyed ``model/FQN`` and ``optimizer/FQN/KEY``; and optimizer.json's structure (which
+    names the tensors and holds every other value). An optimizer that has not stepped yet gets its state at zero
+    (torch steps it once at lr 0), a template to load into."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    tensors = {f"model/{k}": v for k, v in get_model_state_dict(model).items()}
+    opt_tensors, structure = flatten_optimizer(get_optimizer_state_dict(model, optimizer),
+                                               name=lambda fqn, key: f"optimizer/{fqn}/{key}")
+    return {**tensors, **opt_tensors}, structure
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """DCP warns on every call without a process group that it assumes one process: a one-process run is one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def local_parts(tensors: dict):
+    """(name, tensor) of the pieces of ``tensors`` this process holds (a DTensor's or ShardedTensor's local part)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    for name, t in tensors.items():
+        if isinstance(t, DTensor):
+            yield name, t.to_local()
+        elif isinstance(t, ShardedTensor):
+            for shard in t.local_shards():
+                yield name, shard.tensor
+        else:
+            yield name, t
+
+
+def save_sharded(folder: Path, tensors: dict) -> None:
+    """Every process writes its part of ``tensors`` to ``folder/shard-0000R-model-00001-of-00001.safetensors``
+    (R = its rank + 1; a tensor all processes hold whole is written once), fsynced. Collective: every process
+    calls it. A process that fails (a full disk) fails it on all, as an OutputWriteError naming the process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _single_process_is_meant():
+            dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True))
+    except CheckpointException as e:  # a BaseException carrying every process's failure
+        rank, (exc, _) = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
+        if isinstance(exc, OSError):
+            raise OutputWriteError(exc.errno, f"process {rank} could not write its shard of the training state "
+                                              f"({exc.strerror or exc})", exc.filename) from None
+        raise  # not the disk: a bug, with every process's traceback
+    fsync_dir(Path(folder))
+
+
+def _shard_files(folder: Path, manifest: dict) -> Path:
+    """``folder/state/shards``, after checking that the safetensors files in it are exactly those its manifest
+    lists: DCP's reader opens every one there."""
+    shards = Path(folder) / SHARDS
+    listed_here = {rel.rsplit("/", 1)[1] for rel in manifest["files"]
+                   if rel.startswith(SHARDS + "/") and rel.endswith(".safetensors") and rel.count("/") == 2}
+    present = {p.name for p in shards.iterdir() if p.name.endswith(".safetensors")} if shards.is_dir() else set()
+    if not listed_here or present != listed_here:
+        extra = sorted(present - listed_here) or sorted(listed_here - present) or ["none listed"]
+        raise CheckpointError(f"{folder}: {SHARDS}/ does not hold exactly the shard files its {MANIFEST} lists "
+                              f"({extra[0]})")
+    return shards
+
+
+def sharded_shapes(folder: Path, manifest: dict) -> dict[str, tuple[int, ...]]:
+    """The whole shape of every tensor of a sharded checkpoint (``model/FQN``, ``optimizer/FQN/KEY``), read from
+    the shards' headers (no tensor is loaded); CheckpointError if the pieces do not cover each tensor once (a
+    shard missing, or pieces that overlap)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    shards = _shard_files(folder, manifest)
+    try:
+        md = HuggingFaceStorageReader(str(shards)).read_metadata()
+    except (ValueError, KeyError, TypeError, RuntimeError, OSError) as e:
+        raise CheckpointError(f"{folder}: the headers of {SHARDS}/ do not read as DCP shards "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    shapes = {}
+    for key, meta in md.state_dict_metadata.items():
+        size = tuple(int(x) for x in meta.size)
+        covered = 0
+        for chunk in meta.chunks:
+            if any(o < 0 or o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, size)):
+                raise CheckpointError(f"{folder}: a piece of {key} lies outside the tensor")
+            covered += math.prod(chunk.sizes)
+        if covered != math.prod(size):
+            raise CheckpointError(f"{folder}: the pieces of {key} in {SHARDS}/ cover {covered} of its "
+                                  f"{math.prod(size)} elements (a shard missing or repeated)")
+        shapes[key] = size
+    return shapes
+
+
+def load_sharded(folder: Path, manifest: dict, model, optimizer, structure: dict) -> None:
+    """Load a sharded checkpoint's model and optimizer state into ``model`` and ``optimizer`` (prepared, on any
+    number of processes: DCP reads the pieces each process's own part needs). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    shards = _shard_files(folder, manifest)
+    tensors, _ = sharded_state(model, optimizer)  # this run's layout: DCP fills it in place
+    saved = sharded_shapes(folder, manifest)
+    want = {k: tuple(v.shape) for k, v in tensors.items()}  # whole shapes (a DTensor's and ShardedTensor's too)
+    if saved != want:  # DCP would load the overlap of a tensor of another shape and leave the rest as it was
+        diff = sorted(set(saved) ^ set(want)) or sorted(k for k in want if saved[k] != want[k])
+        raise CheckpointError(f"{folder}: {SHARDS}/ holds another model's or optimizer's state ({len(diff)} tensors "
+                              f"differ, e.g. {diff[0]})")
+    try:
+        with _single_process_is_meant():
+            dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(shards)))
+    except CheckpointException as e:
+        _, (exc, _) = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
+        raise CheckpointError(f"{folder}: {SHARDS}/ does not load into this run ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+    set_model_state_dict(model, {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    opt = {k: v for k, v in tensors.items() if k.startswith("optimizer/")}
+    set_optimizer_state_dict(model, optimizer, unflatten_optimizer(opt, structure))

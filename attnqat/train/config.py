@@ -50,6 +50,10 @@ SAVE_DTYPES = ("bf16", "fp32")
 TRAINABLE = ("all", "attention", "lora")
 CUDA_GRAPHS = ("auto", "on", "off")
 DATA_SOURCES = ("precomputed", "corpus")
+CHECKPOINT_FORMATS = ("auto", "full", "sharded")
+# accelerate's trackers (LoggerType), each named as its package is; "all" (whatever happens to be installed) is not
+# taken: the config names what a run logs to
+TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
 
 # Upper bounds, each with its reason (the lower bounds are in validate()).
 LIMITS = {
@@ -163,6 +167,7 @@ class CheckpointConfig:
     every: int = 500                # steps; the last step is always saved
     keep: int = 2                   # how many step checkpoints to keep (final/ is extra)
     save_dtype: str = "bf16"        # dtype of the exported transformer.safetensors
+    format: str = "auto"            # training state: full, sharded (each process its own shard), auto (FSDP: sharded)
 
 
 @dataclass
@@ -170,7 +175,9 @@ class LogConfig:
     every: int = 10                 # steps between log rows
     eval_every: int = 0             # steps between held-out gap evaluations (0: only at start and end)
     csv: bool = True
-    tensorboard: bool = False
+    trackers: list = field(default_factory=list)  # accelerate's log_with: tensorboard, wandb, ... (TRACKERS)
+    tensorboard: bool = False       # the same as "tensorboard" in trackers
+    project: str = "attnqat"        # the trackers' project name (TensorBoard: trackers/PROJECT/ in output_dir)
     progress: bool = True
 
 
@@ -350,6 +357,29 @@ def _one_of(value, choices, key):
         raise ValueError(f"{key} {_show(value)} is not one of {', '.join(map(str, choices))}")
 
 
+def trackers_of(log: LogConfig) -> list[str]:
+    """The trackers a run logs to through accelerate (``log_with``): ``log.trackers``, and tensorboard if
+    ``log.tensorboard``; the one place that decides. Refuses an unknown name, and one whose package is not
+    installed (accelerate would leave it out without a word)."""
+    from accelerate.tracking import get_available_trackers
+
+    if not (isinstance(log.trackers, list) and all(isinstance(t, str) for t in log.trackers)):
+        raise ValueError(f"log.trackers must be a list of tracker names ({', '.join(TRACKERS)}), got "
+                         f"{_show(log.trackers)}")
+    names = list(dict.fromkeys(log.trackers + (["tensorboard"] if log.tensorboard else [])))
+    for name in names:
+        _one_of(name, TRACKERS, "log.trackers entry")
+    available = {str(getattr(t, "value", t)) for t in get_available_trackers()}
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise ValueError(f"log.trackers names {missing[0]}, which is not installed: pip install {missing[0]} (or "
+                         f"leave it out; log.csv is written either way)")
+    if not (isinstance(log.project, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", log.project)):
+        raise ValueError(f"log.project {_show(log.project)} must be a name of letters, digits, '.', '_', '-' (at most "
+                         f"100, the first a letter or digit): it names a folder and the trackers' project")
+    return names
+
+
 def objective_of(o: ObjectiveConfig) -> Objective:
     """The objective ``objective.type`` names (:data:`.objectives.OBJECTIVES`), built from its section: the one
     place a name becomes an objective."""
@@ -431,6 +461,8 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     _one_of(tr.trainable, TRAINABLE, "train.trainable")
     _one_of(ck.save_dtype, SAVE_DTYPES, "checkpoint.save_dtype")
     _one_of(tr.cuda_graphs, CUDA_GRAPHS, "train.cuda_graphs")
+    _one_of(ck.format, CHECKPOINT_FORMATS, "checkpoint.format")
+    trackers_of(cfg.log)  # known names, installed packages
     if tr.teacher_dtype is not None:
         _one_of(tr.teacher_dtype, SAVE_DTYPES, "train.teacher_dtype")
     mode = mode_of(a.mode, "attention.mode")

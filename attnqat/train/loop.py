@@ -39,7 +39,7 @@ from attnqat.pipelines.lora import save_lora
 from . import checkpoint as ck
 from . import sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
-from .config import CheckedConfig, TrainConfig, objective_of, save_config, tokens_per_sample, validate
+from .config import CheckedConfig, TrainConfig, objective_of, save_config, tokens_per_sample, trackers_of, validate
 from .corpus_source import CorpusSource, to_device
 from .graphed import TERMS, StepGraphs, use_graphs
 from .data import ShardDataset, sample_indices
@@ -162,7 +162,8 @@ class Trainer:
         if accelerator is None:  # for the device type it was checked for; on the CPU (no GPU, or `accelerate
             # launch --cpu`) torchrun / accelerate processes join one gloo group
             accelerator = Accelerator(mixed_precision=checked.config.train.mixed_precision,
-                                      cpu=checked.device_type == "cpu")
+                                      cpu=checked.device_type == "cpu", **tracking(checked.config))
+        check_trackers(accelerator, checked.config)
         self.accelerator = acc = accelerator
         if (checked.device_type, checked.world_size) != (acc.device.type, acc.num_processes):
             raise ValueError(f"the config was checked for {checked.world_size} process(es) on {checked.device_type}, "
@@ -415,19 +416,30 @@ class Trainer:
 
         return int(broadcast(torch.tensor([int(value)], dtype=torch.int64, device=acc.device), from_process=0).item())
 
+    def _anywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process (on every process; a sum of tensors, no pickling)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return bool(flag)
+        return acc.reduce(torch.tensor([int(flag)], device=acc.device), "sum").item() > 0
+
     def save(self, target: Path, *, with_state: bool = True) -> None:
         """Write ``target`` atomically and verifiably: everything goes to ``target.tmp`` (fsynced, manifest.json
-        with every file's sha256 last), then two renames (:func:`.checkpoint.commit`). Refuses, writing nothing,
-        if a weight or optimizer value is not finite (NonFiniteTrainingError)."""
+        with every file's sha256 last, by the main process once every process has written its files), then two
+        renames (:func:`.checkpoint.commit`). Refuses, writing nothing, if a weight or optimizer value is not finite
+        (NonFiniteTrainingError). The training state's layout is ``checkpoint.format``'s (:func:`.checkpoint.layout_for`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         acc = self.accelerator
         target = Path(target)
-        state_dict = acc.get_state_dict(self.student)  # FSDP: gathered to the main process
+        layout = ck.layout_for(self.cfg.checkpoint.format, acc.distributed_type.value) if with_state else "full"
+        state_dict = acc.get_state_dict(self.student)  # the export: FSDP gathers the weights to the main process
         if self.saved_names is not None:
             state_dict = {k: v for k, v in state_dict.items() if k in self.saved_names}
-        osd = None
-        if with_state:  # FQN-keyed full state dict (FSDP: gathered to the main process, offloaded to CPU)
+        osd = sharded = None
+        if layout == "sharded":  # each process its own part of the model and optimizer state: nothing gathered
+            sharded = ck.sharded_state(self.student, self._raw_optimizer())
+        elif with_state:  # FQN-keyed full state dict (FSDP: gathered to the main process, offloaded to CPU)
             osd = get_optimizer_state_dict(self.student, self._raw_optimizer(),
                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         bad = None
@@ -436,14 +448,17 @@ class Trainer:
             if bad is None and osd is not None:
                 bad = _first_nonfinite(((f"{fqn}/{k}", v) for fqn, d in osd["state"].items() for k, v in d.items()),
                                        "optimizer state")
-        if self._on_main(bad is not None):
-            raise NonFiniteTrainingError(f"step {self.state.step}: {bad or 'a value on the main process'} is not finite; "
-                                         f"{target} was not written (the last good checkpoint stays)")
+        if bad is None and sharded is not None:
+            bad = _first_nonfinite(ck.local_parts(sharded[0]), "training state")
+        if self._anywhere(bad is not None):
+            raise NonFiniteTrainingError(f"step {self.state.step}: {bad or 'a value on another process'} is not "
+                                         f"finite; {target} was not written (the last good checkpoint stays)")
         tmp = target.with_name(target.name + ".tmp")
         try:
-            self._write(tmp, state_dict, osd, with_state)
+            self._write(tmp, state_dict, osd, with_state, sharded)
             if acc.is_main_process:
-                ck.write_manifest(tmp, kind="checkpoint" if with_state else "final", step=self.state.step)
+                ck.write_manifest(tmp, kind="checkpoint" if with_state else "final", step=self.state.step,
+                                  layout=layout)
         except BaseException:  # a full disk, a kill: the partial copy is no checkpoint; the last good one stays
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -452,8 +467,11 @@ class Trainer:
             ck.commit(tmp, target)
         acc.wait_for_everyone()
 
-    def _write(self, tmp: Path, state_dict: dict, osd: dict | None, with_state: bool) -> None:
-        """Every file of a checkpoint (the manifest aside) into ``tmp``."""
+    def _write(self, tmp: Path, state_dict: dict, osd: dict | None, with_state: bool,
+               sharded: tuple[dict, dict] | None = None) -> None:
+        """Every file of a checkpoint (the manifest aside) into ``tmp``: the training state as a full state dict
+        (``osd``, the main process writes it) or, ``sharded`` (tensors, optimizer.json's structure), each process its
+        own shard."""
         acc = self.accelerator
         if acc.is_main_process:
             if tmp.exists():
@@ -463,6 +481,8 @@ class Trainer:
         if with_state:
             tensors, meta = ck.rng_state()
             ck.write_tensors(tmp / "state" / f"rng-{acc.process_index}.safetensors", tensors, meta)
+        if sharded is not None:
+            ck.save_sharded(tmp / ck.SHARDS, sharded[0])  # collective: a failure on one process fails it on all
         if acc.is_main_process:
             dt = DTYPES[self.cfg.checkpoint.save_dtype]
             exported = state_dict
@@ -480,10 +500,13 @@ class Trainer:
             ck.fsync_file(tmp / "config.yaml")
             ck.write_json(tmp / "trainer_state.json", self.state.state_dict())
             if with_state:
-                ck.write_tensors(tmp / "state" / "model.safetensors", {k: v.to("cpu") for k, v in state_dict.items()},
-                                 metadata={"format": "pt"})
-                tensors, structure = ck.flatten_optimizer(osd)
-                ck.write_tensors(tmp / "state" / "optimizer.safetensors", tensors)
+                if sharded is not None:
+                    structure = sharded[1]
+                else:
+                    ck.write_tensors(tmp / "state" / "model.safetensors",
+                                     {k: v.to("cpu") for k, v in state_dict.items()}, metadata={"format": "pt"})
+                    tensors, structure = ck.flatten_optimizer(osd)
+                    ck.write_tensors(tmp / "state" / "optimizer.safetensors", tensors)
                 ck.write_json(tmp / "state" / "optimizer.json", structure)
                 ck.write_json(tmp / "state" / "scheduler.json", ck.encode(self.scheduler.state_dict()))
                 if acc.scaler is not None:
@@ -517,9 +540,16 @@ class Trainer:
         if manifest["kind"] != "checkpoint":
             raise CheckpointError(f"--resume {str(path)!r} is an exported {manifest['kind']}/ folder (weights only), "
                                   f"not a training checkpoint; resume from OUTPUT/checkpoints/step-N")
-        model_file = ck.listed(path, manifest, "state/model.safetensors")
-        with safe_open(str(model_file), framework="pt") as f:  # header only: the same answer on every process
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        sharded = manifest.get("layout", "full") == "sharded"
+        if sharded:  # the shards' headers: the same answer on every process
+            shapes = {k.removeprefix("model/"): v for k, v in ck.sharded_shapes(path, manifest).items()
+                      if k.startswith("model/")}
+            if self.saved_names is not None:  # a LoRA run's shards hold the frozen weights too; its adapter is checked
+                shapes = {k: v for k, v in shapes.items() if k in self.saved_names}
+        else:
+            model_file = ck.listed(path, manifest, "state/model.safetensors")
+            with safe_open(str(model_file), framework="pt") as f:  # header only: the same answer on every process
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         if shapes != self.model_shapes:
             diff = sorted(set(shapes) ^ set(self.model_shapes)) or \
                 sorted(k for k in shapes if shapes[k] != self.model_shapes[k])
@@ -540,15 +570,19 @@ class Trainer:
                                   f"{len(saved or [])} tensors, this run's train.trainable {self.cfg.train.trainable!r} "
                                   f"{len(self.trainable_names)})")
         multi = acc.num_processes > 1
-        reads = acc.is_main_process or not multi  # several processes: the main one reads, then broadcasts
-        # a LoRA run's checkpoint holds the adapter's weights alone (strict=False: the frozen others stay)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=multi, strict=self.saved_names is None)
-        set_model_state_dict(self.student, load_file(str(model_file)) if reads else {}, options=options)
-        osd = {}
-        if reads:
-            osd = ck.unflatten_optimizer(load_file(str(ck.listed(path, manifest, "state/optimizer.safetensors"))),
-                                         structure)
-        set_optimizer_state_dict(self.student, self._raw_optimizer(), osd, options=options)
+        if sharded:  # every process reads the pieces of its own part (DCP reshards to this run's processes)
+            ck.load_sharded(path, manifest, self.student, self._raw_optimizer(), structure)
+        else:  # several processes: the main one reads, then broadcasts
+            reads = acc.is_main_process or not multi
+            # a LoRA run's checkpoint holds the adapter's weights alone (strict=False: the frozen others stay)
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=multi,
+                                       strict=self.saved_names is None)
+            set_model_state_dict(self.student, load_file(str(model_file)) if reads else {}, options=options)
+            osd = {}
+            if reads:
+                osd = ck.unflatten_optimizer(load_file(str(ck.listed(path, manifest, "state/optimizer.safetensors"))),
+                                             structure)
+            set_optimizer_state_dict(self.student, self._raw_optimizer(), osd, options=options)
         sched = ck.decode(json_file("state/scheduler.json"))  # load_state_dict sets every key as an attribute:
         if not isinstance(sched, dict) or "last_epoch" not in sched or set(sched) - set(self.scheduler.state_dict()):
             raise CheckpointError(f"{path}: state/scheduler.json does not hold this run's LR scheduler state")
@@ -652,16 +686,52 @@ def _eval_columns(ev: dict) -> dict:
             "eval_prompt_ratio": ev.get("prompt_ratio", "")}
 
 
+def tracking(cfg: TrainConfig) -> dict:
+    """The ``Accelerator`` arguments for the trackers :func:`.config.trackers_of` names: ``log_with``, and
+    ``OUTPUT/trackers`` as the logging folder of those that write files here (TensorBoard: trackers/PROJECT/)."""
+    from accelerate.utils import ProjectConfiguration
+
+    names = trackers_of(cfg.log)
+    if not names:
+        return {}
+    return {"log_with": names, "project_config": ProjectConfiguration(
+        project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / ck.TRACKERS))}
+
+
+def check_trackers(acc, cfg: TrainConfig) -> None:
+    """An accelerator handed to the Trainer logs to the trackers the config names, no other (its ``log_with`` is
+    fixed when it is built: build it with :func:`tracking`'s arguments)."""
+    want = set(trackers_of(cfg.log))
+    have = {str(getattr(t, "value", t)) for t in (acc.log_with or [])}
+    if have != want:
+        raise ValueError(f"the accelerator logs to {sorted(have) or 'no tracker'}, the config's log.trackers to "
+                         f"{sorted(want) or 'none'}: build it with Accelerator(**attnqat.train.loop.tracking(cfg), ...)")
+
+
+def _hyperparameters(d: dict, prefix: str = "") -> dict:
+    """The config as flat key: number / string / bool pairs, as trackers take hyperparameters (TensorBoard's
+    add_hparams refuses lists and None)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_hyperparameters(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v if isinstance(v, (bool, int, float, str)) else json.dumps(v)
+    return out
+
+
 class _Logger:
     """log.csv, appended one complete line per row. On resume, the rows after the checkpoint's step (the part of
     the history the resumed run redoes) are dropped by writing a new file and renaming it over the old one, so a
-    kill at any moment leaves the old log or the new one, never an empty or half-written one."""
+    kill at any moment leaves the old log or the new one, never an empty or half-written one. The same rows go to
+    accelerate's trackers (``log.trackers``), as scalars at their step."""
 
     def __init__(self, cfg: TrainConfig, acc, start_step: int, resuming: bool):
         self.rows: list[dict] = []
         self.main = acc.is_main_process
         self.csv_path = Path(cfg.output_dir) / ck.LOG
-        self.tb = None
+        self.acc = acc
+        self.trackers = trackers_of(cfg.log)
         self.cfg = cfg
         if not self.main:
             return
@@ -673,13 +743,8 @@ class _Logger:
             w.writeheader()
             w.writerows(kept)
             ck.atomic_write_text(self.csv_path, out.getvalue())
-        if cfg.log.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ValueError("log.tensorboard is true but TensorBoard is not installed: pip install tensorboard "
-                                 "(or set log.tensorboard: false; the CSV log is always written)") from e
-            self.tb = SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"))
+        if self.trackers:
+            acc.init_trackers(cfg.log.project, config=_hyperparameters(cfg.to_dict()))
 
     def log(self, row: dict):
         self.rows.append(row)
@@ -691,14 +756,17 @@ class _Logger:
                 {k: row.get(k, "") for k in CSV_FIELDS})
             with self.csv_path.open("a", newline="") as f:
                 f.write(out.getvalue())  # one write of one complete line
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, row["step"])
+        if self.trackers:
+            self.acc.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=row["step"])
 
     def close(self):
-        if self.tb is not None:
-            self.tb.close()
+        """End the trackers, so their files are complete when training returns (log.csv is closed after each row).
+        Not accelerator.end_training(): that also destroys the process group, which the held-out evaluation after
+        the last step still uses (train() calls it last)."""
+        if self.main and self.trackers:
+            for tracker in self.acc.trackers:
+                tracker.finish()
+            self.acc.trackers.clear()  # finished: end_training() in train() must not finish them again
 
 
 def read_log(path: str | Path, upto: int | None = None) -> list[dict]:
