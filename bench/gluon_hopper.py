@@ -21,8 +21,8 @@ alone on one training forward's saved tensors, ``triton_qat_bwd`` (``attn_qat_ba
 sanity checks: the bf16 Gluon output's relative error to cuDNN's, the Gluon FP4 output's to the Triton FP4 one's, the
 Gluon training forward's O and O' to the Triton training forward's (same numerics: bf16 output rounding, ~3e-3), and
 both Gluon backwards' dQ, dK, dV to the Triton backward's on the same saved tensors.
-Nothing is written to docs. The Gluon rows run the "default" forward layout; `bench/gluon_fwd_variants.py` times the
-others (what `attention()` dispatches to: docs/kernels.md).
+Nothing is written to docs. The Gluon rows run the "default" forward layout; `experiments/gluon_fwd_variants.py` times
+the others (what `attention()` dispatches to: docs/kernels.md).
 """
 from __future__ import annotations
 

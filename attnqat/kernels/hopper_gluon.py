@@ -1352,8 +1352,8 @@ def compile_backward(head_dim: int, causal: bool, dtype: torch.dtype = torch.bfl
 # ---------------------------------------------------------------------------------------------------
 
 GLUON_ENV = "ATTNQAT_GLUON"  # "0": the FP4 modes run the Triton kernels on sm_90 too (A/B runs, debugging)
-# The kernel layouts each job runs (H100, (1, 40, 32760, 128), bench/gluon_fwd_variants.py; docs/benchmarks.md; cuDNN's
-# forward 37.3 ms in the same runs):
+# The kernel layouts each job runs (H100, (1, 40, 32760, 128), experiments/gluon_fwd_variants.py; docs/benchmarks.md;
+# cuDNN's forward 37.3 ms in the same runs):
 TRAINING_FWD_VARIANT = "ws"  # 59.3 ms against "default" 71.7 and "pingpong" 60.3 (its pre-pass included)
 TRAINING_BWD_VARIANT = "ws"  # the backward kernels training runs: 0.87x the "default" variant's time
 # The FP4 inference forward: 42.6-43.3 ms against "ws" 42.7-44.1 and "default" 56.7 (two runs; before the mask split

@@ -507,7 +507,7 @@ _GPU_CONFIGS = {  # (fwd, dkdv, dq) for head_dim 64 / 128 on Hopper
     128: (LaunchConfig(128, 64, 8, 3), LaunchConfig(64, 128, 8, 2), LaunchConfig(128, 64, 8, 2)),
 }
 # 16-bit matmuls (pv="bf16" for the forward, bwd="bf16" for dK/dV and dQ) have no quantization block to keep and
-# want smaller tiles: measured on an H100 at (1, 40, 32760, 128), bench/sagebwd_variants.py (docs/sagebwd.md):
+# want smaller tiles: measured on an H100 at (1, 40, 32760, 128), experiments/sagebwd_variants.py (docs/sagebwd.md):
 # fwd 45.6 -> 39.2 ms with 4 warps; fwd+bwd 222 -> 212 ms (dK/dV 32x64, 4 stages) and 211 ms (dQ 128x32).
 _GPU_CONFIGS_16BIT = {
     64: _GPU_CONFIGS[64],  # not measured at head_dim 64: the 8-bit tiles
@@ -602,7 +602,7 @@ def kmajor() -> bool:
     """Whether the kernels read the B operand of every L-reducing 8-bit matmul (P V, P^T dO, dS^T Q,
     dS K) from a transposed (D, L) int8 copy. Default on; ``ATTNQAT_SAGEBWD_KMAJOR=0`` reads the
     row-major copy through ``tl.trans`` instead: an ablation kept for tests/test_sagebwd.py and the benchmarks
-    that time it (bench/run_sagebwd_gpu.sh, bench/sagebwd_variants.py)."""
+    that time it (experiments/run_sagebwd_gpu.sh, experiments/sagebwd_variants.py)."""
     return os.environ.get("ATTNQAT_SAGEBWD_KMAJOR", "1") != "0"
 
 

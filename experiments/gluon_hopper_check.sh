@@ -8,7 +8,7 @@
 # step has a timeout (a pipeline deadlock hangs the GPU, not the script); pytest runs verbose, so a step cut short
 # names the test it was in. The warp-specialised backward (variant="ws", not yet run on a GPU) gets a short smoke
 # test first (it also compiles its kernels for the later steps): if that fails or hangs, the later steps leave it out.
-# Logs to $OUT (default /tmp/gluon_hopper_out).
+# Logs to $OUT (default /tmp/gluon_hopper_out). Usage, from the repo root: bash experiments/gluon_hopper_check.sh
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gluon_hopper_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.log"

@@ -2,8 +2,8 @@
 partition; "ws", two independent consumer warpgroups; "pingpong", "ws" with alternating wgmma rounds) beside cuDNN in
 the same run, and check that they agree bit for bit.
 
-    python bench/gluon_fwd_variants.py                               # (1, 40, 32760, 128), (1, 40, 8192, 128)
-    python bench/gluon_fwd_variants.py --shapes 1,40,8192,128 --causal --stages 2
+    python experiments/gluon_fwd_variants.py                         # (1, 40, 32760, 128), (1, 40, 8192, 128)
+    python experiments/gluon_fwd_variants.py --shapes 1,40,8192,128 --causal --stages 2
 
 Per shape and variant: the bf16 forward (``hopper_attention``), the FP4 inference forward (``hopper_fp4_attention``,
 its phi pre-pass included) and its kernel alone on operands quantized once, the Attn-QAT training forward

@@ -2,8 +2,8 @@
 how fast is each, alternating, beside cuDNN.
 
     git show HEAD~1:attnqat/kernels/hopper_gluon.py > /tmp/hg_old.py
-    python bench/gluon_ab.py /tmp/hg_old.py                      # the four forwards at Wan 14B's shape
-    python bench/gluon_ab.py /tmp/hg_old.py --time 1,40,8192,128 --rounds 3
+    python experiments/gluon_ab.py /tmp/hg_old.py                # the four forwards at Wan 14B's shape
+    python experiments/gluon_ab.py /tmp/hg_old.py --time 1,40,8192,128 --rounds 3
 
 Machines differ by a few percent and cuDNN's own time moves between runs, so a change worth a few percent is only
 measurable with both versions timed in the same process, alternating. The other version is loaded from its file as a

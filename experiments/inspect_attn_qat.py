@@ -2,7 +2,7 @@
 registers, spills, TTGIR layout conversions / shared-memory traffic and a SASS opcode histogram,
 then time both. GPU only.
 
-    python bench/inspect_attn_qat.py [--L 32760] [--config 64,64,4,3]
+    python experiments/inspect_attn_qat.py [--L 32760] [--config 64,64,4,3]
 """
 import argparse
 import collections

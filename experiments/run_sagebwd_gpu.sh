@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, benchmark (+ config sweep, K-major on/off), GPU training demo. Logs to $OUT.
+# Usage, from the repo root: OUT=/some/dir bash experiments/run_sagebwd_gpu.sh (the paths below are the repo root's).
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/sagebwd_out}; mkdir -p "$OUT"
 (nvidia-smi --query-gpu=name,driver_version --format=csv

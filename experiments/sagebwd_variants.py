@@ -1,8 +1,8 @@
 """SageBwd speed variants on one GPU run: accuracy gate, then fwd and fwd+bwd beside cuDNN and flash SDPA.
 
-    python bench/sagebwd_variants.py                    # ~5 minutes on an H100; writes $OUT/sagebwd_variants.json
-    python bench/sagebwd_variants.py --budget 120       # stop starting new work after 120 s
-    python bench/sagebwd_variants.py --combos int8/int8,fp8/fp8 --no-sweep
+    python experiments/sagebwd_variants.py               # ~5 minutes on an H100; writes $OUT/sagebwd_variants.json
+    python experiments/sagebwd_variants.py --budget 120  # stop starting new work after 120 s
+    python experiments/sagebwd_variants.py --combos int8/int8,fp8/fp8 --no-sweep
 
 For every (pv, bwd) combination of ``sagebwd_attention`` (pv: forward P V; bwd: backward dV, dQ, dK; each
 "int8", "fp8" or "bf16", see docs/sagebwd.md):
@@ -342,7 +342,7 @@ def main(argv=None):
     from bench._report import environment
 
     if not torch.cuda.is_available():
-        raise SystemExit("bench/sagebwd_variants.py needs a CUDA GPU")
+        raise SystemExit("experiments/sagebwd_variants.py needs a CUDA GPU")
     deadline = time.time() + args.budget
     out_dir = pathlib.Path(os.environ.get("OUT", ROOT / "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
