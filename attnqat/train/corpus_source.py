@@ -227,19 +227,16 @@ class CorpusSource:
                 consumed.synchronize()
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
-            return self._encode_on_stream(clips, size)
-
-    def _encode_on_stream(self, clips: list[int], size: int):
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            x0, embeds = self.encode_clips("train", clips, size)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        return x0, embeds, done
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                x0, embeds = self.encode_clips("train", clips, size)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            return x0, embeds, done
 
     @contextlib.contextmanager
     def paused(self):
-        """No encoding while inside: a CUDA graph capture on the main thread fails if the worker touches the GPU
-        meanwhile (a pageable copy uses the legacy stream, which capture forbids)."""
+        """No encoding while inside: a CUDA graph capture on the main thread fails if the worker's GPU work lands in
+        it (seen on an H200: "operation would make the legacy stream depend on a capturing blocking stream")."""
         with self._encoding:
             yield
 

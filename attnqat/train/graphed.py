@@ -121,11 +121,10 @@ class StepGraphs:
                 print(f"attnqat train: capturing the step as a CUDA graph failed ({str(e).splitlines()[0]}); "
                       f"training on eagerly (train.cuda_graphs: off skips the attempt)", flush=True)
                 self.capture = False
-                torch._foreach_copy_(self.grads, self._saved)
                 return self.forward_backward(batch)
         graph, inputs, terms = entry
         for k, v in batch.items():
-            inputs[k].copy_(v, non_blocking=True)
+            inputs[k].copy_(v)
         graph.replay()
         return dict(zip(self.keys, terms))
 
@@ -134,7 +133,17 @@ class StepGraphs:
             raise ValueError(f"the run feeds more than {MAX_GRAPHS} batch shapes; each CUDA graph keeps its own "
                              f"activations: set train.cuda_graphs: off")
         inputs = {k: v.clone() for k, v in batch.items()}
-        self._saved = saved = [g.clone() for g in self.grads]  # the warm-up's gradients are thrown away
+        saved = [g.clone() for g in self.grads]
+        try:
+            graph, terms = self._record(inputs)
+        finally:  # the warm-ups added to the gradients (the capture itself ran nothing), whether or not it worked
+            with torch.no_grad():
+                torch._foreach_copy_(self.grads, saved)
+        self.graphs[key] = (graph, inputs, terms)
+        return self.graphs[key]
+
+    def _record(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on ``inputs``, then capture the body reading them; returns the graph and its terms' buffer."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs asks
@@ -149,10 +158,7 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 terms = self._body(inputs)
         self.pool = graph.pool()
-        with torch.no_grad():
-            torch._foreach_copy_(self.grads, saved)  # the capture ran nothing: only the warm-ups added to them
-        self.graphs[key] = (graph, inputs, terms)
-        return self.graphs[key]
+        return graph, terms
 
     @torch.no_grad()
     def zero_grad(self) -> None:

@@ -251,7 +251,9 @@ class Trainer:
         if tr.ema_decay:
             if acc.distributed_type.value == "FSDP":
                 raise ValueError("train.ema_decay is not supported with FSDP (the weights are sharded); set it to 0")
-            self.ema = {n: p.detach().float().clone() for n, p in self._trainable()}
+            trainable = self._trainable()
+            self.ema = {n: p.detach().float().clone() for n, p in trainable}
+            self._ema_weights = [p for _, p in trainable]  # in self.ema's order; looked up once, not every step
 
     def step_graphs(self) -> StepGraphs | None:
         """The CUDA graphs that replay this run's forward + backward (:mod:`.graphed`), or None where the run
@@ -276,11 +278,7 @@ class Trainer:
         if self.ema is None:
             return
         d = min(self.cfg.train.ema_decay, (1 + step) / (10 + step))
-        if not hasattr(self, "_ema_pairs"):  # looked up once: named_parameters() each step cost host time
-            named = dict(self._trainable())
-            self._ema_pairs = (list(self.ema.values()), [named[n] for n in self.ema])
-        ema, weights = self._ema_pairs
-        torch._foreach_lerp_(ema, [w.detach().float() for w in weights], 1.0 - d)
+        torch._foreach_lerp_(list(self.ema.values()), [w.detach().float() for w in self._ema_weights], 1.0 - d)
 
     # -- one micro-batch ------------------------------------------------------------------------------------
     def _forward(self, model, batch, dtype=None):
