@@ -157,6 +157,9 @@ def test_gpu_replayed_graphs_equal_the_eager_step(tmp_path, compiled):
         assert cos > 0.9999, (step, cos)  # atomics in the attention backward may reorder sums
         trainer.optimizer.step()
         graphs.zero_grad()
+        # the eager graph dropped before the next capture: alive, it keeps AccumulateGrad nodes made on the default
+        # stream, which the next capture's backward would sync with (CUDA refuses it; torch warns as much)
+        del out
     assert len(graphs.graphs) == 2
 
 
