@@ -53,6 +53,10 @@ def test_short_run_lowers_heldout_gap(tmp_path, capsys):
     for key in ("loss", "grad_norm", "lr", "gap", "tokens_per_s"):
         assert float(rows[-1][key]) > 0, key
     assert float(rows[-1]["eval_gap_output"]) == pytest.approx(r.gap_after["output"])
+    # elapsed_s: the run's clock, which counts every step (its own step_s included) and never goes back
+    elapsed = [float(x["elapsed_s"]) for x in rows]
+    assert all(b > a for a, b in zip(elapsed, elapsed[1:]))
+    assert elapsed[-1] >= sum(float(x["step_s"]) for x in rows)
     # checkpoints: the last `keep` step folders, no leftovers from the atomic write
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step-0000016", "step-0000024"]

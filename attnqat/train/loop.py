@@ -48,7 +48,7 @@ from .student_teacher import AdapterOffTeacher, FeatureCapture, attention_saving
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "gap", "grad_norm", "lr", "tokens_per_s", "step_s",
-              "eval_gap_output", "eval_gap_features", "eval_flow", "eval_prompt_ratio"]
+              "elapsed_s", "eval_gap_output", "eval_gap_features", "eval_flow", "eval_prompt_ratio"]
 
 
 @dataclass
@@ -984,7 +984,7 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
                "loss_flow": reduced.get("flow", ""), "gap": reduced.get("gap", ""),
                "grad_norm": float(grad_norm) if grad_norm is not None else "", "lr": lr,
                "tokens_per_s": trainer.tokens_at(step) * cfg.data.batch_size * accum * trainer.sp.dp_size / dt,
-               "step_s": dt}
+               "step_s": dt, "elapsed_s": time.perf_counter() - t_start}
         if cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0 and step + 1 < tr.max_steps:
             ev = trainer.evaluate()
             if ev:
