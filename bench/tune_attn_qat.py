@@ -3,6 +3,7 @@
     python bench/tune_attn_qat.py [--L 32760] [--heads 40]
     python bench/tune_attn_qat.py --fused-dq      # the backward: two kernels vs dQ fused by atomics, per config
     python bench/tune_attn_qat.py --bwd-phi       # the dK/dV kernel's phi: former vs from S, per layout and tile
+    python bench/tune_attn_qat.py --head-dim-64 [--batch 32 --heads 4 --L 2304]   # mini's training shape
 
 Prints the median time of: the forward with/without P quantization and O' per config; the backward
 (with/without phi) per dK/dV config; the dQ kernel per config. The chosen
@@ -41,8 +42,8 @@ def record(res: dict, key: str, fn) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--L", type=int, default=32760)
-    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--L", type=int, default=None, help="sequence length (default 32760; --head-dim-64: 2304)")
+    ap.add_argument("--heads", type=int, default=None, help="heads (default 40; --head-dim-64: 4)")
     ap.add_argument("--json", type=pathlib.Path, default=None)
     ap.add_argument("--fused-dq", action="store_true",
                     help="only the backward: two kernels vs dQ fused into the dK/dV kernel (fp32 atomics), per config")
@@ -53,12 +54,25 @@ def main():
     ap.add_argument("--bwd-phi", action="store_true",
                     help="only the backward: the dK/dV kernel's former phi vs phi from S, per layout and tile, with "
                          "QUANT_P=False beside, and cuDNN fwd+bwd; JSON to --json or $OUT/bwd_phi.json")
+    ap.add_argument("--head-dim-64", action="store_true",
+                    help="the training kernels at head_dim 64 (mini's, whose backward layout and tiles were never "
+                         "timed) at --batch x --heads x --L (default mini's 33x256x256 step: 32 x 4 x 2304), every "
+                         "forward, dK/dV (both layouts) and dQ tile beside cuDNN; JSON to --json or $OUT/d64.json")
+    ap.add_argument("--batch", type=int, default=32, help="--head-dim-64: the batch")
     ap.add_argument("--budget", type=float, default=270.0,
-                    help="--bwd-phi: seconds after which the rows not yet run are skipped (one GPU call < 5 min)")
+                    help="--bwd-phi, --head-dim-64: seconds after which the rows not yet run are skipped (one GPU call < 5 min)")
     args = ap.parse_args()
     if args.bwd_phi and args.json is None and os.environ.get("OUT"):
         args.json = pathlib.Path(os.environ["OUT"]) / "bwd_phi.json"
+    if args.head_dim_64:
+        if args.json is None and os.environ.get("OUT"):
+            args.json = pathlib.Path(os.environ["OUT"]) / "d64.json"
+        res = head_dim_64_sweep(args.batch, args.heads or 4, args.L or 2304, time.monotonic() + args.budget)
+        if args.json:
+            write_file_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(res, indent=1)))
+        return
     torch.manual_seed(0)
+    args.heads, args.L = args.heads or 40, args.L or 32760
     q, k, v = (torch.randn(1, args.heads, args.L, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
     sc = 128 ** -0.5
@@ -85,6 +99,60 @@ def main():
         backward_sweep(res, q, k, v, do, sc, saved())
     if args.json:
         write_file_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(res, indent=1)))
+
+
+def head_dim_64_sweep(batch: int, heads: int, length: int, deadline: float) -> dict:
+    """The training kernels at head_dim 64 and one training shape: cuDNN's fwd and fwd+bwd, the training forward
+    per tile, the whole backward per dK/dV layout and tile (dQ at its default), then per dQ tile (dK/dV at the
+    best), each config once its tile compiles; rows past ``deadline`` are skipped."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from attnqat.kernels.attn_qat import bwd_config, bwd_transposed, dq_config
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    sc = 64 ** -0.5
+    tile = lambda c: [c.block_m, c.block_n, c.num_warps, c.num_stages]  # noqa: E731
+    res = {"shape": [batch, heads, length, 64], "device": torch.cuda.get_device_name(),
+           "default": {"dkdv_transposed": bwd_transposed(64), "dkdv": tile(bwd_config(64, bwd_transposed(64))),
+                       "dq": tile(dq_config(64))}}
+
+    def timed(key, fn):
+        if time.monotonic() > deadline:
+            res[key] = "skipped: budget"
+            return
+        record(res, key, fn)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        timed("cudnn fwd", lambda: torch.nn.functional.scaled_dot_product_attention(*leaves))
+        timed("cudnn fwd+bwd", lambda: torch.nn.functional.scaled_dot_product_attention(*leaves).backward(do))
+    for cfg in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 2),
+                (128, 128, 8, 2), (64, 64, 4, 4)]:  # the forward orders keys in 64-blocks: BLOCK_N >= 64
+        c = LaunchConfig(*cfg)
+        timed(f"fwd train {cfg}", lambda: attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=True, config=c))
+    o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=sc, causal=False, training=True)
+    bwd = {}
+    for transposed, cfgs in ((True, [(32, 64, 4, 4), (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 64, 8, 3),
+                                     (64, 128, 8, 2)]),
+                             (False, [(128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 2),
+                                      (128, 128, 8, 2), (64, 64, 4, 2)])):
+        for cfg in cfgs:
+            c = LaunchConfig(*cfg)
+            key = f"bwd transposed={transposed} dkdv={cfg}"
+            timed(key, lambda: attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False,
+                                                 config=c, transposed=transposed))
+            if isinstance(res[key], float):
+                bwd[(transposed, cfg)] = res[key]
+    if bwd:
+        transposed, cfg = min(bwd, key=bwd.get)
+        best = LaunchConfig(*cfg)
+        for dq in [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2),
+                   (64, 32, 4, 3)]:
+            c = LaunchConfig(*dq)
+            timed(f"bwd transposed={transposed} dkdv={cfg} dq={dq}", lambda: attn_qat_backward(
+                do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, causal=False, config=best, transposed=transposed,
+                config_dq=c))
+    return res
 
 
 def forward_sweep(res, q, k, v, sc):
