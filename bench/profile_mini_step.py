@@ -17,7 +17,9 @@ medians over --steps steps after a warm-up, eager.
 --loop-warmup + --loop-steps steps per variant, in one process one after another: ``eager`` (train.cuda_graphs
 off), ``graphs`` (on), ``+compile`` (train.compile). Per size: the median step (log.csv's step_s, which with
 graphs is the wall time from one step's start to the next's) and the mean over every timed step, pool
-refreshes included: the mean is the rate a build trains at.
+refreshes included: the mean is the rate a build trains at; the clock (log.csv's elapsed_s over the timed steps),
+which also counts what lies between steps; and how long the loop waited for each pool refresh's clips (the
+prefetch not done yet, or an inline encode).
 """
 from __future__ import annotations
 
@@ -75,8 +77,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def _loop(args, variants, config) -> int:
     """The loop's own step times per variant (module docstring)."""
+    from attnqat.train.corpus_source import CorpusSource
     from attnqat.train.loop import train
 
+    # the time the loop spends getting each refresh's clips: waiting for the prefetch (or encoding inline)
+    waits: list[float] = []
+    refresh_clips = CorpusSource._refresh_clips
+
+    def timed_refresh(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return refresh_clips(self, *a, **k)
+        finally:
+            waits.append(time.perf_counter() - t)
+
+    CorpusSource._refresh_clips = timed_refresh
+    try:
+        return _loop_variants(args, variants, config, train, waits)
+    finally:
+        CorpusSource._refresh_clips = refresh_clips
+
+
+def _loop_variants(args, variants, config, train, waits: list[float]) -> int:
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "config": args.config or "configs/mini.yaml", "overrides": args.set,
               "warmup": args.loop_warmup, "steps": args.loop_steps, "variants": {}}
@@ -89,6 +111,7 @@ def _loop(args, variants, config) -> int:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
+            waits.clear()
             rows = train(cfg, stop_after=args.loop_warmup + args.loop_steps).log_rows
             wall = time.perf_counter() - t0
         sizes = ["x".join(map(str, s)) for s in cfg.data.corpus.sizes]
@@ -101,12 +124,17 @@ def _loop(args, variants, config) -> int:
             "per_size": {k: {"median_ms": 1e3 * statistics.median(v), "mean_ms": 1e3 * statistics.fmean(v),
                              "max_ms": 1e3 * max(v), "steps": len(v)} for k, v in per.items()},
             "mean_ms": 1e3 * statistics.fmean(timed), "wall_s": wall,
+            # the run's clock over the timed steps: every step and whatever lies between them
+            "clock_mean_ms": 1e3 * (float(rows[-1]["elapsed_s"]) - float(rows[args.loop_warmup - 1]["elapsed_s"]))
+            / (len(rows) - args.loop_warmup) if args.loop_warmup else None,
+            "refresh_waits_ms": [round(1e3 * w, 1) for w in waits],
             "loss_first_last": [rows[0]["loss"], rows[-1]["loss"]],
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None}
         r = result["variants"][variant]
         print(f"{variant}: " + "; ".join(f"{k} median {v['median_ms']:.1f} ms mean {v['mean_ms']:.1f} (max "
                                          f"{v['max_ms']:.0f})" for k, v in r["per_size"].items())
-              + f"; all sizes mean {r['mean_ms']:.1f} ms/step; wall {wall:.0f} s", flush=True)
+              + f"; all sizes mean {r['mean_ms']:.1f} ms/step (clock {r['clock_mean_ms'] or 0:.1f}); refreshes waited "
+              f"{sum(r['refresh_waits_ms']):.0f} ms in all ({len(r['refresh_waits_ms'])}); wall {wall:.0f} s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -459,6 +459,35 @@ def test_step_profile_reports_every_size_and_part(mini_folder, tmp_path, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["p.json"])
 
 
+def test_loop_profile_times_each_size_and_every_refresh(mini_folder, tmp_path, capsys):
+    """bench/profile_mini_step.py --loop (in this process) on a small config: per variant, each size's step times
+    from the loop's own log, the run's clock over the timed steps at least their sum, one wait for each refresh the
+    timed and untimed steps made, and the class it timed left as it was."""
+    import pathlib
+
+    from conftest import load_script
+
+    from attnqat.train.corpus_source import CorpusSource
+
+    profile = load_script(pathlib.Path(__file__).resolve().parents[1] / "bench" / "profile_mini_step.py",
+                          "profile_mini_step")
+    (tmp_path / "model").symlink_to(mini_folder)
+    capsys.readouterr()
+    original = CorpusSource._refresh_clips
+    sets = [a for kv in SMALL for a in ("--set", kv)]
+    assert profile.main(["--out", str(tmp_path), "--loop", "eager", "--loop-steps", "4", "--loop-warmup", "2",
+                         "--json", str(tmp_path / "p.json"), *sets]) == 0
+    assert CorpusSource._refresh_clips is original
+    r = json.loads((tmp_path / "p.json").read_text())["variants"]["eager"]
+    # steps 3-6 of the 2:1 pattern (5x32x32, 5x32x32, 9x32x64 from step 1): 9x32x64, 5x32x32, 5x32x32, 9x32x64
+    assert {k: v["steps"] for k, v in r["per_size"].items()} == {"5x32x32": 2, "9x32x64": 2}
+    assert all(v["median_ms"] > 0 for v in r["per_size"].values())
+    assert r["clock_mean_ms"] * 4 >= r["mean_ms"] * 4 > 0
+    # refresh_every=1: one refresh a step, warm-up included (a size's first fills its pool the same way)
+    assert len(r["refresh_waits_ms"]) == 6 and all(w > 0 for w in r["refresh_waits_ms"])
+    assert "refreshes waited" in capsys.readouterr().out
+
+
 def test_vae_trains_on_every_size_in_turn_with_a_pixel_budget(monkeypatch):
     """train_vae cycles through its sizes (the VAE must see every clip length it will be used at), with
     vae_batch's clip count at each (about the pixels of ``batch`` 17x128x128 clips), on fresh clips, and learns."""
