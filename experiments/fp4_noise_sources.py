@@ -1,0 +1,86 @@
+"""Where does FP4 attention's error in mini come from, and what did QAT change? (docs/quality.md, "What the QAT
+file changed")
+
+    python experiments/fp4_noise_sources.py [--model attnqat/models/mini] \
+        [--qat attnqat/models/mini/attn_qat.safetensors] [--clips 4] [--size 33x128x128]
+
+For the base weights and for the QAT weights, each in its own bf16 as the reference: the velocity distance
+``|v_fp4 - v_bf16|^2 / |v_bf16|^2`` of nvfp4 attention with only some of its quantizers on (Q and K; V; P; Q, K
+and V; all four, which is nvfp4), on the first ``--clips`` held-out clips at the quality table's noise levels. The
+velocity distance of the QAT weights in FP4 to the *base* weights in bf16 (the quality table's) splits into the QAT
+weights' own FP4 error and how far their bf16 function moved from the base's, also printed. The quantizers are
+switched in the PyTorch reference (attnqat.kernels.reference), so this runs where that runs (CPU: ~10 minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+from attnqat.kernels import reference
+from attnqat.mini.evaluation import Variant, flow_metrics, held_out_clips
+from attnqat.mini.quality_cli import parse_size
+from attnqat.pipelines.loading import load_pipeline, read_qat_checkpoint
+
+#: which of nvfp4's four quantizers are on, per row
+SOURCES = {"Q,K": ("qk",), "V": ("v",), "P": ("p",), "Q,K,V": ("qk", "v"), "all (nvfp4)": ("qk", "v", "p")}
+
+
+@contextlib.contextmanager
+def quantizers(on: tuple[str, ...]):
+    """The reference FP4 forward with only the quantizers in ``on`` (the others pass fp32 values through)."""
+    fq = reference.fake_quant_nvfp4_ref
+    forward = reference.attn_qat_forward_ref
+
+    def partial(q, k, v, *, sm_scale=None, causal=False, block_n=64, training=True):
+        scale = reference._scale(q, sm_scale)
+        qf, kf = ((fq(t.float()) if "qk" in on else t.float()) for t in (q, k))
+        vf = fq(v.float()) if "v" in on else v.float()
+        reference.fake_quant_nvfp4_ref = fq if "p" in on else (lambda x, dim=-1, pre_scale=1.0: x)
+        try:
+            return reference._fp4_online_softmax(reference._logits_log2(qf, kf, scale, causal), vf, block_n=block_n,
+                                                 training=training)
+        finally:
+            reference.fake_quant_nvfp4_ref = fq
+
+    reference.attn_qat_forward_ref = partial
+    try:
+        yield
+    finally:
+        reference.attn_qat_forward_ref = forward
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="attnqat/models/mini")
+    p.add_argument("--qat", default="attnqat/models/mini/attn_qat.safetensors")
+    p.add_argument("--clips", type=int, default=4)
+    p.add_argument("--size", default="33x128x128")
+    args = p.parse_args(argv)
+    pipe = load_pipeline(args.model, dtype=torch.float32, device="cpu")  # the reference path: CPU, fp32
+    pipe.text_encoder.to(torch.float32)
+    qat = read_qat_checkpoint(pipe.transformer, args.qat)
+    data = held_out_clips(pipe, args.clips, size=parse_size(args.size))
+    base = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    run = lambda variants: flow_metrics(pipe.transformer, variants, data["x0"], data["embeds"], batch=4)  # noqa: E731
+    pair = [Variant("bf16", "bf16"), Variant("fp4", "nvfp4")]  # the weights in the transformer: their own bf16 first
+    own = {}
+    for label, weights in (("base", base), ("QAT", qat)):
+        pipe.transformer.load_state_dict(weights)
+        for name, on in SOURCES.items():
+            with quantizers(on):
+                own[label, name] = run(pair)["fp4"]["velocity_distance"]
+    print(f"{args.clips} held-out clips at {args.size}; velocity distance of FP4 to the same weights in bf16\n")
+    print("| quantizers on | base weights | QAT weights | QAT / base |")
+    print("|---|---|---|---|")
+    for name in SOURCES:
+        b, q = own["base", name], own["QAT", name]
+        print(f"| {name} | {b:.5f} | {q:.5f} | {q / b:.2f} |")
+    pipe.transformer.load_state_dict(base)
+    r = run([Variant("bf16", "bf16"), Variant("qat_bf16", "bf16", qat), Variant("qat_fp4", "nvfp4", qat)])
+    print(f"\nto the base weights in bf16: the QAT weights in bf16 {r['qat_bf16']['velocity_distance']:.5f}, "
+          f"in FP4 {r['qat_fp4']['velocity_distance']:.5f}")
+
+if __name__ == "__main__":
+    main()
