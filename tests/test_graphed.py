@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnqat.train import load_config, train
-from attnqat.train import graphed
+from attnqat.train import graphed, loop
 from attnqat.train.graphed import TERMS, StepGraphs
 from attnqat.train.loop import Trainer
 
@@ -30,11 +30,12 @@ def tiny(tmp_path, *overrides):
 
 
 def _graph_body(monkeypatch, grads_seen: list):
-    """Make the loop take the graphed path with the graph's body run directly (no CUDA here), recording the
-    gradients each optimizer step reads."""
+    """Make the loop take the graphed path with the graph's body run directly (no CUDA here), and the fused AdamW a
+    graphed run steps with (on the CPU here), recording the gradients each optimizer step reads."""
     def step_graphs(self):
         return StepGraphs(self, self.cfg.train.gradient_accumulation_steps, capture=False)
 
+    monkeypatch.setattr(loop, "use_graphs", lambda cfg, device_type, world_size: True)
     monkeypatch.setattr(Trainer, "step_graphs", step_graphs)
     _record_grads(monkeypatch, grads_seen)
 
@@ -175,6 +176,7 @@ def test_a_failed_capture_falls_back_to_the_eager_body_under_auto(tmp_path, monk
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
 
     monkeypatch.setattr(StepGraphs, "_record", record)
+    monkeypatch.setattr(loop, "use_graphs", lambda cfg, device_type, world_size: True)  # the fused AdamW, as graphed
     monkeypatch.setattr(Trainer, "step_graphs", lambda self: StepGraphs(self, 1, capture=True, fallback=True))
     fast = train(trainer_cfg)
     assert "capturing the step as a CUDA graph failed (CUDA error: operation not permitted when stream is " \
