@@ -1033,7 +1033,7 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         nonlocal t_read
         *values, grad_norm = reads.receive(launched.sent)
         now = time.perf_counter()
-        # the step's time: from its start, or from the step before it's values if those came later (the GPU ran it
+        # the step's time: from its start, or from the values of the step before if those came later (the GPU ran it
         # behind that step), to its own values
         dt, t_read = now - max(launched.t0, t_read), now
         reduced = dict(zip(launched.keys, values))
@@ -1049,7 +1049,8 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
 
     def graphed_step(step: int, t0: float) -> bool:
         """One optimizer step of the graphed path, with no wait for the GPU unless :func:`_uses_weights` or the time
-        limit needs this step's weights now: its values are read while the next step runs."""
+        limit needs this step's weights now: its values are read while the next step runs (why: :mod:`.lagged`, the
+        GPU idle 8 of mini's 51 ms a step at 33x256x256 while the host finished the step after its read)."""
         nonlocal pending, prepared
         sums: dict[str, torch.Tensor] = {}
         for micro in range(accum):
