@@ -221,11 +221,11 @@ def test_a_nonfinite_step_stops_the_lagged_loop_where_the_eager_loop_stops(tmp_p
 
 
 def test_the_lagged_loop_stops_on_time_checkpoints_and_resumes_as_an_uninterrupted_run(tmp_path, monkeypatch):
-    """The graphed loop stopped by the time limit after step 3 (step 2's values still on their way when the limit is
-    seen), then resumed to step 6, leaves the checkpoints, log and final weights of an uninterrupted graphed run.
-    Checkpoints cross between it and the synchronous loop both ways (the eager loop, stepping the same fused AdamW):
-    the lag saves no state of its own."""
-    common = ["train.max_steps=6", "data.batch_size=2", "train.ema_decay=0.9", "checkpoint.every=3",
+    """The graphed loop stopped by the time limit after step 3 (no checkpoint step: the limit alone makes it read step 3
+    at once, with step 2's values still on their way), then resumed to step 6, leaves the checkpoints, log and final
+    weights of an uninterrupted graphed run. Checkpoints cross between it and the synchronous loop both ways (the
+    eager loop, stepping the same fused AdamW): the lag saves no state of its own."""
+    common = ["train.max_steps=6", "data.batch_size=2", "train.ema_decay=0.9", "checkpoint.every=4",
               "objective.target=output", "train.trainable=all", "train.lr_schedule=cosine", "train.warmup_steps=2"]
     cfg = lambda name: tiny(tmp_path / name, *common)  # noqa: E731
     _graph_body(monkeypatch, [])
@@ -234,24 +234,24 @@ def test_the_lagged_loop_stops_on_time_checkpoints_and_resumes_as_an_uninterrupt
     part = train(cfg("part"), stop_after=5)  # the last step of a call is read before it returns, checkpoint or not
     assert part.steps == 5 and part.losses == full.losses[:5]
     assert [r["step"] for r in read_log(tmp_path / "part" / "log.csv")] == ["1", "2", "3", "4", "5"]
-    # a clock past the limit once 3 steps are queued: step 3 is read at once, saved, and the run stops
+    # a clock past the limit once 3 steps are queued
     monkeypatch.setattr(loop, "_out_of_time", lambda limit, t0: limit is not None and made[-1].state.step >= 3)
     cut = train(cfg("cut"), time_limit=1.0)
     assert cut.steps == 3 and len(cut.losses) == 3 and not (tmp_path / "cut" / "final").exists()
     assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step-0000003"]
     rest = train(cfg("cut"), resume="auto")
     assert rest.steps == 6 and cut.losses + rest.losses == full.losses
-    with monkeypatch.context() as m:  # the synchronous loop writes step 3, the lagged one goes on
+    with monkeypatch.context() as m:  # the synchronous loop writes step 4, the lagged one goes on
         m.setattr(Trainer, "step_graphs", lambda self: None)
-        train(cfg("sync-lag"), stop_after=3)
+        train(cfg("sync-lag"), stop_after=4)
     train(cfg("sync-lag"), resume="auto")
-    train(cfg("lag-sync"), stop_after=3)  # and the other way round
+    train(cfg("lag-sync"), stop_after=4)  # and the other way round
     with monkeypatch.context() as m:
         m.setattr(Trainer, "step_graphs", lambda self: None)
         train(cfg("lag-sync"), resume="auto")
     for name in ("cut", "sync-lag", "lag-sync"):
         _assert_same_log(tmp_path / name / "log.csv", tmp_path / "full" / "log.csv")
-        for step in (3, 6):
+        for step in (4, 6):
             _assert_same_checkpoint(tmp_path / name / "checkpoints" / f"step-{step:07d}",
                                     tmp_path / "full" / "checkpoints" / f"step-{step:07d}")
         _assert_close_tensors(load_file(tmp_path / name / "final" / "transformer.safetensors"),
