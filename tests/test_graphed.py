@@ -358,6 +358,48 @@ def test_gpu_replayed_graphs_equal_the_eager_step(tmp_path, compiled):
     assert len(graphs.graphs) == 2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_lagged_loop_stops_at_a_nonfinite_step_with_the_state_before_it(tmp_path, monkeypatch):
+    """mini's QAT fine-tune through train() with replayed graphs, pinned copies and events: a NaN in step 4's clean
+    latents (a graph input, so the replay itself computes it) stops the run at step 4 with the synchronous check's
+    error, after step 5 was queued; the weights, EMA and optimizer state are bit for bit those step 3 left."""
+    cfg = load_config(MINI_QAT, [f"model={ROOT / 'attnqat' / 'models' / 'mini'}", f"output_dir={tmp_path}",
+                                 "data.held_out=0", "data.batch_size=4", "data.corpus.pool=16",
+                                 "data.corpus.refresh=2", "data.corpus.refresh_every=1",
+                                 "data.corpus.sizes=[[9,128,128],[9,64,64]]", "data.corpus.size_weights=[1,1]",
+                                 "train.cuda_graphs=on", "train.max_steps=8", "train.ema_decay=0.9",
+                                 "checkpoint.every=1000", "log.every=1", "log.progress=false"])
+    real_batch, real_advance = Trainer.micro_batch, Trainer.advance_to
+    saved = {}
+
+    def micro_batch(self, step, micro):
+        batch = real_batch(self, step, micro)
+        return dict(batch, x0=batch["x0"] * float("nan")) if step == 3 else batch
+
+    def advance_to(self, steps):
+        real_advance(self, steps)
+        if steps == 3 and not saved:  # queued behind step 3's update: a copy of what it leaves
+            saved["weights"] = [p.detach().clone() for p in self._raw_optimizer().param_groups[0]["params"]]
+            saved["ema"] = [v.clone() for v in self.ema.values()]
+            saved["optimizer"] = [{k: v.clone() for k, v in s.items()} for s in self._raw_optimizer().state.values()]
+
+    monkeypatch.setattr(Trainer, "micro_batch", micro_batch)
+    monkeypatch.setattr(Trainer, "advance_to", advance_to)
+    made = _trainers(monkeypatch)
+    with pytest.raises(NonFiniteTrainingError, match="step 4: non-finite loss nan"):
+        train(cfg)
+    trainer = made[0]
+    opt = trainer._raw_optimizer()
+    assert opt.param_groups[0]["fused"] and float(opt.found_inf) == 1.0 and trainer.state.step == 3
+    assert all(torch.equal(p, q) for p, q in zip(opt.param_groups[0]["params"], saved["weights"]))
+    assert all(torch.equal(a, b) for a, b in zip(trainer.ema.values(), saved["ema"]))
+    for state, before in zip(opt.state.values(), saved["optimizer"]):
+        assert float(state["step"]) == 3 and all(torch.equal(state[k], before[k]) for k in before)
+    rows = read_log(tmp_path / "log.csv")
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4"] and rows[-1]["loss"] == "nan"
+
+
 def test_a_failed_capture_falls_back_to_the_eager_body_under_auto(tmp_path, monkeypatch, capsys):
     """``auto``: a capture that fails (here: the capture itself raising, as CUDA does for a forbidden call) is said
     in one line and the run goes on eagerly, with the gradients the warm-up left thrown away; ``on`` raises."""
