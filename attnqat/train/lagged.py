@@ -40,8 +40,8 @@ class LaggedReads:
 
     Arguments:
         optimizer: the run's ``torch.optim.AdamW(fused=True)`` (the :class:`~.loop.Trainer` builds it fused whenever
-            the step is graphed): its ``found_inf`` becomes :attr:`bad`. Not one a ``GradScaler`` steps (fp16 is never
-            graphed): that sets ``found_inf`` itself.
+            the step is graphed): its ``found_inf`` becomes :attr:`bad` (a fresh one each run). Not one a ``GradScaler``
+            steps (fp16 is never graphed): that sets and deletes ``found_inf`` itself around each step.
         device: the parameters' device. On CUDA the values go to pinned memory with an event; on a CPU (tests) the same
             calls copy synchronously.
     """
@@ -50,14 +50,12 @@ class LaggedReads:
         if not all(g.get("fused") for g in optimizer.param_groups):
             raise ValueError("reading a step's values one step later needs the fused AdamW, which skips its update on "
                              "the device (found_inf); this optimizer is not fused")
-        if getattr(optimizer, "found_inf", None) is not None or getattr(optimizer, "grad_scale", None) is not None:
-            raise ValueError("the optimizer already has a found_inf or grad_scale (a GradScaler's)")
         self.device = torch.device(device)
         # float32 and exactly 0.0 or 1.0: the fused kernel reads a float and skips on == 1, and _fused_adam subtracts
         # the flag from each step count after adding 1 (a 2.0 would update the weights and count the step back twice)
         self.bad = torch.zeros((), dtype=torch.float32, device=self.device)
         optimizer.found_inf = self.bad
-        self._free: list[Sent] = []  # received buffers, reused: pinned allocations are not free
+        self._free: list[Sent] = []  # received buffers, reused: a pinned allocation is a slow call to the driver
 
     def send(self, terms: list[torch.Tensor], grad_norm: torch.Tensor) -> Sent:
         """Fold the step's ``terms`` (0-d float32 device tensors) and ``grad_norm`` into :attr:`bad` and queue their
