@@ -8,9 +8,9 @@ objective's loss and the backward once per batch shape (``torch.cuda.CUDAGraph``
 a micro-batch.
 
 What stays outside the graph, eager: building the batch (copied into the graph's input buffers), the gradient
-clip, the optimizer and the EMA (a few multi-tensor kernels each), and the one read of the loss terms and the
-gradient norm that :func:`~.loop._train` checks before every optimizer step, so a non-finite loss still stops
-training before the weights change.
+clip, the optimizer (one fused kernel) and the EMA, and the copy of the loss terms and the gradient norm to the
+host, which :func:`~.loop._train` reads one step later (:mod:`.lagged`): a non-finite loss still stops training
+before the weights change, its update skipped on the device.
 
 Same numerics: the graph replays the kernels the eager step launches, on the same inputs. Gradients live at
 fixed addresses (allocated once, zeroed by :meth:`StepGraphs.zero_grad` after each optimizer step instead of

@@ -28,6 +28,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,7 @@ from .config import CheckedConfig, TrainConfig, objective_of, save_config, token
 from .corpus_source import CorpusSource, to_device
 from .graphed import TERMS, StepGraphs, use_graphs
 from .data import ShardDataset, sample_indices
+from .lagged import LaggedReads, Sent
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
 from .student_teacher import AdapterOffTeacher, FeatureCapture, attention_saving_checkpoint, make_student_teacher
 
@@ -273,12 +275,27 @@ class Trainer:
         return [(n, p) for n, p in self.accelerator.unwrap_model(self.student).named_parameters() if p.requires_grad]
 
     @torch.no_grad()
-    def update_ema(self, step: int) -> None:
-        """ema <- d ema + (1 - d) w, with d warmed up as min(decay, (1 + step) / (10 + step))."""
+    def update_ema(self, step: int, skip: torch.Tensor | None = None) -> None:
+        """ema <- d ema + (1 - d) w, with d warmed up as min(decay, (1 + step) / (10 + step)); not where ``skip`` (a 0-d
+        float32 device tensor, 0.0 or 1.0: :attr:`.lagged.LaggedReads.bad`) is 1, decided on the device."""
         if self.ema is None:
             return
         d = min(self.cfg.train.ema_decay, (1 + step) / (10 + step))
-        torch._foreach_lerp_(list(self.ema.values()), [w.detach().float() for w in self._ema_weights], 1.0 - d)
+        ema, weights = list(self.ema.values()), [w.detach().float() for w in self._ema_weights]
+        if skip is None:
+            torch._foreach_lerp_(ema, weights, 1.0 - d)
+            return
+        # The same lerp with a 0-d tensor weight, (1 - skip) * (1 - d): float32(1 - d) exactly, or 0, which leaves each
+        # EMA value as it is. No foreach lerp takes one tensor weight for every tensor, so this list of them takes
+        # torch's per-tensor path (one lerp_ launch per tensor, from C++); bit for bit the scalar lerp on CPU.
+        weight = (1 - skip) * (1.0 - d)
+        torch._foreach_lerp_(ema, weights, [weight] * len(ema))
+
+    def advance_to(self, steps: int) -> None:
+        """The state after ``steps`` optimizer steps: the step count and the global samples consumed."""
+        cfg = self.cfg
+        self.state.step = steps
+        self.state.position = steps * cfg.train.gradient_accumulation_steps * cfg.data.batch_size * self.sp.dp_size
 
     # -- one micro-batch ------------------------------------------------------------------------------------
     def _forward(self, model, batch, dtype=None):
@@ -937,55 +954,27 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
     max_norm = tr.grad_clip if tr.grad_clip > 0 else float("inf")
     trainable = [p for p in trainer.student.parameters() if p.requires_grad]
     graphs = trainer.step_graphs()  # None: the eager step
+    reads = None
     if graphs is not None:
+        reads = LaggedReads(trainer._raw_optimizer(), acc.device)
         acc.print("attnqat train: each micro-batch's forward and backward replays a CUDA graph "
-                  "(train.cuda_graphs; the first step of each video size captures it)")
+                  "(train.cuda_graphs; the first step of each video size captures it); each step's loss and gradient "
+                  "norm are read one step later")
     t_start = time.perf_counter()
-    for step in range(start, end):
-        t0 = time.perf_counter()
-        trainer.student.train()
-        sums: dict[str, torch.Tensor] = {}
-        for micro in range(accum):
-            batch = trainer.micro_batch(step, micro)
-            if graphs is not None:
-                terms = graphs.forward_backward(batch)  # the same terms, over accum
-            else:
-                ctx = acc.no_sync(trainer.student) if micro < accum - 1 else _null()
-                with ctx:
-                    out = trainer.losses(batch)
-                    # x sequence_parallel: each process's gradient is its sequence shard's share of the sample's,
-                    # which the group must sum, but DDP / FSDP average over every process (sequence_parallel.py)
-                    acc.backward(out["loss"] * trainer.sp.degree / accum)
-                terms = {k: out[k].detach().float() / accum for k in TERMS if k in out}
-            for k, v in terms.items():
-                sums[k] = sums.get(k, 0.0) + v
-        grad_norm = acc.clip_grad_norm_(trainable, max_norm)
-        lr = trainer.scheduler.get_last_lr()[0]
-        if graphs is not None:  # one process: one transfer of the terms and the norm, the step's only sync
-            *values, grad_norm = torch.stack([*sums.values(), grad_norm.float()]).tolist()
-            reduced = dict(zip(sums, values))
-        else:  # averaged over processes before the optimizer step, so that every process stops at the same step
-            reduced = {k: acc.reduce(v.reshape(1).to(acc.device), "mean").item() for k, v in sums.items()}
-        _check_finite(trainer, logger, bar, step + 1, reduced, grad_norm, lr)
-        trainer.optimizer.step()
-        trainer.scheduler.step()
-        if graphs is not None:
-            graphs.zero_grad()
-        else:
-            trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.update_ema(step)
-        trainer.state.step = step + 1
-        trainer.state.position = (step + 1) * accum * cfg.data.batch_size * trainer.sp.dp_size
-        if acc.device.type == "cuda" and graphs is None:  # (with graphs the read of the terms waited already)
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+    t_read = t_start  # when the host last had a step's values: with graphs, where the next step's time ends
+
+    def finish(step: int, reduced: dict, grad_norm, lr: float, dt: float, *, lagged: bool = False) -> bool:
+        """What follows ``step``'s update (0-based; its values read and finite): its row, held-out evaluation, progress
+        and checkpoints. ``lagged``: the next step is queued already, so this step is none that uses the weights
+        (:func:`_uses_weights`) and the time limit is not looked at. Returns whether the time limit stops the run."""
+        nonlocal final, gap_after
         losses.append(reduced["loss"])
         row = {"step": step + 1, "loss": reduced["loss"], "loss_distill": reduced.get("distill", ""),
                "loss_flow": reduced.get("flow", ""), "gap": reduced.get("gap", ""),
                "grad_norm": float(grad_norm) if grad_norm is not None else "", "lr": lr,
                "tokens_per_s": trainer.tokens_at(step) * cfg.data.batch_size * accum * trainer.sp.dp_size / dt,
                "step_s": dt, "elapsed_s": time.perf_counter() - t_start}
-        if cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0 and step + 1 < tr.max_steps:
+        if _evaluates(cfg, step):
             ev = trainer.evaluate()
             if ev:
                 row.update(_eval_columns(ev))
@@ -999,8 +988,8 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         bar.set_postfix(loss=f"{row['loss']:.4g}", lr=f"{lr:.2e}", gn=f"{row['grad_norm']:.3g}",
                         tok_s=f"{row['tokens_per_s']:.3g}", refresh=False)  # drawn by update, at most 10 a second
         bar.update(1)
-        out_of_time = time_limit is not None and time.perf_counter() - t_start > time_limit
-        if (step + 1) % cfg.checkpoint.every == 0 or last or out_of_time:
+        out_of_time = not lagged and _out_of_time(time_limit, t_start)
+        if _checkpoints(cfg, step) or last or out_of_time:
             trainer.save(trainer.checkpoint_dir(step + 1))
             trainer.prune()
         if last:
@@ -1009,6 +998,91 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         if out_of_time and not last:
             acc.print(f"attnqat train: time limit of {time_limit:.0f} s reached after step {step + 1}; "
                       f"checkpoint saved (continue with --resume auto)")
+        return out_of_time and not last
+
+    def eager_step(step: int, t0: float) -> bool:
+        sums: dict[str, torch.Tensor] = {}
+        for micro in range(accum):
+            batch = trainer.micro_batch(step, micro)
+            ctx = acc.no_sync(trainer.student) if micro < accum - 1 else _null()
+            with ctx:
+                out = trainer.losses(batch)
+                # x sequence_parallel: each process's gradient is its sequence shard's share of the sample's,
+                # which the group must sum, but DDP / FSDP average over every process (sequence_parallel.py)
+                acc.backward(out["loss"] * trainer.sp.degree / accum)
+            terms = {k: out[k].detach().float() / accum for k in TERMS if k in out}
+            for k, v in terms.items():
+                sums[k] = sums.get(k, 0.0) + v
+        grad_norm = acc.clip_grad_norm_(trainable, max_norm)
+        lr = trainer.scheduler.get_last_lr()[0]
+        # averaged over processes before the optimizer step, so that every process stops at the same step
+        reduced = {k: acc.reduce(v.reshape(1).to(acc.device), "mean").item() for k, v in sums.items()}
+        _check_finite(trainer, logger, bar, step + 1, reduced, grad_norm, lr)
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.update_ema(step)
+        trainer.advance_to(step + 1)
+        if acc.device.type == "cuda":
+            torch.cuda.synchronize()
+        return finish(step, reduced, grad_norm, lr, time.perf_counter() - t0)
+
+    def read(launched: _Launched, *, lagged: bool = False) -> bool:
+        """Wait for a graphed step's values (the copy :meth:`.lagged.LaggedReads.send` queued), stop if any is not
+        finite (the row and the error of the synchronous check), then :func:`finish` the step."""
+        nonlocal t_read
+        *values, grad_norm = reads.receive(launched.sent)
+        now = time.perf_counter()
+        # the step's time: from its start, or from the values of the step before if those came later (the GPU ran it
+        # behind that step), to its own values
+        dt, t_read = now - max(launched.t0, t_read), now
+        reduced = dict(zip(launched.keys, values))
+        try:
+            _check_finite(trainer, logger, bar, launched.step + 1, reduced, grad_norm, launched.lr)
+        except NonFiniteTrainingError:
+            trainer.advance_to(launched.step)  # its update, and any after it, were skipped on the device
+            raise
+        return finish(launched.step, reduced, grad_norm, launched.lr, dt, lagged=lagged)
+
+    pending: _Launched | None = None  # a graphed step whose values the host has not read yet
+    prepared: dict[str, torch.Tensor] | None = None  # the next step's first micro-batch, built ahead
+
+    def graphed_step(step: int, t0: float) -> bool:
+        """One optimizer step of the graphed path, with no wait for the GPU unless :func:`_uses_weights` or the time
+        limit needs this step's weights now: its values are read while the next step runs (why: :mod:`.lagged`, the
+        GPU idle 8 of mini's 51 ms a step at 33x256x256 while the host finished the step after its read)."""
+        nonlocal pending, prepared
+        sums: dict[str, torch.Tensor] = {}
+        for micro in range(accum):
+            batch = prepared if micro == 0 and prepared is not None else trainer.micro_batch(step, micro)
+            for k, v in graphs.forward_backward(batch).items():  # the same terms, over accum
+                sums[k] = sums.get(k, 0.0) + v
+        prepared = None
+        grad_norm = acc.clip_grad_norm_(trainable, max_norm)
+        lr = trainer.scheduler.get_last_lr()[0]
+        launched = _Launched(step, list(sums), reads.send(list(sums.values()), grad_norm), lr, t0)
+        if not math.isfinite(lr):  # the host knows it now: stop before this update, as the synchronous check does
+            earlier, pending = pending, None
+            if earlier is not None:
+                read(earlier, lagged=True)
+            read(launched)  # raises
+        trainer.optimizer.step()  # fused: skipped on the device once a step's terms or norm were not finite
+        trainer.scheduler.step()
+        graphs.zero_grad()
+        trainer.update_ema(step, skip=reads.bad)
+        trainer.advance_to(step + 1)
+        now = step + 1 == end or _uses_weights(cfg, step) or _out_of_time(time_limit, t_start)
+        if not now:  # queued on the stream behind this step (its copy into the graph's inputs too): safe to build now
+            prepared = trainer.micro_batch(step + 1, 0)
+        earlier, pending = pending, (None if now else launched)
+        if earlier is not None:
+            read(earlier, lagged=True)  # the wait, if any, has this step queued behind it on the GPU
+        return read(launched) if now else False
+
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        trainer.student.train()
+        if (eager_step if graphs is None else graphed_step)(step, t0):
             break
     bar.close()
     logger.close()
@@ -1022,6 +1096,36 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
                   f"--prompt 'a red ball slides left over a striped background'")
     return TrainResult(steps=trainer.state.step, losses=losses, gap_before=gap_before, gap_after=gap_after,
                        output_dir=cfg.output_dir, final_checkpoint=str(final) if final else None, log_rows=logger.rows)
+
+
+class _Launched(NamedTuple):
+    """A graphed step queued on the device whose values the host reads later (:func:`_train`)."""
+    step: int           # 0-based
+    keys: list[str]     # the loss terms, in the order of the values sent
+    sent: Sent
+    lr: float
+    t0: float           # when the host began it
+
+
+def _evaluates(cfg: TrainConfig, step: int) -> bool:
+    """Whether the held-out evaluation runs after 0-based ``step`` (mid-run: the last step's is ``gap_after``)."""
+    return bool(cfg.log.eval_every) and (step + 1) % cfg.log.eval_every == 0 and step + 1 < cfg.train.max_steps
+
+
+def _checkpoints(cfg: TrainConfig, step: int) -> bool:
+    """Whether 0-based ``step`` is a ``checkpoint.every`` step (the last one and the time limit also write one)."""
+    return (step + 1) % cfg.checkpoint.every == 0
+
+
+def _uses_weights(cfg: TrainConfig, step: int) -> bool:
+    """Whether what follows 0-based ``step`` reads the weights it left (a held-out evaluation, a checkpoint, final/):
+    the graphed loop then reads the step's values before it queues the next step."""
+    return (_evaluates(cfg, step) and cfg.data.held_out > 0) or _checkpoints(cfg, step) \
+        or step + 1 == cfg.train.max_steps
+
+
+def _out_of_time(time_limit: float | None, t_start: float) -> bool:
+    return time_limit is not None and time.perf_counter() - t_start > time_limit
 
 
 def _check_finite(trainer: Trainer, logger: _Logger, bar, step: int, reduced: dict, grad_norm, lr: float) -> None:
