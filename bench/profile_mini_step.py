@@ -15,8 +15,8 @@ medians over --steps steps after a warm-up, eager.
 
 --loop: ``attnqat train`` itself (the loop of attnqat/train/loop.py, no held-out evaluation, no checkpoint) for
 --loop-warmup + --loop-steps steps per variant, in one process one after another: ``eager`` (train.cuda_graphs
-off), ``graphs`` (on), ``+compile`` (train.compile). Per size: the median step (log.csv's step_s, which with
-graphs is the wall time from one step's start to the next's) and the mean over every timed step, pool
+off), ``graphs`` (on), ``+compile`` (train.compile). Per size: the median step (log.csv's step_s; with graphs
+the time from the previous step's values reaching the host to this step's, docs/training.md) and the mean over every timed step, pool
 refreshes included: the mean is the rate a build trains at; the clock (log.csv's elapsed_s over the timed steps),
 which also counts what lies between steps; and how long the loop waited for each pool refresh's clips (the
 prefetch not done yet, or an inline encode).
