@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from attnqat.kernels import REFERENCE_MODE, attention
 from attnqat.pipelines import build_tiny_transformer
@@ -313,7 +314,8 @@ def test_graph_body_and_eager_loop_train_alike_and_log_the_term(tmp_path, monkey
 def test_compiled_block_fullgraph_records_the_same_term(monkeypatch):
     """A block compiled in place with ``fullgraph=True`` (as ``train.compile`` does; aot_eager here, Inductor's C++
     build being minutes on a CPU) under gradient checkpointing: no graph break, and the same term and gradients as
-    eager. Only block 0 is compiled, to keep it quick; the other block runs eagerly beside it."""
+    eager, and the next step compiles nothing new. Only block 0 is compiled, to keep it quick; the other block runs
+    eagerly beside it."""
     torch._dynamo.reset()
     student, _ = make_student_teacher(build_tiny_transformer().float(), "attn_qat", with_teacher=False)
     student.enable_gradient_checkpointing()
@@ -331,9 +333,13 @@ def test_compiled_block_fullgraph_records_the_same_term(monkeypatch):
         (out.square().mean() + term).backward()
         return term.detach(), [p.grad.clone() for p in student.parameters()]
     eager_term, eager_grads = step()
-    student.blocks[0].compile(fullgraph=True, backend="aot_eager", dynamic=False)
+    counter = CompileCounterWithBackend("aot_eager")
+    student.blocks[0].compile(fullgraph=True, backend=counter, dynamic=False)
     try:
         term, grads = step()
+        frames = counter.frame_count  # the forward's graph and the recompute's
+        step()
+        assert counter.frame_count == frames  # a new step's recorder dict recompiles nothing
     finally:
         torch._dynamo.reset()
     assert torch.equal(term, eager_term)
