@@ -55,6 +55,10 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     features_cos_ema) echo "$(overrides features_cos) train.ema_decay=0.999" ;;
     features_attention) echo "$(overrides features_cos) train.trainable=attention train.lr=6e-4" ;;
     mix_cos) echo "objective.type=mix objective.target=output objective.flow_weight=0.1 $(cosine)" ;;
+    # distillation plus each FP4 self-attention layer's own error (objective.attention_consistency, docs/training.md):
+    # does a local term get past distillation's plateau? Against distill_output, the same run without it
+    distill_cons) echo "$(overrides distill_output) objective.attention_consistency=1.0" ;;
+    distill_cons_0.1) echo "$(overrides distill_output) objective.attention_consistency=0.1" ;;
     bf16_control_cos) echo "attention.mode=bf16 $(cosine)" ;;
   esac
 }
@@ -137,6 +141,8 @@ case "${1:-}" in
     add qat_features_cos_ema features_cos_ema attn_qat
     add qat_features_attention features_attention attn_qat
     add qat_mix_cos mix_cos attn_qat
+    add qat_distill_cons distill_cons attn_qat
+    add qat_distill_cons_0.1 distill_cons_0.1 attn_qat
     add ctrl_cos_fp4 bf16_control_cos attn_qat
     add ctrl_cos_bf16 bf16_control_cos bf16
     # the QAT weights that ship with mini, as a user loads them (FP8 changes over the base)

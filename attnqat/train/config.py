@@ -68,6 +68,8 @@ LIMITS = {
                                                 "data.batch_size or the process count instead"),
     "objective.output_weight": (1000.0, "a loss term's weight against the other; beyond 1000 the other is noise"),
     "objective.flow_weight": (1000.0, "a loss term's weight against the other; beyond 1000 the other is noise"),
+    "objective.attention_consistency": (1000.0, "a loss term's weight against the other; beyond 1000 the other is "
+                                                "noise"),
 }
 MAX_ELEMENTS = 2 ** 31  # one tensor of a micro-batch or of the held-out set: int32 indexing, 8 GiB in fp32
 
@@ -87,6 +89,8 @@ class ObjectiveConfig:
     flow_weight: float = 1.0        # mix: weight of the flow-matching term
     latents: str = "noise"          # distill's clean latents x0: noise | dataset | teacher (teacher samples)
     teacher_steps: int = 8          # latents=teacher: Euler steps of the teacher's sampler
+    attention_consistency: float = 0.0  # > 0: + this x each FP4 self-attention layer's own nmse(FP4 output, exact
+                                        # output), mean over layers (consistency.py); any objective.type
 
 
 @dataclass
@@ -493,7 +497,8 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
                        ("data.held_out_seed", d.held_out_seed), ("objective.teacher_steps", o.teacher_steps),
                        ("train.eps", tr.eps), ("timesteps.shift", t.shift),
                        ("train.gradient_accumulation_steps", tr.gradient_accumulation_steps),
-                       ("objective.output_weight", o.output_weight), ("objective.flow_weight", o.flow_weight)):
+                       ("objective.output_weight", o.output_weight), ("objective.flow_weight", o.flow_weight),
+                       ("objective.attention_consistency", o.attention_consistency)):
         hi, why = LIMITS[key]
         if value > hi:
             raise ValueError(f"{key} must be <= {hi:g}, got {_show(value)}: {why}")
@@ -511,6 +516,7 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
         raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {tr.min_lr_ratio}")
     if o.output_weight < 0 or o.flow_weight < 0:
         raise ValueError(f"objective.output_weight and flow_weight must be >= 0, got {o.output_weight}, {o.flow_weight}")
+    _check_consistency(o.attention_consistency, a.mode)
     if not (isinstance(tr.betas, list) and len(tr.betas) == 2
             and all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in tr.betas)):
         raise ValueError(f"train.betas must be two numbers in [0, 1), got {_show(tr.betas)}")
@@ -599,6 +605,18 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     index["latent_shape"] = shapes[0]
     index["latent_shapes"] = shapes
     return CheckedConfig(copy.deepcopy(cfg), index, dict(tc), device_type, world_size)
+
+
+def _check_consistency(weight, mode: str) -> None:
+    """``objective.attention_consistency``: a finite weight >= 0; above 0 it needs a student whose attention has an
+    FP4 forward and a backward (the term is that layer's FP4 error, trained through its backward)."""
+    if not (isinstance(weight, numbers.Real) and not isinstance(weight, bool) and math.isfinite(weight)
+            and weight >= 0):
+        raise ValueError(f"objective.attention_consistency must be a finite number >= 0, got {_show(weight)}")
+    fp4 = available_modes(lambda m: m.trainable and m.naive_fp4_forward)
+    if weight > 0 and mode not in fp4:
+        raise ValueError(f"objective.attention_consistency {weight:g} needs an FP4 trainable attention.mode "
+                         f"({', '.join(fp4)}), got {mode!r}: the term is a layer's FP4 error against its exact output")
 
 
 def _check_sequence_parallel(degree: int, tc: dict, shapes: list[list[int]], world: int) -> None:

@@ -29,7 +29,7 @@ import gc
 import torch
 
 #: The loss terms the loop logs, in the order of :meth:`StepGraphs.forward_backward`'s result.
-TERMS = ("loss", "distill", "flow", "gap")
+TERMS = ("loss", "distill", "flow", "gap", "consistency")
 #: Distinct batch shapes (video sizes) a run may capture: each graph keeps its activations' memory.
 MAX_GRAPHS = 16
 #: Eager forward-backward passes before a capture: the first compiles Triton kernels (and torch.compile's

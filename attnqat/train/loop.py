@@ -40,6 +40,7 @@ from attnqat.pipelines.lora import save_lora
 from . import checkpoint as ck
 from . import sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
+from .consistency import AttentionConsistency
 from .config import CheckedConfig, TrainConfig, objective_of, save_config, tokens_per_sample, trackers_of, validate
 from .corpus_source import CorpusSource, to_device
 from .graphed import TERMS, StepGraphs, use_graphs
@@ -49,8 +50,9 @@ from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gap
 from .student_teacher import AdapterOffTeacher, FeatureCapture, attention_saving_checkpoint, make_student_teacher
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "gap", "grad_norm", "lr", "tokens_per_s", "step_s",
-              "elapsed_s", "eval_gap_output", "eval_gap_features", "eval_flow", "eval_prompt_ratio"]
+CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "loss_consistency", "gap", "grad_norm", "lr",
+              "tokens_per_s", "step_s", "elapsed_s", "eval_gap_output", "eval_gap_features", "eval_flow",
+              "eval_prompt_ratio"]
 
 
 @dataclass
@@ -241,6 +243,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainerState()
         self.s_cap = FeatureCapture(self.student)
+        # the attention-consistency term's recorder, in the student's FP4 self-attention layers (consistency.py)
+        self.consistency = AttentionConsistency(self.student) if cfg.objective.attention_consistency > 0 else None
         self.t_cap = None if teacher is None else FeatureCapture(teacher.transformer if shared else self.teacher)
         self.batcher = Batcher(cfg, self.tc, self.shape, self.dataset, self.objective)
         self.tokens = tokens_per_sample(self.shape, self.tc)
@@ -319,13 +323,19 @@ class Trainer:
             with torch.no_grad(), acc.autocast(), self.t_cap.capturing() as feats:
                 t_out = self._forward(self.teacher, batch, self.teacher_dtype)
                 t_feat = dict(feats)
-        with torch.set_grad_enabled(grad), acc.autocast(), self.s_cap.capturing() as feats:
+        # the attention-consistency term trains only: held out, the forward has no grad and records nothing
+        consistency = self.consistency if grad else None
+        with torch.set_grad_enabled(grad), acc.autocast(), self.s_cap.capturing() as feats, \
+                consistency.recording() if consistency is not None else contextlib.nullcontext():
             s_out = self._forward(self.student, batch)
             s_feat = dict(feats)
-        if run_teacher:  # features are sequence shards under SP: their sums are totalled over the group
-            total = lambda x: sequence_parallel.sum_over_group(x, self.sp)  # noqa: E731
+        # features and the layers' attention outputs are sequence shards under SP: their sums are totalled over the
+        # group
+        total = lambda x: sequence_parallel.sum_over_group(x, self.sp)  # noqa: E731
+        if run_teacher:
             gaps = teacher_gaps(s_out, s_feat, t_out, t_feat, total=total)
-        out = {**gaps, **self.objective.terms(s_out, batch, gaps)}
+        term = consistency.term(total) if consistency is not None else None
+        out = {**gaps, **self.objective.loss_terms(s_out, batch, gaps, term)}
         if not grad and self.corpus is not None and "flow" not in out:
             out["flow"] = flow_loss(s_out, batch)
         return out
@@ -971,6 +981,7 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         losses.append(reduced["loss"])
         row = {"step": step + 1, "loss": reduced["loss"], "loss_distill": reduced.get("distill", ""),
                "loss_flow": reduced.get("flow", ""), "gap": reduced.get("gap", ""),
+               "loss_consistency": reduced.get("consistency", ""),
                "grad_norm": float(grad_norm) if grad_norm is not None else "", "lr": lr,
                "tokens_per_s": trainer.tokens_at(step) * cfg.data.batch_size * accum * trainer.sp.dp_size / dt,
                "step_s": dt, "elapsed_s": time.perf_counter() - t_start}
@@ -1138,6 +1149,7 @@ def _check_finite(trainer: Trainer, logger: _Logger, bar, step: int, reduced: di
         return
     logger.log({"step": step, "loss": reduced.get("loss", ""), "loss_distill": reduced.get("distill", ""),
                 "loss_flow": reduced.get("flow", ""), "gap": reduced.get("gap", ""),
+                "loss_consistency": reduced.get("consistency", ""),
                 "grad_norm": gn if gn is not None else "", "lr": lr})
     bar.close()
     logger.close()

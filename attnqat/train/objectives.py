@@ -14,7 +14,8 @@ Both use the normalized MSE ||s - t||^2 / ||t||^2, so blocks of different scale 
 An objective is a small class registered under its ``objective.type`` name (:data:`OBJECTIVES`).
 ``config.objective_of`` picks it once, when the config is validated; the ``Trainer`` builds a teacher if it
 ``needs_teacher``, draws the clean latents its ``latents`` names, and optimizes the ``"loss"`` its
-:meth:`Objective.terms` returns.
+:meth:`Objective.terms` returns (plus, with ``objective.attention_consistency`` > 0, the weighted
+attention-consistency term: :meth:`Objective.loss_terms`, :mod:`.consistency`).
 """
 from __future__ import annotations
 
@@ -124,6 +125,16 @@ class Objective(ABC):
         Return:
             named scalars; ``distill`` and ``flow`` are logged as log.csv's ``loss_distill``, ``loss_flow``.
         """
+
+    def loss_terms(self, velocity: torch.Tensor, batch: dict, gaps: dict,
+                   consistency: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`terms`, and with ``consistency`` (the attention-consistency term of the training forward,
+        :mod:`.consistency`) that term too, added to ``"loss"`` with weight ``objective.attention_consistency``;
+        whatever the objective, so no subclass repeats it. Logged as log.csv's ``loss_consistency``."""
+        out = self.terms(velocity, batch, gaps)
+        if consistency is None:
+            return out
+        return {**out, "consistency": consistency, "loss": out["loss"] + self.cfg.attention_consistency * consistency}
 
 
 OBJECTIVES: dict[str, type[Objective]] = {}

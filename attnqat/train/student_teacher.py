@@ -7,7 +7,7 @@ same initial weights, runs the reference mode (bf16, exact SDPA) in the same lay
 :class:`AdapterOffTeacher` runs the same module with the adapter off and the reference attention.
 :class:`FeatureCapture` records every block's output hidden states, for feature distillation and the
 held-out gap. :func:`attention_saving_checkpoint` is the student's gradient checkpointing with
-``train.save_attention``.
+``train.save_attention``. The attention-consistency term's recorder is :mod:`.consistency`.
 """
 from __future__ import annotations
 
@@ -30,7 +30,14 @@ class AutocastAttnProcessor(AttnQATProcessor):
     With fp32 master weights under bf16 autocast, Wan's RMSNorm on Q/K (fp32 weight) and RoPE hand the
     attention fp32 tensors. torch's SDPA is on autocast's low-precision list, so the bf16 mode would run
     in bf16 anyway; the FP4 Triton kernels take only bf16/fp16. Casting here gives both the same inputs.
+
+    With ``objective.attention_consistency`` > 0 the student's self-attention processors also hold the run's
+    :class:`~.consistency.AttentionConsistency`: with grad on, each also runs the reference mode on the same q, k,
+    v and hands both outputs to it. Its own output is the same either way.
     """
+
+    consistency = None  # an AttentionConsistency (consistency.py) with objective.attention_consistency > 0
+    consistency_layer = 0  # this layer's key in it
 
     def _attention(self, query, key, value, *args, **kwargs):
         dev = query.device.type
@@ -38,6 +45,16 @@ class AutocastAttnProcessor(AttnQATProcessor):
             dt = torch.get_autocast_dtype(dev)
             query, key, value = query.to(dt), key.to(dt), value.to(dt)
         return super()._attention(query, key, value, *args, **kwargs)
+
+    def _attend(self, query, key, value, parallel_config):
+        out = super()._attend(query, key, value, parallel_config)
+        # Only with grad: evaluation and inference (no_grad) never pay for it; checkpointing's recompute (grad on)
+        # must run it again, since it has to save what the forward saved.
+        if self.consistency is not None and torch.is_grad_enabled():
+            # not detached: the term's gradient is that of the layer's FP4 error, through both branches (consistency.py)
+            ref = self._attention(query, key, value, REFERENCE_MODE, {}, parallel_config)
+            self.consistency.record(self.consistency_layer, out, ref.flatten(2, 3))
+        return out
 
 
 def patch_for_training(transformer: torch.nn.Module, mode: str, layers="self", **options) -> list[str]:
