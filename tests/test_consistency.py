@@ -294,6 +294,7 @@ def test_graph_body_and_eager_loop_train_alike_and_log_the_term(tmp_path, monkey
     steps = ["train.max_steps=3", "objective.attention_consistency=0.5"]
     eager = train(tiny(tmp_path / "eager", *steps))
     with monkeypatch.context() as m:
+        m.setattr(loop, "use_graphs", lambda cfg, device_type, world_size: True)  # the fused AdamW a graphed run has
         m.setattr(Trainer, "step_graphs",
                   lambda self: StepGraphs(self, self.cfg.train.gradient_accumulation_steps, capture=False))
         fast = train(tiny(tmp_path / "fast", *steps))
