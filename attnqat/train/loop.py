@@ -44,7 +44,8 @@ from .corpus_source import CorpusSource, to_device
 from .graphed import TERMS, StepGraphs, use_graphs
 from .data import ShardDataset, sample_indices
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
-from .student_teacher import AdapterOffTeacher, FeatureCapture, attention_saving_checkpoint, make_student_teacher
+from .student_teacher import (AdapterOffTeacher, FeatureCapture, attention_saving_checkpoint, make_student_teacher,
+                              shard_teacher, teacher_is_sharded)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "gap", "grad_norm", "lr", "tokens_per_s", "step_s",
@@ -188,8 +189,9 @@ class Trainer:
         # (Wan 14B: 28 GB in bf16 instead of 57 GB), and only the adapter is fp32. Not under FSDP1: it flattens each
         # block's weights, the adapter's with them, into one tensor of one dtype (a bf16 base is refused at the wrap);
         # sharded, fp32 frozen weights cost 1/N a process, and FSDP's mixed precision computes in bf16 all the same
-        fsdp1 = acc.distributed_type.value == "FSDP" and not acc.is_fsdp2
-        dtype = self.teacher_dtype if self.lora and not fsdp1 else torch.float32
+        fsdp = (2 if acc.is_fsdp2 else 1) if acc.distributed_type.value == "FSDP" else None
+        shard = teacher_is_sharded(tr.shard_teacher, fsdp)
+        dtype = self.teacher_dtype if self.lora and fsdp != 1 else torch.float32
         if tr.from_scratch:  # the model's architecture at a seeded random initialisation
             from diffusers import WanTransformer3DModel
 
@@ -234,7 +236,9 @@ class Trainer:
         self.student, self.optimizer = acc.prepare(student, optimizer)
         if shared:
             teacher.forward_module = self.student  # through accelerate's wrapper, as the student's forward goes
-        self.teacher = teacher.to(acc.device) if teacher is not None and not shared else teacher
+        if teacher is not None and not shared:  # sharded as the student is (train.shard_teacher), or whole here
+            teacher = shard_teacher(teacher, self.student, acc.device) if shard else teacher.to(acc.device)
+        self.teacher = teacher
         # Not prepared: accelerate would step it once per process per step; the checkpoint saves it.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainerState()
