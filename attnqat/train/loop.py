@@ -37,7 +37,7 @@ from attnqat.pipelines.loading import CHECKPOINTS_DIR, load_transformer, model_i
 from attnqat.pipelines.lora import save_lora
 
 from . import checkpoint as ck
-from . import sequence_parallel
+from . import optimizers, sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
 from .config import CheckedConfig, TrainConfig, objective_of, save_config, tokens_per_sample, trackers_of, validate
 from .corpus_source import CorpusSource, to_device
@@ -190,6 +190,7 @@ class Trainer:
         # block's weights, the adapter's with them, into one tensor of one dtype (a bf16 base is refused at the wrap);
         # sharded, fp32 frozen weights cost 1/N a process, and FSDP's mixed precision computes in bf16 all the same
         fsdp = (2 if acc.is_fsdp2 else 1) if acc.distributed_type.value == "FSDP" else None
+        optimizers.check_sharding(tr.optimizer, fsdp)  # before a model is built: one line
         shard = teacher_is_sharded(tr.shard_teacher, fsdp)
         dtype = self.teacher_dtype if self.lora and fsdp != 1 else torch.float32
         if tr.from_scratch:  # the model's architecture at a seeded random initialisation
@@ -224,9 +225,9 @@ class Trainer:
         # With CUDA graphs the optimizer is what is left of the host's work in a step: the multi-tensor AdamW's Python
         # kept mini's H200 idle 4-9 ms a step (profiler trace); the fused one is one kernel launch per dtype.
         self.graphs = use_graphs(cfg, acc.device.type, acc.num_processes)
-        optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=tr.lr,
-                                      betas=tuple(float(b) for b in tr.betas), eps=tr.eps,
-                                      weight_decay=tr.weight_decay, fused=self.graphs or None)
+        optimizer = optimizers.build(tr.optimizer, [p for p in student.parameters() if p.requires_grad], lr=tr.lr,
+                                     betas=tr.betas, eps=tr.eps, weight_decay=tr.weight_decay,
+                                     fused=self.graphs or None)
         self.trainable_names = sorted(n for n, p in student.named_parameters() if p.requires_grad)
         # what state/model.safetensors holds: every weight, or a LoRA run's adapter alone (the frozen weights are
         # the model's, loaded again on resume)
