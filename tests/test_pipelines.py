@@ -378,6 +378,33 @@ def test_fsdp_sequence_parallel_training_step_benchmark_on_two_cpu_processes(tmp
     assert ranks[0]["stdout"].count("| `bf16` |") == 1 and "| `bf16` |" not in ranks[1]["stdout"]
 
 
+def test_lean_training_step_benchmark_on_two_cpu_processes(tmp_path, capsys):
+    """bench/train_step_sp.py --fsdp 2 --optimizer adamw8bit --shard-teacher (what the whole 14B on two H200s runs)
+    on 2 gloo processes, tiny model: the FSDP2 student, the teacher sharded by the loop's shard_teacher, torchao's
+    8-bit AdamW built as the loop builds it; a finite loss, rank 0 alone prints the table. adamw8bit with FSDP1 is
+    refused in one line before any process starts talking."""
+    import sys
+    from pathlib import Path
+
+    from conftest import load_script
+
+    pytest.importorskip("torchao")
+    ranks = _bench_on_two_ranks("train_step_sp", ["--tiny", "--steps", "1", "--warmup", "1", "--modes", "attn_qat",
+                                                  "--fsdp", "2", "--optimizer", "adamw8bit", "--shard-teacher"],
+                                tmp_path)
+    out = ranks[0]["stdout"]
+    assert "| `attn_qat` |" in out and "| `attn_qat` |" not in ranks[1]["stdout"]
+    path = list(sys.path)
+    try:
+        bench = load_script(Path(__file__).resolve().parents[1] / "bench" / "train_step_sp.py", "bench_train_step_sp")
+    finally:  # the script puts bench/ first on sys.path
+        sys.path[:] = path
+    capsys.readouterr()
+    assert bench.main(["--tiny", "--optimizer", "adamw8bit"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--optimizer adamw8bit needs --fsdp 2" in err[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["attn_qat", "sage3", "nvfp4"])
 def test_compiled_and_offloaded_generation_match_eager_on_gpu(mode):

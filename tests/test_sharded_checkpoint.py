@@ -7,7 +7,12 @@ processes over gloo under real FSDP sharding (CPU):
   whole, and --resume auto continues from it exactly;
 - a sharded checkpoint of two processes loads into one (DCP reshards) with the very values a full checkpoint of
   the same run holds, and nothing is unpickled while it loads (DCP's own FileSystemReader, the control, unpickles);
-- shard files the manifest does not list, or pieces that do not cover a tensor, are refused by name.
+- shard files the manifest does not list, or pieces that do not cover a tensor, are refused by name;
+- train.optimizer adamw8bit: its 8-bit moments (uint8 codes and fp32 block scales, sharded as the weights' rows) are
+  split between the processes' shards, a run stopped and resumed gives the uninterrupted run's losses and weights
+  exactly, and one plain process loads the 2-process shards into exactly what the same run's full checkpoint holds;
+- the teacher: these runs shard it (train.shard_teacher auto under FSDP); the run with a whole replica
+  (train.shard_teacher: off) has the same losses.
 
 accelerate (1.15) offers FSDP on GPUs only: on the CPU it builds a MULTI_CPU (DDP) state whatever the config says.
 torch's FSDP itself runs on the CPU over gloo, so :func:`fsdp_accelerator` puts accelerate's state into FSDP by hand
@@ -114,22 +119,38 @@ def ok(results: list[dict]) -> list:
     return [r["ok"] for r in results]
 
 
+ADAMW8BIT = ["train.optimizer=adamw8bit", "train.lr=1e-3"]  # lr: steps that move the 8-bit moments' codes
+try:
+    import torchao  # noqa: F401
+    HAVE_TORCHAO = True
+except ImportError:
+    HAVE_TORCHAO = False
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three 2-process FSDP runs side by side: the uninterrupted one (checkpoint.format auto), the same stopped after
-    step 2 (sharded checkpoint step-2), and one stopped there with checkpoint.format: full (the reference state)."""
+    """2-process FSDP runs side by side: the uninterrupted one (checkpoint.format auto), the same stopped after step 2
+    (sharded checkpoint step-2), and one stopped there with checkpoint.format: full (the reference state) and a whole
+    teacher on each process (train.shard_teacher: off); with torchao, the same three with train.optimizer adamw8bit."""
     tmp = tmp_path_factory.mktemp("fsdp")
+    jobs = [("whole", fsdp_train(tmp / "whole")), ("cut", fsdp_train(tmp / "cut", stop_after=2)),
+            ("full", fsdp_train(tmp / "full", "checkpoint.format=full", "train.shard_teacher=off", stop_after=2))]
+    if HAVE_TORCHAO:
+        jobs += [("whole8", fsdp_train(tmp / "whole8", *ADAMW8BIT)),
+                 ("cut8", fsdp_train(tmp / "cut8", *ADAMW8BIT, stop_after=2)),
+                 ("full8", fsdp_train(tmp / "full8", *ADAMW8BIT, "checkpoint.format=full", stop_after=2))]
     with pytest.MonkeyPatch.context() as m:
         m.setenv("TRITON_INTERPRET", "0")
-        results = run_jobs(tmp, ("whole", fsdp_train(tmp / "whole")),
-                           ("cut", fsdp_train(tmp / "cut", stop_after=2)),
-                           ("full", fsdp_train(tmp / "full", "checkpoint.format=full", stop_after=2)))
-    whole, cut, full = (ok(results[k]) for k in ("whole", "cut", "full"))
+        results = {k: ok(v) for k, v in run_jobs(tmp, *jobs).items()}
+    whole = results["whole"]
     assert whole[0]["distributed_type"] == "FSDP" and whole[0]["losses"] == whole[1]["losses"]
     assert len(set(whole[0]["losses"])) == 4
+    # the replicated teacher's run: the same losses as the sharded teacher's (the distillation target is its output)
+    assert results["full"][0]["losses"] == whole[0]["losses"][:2]
     copy_run(tmp / "cut", tmp / "stopped")  # kept as it is: the tests below resume copies of it
     return {"tmp": tmp, "losses": whole[0]["losses"], "cut": tmp / "cut", "full": tmp / "full", "whole": tmp / "whole",
-            "stopped": tmp / "stopped"}
+            "stopped": tmp / "stopped", "losses8": results.get("whole8", [{}])[0].get("losses"),
+            **{k: tmp / k for k in ("whole8", "cut8", "full8")}}
 
 
 def copy_run(src: Path, dest: Path) -> Path:
@@ -399,3 +420,59 @@ def test_fsdp1_sharded_state_round_trips_and_reshards(tmp_path):
     assert same_optimizer_state(get_optimizer_state_dict(model, opt, options=whole), want_opt)
     assert opt.param_groups[0]["weight_decay"] == 0.01  # the saved hyperparameters, not this optimizer's default
     assert any(not torch.equal(v, build_tiny_transformer().float().state_dict()[k]) for k, v in got.items())
+
+
+@pytest.mark.skipif(not HAVE_TORCHAO, reason="needs torchao (pip install torchao; the test extra has it)")
+def test_adamw8bit_shards_hold_its_8bit_moments_and_resume_exactly(runs, tmp_path):
+    """train.optimizer adamw8bit under FSDP2: each process's shard holds half of each block weight's moment codes
+    (uint8) and of their scales, nothing dequantized; stopped after step 2 and resumed in two fresh processes, the
+    losses and final weights are the uninterrupted run's exactly."""
+    ckpt = runs["cut8"] / "checkpoints" / "step-0000002"
+    assert ck.verify(ckpt)["layout"] == "sharded"
+    block = "blocks.0.ffn.net.0.proj.weight"  # (256, 128): blocks of 128, one row each
+    files = sorted((ckpt / ck.SHARDS).iterdir())
+    with safe_open(str(files[0]), framework="pt") as f:
+        assert f.get_slice(f"optimizer/{block}/exp_avg_codes").get_dtype() == "U8"
+        assert f"optimizer/{block}/exp_avg" not in f.keys()
+    pieces = shard_pieces(ckpt)
+    for kind, whole in ((f"optimizer/{block}/exp_avg_codes", 256 * 128), (f"optimizer/{block}/exp_avg_scales", 256),
+                        (f"optimizer/{block}/exp_avg_sq_codes", 256 * 128), (f"model/{block}", 256 * 128)):
+        assert [p[kind] for p in pieces.values()] == [whole // 2] * 2, kind
+    assert len(set(runs["losses8"])) == 4 and runs["losses8"][:1] == runs["losses"][:1]  # the step before AdamW's
+    resumed = ok(run_jobs(tmp_path, ("resume8", fsdp_train(runs["cut8"], *ADAMW8BIT, resume="auto")))["resume8"])
+    assert resumed[0]["losses"] == runs["losses8"][2:]
+    a, b = (load_file(str(runs[k] / "final" / "transformer.safetensors")) for k in ("cut8", "whole8"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(not HAVE_TORCHAO, reason="needs torchao (pip install torchao; the test extra has it)")
+def test_adamw8bit_shards_of_two_processes_load_into_one(runs, tmp_path):
+    """World size 2 -> 1 for the 8-bit moments: the blocks lie within rows, so they reshard as the weights do. One
+    plain process resuming the sharded step-2 holds exactly the weights and optimizer state (codes, scales, the
+    vectors' fp32 moments, steps) of the same run's full checkpoint (FSDP's own gather)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from attnqat.train import Trainer
+    from conftest import forked_process
+
+    ckpt, full = (runs[k] / "checkpoints" / "step-0000002" for k in ("cut8", "full8"))
+
+    def load_in_one_process():
+        trainer = Trainer(cfg(tmp_path / "one", *ADAMW8BIT))
+        trainer.resume_from(str(ckpt))
+        got_model = trainer.student.state_dict()
+        got_opt = get_optimizer_state_dict(trainer.student, trainer.optimizer.optimizer,
+                                           options=StateDictOptions(full_state_dict=True))
+        want_model = load_file(str(full / "state" / "model.safetensors"))
+        want_opt = ck.unflatten_optimizer(load_file(str(full / "state" / "optimizer.safetensors")),
+                                          json.loads((full / "state" / "optimizer.json").read_text()))
+        codes = [k for d in want_opt["state"].values() for k in d if k.endswith("_codes")]
+        print("RESULT " + json.dumps({
+            "model": got_model.keys() == want_model.keys() and all(torch.equal(got_model[k], want_model[k])
+                                                                   for k in want_model),
+            "optimizer": same_optimizer_state(got_opt, want_opt), "codes": len(codes)}))
+
+    p = forked_process(load_in_one_process)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert result["model"] and result["optimizer"] and result["codes"] > 20, result

@@ -110,6 +110,8 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
     ("train.lrr=1e-5", "unknown config key train.lrr"),
     ("train.max_steps=ten", "train.max_steps must be an integer"),
     ("attention.layers=[0, 5]", "out of range"),
+    ("train.optimizer=sgd", "train.optimizer 'sgd' is not one of adamw, adamw8bit"),
+    ("train.shard_teacher=true", "train.shard_teacher must be a string, got True"),  # auto, on or off
 ])
 def test_bad_config_is_refused_before_training(tmp_path, override, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message.replace("[", r"\[")):
@@ -142,7 +144,7 @@ def test_example_configs_validate():
 
 
 def test_fsdp_config_for_14b():
-    """configs/fsdp_wan14b.yaml goes through `accelerate launch`'s own parsing into the FSDP environment,
+    """configs/fsdp_wan14b.yaml (and fsdp2_wan14b.yaml) goes through `accelerate launch`'s own parsing into the FSDP environment,
     and its wrap class resolves to diffusers' WanTransformerBlock (the plugin itself needs a GPU)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.dataclasses import get_module_class_from_name
@@ -160,6 +162,13 @@ def test_fsdp_config_for_14b():
     assert env["FSDP_USE_ORIG_PARAMS"] == "true"
     cls = get_module_class_from_name(build_tiny_transformer(), env["FSDP_TRANSFORMER_CLS_TO_WRAP"])
     assert cls is WanTransformerBlock
+    # configs/fsdp2_wan14b.yaml: the same units on FSDP2 (what train.optimizer adamw8bit needs under FSDP)
+    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "configs" / "fsdp2_wan14b.yaml"),
+                                               "-m", "attnqat.train", "--config", "configs/wan2.1-14b-sp.yaml"])
+    env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and env["FSDP_RESHARD_AFTER_FORWARD"] == "true"
+    assert get_module_class_from_name(build_tiny_transformer(), env["FSDP_TRANSFORMER_CLS_TO_WRAP"]) is WanTransformerBlock
 
 
 def test_precompute_replaces_only_its_own_output_and_only_when_complete(tmp_path):

@@ -40,6 +40,8 @@ from attnqat.pipelines.tiny import TINY_TRANSFORMER_CONFIG
 from .data import read_index
 from .graphed import use_graphs
 from .objectives import OBJECTIVES, Objective
+from .optimizers import OPTIMIZERS, require_torchao
+from .student_teacher import SHARD_TEACHER
 
 DISTILL_TARGETS = ("output", "features")
 LATENT_SOURCES = ("noise", "dataset", "teacher")
@@ -164,6 +166,10 @@ class TrainSection:
     from_scratch: bool = False      # start from a seeded random initialisation of the model's architecture
     ema_decay: float = 0.0          # > 0: keep an exponential moving average of the weights and export it
     sequence_parallel: int = 1      # Ulysses degree: N consecutive processes share each sample's sequence
+    optimizer: str = "adamw"        # adamw (torch's) | adamw8bit (torchao's: m and v in 8 bits, ~2 bytes a weight
+                                    # instead of 8; optimizers.py)
+    shard_teacher: str = "auto"     # auto | on | off: under FSDP, shard the teacher copy as the student is (auto:
+                                    # whenever the run is under FSDP); off keeps a whole replica on every process
 
 
 @dataclass
@@ -466,6 +472,10 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     _one_of(ck.save_dtype, SAVE_DTYPES, "checkpoint.save_dtype")
     _one_of(tr.cuda_graphs, CUDA_GRAPHS, "train.cuda_graphs")
     _one_of(ck.format, CHECKPOINT_FORMATS, "checkpoint.format")
+    _one_of(tr.optimizer, OPTIMIZERS, "train.optimizer")
+    _one_of(tr.shard_teacher, SHARD_TEACHER, "train.shard_teacher")
+    if tr.optimizer == "adamw8bit":
+        require_torchao()
     trackers_of(cfg.log)  # known names, installed packages
     if tr.teacher_dtype is not None:
         _one_of(tr.teacher_dtype, SAVE_DTYPES, "train.teacher_dtype")

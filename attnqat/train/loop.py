@@ -38,7 +38,7 @@ from attnqat.pipelines.loading import CHECKPOINTS_DIR, load_transformer, model_i
 from attnqat.pipelines.lora import save_lora
 
 from . import checkpoint as ck
-from . import sequence_parallel
+from . import optimizers, sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
 from .consistency import AttentionConsistency
 from .config import CheckedConfig, TrainConfig, objective_of, save_config, tokens_per_sample, trackers_of, validate
@@ -47,7 +47,8 @@ from .graphed import TERMS, StepGraphs, use_graphs
 from .data import ShardDataset, sample_indices
 from .lagged import LaggedReads, Sent
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
-from .student_teacher import AdapterOffTeacher, FeatureCapture, attention_saving_checkpoint, make_student_teacher
+from .student_teacher import (AdapterOffTeacher, FeatureCapture, attention_saving_checkpoint, make_student_teacher,
+                              shard_teacher, teacher_is_sharded)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "loss_consistency", "gap", "grad_norm", "lr",
@@ -192,8 +193,10 @@ class Trainer:
         # (Wan 14B: 28 GB in bf16 instead of 57 GB), and only the adapter is fp32. Not under FSDP1: it flattens each
         # block's weights, the adapter's with them, into one tensor of one dtype (a bf16 base is refused at the wrap);
         # sharded, fp32 frozen weights cost 1/N a process, and FSDP's mixed precision computes in bf16 all the same
-        fsdp1 = acc.distributed_type.value == "FSDP" and not acc.is_fsdp2
-        dtype = self.teacher_dtype if self.lora and not fsdp1 else torch.float32
+        fsdp = (2 if acc.is_fsdp2 else 1) if acc.distributed_type.value == "FSDP" else None
+        optimizers.check_sharding(tr.optimizer, fsdp)  # before a model is built: one line
+        shard = teacher_is_sharded(tr.shard_teacher, fsdp)
+        dtype = self.teacher_dtype if self.lora and fsdp != 1 else torch.float32
         if tr.from_scratch:  # the model's architecture at a seeded random initialisation
             from diffusers import WanTransformer3DModel
 
@@ -226,9 +229,9 @@ class Trainer:
         # With CUDA graphs the optimizer is what is left of the host's work in a step: the multi-tensor AdamW's Python
         # kept mini's H200 idle 4-9 ms a step (profiler trace); the fused one is one kernel launch per dtype.
         self.graphs = use_graphs(cfg, acc.device.type, acc.num_processes)
-        optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=tr.lr,
-                                      betas=tuple(float(b) for b in tr.betas), eps=tr.eps,
-                                      weight_decay=tr.weight_decay, fused=self.graphs or None)
+        optimizer = optimizers.build(tr.optimizer, [p for p in student.parameters() if p.requires_grad], lr=tr.lr,
+                                     betas=tr.betas, eps=tr.eps, weight_decay=tr.weight_decay,
+                                     fused=self.graphs or None)
         self.trainable_names = sorted(n for n, p in student.named_parameters() if p.requires_grad)
         # what state/model.safetensors holds: every weight, or a LoRA run's adapter alone (the frozen weights are
         # the model's, loaded again on resume)
@@ -238,7 +241,9 @@ class Trainer:
         self.student, self.optimizer = acc.prepare(student, optimizer)
         if shared:
             teacher.forward_module = self.student  # through accelerate's wrapper, as the student's forward goes
-        self.teacher = teacher.to(acc.device) if teacher is not None and not shared else teacher
+        if teacher is not None and not shared:  # sharded as the student is (train.shard_teacher), or whole here
+            teacher = shard_teacher(teacher, self.student, acc.device) if shard else teacher.to(acc.device)
+        self.teacher = teacher
         # Not prepared: accelerate would step it once per process per step; the checkpoint saves it.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainerState()

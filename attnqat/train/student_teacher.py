@@ -7,7 +7,8 @@ same initial weights, runs the reference mode (bf16, exact SDPA) in the same lay
 :class:`AdapterOffTeacher` runs the same module with the adapter off and the reference attention.
 :class:`FeatureCapture` records every block's output hidden states, for feature distillation and the
 held-out gap. :func:`attention_saving_checkpoint` is the student's gradient checkpointing with
-``train.save_attention``. The attention-consistency term's recorder is :mod:`.consistency`.
+``train.save_attention``. The attention-consistency term's recorder is :mod:`.consistency`. Under FSDP,
+:func:`shard_teacher` shards the teacher copy over the processes as the student is sharded (``train.shard_teacher``).
 """
 from __future__ import annotations
 
@@ -132,6 +133,59 @@ def make_student_teacher(transformer: torch.nn.Module, mode: str, layers="self",
         for name in names:
             student.get_submodule(name).requires_grad_(True)
     return student, teacher
+
+
+SHARD_TEACHER = ("auto", "on", "off")
+
+
+def teacher_is_sharded(setting: str, fsdp_version: int | None) -> bool:
+    """Whether a run shards its teacher copy (``train.shard_teacher``: auto, on, off) under ``fsdp_version`` (1, 2, or
+    None without FSDP): auto and on under FSDP. ``on`` without FSDP is a one-line ValueError. (A LoRA run's teacher is
+    the student's own module: sharded as the student is, whatever this says.)"""
+    if setting == "on" and fsdp_version is None:
+        raise ValueError("train.shard_teacher 'on' needs FSDP (accelerate launch --config_file "
+                         "configs/fsdp_wan14b.yaml or fsdp2_wan14b.yaml): without it nothing shards the student "
+                         "either; use 'auto' or 'off'")
+    return setting != "off" and fsdp_version is not None
+
+
+def shard_teacher(teacher: torch.nn.Module, like: torch.nn.Module, device: torch.device, *,
+                  param_init_fn=None) -> torch.nn.Module:
+    """The frozen teacher sharded over the processes that FSDP shards the student ``like`` over, with the same
+    flavour (FSDP2's ``fully_shard``, or FSDP1's FULL_SHARD wrapper) and units (one per ``WanTransformerBlock``, one
+    for the rest), each resharded after its forward (no backward comes to reuse the weights): a process holds 1/N
+    of the teacher between forwards, and one unit gathered at a time during one. No mixed-precision policy: the
+    weights are already in ``train.teacher_dtype`` and are gathered as they are, so the outputs and block features
+    are the replicated teacher's. The units move to ``device`` one at a time as they are sharded: the whole teacher
+    is never there. Call it after patch_attention and sequence parallelism, as for the student (their hooks sit in
+    the modules' ``forward``, which FSDP calls).
+
+    Arguments:
+        teacher: the teacher, on the CPU (or the meta device: FSDP1 with ``param_init_fn``, FSDP2 then ``to_empty``).
+        like: the student as FSDP prepared it: its mesh (FSDP2) or process group (FSDP1) is the teacher's.
+        device: this process's device.
+    Return:
+        the module to call: ``teacher`` itself, sharded in place (FSDP2), or its FSDP1 wrapper.
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, ShardingStrategy, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(like, FSDPModule):
+        mesh = next(p.device_mesh for p in like.parameters() if isinstance(p, DTensor))
+        for block in [m for m in teacher.modules() if isinstance(m, WanTransformerBlock)]:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        # given, not left to FSDP2's default: that keeps the root unit (embeddings, head) gathered after the forward,
+        # for the backward a teacher never runs
+        fully_shard(teacher, mesh=mesh, reshard_after_forward=True)
+        return teacher
+    if isinstance(like, FullyShardedDataParallel):
+        return FullyShardedDataParallel(teacher, process_group=like.process_group, device_id=device,
+                                        auto_wrap_policy=ModuleWrapPolicy({WanTransformerBlock}),
+                                        sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True,
+                                        param_init_fn=param_init_fn)
+    raise TypeError(f"the student is not sharded by FSDP ({type(like).__name__}): there is nothing to shard the "
+                    f"teacher like")
 
 
 # The forward ops whose outputs a trainable attention mode's backward reads: attnqat's training forwards
