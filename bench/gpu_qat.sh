@@ -30,6 +30,8 @@ W=${W:-runs/mini_qat}  # where the runs go
 # launch-bound: one GPU holds several), else one after another.
 RUNS=${RUNS:-"flow distill_output pbwd_normalized dropin bf16_control"}
 
+ROT="attention.options.qk_rotation=hadamard"
+LORA="train.trainable=lora train.lora.rank=32 train.lora.alpha=32 train.lr=1e-3"
 cosine() { echo "train.lr_schedule=cosine train.max_steps=${COS_STEPS:-1500}"; }
 
 overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header); they come after EXTRA's
@@ -60,6 +62,15 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     distill_cons) echo "$(overrides distill_output) objective.attention_consistency=1.0" ;;
     distill_cons_0.1) echo "$(overrides distill_output) objective.attention_consistency=0.1" ;;
     bf16_control_cos) echo "attention.mode=bf16 $(cosine)" ;;
+    distill_cons_cos) echo "$(overrides distill_cos_2e-4) objective.attention_consistency=1.0" ;;
+    # Q and K rotated by a Hadamard matrix before FP4 attention (attention.options.qk_rotation, attnqat.kernels.rotation)
+    rot_distill) echo "$(overrides distill_cos_2e-4) $ROT" ;;
+    rot_distill_1e-4) echo "$(overrides distill_cos_1e-4) $ROT" ;;
+    rot_features) echo "$(overrides features_cos) train.lr=2e-4 $ROT" ;;
+    rot_cons) echo "$(overrides rot_distill) objective.attention_consistency=1.0" ;;
+    # LoRA adapters instead of every weight (train.trainable=lora; the 14B recipe on one GPU, docs/multigpu.md)
+    lora_distill) echo "$(overrides distill_cos_2e-4) $LORA" ;;
+    rot_lora_distill) echo "$(overrides lora_distill) $ROT" ;;
   esac
 }
 

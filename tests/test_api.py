@@ -102,6 +102,9 @@ def test_options_are_checked():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="takes no options"):
         with torch.no_grad():
+            attention(q, k, v, mode="sage3", qk_rotation="hadamard")
+    with pytest.raises(ValueError, match="takes options qk_rotation; got .'p_bwd'"):
+        with torch.no_grad():
             attention(q, k, v, mode="nvfp4", p_bwd="final_max")
     with pytest.raises(ValueError, match="p_bwd"):
         attention(q, k, v, mode="attn_qat", p_bwd="bogus")

@@ -419,10 +419,19 @@ def test_quality_variant_takes_qat_weights(tiny_qat):
     from attnqat.mini.quality_cli import load_variants, parse_variant
 
     path, tuned = tiny_qat
-    assert parse_variant(f"qat=attn_qat:{path}") == ("qat", "attn_qat", str(path))
+    assert parse_variant(f"qat=attn_qat:{path}") == ("qat", "attn_qat", str(path), {})
+    assert parse_variant(f"q=attn_qat, qk_rotation=hadamard ,p_bwd=normalized:{path}") == (
+        "q", "attn_qat", str(path), {"qk_rotation": "hadamard", "p_bwd": "normalized"})
+    assert parse_variant("s=sagebwd,smooth_k=false")[3] == {"smooth_k": False}
+    for bad in ("q=attn_qat,qk_rotation", "q=attn_qat,qk_rotation=hadamard,qk_rotation=none", "q=bf16,qk_rotation=hadamard",
+                "q=attn_qat,qk_rotation=random"):
+        with pytest.raises(ValueError, match="--variant q"):
+            parse_variant(bad)
     transformer = build_tiny_transformer()
     base = {k: v.clone() for k, v in transformer.state_dict().items()}
-    variants, files = load_variants([("bf16", "bf16", None, None), ("qat", "attn_qat", str(path), None)], transformer)
+    variants, files = load_variants([("bf16", "bf16", None, None, {}),
+                                     ("qat", "attn_qat", str(path), None, {"qk_rotation": "hadamard"})], transformer)
+    assert variants[1].options == {"qk_rotation": "hadamard"} and variants[0].options == {}
     weights = variants[1].weights
     assert files == {"qat": str(path)} and set(weights) == set(base)
     assert all(torch.equal(weights[k], tuned[k].to(BF16) if _attention(k) else base[k]) for k in base)

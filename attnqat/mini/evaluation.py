@@ -229,9 +229,9 @@ def video_psnr(ref: np.ndarray, x: np.ndarray) -> float:
 
 def default_fp4_reference(variants: list[Variant]) -> str | None:
     """The label of the first variant that is FP4 attention without QAT: a mode whose forward is naive NVFP4
-    (``Mode.naive_fp4_forward``) on the base weights, without bf16 steps (None when there is none)."""
+    (``Mode.naive_fp4_forward``) on the base weights, without bf16 steps or options (None when there is none)."""
     for v in variants:
-        if mode_of(v.mode).naive_fp4_forward and v.weights is None and v.schedule is None:
+        if mode_of(v.mode).naive_fp4_forward and v.weights is None and v.schedule is None and not v.options:
             return v.label
     return None
 

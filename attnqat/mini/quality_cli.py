@@ -6,7 +6,8 @@
                   --bf16-steps qat_hp=0,-1 --out q/                # a precision-schedule row
 
 Rows ("variants"): the base weights in every inference mode (--base-modes; attn_qat and attn_qat_dropin
-are left out: without grad their forward is nvfp4's), then each --variant LABEL=MODE[:CHECKPOINT]. A
+are left out: without grad their forward is nvfp4's), then each --variant LABEL=MODE[,KEY=VALUE...][:CHECKPOINT] (KEY=VALUE: the mode's
+options, e.g. qat=attn_qat,qk_rotation=hadamard:runs/qat). A
 CHECKPOINT is transformer weights: a .safetensors state dict, a folder of shards, a diffusers model folder,
 or what `attnqat train` writes: a run folder (OUTPUT: its final/, else its newest complete checkpoint), a
 checkpoint folder (OUTPUT/checkpoints/step-N) or OUTPUT/final. Nothing is unpickled.
@@ -70,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to compare")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"'mini' (default: the shipped model), 'tiny' (RANDOM "
                    f"weights, for smoke runs) or a diffusers-format Wan 2.1 folder; its weights are the base weights")
-    g.add_argument("--variant", action="append", default=[], metavar="LABEL=MODE[:CHECKPOINT]",
+    g.add_argument("--variant", action="append", default=[], metavar="LABEL=MODE[,KEY=VALUE...][:CHECKPOINT]",
                    help="a row: attention MODE with the weights of CHECKPOINT (default: the base weights); "
                         "repeatable; added after the --base-modes rows")
     g.add_argument("--base-modes", metavar="LIST", help="comma-separated modes run with the base weights, one row "
@@ -128,9 +129,10 @@ def _label(flag: str, text: str) -> str:
     return text
 
 
-def parse_variant(text) -> tuple[str, str, str | None]:
-    """``"LABEL=MODE[:CHECKPOINT]"`` -> (label, mode, checkpoint or None); the mode is checked, the
-    checkpoint's files (headers only) too."""
+def parse_variant(text) -> tuple[str, str, str | None, dict]:
+    """``"LABEL=MODE[,KEY=VALUE...][:CHECKPOINT]"`` -> (label, mode, checkpoint or None, {KEY: VALUE}); the mode
+    and its options are checked (VALUE true / false is a bool, anything else a string), the checkpoint's files
+    (headers only) too."""
     from attnqat.kernels import mode_of
     from attnqat.pipelines.loading import check_qat_checkpoint
 
@@ -141,13 +143,24 @@ def parse_variant(text) -> tuple[str, str, str | None]:
     label, rest = text.split("=", 1)
     label = _label("--variant", label.strip())
     mode, colon, checkpoint = rest.partition(":")
-    mode = mode.strip()
-    mode_of(mode, f"--variant {label}'s mode")
+    mode, *pairs = (x.strip() for x in mode.split(","))
+    record = mode_of(mode, f"--variant {label}'s mode")
+    options = {}
+    for pair in pairs:
+        key, eq, value = (x.strip() for x in pair.partition("="))
+        if not eq or not key or not value or key in options:
+            raise ValueError(f"--variant {label}: option {show(pair)} must be KEY=VALUE, each key once, e.g. "
+                             f"qat=attn_qat,qk_rotation=hadamard:runs/qat")
+        options[key] = {"true": True, "false": False}.get(value.lower(), value)
+    try:
+        record.check_options(options)
+    except ValueError as e:
+        raise ValueError(f"--variant {label}: {e}") from None
     if colon and not checkpoint.strip():
         raise ValueError(f"--variant {label}: empty CHECKPOINT after ':' (leave out ':' for the base weights)")
     if checkpoint:
         check_qat_checkpoint(checkpoint, flag=f"--variant {label}")
-    return label, mode, checkpoint or None
+    return label, mode, checkpoint or None, options
 
 
 def parse_schedule(text, steps: int):
@@ -166,7 +179,7 @@ def parse_schedule(text, steps: int):
 
 def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     """Check every argument, the checkpoints' files and the output folder, before anything heavy loads;
-    fill the device-dependent defaults. Sets ``args.rows`` to [(label, mode, checkpoint, bf16_steps)]."""
+    fill the device-dependent defaults. Sets ``args.rows`` to [(label, mode, checkpoint, bf16_steps, options)]."""
     from attnqat.kernels import mode_of
     from attnqat.pipelines.loading import check_model, model_inputs
 
@@ -197,13 +210,13 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         base = [m.strip() for m in check_text("--base-modes", args.base_modes).split(",") if m.strip()]
         for m in base:
             mode_of(m, "--base-modes entry")
-    rows = [(v.label, v.mode, None) for v in base_variants(base)]
+    rows = [(v.label, v.mode, None, {}) for v in base_variants(base)]
     for text in args.variant:
-        label, mode, checkpoint = parse_variant(text)
+        label, mode, checkpoint, options = parse_variant(text)
         if label in [r[0] for r in rows]:
             raise ValueError(f"--variant {label}: the label is taken (base rows are labelled by their mode; "
                              f"choose another label or leave that mode out of --base-modes)")
-        rows.append((label, mode, checkpoint))
+        rows.append((label, mode, checkpoint, options))
     labels = [r[0] for r in rows]
     schedules: dict = {}
     for text in args.bf16_steps:
@@ -219,13 +232,13 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         if label in schedules:
             raise ValueError(f"--bf16-steps: row {label} is given twice")
         schedules[label] = parse_schedule(steps, args.steps)
-    args.rows = [(label, mode, ckpt, schedules.get(label, ())) for label, mode, ckpt in rows]
+    args.rows = [(label, mode, ckpt, schedules.get(label, ()), options) for label, mode, ckpt, options in rows]
     for flag in ("fp4_reference", "bf16_reference"):
         value = getattr(args, flag)
         if value is not None and value not in labels:
             raise ValueError(f"--{flag.replace('_', '-')} {show(value)} is not a row label (rows: {', '.join(labels)})")
     args.out = check_output_dir("--out", args.out, must_be_empty=not args.overwrite, reusable=is_our_output)
-    check_not_input("--out", args.out, [(f"--variant {label}", ckpt) for label, _, ckpt, _ in args.rows]
+    check_not_input("--out", args.out, [(f"--variant {label}", ckpt) for label, _, ckpt, _, _ in args.rows]
                     + model_inputs("--model", args.model))
     return args
 
@@ -291,7 +304,8 @@ def format_table(result: dict) -> str:
     for label in result["order"]:
         row, v = result["rows"][label], by_label[label]
         hp = v["high_precision"]
-        attention = v["mode"] + (f" ({hp['mode']} steps {hp['steps']})" if hp else "")
+        attention = ", ".join([v["mode"]] + [f"{k}={o}" for k, o in (v.get("options") or {}).items()])
+        attention += f" ({hp['mode']} steps {hp['steps']})" if hp else ""
         weights = "base" if v["weights"] is None else f"`{_short_path(v['weights'])}`"
         ref = label == refs["video"]
         marks = [m for m, key in (("bf16 ref.", "bf16"), ("FP4 ref.", "fp4")) if refs.get(key) == label]
@@ -447,14 +461,14 @@ def load_variants(rows, transformer) -> tuple[list, dict]:
 
     cache: dict[str, dict] = {}
     out, files = [], {}
-    for label, mode, ckpt, schedule in rows:
+    for label, mode, ckpt, schedule, options in rows:
         weights = None
         if ckpt is not None:
             files[label] = checkpoint_weights_path(ckpt)
             if files[label] not in cache:
                 cache[files[label]] = read_qat_checkpoint(transformer, ckpt)
             weights = cache[files[label]]
-        out.append(Variant(label, mode, weights, high_precision_steps=schedule, source=ckpt))
+        out.append(Variant(label, mode, weights, options=options, high_precision_steps=schedule, source=ckpt))
     return out, files
 
 
