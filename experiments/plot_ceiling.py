@@ -17,6 +17,10 @@ import argparse
 import csv
 import json
 import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from experiments._plot import save_figure  # noqa: E402
 
 
 def held_out(path: pathlib.Path) -> dict[int, float]:
@@ -59,14 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         ax_frames.plot(range(len(frames)), frames, "o-", ms=3, label=f"{labels[r]} (mean {flow[r]:.4f})")
     ax_frames.set(title="quality table: flow loss per latent frame", xlabel="latent frame")
     for ax in (ax_eval, ax_ratio, ax_frames):
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    save_figure(fig, args.out)
     return 0
 
 

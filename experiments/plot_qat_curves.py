@@ -13,6 +13,10 @@ from __future__ import annotations
 import argparse
 import csv
 import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from experiments._plot import save_figure  # noqa: E402
 
 
 def read_log(path: pathlib.Path) -> dict[str, list]:
@@ -70,16 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ax_eval.set(title="held-out flow loss (32 clips, training's eval)", xlabel="step")
     if top is not None:
         ax_eval.set_ylim(args.bf16 - 0.4 * (args.fp4 - args.bf16), top)
-    for ax in (ax_loss, ax_gn, ax_eval):
-        ax.grid(alpha=0.3)
     ax_gn.legend(fontsize=8)
     ax_eval.legend(fontsize=7)
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    save_figure(fig, args.out)
     return 0
 
 

@@ -220,6 +220,62 @@ def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
     assert any(v.dtype == torch.uint8 for v in state.values())  # the codes, as they were
 
 
+@needs_torchao
+def test_a_checkpoint_of_the_other_optimizer_is_refused_before_a_model_is_built(tmp_path, monkeypatch):
+    """Issue 46: a checkpoint of a train.optimizer adamw run resumed with adamw8bit failed in torch's state-dict code
+    (KeyError: 'param_groups.0.maximize', after the models were built). optimizer.json now records the optimizer;
+    a resume into the other one (auto or named) is a one-line CheckpointError naming both and what to do, raised
+    before a model is built, and again by Trainer.load on the verified checkpoint. A checkpoint written before the
+    optimizer was recorded is told by its state (8-bit codes, or param groups without AdamW's maximize), full or
+    sharded. Nothing is written, and the run then resumes with its own optimizer."""
+    import json
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from attnqat.train import loop
+
+    common = ["log.progress=false", "data.held_out=0", "data.batch_size=2", "train.trainable=all", "train.lr=1e-3",
+              "train.max_steps=4", "checkpoint.every=2"]
+    cfg = lambda name: load_config(TINY, [f"output_dir={tmp_path / 'run'}", f"train.optimizer={name}", *common])  # noqa: E731
+    train(cfg("adamw"), stop_after=2)
+    step2 = tmp_path / "run" / "checkpoints" / "step-0000002"
+    optimizer_json = step2 / "state" / "optimizer.json"
+    log = (tmp_path / "run" / "log.csv").read_bytes()
+    refused = (r"^checkpoint '.*step-0000002' holds train.optimizer 'adamw''s state, which does not load into this "
+               r"run's 'adamw8bit': resume with train.optimizer=adamw, or start a new run in another output_dir$")
+    with monkeypatch.context() as m:
+        m.setattr(loop, "Trainer", lambda *a, **k: pytest.fail("a model was built before the refusal"))
+        for resume in ("auto", str(step2)):
+            with pytest.raises(CheckpointError, match=refused):
+                train(cfg("adamw8bit"), resume=resume)
+    structure = json.loads(optimizer_json.read_text())
+    assert structure["optimizer"] == "adamw"
+    # a checkpoint from before the record: told by its param groups; Trainer.load refuses it before loading anything
+    del structure["optimizer"]
+    ck.write_json(optimizer_json, structure)
+    ck.write_manifest(step2, kind="checkpoint", step=2)
+    trainer = loop.Trainer(cfg("adamw8bit"))
+    try:
+        with pytest.raises(CheckpointError, match=refused):
+            trainer.load(step2)
+        assert trainer.state.step == 0
+    finally:
+        trainer.s_cap.remove()
+        trainer.accelerator.end_training()
+    # both optimizers' states told apart, full (as saved) and sharded (optimizer.json's structure of either layout)
+    model = torch.nn.Linear(256, 64)
+    for name in ("adamw", "adamw8bit"):
+        opt = build(name, model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+        model(torch.randn(3, 256)).sum().backward()
+        opt.step()
+        full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        assert ck.saved_optimizer(ck.flatten_optimizer(full)[1]) == name
+        assert ck.saved_optimizer(ck.sharded_state(model, opt)[1]) == name
+    assert ck.saved_optimizer({"state": {}, "param_groups": []}) is None
+    assert (tmp_path / "run" / "log.csv").read_bytes() == log and [s for s, _ in ck.step_dirs(tmp_path / "run")] == [2]
+    assert len(train(cfg("adamw"), resume="auto").losses) == 2  # its own optimizer resumes
+
+
 def test_config_refusals_are_one_line(tmp_path, monkeypatch):
     """An unknown optimizer or teacher setting, adamw8bit without torchao (`pip install torchao`), adamw8bit under
     FSDP1, and shard_teacher 'on' without FSDP (the trainer's check, before a model is built)."""

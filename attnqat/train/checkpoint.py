@@ -8,7 +8,8 @@ A checkpoint folder (``OUTPUT/checkpoints/step-NNNNNNN/``, and ``OUTPUT/final/``
     trainer_state.json          {"step", "position"}
     state/model.safetensors     fp32 master weights (full state dict; a LoRA run's: the adapter's alone)
     state/optimizer.safetensors the optimizer's state tensors (t0, t1, ...), a full state dict flattened
-    state/optimizer.json        everything else of it: param groups, which tensor is which
+    state/optimizer.json        everything else of it: param groups, which tensor is which, and the
+                                train.optimizer that wrote it ("optimizer": adamw, adamw8bit)
     state/scheduler.json        the LR scheduler's state_dict
     state/scaler.json           fp16 loss scaler (only under fp16 mixed precision)
     state/rng-R.safetensors     process R's torch (CPU, CUDA) RNG states; Python's and NumPy's in its metadata
@@ -463,6 +464,35 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], structure: dict) -> di
             else:
                 raise CheckpointError(f"optimizer.json: bad entry for {fqn}/{key}")
     return {"state": state, "param_groups": decode(structure.get("param_groups", []))}
+
+
+def saved_optimizer(structure) -> str | None:
+    """The ``train.optimizer`` whose state optimizer.json's ``structure`` holds: recorded as its ``"optimizer"``;
+    in a checkpoint written before that was recorded, told from the state itself: 8-bit moment codes, or param
+    groups without torch AdamW's ``maximize`` (torchao's AdamW8bit has none), are ``adamw8bit``'s, param groups
+    with it ``adamw``'s. None where it cannot tell (no param groups)."""
+    if not isinstance(structure, dict):
+        return None
+    if isinstance(structure.get("optimizer"), str):
+        return structure["optimizer"]
+    state, groups = structure.get("state"), structure.get("param_groups")
+    if isinstance(state, dict) and any(isinstance(e, dict) and any(str(k).endswith("_codes") for k in e)
+                                       for e in state.values()):
+        return "adamw8bit"
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        return None
+    return "adamw" if all("maximize" in g for g in groups) else "adamw8bit"
+
+
+def check_optimizer(folder: Path, structure, name: str) -> None:
+    """Refuse (CheckpointError, one line) to resume checkpoint ``folder``, whose optimizer.json is ``structure``,
+    into a run whose ``train.optimizer`` is ``name`` when another optimizer wrote it: their states do not convert
+    (torch AdamW's fp32 moments against AdamW8bit's 8-bit codes and block scales, and other param groups)."""
+    saved = saved_optimizer(structure)
+    if saved is not None and saved != name:
+        raise CheckpointError(f"checkpoint {str(folder)!r} holds train.optimizer {saved!r}'s state, which does not "
+                              f"load into this run's {name!r}: resume with train.optimizer={saved}, or start a new "
+                              f"run in another output_dir")
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -537,7 +537,7 @@ class Trainer:
                                      {k: v.to("cpu") for k, v in state_dict.items()}, metadata={"format": "pt"})
                     tensors, structure = ck.flatten_optimizer(osd)
                     ck.write_tensors(tmp / "state" / "optimizer.safetensors", tensors)
-                ck.write_json(tmp / "state" / "optimizer.json", structure)
+                ck.write_json(tmp / "state" / "optimizer.json", {**structure, "optimizer": self.cfg.train.optimizer})
                 ck.write_json(tmp / "state" / "scheduler.json", ck.encode(self.scheduler.state_dict()))
                 if acc.scaler is not None:
                     ck.write_json(tmp / "state" / "scaler.json", ck.encode(acc.scaler.state_dict()))
@@ -593,6 +593,7 @@ class Trainer:
                 raise CheckpointError(f"{path}: {rel} is not valid JSON ({e})") from None
 
         structure = json_file("state/optimizer.json")
+        ck.check_optimizer(path, structure, self.cfg.train.optimizer)  # before anything loads
         saved = sorted(n for g in (structure.get("param_groups") or [{}]) for n in g.get("params", [])) \
             if isinstance(structure, dict) else None
         if saved != self.trainable_names:
@@ -820,8 +821,9 @@ def read_log(path: str | Path, upto: int | None = None) -> list[dict]:
 def check_request(cfg: TrainConfig, resume: str | None = None, stop_after: int | None = None,
                   overwrite: bool = False, *, refuse_existing: bool = True) -> None:
     """What :func:`train` checks before building anything (read-only, the same answer on every process): the
-    arguments, the output folder (a folder, or creatable), and that it holds no other run unless ``resume`` or
-    ``overwrite`` says what to do with it (``refuse_existing=False``: ``--check`` only looks)."""
+    arguments, the output folder (a folder, or creatable), that it holds no other run unless ``resume`` or
+    ``overwrite`` says what to do with it (``refuse_existing=False``: ``--check`` only looks), and that the checkpoint
+    to resume is of this run's ``train.optimizer``."""
     if resume is not None and (not isinstance(resume, str) or not resume.strip()):
         raise ValueError(f"--resume must be 'auto' or a checkpoint folder, got {resume!r}")
     if resume and overwrite:
@@ -845,6 +847,23 @@ def check_request(cfg: TrainConfig, resume: str | None = None, stop_after: int |
         if not path.is_dir():
             raise ValueError(f"--resume {resume!r} is not a folder; give OUTPUT/checkpoints/step-N or 'auto'")
         ck.read_manifest(path)  # refuses incomplete and older pickle checkpoints by name (verified later)
+    if resume:
+        check_resume_optimizer(cfg, resume)
+
+
+def check_resume_optimizer(cfg: TrainConfig, resume: str) -> None:
+    """Refuse, before a model is built, to resume a checkpoint of another ``train.optimizer`` (the named one, or
+    for ``auto`` the newest complete one in output_dir). A first look, unverified: a checkpoint whose optimizer.json
+    does not read is left to :meth:`Trainer.load`, which checks the verified one again."""
+    path = latest_checkpoint(cfg.output_dir) if resume == "auto" else Path(resume).expanduser()
+    if path is None:
+        return
+    try:
+        manifest = ck.read_manifest(path)
+        structure = json.loads(ck.listed(path, manifest, "state/optimizer.json").read_text())
+    except (CheckpointError, OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    ck.check_optimizer(path, structure, cfg.train.optimizer)
 
 
 def check_output_dir(out_dir: Path) -> None:

@@ -30,7 +30,9 @@ about 2 bytes a weight. The update itself is AdamW's, computed in fp32 from the 
 
 torchao runs on DTensors (FSDP2: ``fully_shard``), not on FSDP1's flat shards (1-D views, whose moments would all
 stay fp32 here): :func:`check_sharding` refuses that pairing. A state saved by the other optimizer is refused on
-load (CheckpointError), by either optimizer.
+load (CheckpointError), by either optimizer; a run resuming a checkpoint of the other ``train.optimizer`` is refused
+before that, before a model is built, from the optimizer its optimizer.json records
+(:func:`.checkpoint.check_optimizer`).
 """
 from __future__ import annotations
 
