@@ -368,8 +368,8 @@ def test_gpu_lagged_loop_stops_at_a_nonfinite_step_with_the_state_before_it(tmp_
                                  "data.held_out=0", "data.batch_size=4", "data.corpus.pool=16",
                                  "data.corpus.refresh=2", "data.corpus.refresh_every=1",
                                  "data.corpus.sizes=[[9,128,128],[9,64,64]]", "data.corpus.size_weights=[1,1]",
-                                 "train.cuda_graphs=on", "train.max_steps=8", "train.ema_decay=0.9",
-                                 "checkpoint.every=1000", "log.every=1", "log.progress=false"])
+                                 "train.cuda_graphs=on", "train.max_steps=8", "train.warmup_steps=2",
+                                 "train.ema_decay=0.9", "checkpoint.every=1000", "log.every=1", "log.progress=false"])
     real_batch, real_advance = Trainer.micro_batch, Trainer.advance_to
     saved = {}
 
