@@ -75,6 +75,17 @@ def test_generate_tiny_in_quantized_mode(tmp_path, capsys, bf16_video, mode):
     assert not np.array_equal(video, bf16_video)  # the mode really ran
 
 
+def test_qk_rotation_changes_the_fp4_video_and_the_summary_says_so(tmp_path, capsys):
+    outs = {r: tmp_path / f"{r}.mp4" for r in ("none", "hadamard")}
+    for rotation, out in outs.items():
+        assert main(["generate", "--prompt", "p", *TINIEST, "--mode", "nvfp4", "--qk-rotation", rotation,
+                     "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert ("nvfp4 (Q, K rotated: hadamard) on self-attention" in err) == (rotation == "hadamard")
+    plain, rotated = (_read_mp4(o)[0] for o in outs.values())
+    assert plain.shape == rotated.shape and not np.array_equal(plain, rotated)
+
+
 def test_same_seed_same_video_and_qat_checkpoint_is_used(tmp_path, capsys):
     from safetensors.torch import save_file
 
@@ -110,6 +121,8 @@ BAD = [
     (["--frames", "0"], "nearest valid: 1"),
     (["--steps", "0"], "--steps 0 must be at least 1"),
     (["--mode", "fp3"], "unknown --mode 'fp3'; available: bf16"),
+    (["--qk-rotation", "random", "--mode", "nvfp4"], "--qk-rotation 'random': choose one of none, hadamard"),
+    (["--qk-rotation", "hadamard"], "--qk-rotation hadamard needs an FP4 --mode \\(nvfp4, attn_qat, attn_qat_dropin\\), not bf16"),
     (["--layers", "0,x"], "--layers '0,x'"),
     (["--layers", "0,7"], "block indices \\[7\\] out of range"),
     (["--model", "{tmp}/missing-model"], "model folder .*missing-model' does not exist; download it once with "

@@ -310,7 +310,7 @@ def test_help_imports_no_torch():
         print("HEAVY", sorted(m for m in ("torch", "diffusers", "PIL", "tqdm") if m in sys.modules), file=sys.stderr)
     """)], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert r.returncode == 0 and "HEAVY []" in r.stderr, r.stderr
-    assert "--variant" in r.stdout and "LABEL=MODE[:CHECKPOINT]" in r.stdout
+    assert "--variant" in r.stdout and "LABEL=MODE[,KEY=VALUE...][:CHECKPOINT]" in r.stdout
 
 
 def test_bench_writes_the_docs_section_and_picture(tmp_path):

@@ -79,6 +79,37 @@ def test_short_run_lowers_heldout_gap(tmp_path, capsys):
     assert args.qat_checkpoint == str(tmp_path / "final") and args.prompt and args.mode == "attn_qat"
 
 
+def test_qk_rotation_trains_through_the_rotated_attention(tmp_path, capsys):
+    """attention.options.qk_rotation reaches every student processor, changes the FP4 student-teacher gap the run
+    starts from (the rotation is in the forward), trains, and the printed hint deploys it the same way."""
+    from attnqat.cli import build_parser
+    from attnqat.pipelines.processor import AttnQATProcessor
+
+    seen = []
+    real = AttnQATProcessor.__init__
+
+    def init(self, mode, **kw):
+        real(self, mode, **kw)
+        seen.append((mode, dict(self.options)))
+
+    runs = {}
+    for rotation in ("none", "hadamard"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(AttnQATProcessor, "__init__", init)
+            runs[rotation] = train(tiny(tmp_path / rotation, "train.max_steps=2", "train.warmup_steps=1",
+                                        "checkpoint.every=2", f"attention.options.qk_rotation={rotation}"))
+        assert seen and all(opts == {"qk_rotation": rotation} for mode, opts in seen if mode == "attn_qat"), seen
+        seen.clear()
+        hint = next(x for x in capsys.readouterr().out.splitlines() if "try it:" in x).split("try it:")[1]
+        args = build_parser("generate").parse_args(shlex.split(hint)[1:])
+        assert args.qk_rotation == rotation and args.mode == "attn_qat"
+    plain, rotated = runs["none"], runs["hadamard"]
+    assert rotated.steps == 2 and all(math.isfinite(x) for x in rotated.losses)
+    assert rotated.gap_before["output"] != plain.gap_before["output"]
+    with pytest.raises(ValueError, match="'sagebwd' takes options .*; got .'qk_rotation'"):
+        validate(tiny(tmp_path / "int8", "attention.mode=sagebwd", "attention.options.qk_rotation=hadamard"))
+
+
 def test_resume_reproduces_uninterrupted_losses(tmp_path):
     common = ["train.max_steps=6", "checkpoint.every=3", "data.batch_size=2", "data.held_out=0",
               "objective.target=output", "train.trainable=all", "train.lr_schedule=cosine", "train.warmup_steps=2"]

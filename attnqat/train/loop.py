@@ -1128,7 +1128,9 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
     if final is not None:
         acc.print(f"final checkpoint: {final}\n  try it: attnqat generate --model {shlex.quote(str(cfg.model))} "
                   f"--qat-checkpoint {shlex.quote(str(final))} --mode {cfg.attention.mode} "
-                  f"--prompt 'a red ball slides left over a striped background'")
+                  + "".join(f"--qk-rotation {r} " for r in [cfg.attention.options.get("qk_rotation", "none")]
+                            if r != "none")
+                  + "--prompt 'a red ball slides left over a striped background'")
     return TrainResult(steps=trainer.state.step, losses=losses, gap_before=gap_before, gap_after=gap_after,
                        output_dir=cfg.output_dir, final_checkpoint=str(final) if final else None, log_rows=logger.rows)
 
