@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", choices=("auto", "subset", "fp8-delta"), default="auto",
                    help="subset: the changed tensors' values in bf16; fp8-delta: their changes from the base in FP8 "
                         "with a scale per row (about half the size); auto (default): subset where it fits in 12 MB")
+    p.add_argument("--qk-rotation", choices=("auto", "none", "hadamard"), default="auto",
+                   help="the attention option the weights were trained under, recorded in the file so that "
+                        "`attnqat generate` runs them with it; auto (default): what --from's training config says "
+                        "(an `attnqat train` run or checkpoint), else none")
     p.add_argument("--trained", metavar="TEXT", help="one line on how the weights were trained, stored in the "
                    f"file's metadata (at most {MAX_TRAINED_CHARS} characters; default: the --from and --model "
                    "given)")
@@ -69,8 +73,10 @@ def main(args: argparse.Namespace) -> int:
 
     check_arguments(args)
     with output_lock(args.out, "attnqat export-qat"):
-        written = export_qat_weights(args.finetune, args.model, args.out, trained=args.trained, storage=args.storage)
+        written = export_qat_weights(args.finetune, args.model, args.out, trained=args.trained, storage=args.storage,
+                                     qk_rotation=None if args.qk_rotation == "auto" else args.qk_rotation)
     size = written.path.stat().st_size
     print(f"wrote {written.path}: {len(written.tensors)} tensors that differ from {args.model}'s in bf16, as "
-          f"{written.storage} ({size / 1e6:.2f} MB); base fingerprint {written.base[:12]}; trained: {written.trained}")
+          f"{written.storage} ({size / 1e6:.2f} MB); base fingerprint {written.base[:12]}; trained: {written.trained}"
+          + (f"; Q, K rotation: {written.qk_rotation}" if written.qk_rotation != "none" else ""))
     return 0

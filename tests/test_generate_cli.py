@@ -121,7 +121,7 @@ BAD = [
     (["--frames", "0"], "nearest valid: 1"),
     (["--steps", "0"], "--steps 0 must be at least 1"),
     (["--mode", "fp3"], "unknown --mode 'fp3'; available: bf16"),
-    (["--qk-rotation", "random", "--mode", "nvfp4"], "--qk-rotation 'random': choose one of none, hadamard"),
+    (["--qk-rotation", "random", "--mode", "nvfp4"], "--qk-rotation 'random': choose one of auto, none, hadamard"),
     (["--qk-rotation", "hadamard"], "--qk-rotation hadamard needs an FP4 --mode \\(nvfp4, attn_qat, attn_qat_dropin\\), not bf16"),
     (["--layers", "0,x"], "--layers '0,x'"),
     (["--layers", "0,7"], "block indices \\[7\\] out of range"),

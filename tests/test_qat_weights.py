@@ -282,6 +282,37 @@ def test_export_command_writes_and_reports(tiny_qat, tmp_path, capsys):
     assert read_qat_weights(out).trained == "a test"
 
 
+def test_the_rotation_a_finetune_trained_under_travels_with_its_weights(tmp_path, capsys):
+    """A run trained with attention.options.qk_rotation: its checkpoint's config says so, export-qat records it
+    (or what --qk-rotation says), and `attnqat generate` runs the weights with it unless told otherwise."""
+    from attnqat.pipelines.loading import trained_qk_rotation
+    from attnqat.train import load_config, train
+
+    run = tmp_path / "run"
+    train(load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml",
+                      [f"output_dir={run}", "log.progress=false", "train.max_steps=2", "train.warmup_steps=1",
+                       "data.batch_size=1", "data.held_out=0", "attention.options.qk_rotation=hadamard"]))
+    assert trained_qk_rotation(run) == trained_qk_rotation(run / "final") == "hadamard"
+    auto, none = tmp_path / "auto.safetensors", tmp_path / "none.safetensors"
+    assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(auto)]) == 0
+    assert capsys.readouterr().out.strip().endswith("; Q, K rotation: hadamard")
+    assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(none), "--qk-rotation", "none"]) == 0
+    assert read_qat_weights(auto).qk_rotation == trained_qk_rotation(auto) == "hadamard"
+    assert read_qat_weights(none).qk_rotation == trained_qk_rotation(none) == "none"
+    assert "qk_rotation" not in safe_open(str(none), "pt").metadata()  # files without it read as before
+    assert trained_qk_rotation(run / "final" / "transformer.safetensors") == "hadamard"  # the config beside it
+    plain = tmp_path / "plain.safetensors"
+    save_file(load_file(str(run / "final" / "transformer.safetensors")), plain)
+    assert trained_qk_rotation(plain) is None  # nothing says
+    small = ["--model", "tiny", "--prompt", "p", "--height", "32", "--width", "32", "--frames", "5", "--steps", "2"]
+    for weights, extra, rotated in ((auto, [], True), (auto, ["--qk-rotation", "none"], False), (none, [], False),
+                                    (auto, ["--mode", "bf16"], False)):
+        out = tmp_path / f"v{len(list(tmp_path.glob('v*.mp4')))}.mp4"
+        mode = [] if "--mode" in extra else ["--mode", "attn_qat"]
+        assert main(["generate", *small, *mode, "--qat-checkpoint", str(weights), *extra, "--out", str(out)]) == 0
+        assert ("(Q, K rotated: hadamard)" in capsys.readouterr().err) == rotated, (weights, extra)
+
+
 # ---------------------------------------------------------------------------------------------- generate
 @pytest.fixture
 def spy_generation(monkeypatch):

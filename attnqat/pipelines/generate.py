@@ -138,9 +138,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "allows)")
     g.add_argument("--mode", default="bf16", help="attention mode for the patched layers (default: bf16); "
                    "one of attnqat.available_modes(), e.g. attn_qat, nvfp4, sage3")
-    g.add_argument("--qk-rotation", default="none", metavar="{none,hadamard}", help="rotate Q and K by a Hadamard matrix "
-                   "before FP4 attention (modes nvfp4, attn_qat, attn_qat_dropin): exact in high precision, it lowers "
-                   "FP4's error by about a third on mini with no training (docs/quality.md); default: none")
+    g.add_argument("--qk-rotation", default="auto", metavar="{auto,none,hadamard}", help="rotate Q and K by a "
+                   "Hadamard matrix before FP4 attention (modes nvfp4, attn_qat, attn_qat_dropin): exact in high "
+                   "precision, it lowers FP4's error by about a third on mini with no training (docs/quality.md); "
+                   "auto (default): as the loaded QAT weights were trained (what their file or training config "
+                   "records), else none")
     g.add_argument("--layers", default="self", help="which attention layers use --mode: 'self' (default: attn1 "
                    "of every block, the paper's setting), 'all' (attn1 and cross-attention attn2), or comma-"
                    "separated block indices (their attn1)")
@@ -250,7 +252,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     from attnqat.kernels import QK_ROTATIONS, available_modes, mode_of
 
     from .loading import (check_model, check_qat_checkpoint, choose_qat_checkpoint, config_num_blocks,
-                          model_transformer_config)
+                          model_transformer_config, trained_qk_rotation)
 
     args.model_note = None
     if args.model is None:
@@ -277,10 +279,10 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     check_text("--mode", args.mode)
     mode_of(args.mode, "--mode")
     check_text("--qk-rotation", args.qk_rotation)
-    if args.qk_rotation not in QK_ROTATIONS:
-        raise ValueError(f"--qk-rotation {args.qk_rotation!r}: choose one of {', '.join(QK_ROTATIONS)}")
-    args.mode_options = {} if args.qk_rotation == "none" else {"qk_rotation": args.qk_rotation}
-    if "qk_rotation" in args.mode_options and "qk_rotation" not in dict(mode_of(args.mode).options):
+    if args.qk_rotation not in ("auto", *QK_ROTATIONS):
+        raise ValueError(f"--qk-rotation {args.qk_rotation!r}: choose one of auto, {', '.join(QK_ROTATIONS)}")
+    rotates = "qk_rotation" in dict(mode_of(args.mode).options)
+    if args.qk_rotation not in ("auto", "none") and not rotates:
         fp4 = ", ".join(available_modes(lambda m: "qk_rotation" in dict(m.options)))
         raise ValueError(f"--qk-rotation {args.qk_rotation} needs an FP4 --mode ({fp4}), not {args.mode}")
     # None for a hub id: what depends on its transformer is checked once it has loaded (_generate)
@@ -299,6 +301,10 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     args.qat_checkpoint, args.weights_note = choose_qat_checkpoint(args.model, args.qat_checkpoint, args.mode)
     if args.qat_checkpoint is not None:
         check_qat_checkpoint(args.qat_checkpoint)
+    if args.qk_rotation == "auto":  # as the weights were trained; the base weights were trained without it
+        recorded = trained_qk_rotation(args.qat_checkpoint) if args.qat_checkpoint is not None else None
+        args.qk_rotation = recorded if rotates and recorded in QK_ROTATIONS else "none"
+    args.mode_options = {} if args.qk_rotation == "none" else {"qk_rotation": args.qk_rotation}
     return args
 
 

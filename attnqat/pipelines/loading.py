@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -20,14 +21,14 @@ from attnqat.kernels import mode_of
 from attnqat.mini.model import is_mini, is_shipped_mini, mini_folder, shipped_qat_weights
 from .lora import LORA_FILE, fuse_lora_file, fused, is_lora_file
 from .model_folder import ModelConfigError, check_model_folder, check_regular_file
-from .qat_weights import is_qat_weights, read_qat_weights, weights_fingerprint
+from .qat_weights import is_qat_weights, read_qat_weights, recorded_qk_rotation, weights_fingerprint
 from .tiny import TINY_TRANSFORMER_CONFIG, build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny",
            "resolve_model", "model_inputs", "check_model", "model_num_blocks", "config_num_blocks",
            "model_transformer_config", "check_qat_checkpoint",
-           "choose_qat_checkpoint", "NO_QAT_CHECKPOINT"]
+           "choose_qat_checkpoint", "NO_QAT_CHECKPOINT", "trained_qk_rotation"]
 
 # DIFFUSERS_LATE: diffusers (seconds to import) is imported where a model loads, so that the checks of a command's
 # arguments (check_model, check_qat_checkpoint, model_inputs) answer before it.
@@ -296,6 +297,23 @@ def checkpoint_weights_path(path: str | os.PathLike) -> str:
     """Where the weights of ``path`` are read from (one file, or a folder of shards): for messages."""
     files = _checkpoint_files(path)
     return str(files[0]) if len(files) == 1 else str(files[0].parent)
+
+
+def trained_qk_rotation(path: str | os.PathLike) -> str | None:
+    """The ``qk_rotation`` attention option the weights at ``path`` (as :func:`load_qat_checkpoint` takes it) were
+    trained under: what a QAT weights file records, or ``attention.options`` of the ``config.yaml`` that an
+    ``attnqat train`` checkpoint keeps beside its weights. None when nothing says (a plain file, a LoRA file)."""
+    files = _checkpoint_files(path)
+    if len(files) == 1 and is_qat_weights(files[0]):
+        return recorded_qk_rotation(files[0])
+    config = files[0].parent / "config.yaml"
+    try:
+        data = yaml.safe_load(config.read_text()) if config.is_file() else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    options = (data.get("attention") or {}).get("options") if isinstance(data, dict) else None
+    rotation = options.get("qk_rotation", "none") if isinstance(options, dict) else None
+    return rotation if isinstance(rotation, str) else None
 
 
 def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint") -> None:

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from attnqat.errors import one_line
+from attnqat.kernels import QK_ROTATIONS
 from attnqat.outputs import write_file_atomically
 
-from .loading import checkpoint_weights_path, load_transformer, read_qat_checkpoint
+from .loading import checkpoint_weights_path, load_transformer, read_qat_checkpoint, trained_qk_rotation
 from .qat_weights import (MAX_BYTES, STORAGES, QatWeights, changed_tensors, fp8_changes, read_qat_weights, serialize,
                           weights_fingerprint)
 
@@ -19,19 +20,25 @@ __all__ = ["export_qat_weights"]
 
 
 def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.PathLike, *,
-                       trained: str | None = None, storage: str = "auto") -> QatWeights:
+                       trained: str | None = None, storage: str = "auto", qk_rotation: str | None = None) -> QatWeights:
     """Write the QAT weights file ``out``: the tensors of the fine-tune ``finetune`` (a safetensors file, a
     folder of shards, an ``attnqat train`` run or checkpoint folder, or a LoRA file: fused into the base by
     :func:`~.loading.read_qat_checkpoint`) that differ from the transformer of
     ``model`` (the base it was fine-tuned from: ``mini``, ``tiny`` or a diffusers folder) in bf16.
     ``storage``: ``subset`` (their values in bf16), ``fp8-delta`` (their changes in FP8, module docstring) or
-    ``auto`` (``subset`` where it fits in :data:`MAX_BYTES`, else ``fp8-delta``).
+    ``auto`` (``subset`` where it fits in :data:`MAX_BYTES`, else ``fp8-delta``). ``qk_rotation``: the attention
+    option the fine-tune was trained under, recorded in the file (None: what the fine-tune's training config says,
+    :func:`~.loading.trained_qk_rotation`, else ``"none"``).
 
     Refused (ValueError, nothing written): a fine-tune whose keys or shapes differ from the base's
     (:class:`CheckpointMismatchError`), one equal to the base, a file over :data:`MAX_BYTES`. The file is
     written under a temporary name and renamed into place once it reads back.
     Return: the written file, as :func:`read_qat_weights` reads it.
     """
+    if qk_rotation is None:
+        qk_rotation = trained_qk_rotation(finetune) or "none"
+    if qk_rotation not in QK_ROTATIONS:
+        raise ValueError(f"qk_rotation must be one of {QK_ROTATIONS}, got {qk_rotation!r}")
     if storage not in ("auto", *STORAGES):
         raise ValueError(f"storage must be 'auto' or one of {STORAGES}, got {storage!r}")
     # fp32: an fp8-delta is the change from the base as the model holds it (a bf16 folder's values, exactly)
@@ -48,7 +55,7 @@ def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.Pa
     fingerprint = weights_fingerprint(base_state)
     for storage in STORAGES if storage == "auto" else (storage,):  # auto: the first that fits
         tensors = changed if storage == "subset" else fp8_changes({k: tuned[k] for k in changed}, base_state)
-        data = serialize(tensors, fingerprint, trained, storage)
+        data = serialize(tensors, fingerprint, trained, storage, qk_rotation)
         if len(data) <= MAX_BYTES:
             break
     else:
@@ -59,7 +66,7 @@ def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.Pa
 
     def verify(tmp: Path) -> None:
         back = read_qat_weights(tmp)
-        if set(back.tensors) != set(changed) or back.storage != storage:
+        if set(back.tensors) != set(changed) or back.storage != storage or back.qk_rotation != qk_rotation:
             raise OSError(f"{tmp} does not read back: {len(back.tensors)} tensors ({back.storage}) instead of "
                           f"{len(changed)} ({storage})")
 

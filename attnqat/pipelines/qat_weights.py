@@ -77,6 +77,7 @@ class QatWeights:
     trained: str
     storage: str = "subset"
     scales: dict[str, torch.Tensor] | None = None
+    qk_rotation: str = "none"  # the attention option the weights were trained under (attnqat.kernels.rotation)
 
     def values(self, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The new values of the file's tensors, given the ``base`` state dict they apply over (only its keys
@@ -120,6 +121,11 @@ def is_qat_weights(path: str | os.PathLike) -> bool:
     return _metadata(path).get("format") == FORMAT
 
 
+def recorded_qk_rotation(path: str | os.PathLike) -> str:
+    """The ``qk_rotation`` a QAT weights file records (its header only is read; "none" when it records none)."""
+    return _metadata(path).get("qk_rotation", "none")
+
+
 def read_qat_weights(path: str | os.PathLike) -> QatWeights:
     """The tensors and metadata of the QAT weights file ``path``; :class:`CheckpointMismatchError` when its
     metadata is not this format's (module docstring)."""
@@ -134,7 +140,7 @@ def read_qat_weights(path: str | os.PathLike) -> QatWeights:
     tensors = {k: v for k, v in stored.items() if not k.startswith(SCALE_PREFIX)}
     _check_stored(path, storage, tensors, scales)
     return QatWeights(Path(path), tensors, meta["base"], meta.get("trained", ""), storage,
-                      scales if storage == "fp8-delta" else None)
+                      scales if storage == "fp8-delta" else None, meta.get("qk_rotation", "none"))
 
 
 def _check_stored(path, storage: str, tensors: dict, scales: dict) -> None:
@@ -191,6 +197,9 @@ def fp8_changes(tuned: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tens
     return out
 
 
-def serialize(tensors: dict[str, torch.Tensor], base: str, trained: str, storage: str = "subset") -> bytes:
-    return save(tensors, metadata={"format": FORMAT, "tensors": storage, "base": base,
-                                   "dtype": _STORAGE_DTYPE[storage], "trained": trained})
+def serialize(tensors: dict[str, torch.Tensor], base: str, trained: str, storage: str = "subset",
+              qk_rotation: str = "none") -> bytes:
+    meta = {"format": FORMAT, "tensors": storage, "base": base, "dtype": _STORAGE_DTYPE[storage], "trained": trained}
+    if qk_rotation != "none":  # files of weights trained without it read as before
+        meta["qk_rotation"] = qk_rotation
+    return save(tensors, metadata=meta)
