@@ -1,0 +1,57 @@
+"""How much of FP4 attention's gap the Q/K rotation closes on mini, with and without the shipped QAT weights (docs/
+quality.md, "Rotating Q and K before FP4 attention"): the flow metrics of `attnqat quality` only (no videos), so it
+runs on a CPU.
+
+    python experiments/rotation_gap.py [--model attnqat/models/mini] \
+        [--qat attnqat/models/mini/attn_qat.safetensors] [--clips 16] [--size 17x128x128] [--json out.json]
+
+Rows: bf16, nvfp4, nvfp4 with qk_rotation=hadamard (base weights), attn_qat with the QAT weights, and the same
+with the rotation; for each the held-out flow loss, the velocity distance to bf16 and the share of nvfp4's gap
+closed on both (about 2 minutes at 17x128x128 with 16 clips on 2 cores, 14 at 49x128x128).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from attnqat.mini.evaluation import Variant, flow_metrics, held_out_clips
+from attnqat.mini.quality_cli import parse_size
+from attnqat.pipelines.loading import load_pipeline, read_qat_checkpoint
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="attnqat/models/mini")
+    p.add_argument("--qat", default="attnqat/models/mini/attn_qat.safetensors")
+    p.add_argument("--clips", type=int, default=16)
+    p.add_argument("--size", default="17x128x128")
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args(argv)
+    pipe = load_pipeline(args.model, dtype=torch.float32, device="cpu")  # the reference path: CPU, fp32
+    pipe.text_encoder.to(torch.float32)
+    qat = read_qat_checkpoint(pipe.transformer, args.qat)
+    data = held_out_clips(pipe, args.clips, size=parse_size(args.size))
+    rot = {"qk_rotation": "hadamard"}
+    variants = [Variant("bf16", "bf16"), Variant("nvfp4", "nvfp4"), Variant("rot", "nvfp4", options=rot),
+                Variant("qat", "attn_qat", qat), Variant("qat_rot", "attn_qat", qat, options=rot)]
+    r = flow_metrics(pipe.transformer, variants, data["x0"], data["embeds"], batch=4)
+    bf16, fp4 = r["bf16"], r["nvfp4"]
+    rows = {}
+    print(f"{args.clips} held-out clips at {args.size}\n\n| row | flow loss | velocity dist. | gap closed: loss / velocity |")
+    print("|---|---|---|---|")
+    for v in variants:
+        x = r[v.label]
+        loss = (fp4["flow_loss"] - x["flow_loss"]) / (fp4["flow_loss"] - bf16["flow_loss"])
+        vel = (fp4["velocity_distance"] - x["velocity_distance"]) / fp4["velocity_distance"]
+        rows[v.label] = {"flow_loss": x["flow_loss"], "velocity_distance": x["velocity_distance"],
+                         "gap_closed_loss": loss, "gap_closed_velocity": vel}
+        print(f"| {v.label} | {x['flow_loss']:.5f} | {x['velocity_distance']:.5f} | {loss:.0%} / {vel:.0%} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": args.size, "clips": args.clips, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
