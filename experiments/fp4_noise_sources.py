@@ -13,15 +13,16 @@ switched in the PyTorch reference (attnqat.kernels.reference), so this runs wher
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
+import pathlib
+import sys
 
-import torch
 
 from attnqat.kernels import reference
-from attnqat.mini.evaluation import Variant, flow_metrics, held_out_clips
-from attnqat.mini.quality_cli import parse_size
-from attnqat.pipelines.loading import load_pipeline, read_qat_checkpoint
+from attnqat.mini.evaluation import Variant, flow_metrics
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from experiments._held_out import held_out_arguments, load_held_out  # noqa: E402
 
 #: which of nvfp4's four quantizers are on, per row
 SOURCES = {"Q,K": ("qk",), "V": ("v",), "P": ("p",), "Q,K,V": ("qk", "v"), "all (nvfp4)": ("qk", "v", "p")}
@@ -52,16 +53,8 @@ def quantizers(on: tuple[str, ...]):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="attnqat/models/mini")
-    p.add_argument("--qat", default="attnqat/models/mini/attn_qat.safetensors")
-    p.add_argument("--clips", type=int, default=4)
-    p.add_argument("--size", default="33x128x128")
-    args = p.parse_args(argv)
-    pipe = load_pipeline(args.model, dtype=torch.float32, device="cpu")  # the reference path: CPU, fp32
-    pipe.text_encoder.to(torch.float32)
-    qat = read_qat_checkpoint(pipe.transformer, args.qat)
-    data = held_out_clips(pipe, args.clips, size=parse_size(args.size))
+    args = held_out_arguments(__doc__, clips=4, size="33x128x128").parse_args(argv)
+    pipe, qat, data = load_held_out(args)
     base = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
     run = lambda variants: flow_metrics(pipe.transformer, variants, data["x0"], data["embeds"], batch=4)  # noqa: E731
     pair = [Variant("bf16", "bf16"), Variant("fp4", "nvfp4")]  # the weights in the transformer: their own bf16 first

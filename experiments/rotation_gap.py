@@ -11,28 +11,21 @@ closed on both (about 2 minutes at 17x128x128 with 16 clips on 2 cores, 14 at 49
 """
 from __future__ import annotations
 
-import argparse
 import json
+import pathlib
+import sys
 
-import torch
+from attnqat.mini.evaluation import Variant, flow_metrics
 
-from attnqat.mini.evaluation import Variant, flow_metrics, held_out_clips
-from attnqat.mini.quality_cli import parse_size
-from attnqat.pipelines.loading import load_pipeline, read_qat_checkpoint
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from experiments._held_out import held_out_arguments, load_held_out  # noqa: E402
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="attnqat/models/mini")
-    p.add_argument("--qat", default="attnqat/models/mini/attn_qat.safetensors")
-    p.add_argument("--clips", type=int, default=16)
-    p.add_argument("--size", default="17x128x128")
+    p = held_out_arguments(__doc__, clips=16, size="17x128x128")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
-    pipe = load_pipeline(args.model, dtype=torch.float32, device="cpu")  # the reference path: CPU, fp32
-    pipe.text_encoder.to(torch.float32)
-    qat = read_qat_checkpoint(pipe.transformer, args.qat)
-    data = held_out_clips(pipe, args.clips, size=parse_size(args.size))
+    pipe, qat, data = load_held_out(args)
     rot = {"qk_rotation": "hadamard"}
     variants = [Variant("bf16", "bf16"), Variant("nvfp4", "nvfp4"), Variant("rot", "nvfp4", options=rot),
                 Variant("qat", "attn_qat", qat), Variant("qat_rot", "attn_qat", qat, options=rot)]
