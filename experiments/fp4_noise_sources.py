@@ -17,7 +17,6 @@ import contextlib
 import pathlib
 import sys
 
-
 from attnqat.kernels import reference
 from attnqat.mini.evaluation import Variant, flow_metrics
 
