@@ -60,7 +60,8 @@ def run(tmp_path_factory):
     out = tmp / "out"
     argv = ["quality", *SMALL, "--base-modes", "bf16,nvfp4", "--variant", "same=attn_qat",
             "--variant", f"moved=bf16:{tmp / 'perturbed.safetensors'}", "--variant", f"qat=attn_qat:{tmp / 'qat'}",
-            "--variant", "schedule=nvfp4", "--bf16-steps", "schedule=0", "--flow-shift", "5", "--out", str(out)]
+            "--variant", "schedule=nvfp4", "--bf16-steps", "schedule=0", "--variant", "rot=nvfp4,qk_rotation=hadamard",
+            "--flow-shift", "5", "--out", str(out)]
     import io
     from contextlib import redirect_stdout
 
@@ -78,7 +79,7 @@ def test_outputs_exist_parse_and_agree(run):
     json.loads((out / "table.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in table.json"))
     md = (out / "table.md").read_text()
     assert md.strip() in stdout  # the table is printed too
-    order = ["bf16", "nvfp4", "same", "moved", "qat", "schedule"]
+    order = ["bf16", "nvfp4", "same", "moved", "qat", "schedule", "rot"]
     assert table["format"] == "attnqat-quality" and table["order"] == order
     # --flow-shift reached the sampler (read back off the pipeline's scheduler) and the table says it
     assert table["flow_shift"] == 5.0 and "flow shift 5," in md
@@ -117,6 +118,11 @@ def test_outputs_exist_parse_and_agree(run):
     assert 0 < rows["schedule"]["velocity_distance"] < rows["nvfp4"]["velocity_distance"]
     assert [v["high_precision"] for v in table["variants"] if v["label"] == "schedule"] == [
         {"steps": "0", "blocks": "", "mode": "bf16"}]
+    # a row's mode options: run (other numbers than the same mode without them), kept and shown; the FP4 reference
+    # stays the plain nvfp4 row
+    assert [v["options"] for v in table["variants"] if v["label"] == "rot"] == [{"qk_rotation": "hadamard"}]
+    assert "| **rot** | nvfp4, qk_rotation=hadamard | base |" in md
+    assert rows["rot"]["velocity_distance"] != rows["nvfp4"]["velocity_distance"]
     # the run folder's final/ weights were used (trained at a high lr for one step: they moved)
     assert table["weight_files"]["qat"].endswith(os.path.join("qat", "final", "transformer.safetensors"))
     assert rows["qat"]["velocity_distance"] != rows["nvfp4"]["velocity_distance"]
