@@ -64,15 +64,6 @@ def trainer(out: str, weight: float, seed: int, lr: float, *extra: str) -> Train
                                       f"seed={seed}", f"train.lr={lr}", *extra]))
 
 
-def held_out_term(t: Trainer, probe: AttentionConsistency) -> float:
-    values = []
-    for batch in t.held_out():
-        with torch.enable_grad(), probe.recording():
-            t._forward(t.student, batch)
-        values.append(probe.term().item())
-    return sum(values) / len(values)
-
-
 def output_errors(t: Trainer) -> tuple[float, float]:
     """(the student's own FP4 error at the output, its bf16 function's distance to the teacher's), held out."""
     own, moved = [], []
@@ -114,12 +105,12 @@ def steps(out: str, seeds: int, n: int, lr: float) -> None:
             with detached_reference() if way == "detached" else contextlib.nullcontext():
                 t = trainer(out, weight, seed, lr)
                 probe = t.consistency or AttentionConsistency(t.student)
-                start = held_out_term(t, probe)
+                start = probe.held_out_mean(t)
                 for step in range(n):
                     t.losses(t.micro_batch(step, 0))["loss"].backward()
                     t.optimizer.step()
                     t.optimizer.zero_grad(set_to_none=True)
-                ends[(weight, way)] = end = held_out_term(t, probe)
+                ends[(weight, way)] = end = probe.held_out_mean(t)
                 own, moved = output_errors(t)
                 t.s_cap.remove()
                 t.t_cap.remove()

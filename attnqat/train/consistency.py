@@ -102,6 +102,16 @@ class AttentionConsistency:
             ratios.append(err / ref.clamp_min(eps))
         return torch.stack(ratios).mean()
 
+    def held_out_mean(self, trainer) -> float:
+        """The term's mean over ``trainer``'s held-out batches (a :class:`~.loop.Trainer` whose student this records):
+        each forward run with grad, as in training, so that it records; read, then dropped."""
+        values = []
+        for batch in trainer.held_out():
+            with torch.enable_grad(), self.recording():
+                trainer._forward(trainer.student, batch)
+            values.append(self.term().item())
+        return sum(values) / len(values)
+
     def remove(self) -> None:
         """Detach from the processors: they run as without the term again."""
         for processor in self.processors:
