@@ -6,11 +6,11 @@
                   --bf16-steps qat_hp=0,-1 --out q/                # a precision-schedule row
 
 Rows ("variants"): the base weights in every inference mode (--base-modes; attn_qat and attn_qat_dropin
-are left out: without grad their forward is nvfp4's), then each --variant LABEL=MODE[,KEY=VALUE...][:CHECKPOINT] (KEY=VALUE: the mode's
-options, e.g. qat=attn_qat,qk_rotation=hadamard:runs/qat). A
-CHECKPOINT is transformer weights: a .safetensors state dict, a folder of shards, a diffusers model folder,
-or what `attnqat train` writes: a run folder (OUTPUT: its final/, else its newest complete checkpoint), a
-checkpoint folder (OUTPUT/checkpoints/step-N) or OUTPUT/final. Nothing is unpickled.
+are left out: without grad their forward is nvfp4's), then each --variant LABEL=MODE[,KEY=VALUE...][:CHECKPOINT]
+(KEY=VALUE: the mode's options, e.g. qat=attn_qat,qk_rotation=hadamard:runs/qat). A CHECKPOINT is
+transformer weights: a .safetensors state dict, a folder of shards, a diffusers model folder, or what
+`attnqat train` writes: a run folder (OUTPUT: its final/, else its newest complete checkpoint), a checkpoint
+folder (OUTPUT/checkpoints/step-N) or OUTPUT/final. Nothing is unpickled.
 
 Columns, on the held-out attribute combinations of the procedural corpus (attnqat.mini.corpus) with fixed seeds
 (docs/quality.md): the flow-matching loss on --clips held-out clips at fixed noise levels; the velocity

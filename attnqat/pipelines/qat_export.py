@@ -67,8 +67,8 @@ def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.Pa
     def verify(tmp: Path) -> None:
         back = read_qat_weights(tmp)
         if set(back.tensors) != set(changed) or back.storage != storage or back.qk_rotation != qk_rotation:
-            raise OSError(f"{tmp} does not read back: {len(back.tensors)} tensors ({back.storage}) instead of "
-                          f"{len(changed)} ({storage})")
+            raise OSError(f"{tmp} does not read back: {len(back.tensors)} tensors ({back.storage}, qk_rotation "
+                          f"{back.qk_rotation}) instead of {len(changed)} ({storage}, {qk_rotation})")
 
     write_file_atomically(out, lambda tmp: tmp.write_bytes(data), verify)
     return read_qat_weights(out)
