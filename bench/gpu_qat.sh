@@ -68,9 +68,11 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     rot_distill_1e-4) echo "$(overrides distill_cos_1e-4) $ROT" ;;
     rot_features) echo "$(overrides features_cos) train.lr=2e-4 $ROT" ;;
     rot_cons) echo "$(overrides rot_distill) objective.attention_consistency=1.0" ;;
+    rot_distill_5e-5) echo "objective.type=distill objective.target=output train.lr=5e-5 $(cosine) $ROT" ;;
     # LoRA adapters instead of every weight (train.trainable=lora; the 14B recipe on one GPU, docs/multigpu.md)
     lora_distill) echo "$(overrides distill_cos_2e-4) $LORA" ;;
     rot_lora_distill) echo "$(overrides lora_distill) $ROT" ;;
+    rot_lora_5e-4) echo "$(overrides rot_lora_distill) train.lr=5e-4" ;;
   esac
 }
 
