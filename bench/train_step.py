@@ -88,7 +88,7 @@ def build(config: dict, device: torch.device, num_layers: int | None):
 
 def run_mode(mode: str, args, config: dict, shape, device, autocast_dtype):
     from attnqat.train.objectives import nmse
-    from attnqat.train.student_teacher import FeatureCapture, attention_saving_checkpoint, make_student_teacher
+    from attnqat.train.student_teacher import FeatureCapture, block_checkpoint, make_student_teacher
 
     transformer, cfg = build(config, device, args.layers)
     teacher_dtype = torch.bfloat16 if autocast_dtype is not None else torch.float32
@@ -97,7 +97,7 @@ def run_mode(mode: str, args, config: dict, shape, device, autocast_dtype):
         del teacher
         teacher = None
     if not args.no_checkpointing:
-        student.enable_gradient_checkpointing(attention_saving_checkpoint() if args.save_attention else None)
+        student.enable_gradient_checkpointing(block_checkpoint(args.save_attention))
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6, weight_decay=0.01)
     s_cap = FeatureCapture(student)
     t_cap = FeatureCapture(teacher) if teacher is not None else None

@@ -103,11 +103,11 @@ def _student(config, layers, mode, device, sp, tiny, fsdp):
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     from attnqat.train import sequence_parallel
-    from attnqat.train.student_teacher import patch_for_training
+    from attnqat.train.student_teacher import block_checkpoint, patch_for_training
 
     model = _meta_model(config, layers)
     patch_for_training(model, mode, "self")
-    model.enable_gradient_checkpointing()
+    model.enable_gradient_checkpointing(block_checkpoint())  # FSDP2's input casts too
     sequence_parallel.enable(model, sp)  # before wrapping, as the loop does: FSDP calls the hooked forwards
     if fsdp == 2:  # configs/fsdp2_wan14b.yaml: what accelerate's FSDP2 prepare does with it
         bf16 = MixedPrecisionPolicy() if tiny else MixedPrecisionPolicy(param_dtype=torch.bfloat16,

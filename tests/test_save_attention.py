@@ -1,5 +1,5 @@
 """train.save_attention: gradient checkpointing that keeps the attention outputs
-(attnqat/train/student_teacher.py, attention_saving_checkpoint), on the tiny model (2 blocks) on CPU.
+(attnqat/train/student_teacher.py, block_checkpoint), on the tiny model (2 blocks) on CPU.
 
 The gradients equal plain checkpointing's to the bit, in bf16 (SDPA) and in attn_qat (its Triton kernels, in the
 interpreter, under bf16 autocast as `attnqat train` runs them); the self-attention forward runs once per block and
@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from attnqat.kernels import attention, available_modes
 from attnqat.pipelines import build_tiny_transformer
 from attnqat.train import load_config, validate
-from attnqat.train.student_teacher import (SAVED_ATTENTION_OPS, attention_saving_checkpoint, patch_for_training,
+from attnqat.train.student_teacher import (SAVED_ATTENTION_OPS, block_checkpoint, patch_for_training,
                                            saved_attention_ops)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,13 +66,13 @@ class AttentionCalls(TorchDispatchMode):
 
 def step(mode: str, save_attention: bool, poison: bool):
     """One forward and backward of the tiny model in ``mode`` under diffusers' gradient checkpointing, with
-    attention_saving_checkpoint if ``save_attention``, counted by :class:`AttentionCalls` (``poison``: in the
+    block_checkpoint if ``save_attention``, counted by :class:`AttentionCalls` (``poison``: in the
     backward). Returns (the gradients, the AttentionCalls)."""
     autocast, _ = MODES[mode]
     torch.manual_seed(0)
     model = build_tiny_transformer().train()
     patch_for_training(model, mode)
-    model.enable_gradient_checkpointing(attention_saving_checkpoint() if save_attention else None)
+    model.enable_gradient_checkpointing(block_checkpoint(save_attention))
     g = torch.Generator().manual_seed(1)
     inputs = dict(hidden_states=torch.randn(1, 16, 2, 8, 8, generator=g), timestep=torch.tensor([500.0]),
                   encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
@@ -147,7 +147,7 @@ def test_trainer_checkpoints_the_student_as_configured(tmp_path, save_attention)
     student = trainer.accelerator.unwrap_model(trainer.student)  # diffusers checkpoints each of its blocks with
     func = student._gradient_checkpointing_func.__qualname__    # this function
     assert student.gradient_checkpointing
-    assert (func == attention_saving_checkpoint().__qualname__) == save_attention, func
+    assert (func == block_checkpoint().__qualname__) == save_attention, func
 
 
 def test_bench_train_step_says_which_checkpointing_it_used(monkeypatch, capsys):

@@ -47,7 +47,7 @@ from .graphed import TERMS, StepGraphs, use_graphs
 from .data import ShardDataset, sample_indices
 from .lagged import LaggedReads, Sent
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
-from .student_teacher import (AdapterOffTeacher, FeatureCapture, attention_saving_checkpoint, make_student_teacher,
+from .student_teacher import (AdapterOffTeacher, FeatureCapture, block_checkpoint, make_student_teacher,
                               shard_teacher, teacher_is_sharded)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -214,7 +214,7 @@ class Trainer:
         # a LoRA run's teacher is the student's module (student_teacher.AdapterOffTeacher), else a copy of its own
         shared = isinstance(teacher, AdapterOffTeacher)
         if tr.gradient_checkpointing:
-            student.enable_gradient_checkpointing(attention_saving_checkpoint() if tr.save_attention else None)
+            student.enable_gradient_checkpointing(block_checkpoint(tr.save_attention))
         if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are
             _allow_block_graphs(len(student.blocks), len(self.index.get("latent_shapes") or [self.shape]),
                                 passes=3 if shared else 2)

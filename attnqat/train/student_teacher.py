@@ -6,8 +6,8 @@ same initial weights, runs the reference mode (bf16, exact SDPA) in the same lay
 ``train.trainable: lora`` the student is the frozen transformer with a LoRA adapter, and the teacher is no copy:
 :class:`AdapterOffTeacher` runs the same module with the adapter off and the reference attention.
 :class:`FeatureCapture` records every block's output hidden states, for feature distillation and the
-held-out gap. :func:`attention_saving_checkpoint` is the student's gradient checkpointing with
-``train.save_attention``. The attention-consistency term's recorder is :mod:`.consistency`. Under FSDP,
+held-out gap. :func:`block_checkpoint` is the student's gradient checkpointing (``train.save_attention``, FSDP2's
+input casts). The attention-consistency term's recorder is :mod:`.consistency`. Under FSDP,
 :func:`shard_teacher` shards the teacher copy over the processes as the student is sharded (``train.shard_teacher``).
 """
 from __future__ import annotations
@@ -191,7 +191,7 @@ def shard_teacher(teacher: torch.nn.Module, like: torch.nn.Module, device: torch
 # The forward ops whose outputs a trainable attention mode's backward reads: attnqat's training forwards
 # (attn_qat and attn_qat_dropin: attn_qat_fwd; attn_qat on an H100 / H200 with Gluon: attn_qat_fwd_sm90; sagebwd:
 # sagebwd_fwd) and torch's SDPA backends (bf16 runs one, and so do the layers left unpatched, such as the
-# cross-attention: attention_saving_checkpoint keeps an SDPA call only where it attends to as many keys as it has
+# cross-attention: block_checkpoint(save_attention=True) keeps an SDPA call only where it attends to as many keys as it has
 # queries). Not the inference-only forwards (fp4_fwd_sm90, sage3_fwd: never under grad), nor
 # aten::_scaled_dot_product_attention_math_for_mps, whose second output is the whole L x L probability matrix.
 SAVED_ATTENTION_OPS = ("attnqat::attn_qat_fwd", "attnqat::attn_qat_fwd_sm90", "attnqat::sagebwd_fwd",
@@ -214,31 +214,58 @@ def saved_attention_ops() -> list[torch._ops.OpOverload]:
     return ops
 
 
-def attention_saving_checkpoint():
-    """A gradient-checkpointing function for diffusers (``model.enable_gradient_checkpointing(it)``; diffusers calls
-    it as ``func(block, *args)``) that keeps the attention outputs: diffusers' default, torch's non-reentrant
-    checkpoint of each block, plus selective activation checkpointing, so the backward's recompute of a block takes
-    the outputs of its :func:`saved_attention_ops` calls from the forward and reruns everything else. The gradients
-    are the same (bit for bit in tests/test_save_attention.py, on CPU); the attention forward runs once a step instead of
-    twice, at the memory of those outputs, held from each block's forward to its backward (docs/training.md,
-    ``train.save_attention``). An SDPA call over fewer keys than queries (Wan's cross-attention: 512 text tokens)
-    is rerun instead: its outputs would cost as much memory as the self-attention's for about 1/64 of its time
-    at 480p."""
-    kept = set(saved_attention_ops())
-    # torch's ops take (query, key, ...): (B, H, L, D) for the _scaled_dot_product_* ones, (B, L, H, D) for the others
-    seq_dim = {op: -2 if op._schema.name.startswith("aten::_scaled_dot_product") else 1
-               for op in kept if op._schema.name.startswith("aten::")}
+def block_checkpoint(save_attention: bool = False):
+    """The student's gradient-checkpointing function for diffusers (``model.enable_gradient_checkpointing(it)``;
+    diffusers calls it as ``func(block, *args)``): torch's non-reentrant checkpoint of each block, as diffusers' own.
 
-    def policy(ctx, op, *args, **kwargs):
-        keep = op in kept and (op not in seq_dim or args[1].shape[seq_dim[op]] >= args[0].shape[seq_dim[op]])
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    With ``save_attention`` (``train.save_attention``) it adds selective activation checkpointing: the backward's
+    recompute of a block takes the outputs of its :func:`saved_attention_ops` calls from the forward and reruns
+    everything else. The gradients are the same (bit for bit in tests/test_save_attention.py, on CPU); the attention
+    forward runs once a step instead of twice, at the memory of those outputs, held from each block's forward to its
+    backward (docs/training.md). An SDPA call over fewer keys than queries (Wan's cross-attention: 512 text tokens)
+    is rerun instead: its outputs would cost as much memory as the self-attention's for about 1/64 of its time at
+    480p.
 
-    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    A block under FSDP2 gets its inputs cast as :func:`fsdp_cast_inputs` says before the checkpoint saves them."""
+    context = {}
+    if save_attention:
+        kept = set(saved_attention_ops())
+        # torch's ops take (query, key, ...): (B, H, L, D) for the _scaled_dot_product_* ones, (B, L, H, D) for others
+        seq_dim = {op: -2 if op._schema.name.startswith("aten::_scaled_dot_product") else 1
+                   for op in kept if op._schema.name.startswith("aten::")}
+
+        def policy(ctx, op, *args, **kwargs):
+            keep = op in kept and (op not in seq_dim or args[1].shape[seq_dim[op]] >= args[0].shape[seq_dim[op]])
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
 
     def checkpointed(block, *args):
-        return checkpoint(block.__call__, *args, use_reentrant=False, context_fn=context_fn)
+        return checkpoint(block.__call__, *fsdp_cast_inputs(block, args), use_reentrant=False, **context)
 
     return checkpointed
+
+
+def fsdp_cast_inputs(block: torch.nn.Module, args: tuple) -> tuple:
+    """``args`` as FSDP2's pre-forward hook of ``block`` casts them (floating tensors to its mixed-precision policy's
+    param_dtype), or as they are when ``block`` is no FSDP2 module or its policy casts nothing.
+
+    Cast before the checkpoint, so that the checkpoint saves and the backward's recompute reruns the block on the
+    same tensors. torch before 2.13 skips that cast when the backward reruns a block (pytorch#159359, fixed by
+    pytorch#182580): Wan's rotary embedding (fp32) reached the forward in bf16 and the recompute in fp32, and the
+    whole 14B step under FSDP2 with bf16 compute stopped in its first backward ("Recomputed values ... have
+    different metadata", an H200 pair on torch 2.11). The values are the ones the hook would give: on a torch that
+    casts in the recompute too, nothing changes."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(block, FSDPModule):
+        return args
+    policy = getattr(fully_shard.state(block), "_mp_policy", None)
+    dtype = getattr(policy, "param_dtype", None)
+    if dtype is None or not getattr(policy, "cast_forward_inputs", False):
+        return args
+    return torch.utils._pytree.tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args)
 
 
 class FeatureCapture:
