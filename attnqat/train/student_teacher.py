@@ -243,6 +243,7 @@ def block_checkpoint(save_attention: bool = False):
     def checkpointed(block, *args):
         return checkpoint(block.__call__, *fsdp_cast_inputs(block, args), use_reentrant=False, **context)
 
+    checkpointed.saves_attention = save_attention  # which one a run got (tests read it)
     return checkpointed
 
 
