@@ -70,7 +70,7 @@ from attnqat.pipelines import (AttentionTimer, PrecisionSchedule, is_tiny, load_
                                patch_attention)
 from attnqat.pipelines.generate import (DTYPE_NAMES, FPS, generate_video, is_mini_model, model_defaults, torch_dtype,
                                         write_mp4)
-from attnqat.pipelines.loading import choose_qat_checkpoint, cpu_state_dict
+from attnqat.pipelines.loading import choose_qat_checkpoint, cpu_state_dict, trained_mode_options
 from attnqat.mini.model import default_model, vocabulary_note
 from attnqat.mini.quality import _check_videos, curve_summary, psnr, ssim  # the metrics, defined with the detector
 
@@ -387,10 +387,13 @@ class DemoEngine:
         self._lock = threading.Lock()
         self._weights = {"base": self._snapshot()}
         self._live = "base"
+        # the Attn-QAT column runs its weights as they were trained: with the Q/K rotation their file records
+        self.qat_options: dict = {}
         if qat_checkpoint:
             load_qat_checkpoint(pipe.transformer, qat_checkpoint)  # validates keys and shapes
             self._weights["qat"] = self._snapshot()
             self._live = "qat"
+            self.qat_options = trained_mode_options("attn_qat", qat_checkpoint)
         self.timer = AttentionTimer()
 
     @classmethod
@@ -429,7 +432,10 @@ class DemoEngine:
         return mode_label(mode, self.qat_checkpoint)
 
     def weights(self, mode: str) -> str | None:
-        return mode_weights(mode, self.qat_checkpoint, self.qat_shipped)
+        said = mode_weights(mode, self.qat_checkpoint, self.qat_shipped)
+        if said and self.qat_options and mode_of(mode).uses_qat_weights:
+            said += f", Q and K rotated ({self.qat_options['qk_rotation']}) as it was trained"
+        return said
 
     def vocabulary_note(self, prompt: str) -> str | None:
         """For mini, the line naming the prompt's words it does not know
@@ -481,9 +487,11 @@ class DemoEngine:
                     if progress is not None:
                         progress(i, len(modes), mode, done, total)
 
-                self._use_weights("qat" if mode_of(mode).uses_qat_weights and "qat" in self._weights else "base")
+                qat = mode_of(mode).uses_qat_weights and "qat" in self._weights
+                self._use_weights("qat" if qat else "base")
                 scheduled = schedule if mode != REFERENCE_MODE else None
-                patch_attention(self.pipe.transformer, mode, timer=self.timer, schedule=scheduled)
+                patch_attention(self.pipe.transformer, mode, timer=self.timer, schedule=scheduled,
+                                **(self.qat_options if qat else {}))
                 result = generate_video(self.pipe, prompt, height=int(height), width=int(width), frames=int(frames),
                                         steps=int(steps), guidance=self.guidance, seed=int(seed), timer=self.timer,
                                         device=self.device, on_step=on_step, schedule=scheduled)

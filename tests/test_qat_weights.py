@@ -282,9 +282,10 @@ def test_export_command_writes_and_reports(tiny_qat, tmp_path, capsys):
     assert read_qat_weights(out).trained == "a test"
 
 
-def test_the_rotation_a_finetune_trained_under_travels_with_its_weights(tmp_path, capsys):
+def test_the_rotation_a_finetune_trained_under_travels_with_its_weights(tmp_path, capsys, monkeypatch):
     """A run trained with attention.options.qk_rotation: its checkpoint's config says so, export-qat records it
-    (or what --qk-rotation says), and `attnqat generate` runs the weights with it unless told otherwise."""
+    (or what --qk-rotation says), and `attnqat generate`, `attnqat quality`'s rows and the demo's Attn-QAT column
+    run the weights with it unless told otherwise."""
     from attnqat.pipelines.loading import trained_qk_rotation
     from attnqat.train import load_config, train
 
@@ -311,6 +312,36 @@ def test_the_rotation_a_finetune_trained_under_travels_with_its_weights(tmp_path
         mode = [] if "--mode" in extra else ["--mode", "attn_qat"]
         assert main(["generate", *small, *mode, "--qat-checkpoint", str(weights), *extra, "--out", str(out)]) == 0
         assert ("(Q, K rotated: hadamard)" in capsys.readouterr().err) == rotated, (weights, extra)
+
+    # attnqat quality: a row of such weights in an FP4 mode runs them as trained, unless the row says otherwise
+    from attnqat.cli import build_parser
+    from attnqat.mini import quality_cli
+
+    rows = [f"auto=attn_qat:{auto}", f"told=attn_qat,qk_rotation=none:{auto}", f"none=attn_qat:{none}",
+            f"exact=bf16:{auto}", f"run=nvfp4:{run}", "base=attn_qat,p_bwd=normalized"]
+    argv = ["quality", "--model", "tiny", "--size", "5x32x32", "--device", "cpu", "--base-modes", "bf16,nvfp4",
+            "--out", str(tmp_path / "q")] + [a for r in rows for a in ("--variant", r)]
+    args = quality_cli.resolve_settings(build_parser("quality").parse_args(argv))
+    assert {label: options for label, _, _, _, options in args.rows} == {
+        "bf16": {}, "nvfp4": {}, "auto": {"qk_rotation": "hadamard"}, "told": {"qk_rotation": "none"}, "none": {},
+        "exact": {}, "run": {"qk_rotation": "hadamard"}, "base": {"p_bwd": "normalized"}}
+
+    # the demo's Attn-QAT column runs such weights with their rotation, the other columns without
+    from attnqat import demo
+    from attnqat.demo import DemoEngine
+
+    patched = []
+    original = demo.patch_attention
+    monkeypatch.setattr(demo, "patch_attention", lambda t, mode, **kw: patched.append(
+        (mode, kw.get("qk_rotation"))) or original(t, mode, **kw))
+    for weights, rotation in ((auto, "hadamard"), (none, None)):
+        patched.clear()
+        engine = DemoEngine.load("tiny", qat_checkpoint=str(weights), device="cpu", dtype="fp32")
+        engine.run("a red ball", modes=["attn_qat", "nvfp4"], height=32, width=32, frames=5, steps=1, seed=0,
+                   out_dir=tmp_path / f"demo_{rotation}")
+        assert patched == [("bf16", None), ("attn_qat", rotation), ("nvfp4", None)], patched
+        assert ("Q and K rotated (hadamard) as it was trained" in engine.weights("attn_qat")) == (rotation is not None)
+        assert engine.weights("nvfp4") is None
 
 
 # ---------------------------------------------------------------------------------------------- generate

@@ -7,7 +7,8 @@
 
 Rows ("variants"): the base weights in every inference mode (--base-modes; attn_qat and attn_qat_dropin
 are left out: without grad their forward is nvfp4's), then each --variant LABEL=MODE[,KEY=VALUE...][:CHECKPOINT]
-(KEY=VALUE: the mode's options, e.g. qat=attn_qat,qk_rotation=hadamard:runs/qat). A CHECKPOINT is
+(KEY=VALUE: the mode's options, e.g. qat=attn_qat,qk_rotation=hadamard:runs/qat; weights trained with a Q/K
+rotation run with it in an FP4 mode unless the row says qk_rotation=none). A CHECKPOINT is
 transformer weights: a .safetensors state dict, a folder of shards, a diffusers model folder, or what
 `attnqat train` writes: a run folder (OUTPUT: its final/, else its newest complete checkpoint), a checkpoint
 folder (OUTPUT/checkpoints/step-N) or OUTPUT/final. Nothing is unpickled.
@@ -181,7 +182,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     """Check every argument, the checkpoints' files and the output folder, before anything heavy loads;
     fill the device-dependent defaults. Sets ``args.rows`` to [(label, mode, checkpoint, bf16_steps, options)]."""
     from attnqat.kernels import mode_of
-    from attnqat.pipelines.loading import check_model, model_inputs
+    from attnqat.pipelines.loading import check_model, model_inputs, trained_mode_options
 
     from .evaluation import base_variants
 
@@ -213,6 +214,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     rows = [(v.label, v.mode, None, {}) for v in base_variants(base)]
     for text in args.variant:
         label, mode, checkpoint, options = parse_variant(text)
+        options = {**trained_mode_options(mode, checkpoint), **options}  # as trained, unless the row says otherwise
         if label in [r[0] for r in rows]:
             raise ValueError(f"--variant {label}: the label is taken (base rows are labelled by their mode; "
                              f"choose another label or leave that mode out of --base-modes)")

@@ -252,7 +252,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     from attnqat.kernels import QK_ROTATIONS, available_modes, mode_of
 
     from .loading import (check_model, check_qat_checkpoint, choose_qat_checkpoint, config_num_blocks,
-                          model_transformer_config, trained_qk_rotation)
+                          model_transformer_config, trained_mode_options)
 
     args.model_note = None
     if args.model is None:
@@ -302,8 +302,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     if args.qat_checkpoint is not None:
         check_qat_checkpoint(args.qat_checkpoint)
     if args.qk_rotation == "auto":  # as the weights were trained; the base weights were trained without it
-        recorded = trained_qk_rotation(args.qat_checkpoint) if args.qat_checkpoint is not None else None
-        args.qk_rotation = recorded if rotates and recorded in QK_ROTATIONS else "none"
+        args.qk_rotation = trained_mode_options(args.mode, args.qat_checkpoint).get("qk_rotation", "none")
     args.mode_options = {} if args.qk_rotation == "none" else {"qk_rotation": args.qk_rotation}
     return args
 

@@ -28,7 +28,7 @@ __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "lo
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny",
            "resolve_model", "model_inputs", "check_model", "model_num_blocks", "config_num_blocks",
            "model_transformer_config", "check_qat_checkpoint",
-           "choose_qat_checkpoint", "NO_QAT_CHECKPOINT", "trained_qk_rotation"]
+           "choose_qat_checkpoint", "NO_QAT_CHECKPOINT", "trained_qk_rotation", "trained_mode_options"]
 
 # DIFFUSERS_LATE: diffusers (seconds to import) is imported where a model loads, so that the checks of a command's
 # arguments (check_model, check_qat_checkpoint, model_inputs) answer before it.
@@ -314,6 +314,16 @@ def trained_qk_rotation(path: str | os.PathLike) -> str | None:
     options = (data.get("attention") or {}).get("options") if isinstance(data, dict) else None
     rotation = options.get("qk_rotation", "none") if isinstance(options, dict) else None
     return rotation if isinstance(rotation, str) else None
+
+
+def trained_mode_options(mode: str, path: str | os.PathLike | None) -> dict:
+    """The attention options ``mode`` runs the weights at ``path`` with when the user says nothing: the Q/K rotation
+    they were trained under (:func:`trained_qk_rotation`), where ``mode`` takes it (the FP4 modes); else none (the
+    base weights, None, were trained without it). ``attnqat generate --qk-rotation auto``, quality rows, the demo."""
+    if path is None or "qk_rotation" not in dict(mode_of(mode).options):
+        return {}
+    rotation = trained_qk_rotation(path)
+    return {"qk_rotation": rotation} if rotation not in (None, "none") else {}
 
 
 def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint") -> None:
