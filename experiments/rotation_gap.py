@@ -3,10 +3,12 @@ quality.md, "Rotating Q and K before FP4 attention"): the flow metrics of `attnq
 runs on a CPU.
 
     python experiments/rotation_gap.py [--model attnqat/models/mini] \
-        [--qat attnqat/models/mini/attn_qat.safetensors] [--clips 16] [--size 17x128x128] [--json out.json]
+        [--qat attnqat/models/mini/attn_qat.safetensors] [--clips 16] [--size 17x128x128] [--json out.json] \
+        [--row LABEL=CHECKPOINT ...]
 
 Rows: bf16, nvfp4, nvfp4 with qk_rotation=hadamard (base weights), attn_qat with the QAT weights, and the same
-with the rotation; for each the held-out flow loss, the velocity distance to bf16 and the share of nvfp4's gap
+with the rotation, then each --row: attn_qat with the rotation on those weights (QAT weights, a run folder, a LoRA
+file: what attnqat quality takes); for each the held-out flow loss, the velocity distance to bf16 and the share of nvfp4's gap
 closed on both (about 2 minutes at 17x128x128 with 16 clips on 2 cores, 14 at 49x128x128).
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pathlib
 import sys
 
 from attnqat.mini.evaluation import Variant, flow_metrics
+from attnqat.pipelines.loading import read_qat_checkpoint
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from experiments._held_out import held_out_arguments, load_held_out  # noqa: E402
@@ -24,11 +27,18 @@ from experiments._held_out import held_out_arguments, load_held_out  # noqa: E40
 def main(argv=None) -> None:
     p = held_out_arguments(__doc__, clips=16, size="17x128x128")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--row", action="append", default=[], metavar="LABEL=CHECKPOINT",
+                   help="a fine-tune trained with the rotation, run in attn_qat with it (repeatable)")
     args = p.parse_args(argv)
     pipe, qat, data = load_held_out(args)
     rot = {"qk_rotation": "hadamard"}
     variants = [Variant("bf16", "bf16"), Variant("nvfp4", "nvfp4"), Variant("rot", "nvfp4", options=rot),
                 Variant("qat", "attn_qat", qat), Variant("qat_rot", "attn_qat", qat, options=rot)]
+    for text in args.row:
+        label, _, checkpoint = text.partition("=")
+        if not label or not checkpoint:
+            p.error(f"--row {text!r}: expected LABEL=CHECKPOINT")
+        variants.append(Variant(label, "attn_qat", read_qat_checkpoint(pipe.transformer, checkpoint), options=rot))
     r = flow_metrics(pipe.transformer, variants, data["x0"], data["embeds"], batch=4)
     bf16, fp4 = r["bf16"], r["nvfp4"]
     rows = {}
