@@ -125,6 +125,32 @@ def run_forked(worker, args: tuple, nprocs: int, what: str, timeout: float = 300
             pytest.fail(f"{what} did not finish in {timeout:.0f} s")
 
 
+def _gloo_rank(rank: int, world: int, port: int, out_dir: str, body) -> None:
+    import traceback
+
+    as_torchrun_rank(rank, world, port)
+    try:
+        torch.distributed.init_process_group("gloo")  # accelerate's state takes it up where a body builds one
+        result = {"ok": body(rank)}
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def gloo_ranks(body, out_dir, what: str, world: int = 2) -> list:
+    """``body(rank)`` on ``world`` processes forked from this one (:func:`run_forked`), each made a torchrun rank of
+    one gloo group (:func:`as_torchrun_rank`); the JSON-able results, rank 0 first. A rank's exception fails the
+    test with its traceback."""
+    run_forked(_gloo_rank, (world, free_port(), str(out_dir), body), world, what)
+    results = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    for r in results:
+        assert "ok" in r, r.get("traceback", r)[-3000:]
+    return [r["ok"] for r in results]
+
+
 def forked_process(fn, timeout: float = 300.0) -> subprocess.CompletedProcess:
     """``fn()`` in a process forked from this one, returned as ``subprocess.run(..., capture_output=True,
     text=True)`` returns a command: ``returncode`` is ``fn``'s int result (None: 0), a ``SystemExit``'s code, 1

@@ -259,6 +259,7 @@ def test_browser_loads_page_clicks_generate_and_shows_videos(served_app, tmp_pat
 class _FlakyEngine:
     """Stands in for :class:`DemoEngine`: the first request runs out of GPU memory, the next succeeds."""
     model, device, dtype, qat_checkpoint, qat_shipped = "tiny", torch.device("cpu"), torch.float32, None, False
+    qat_options: dict = {}
 
     def __init__(self):
         self.calls = 0

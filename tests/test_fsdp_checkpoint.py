@@ -14,10 +14,7 @@ FSDP is in its pre-backward state) and checks that:
 """
 from __future__ import annotations
 
-import json
-import traceback
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -93,46 +90,30 @@ def _casts() -> dict:
             "untouched": [fsdp_cast_inputs(m, args) is args for m in (inert, no_dtype, torch.nn.Linear(2, 2))]}
 
 
-def _rank(rank: int, port: int, out_dir: str):
-    from conftest import as_torchrun_rank
-
-    as_torchrun_rank(rank, 2, port)
-    try:
-        torch.distributed.init_process_group("gloo")
-        reference = _grads(None)
-        result = {"casts": _casts(), "equal": {}}
-        with cast_skipped_in_recompute():
-            try:
-                _grads("diffusers")
-                result["old_torch_diffusers"] = "ran"
-            except torch.utils.checkpoint.CheckpointError as e:
-                result["old_torch_diffusers"] = str(e).splitlines()[0]
-            for save in (False, True):
-                grads = _grads(save)
-                result["equal"][f"old torch, save_attention={save}"] = all(
-                    torch.equal(grads[n], reference[n]) for n in reference)
-        grads = _grads(False)
-        result["equal"]["this torch"] = all(torch.equal(grads[n], reference[n]) for n in reference)
-        result["zero"] = [n for n, g in reference.items() if g.numel() and not bool(g.abs().sum() > 0)]
-        result = {"ok": result}
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+def _rank(rank: int) -> dict:
+    reference = _grads(None)
+    result = {"casts": _casts(), "equal": {}}
+    with cast_skipped_in_recompute():
+        try:
+            _grads("diffusers")
+            result["old_torch_diffusers"] = "ran"
+        except torch.utils.checkpoint.CheckpointError as e:
+            result["old_torch_diffusers"] = str(e).splitlines()[0]
+        for save in (False, True):
+            grads = _grads(save)
+            result["equal"][f"old torch, save_attention={save}"] = all(
+                torch.equal(grads[n], reference[n]) for n in reference)
+    grads = _grads(False)
+    result["equal"]["this torch"] = all(torch.equal(grads[n], reference[n]) for n in reference)
+    result["zero"] = [n for n, g in reference.items() if g.numel() and not bool(g.abs().sum() > 0)]
+    return result
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    from conftest import free_port, run_forked
+    from conftest import gloo_ranks
 
-    tmp = tmp_path_factory.mktemp("fsdp_checkpoint")
-    run_forked(_rank, (free_port(), str(tmp)), 2, "the FSDP2 checkpointing processes")
-    results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for r in results:
-        assert "ok" in r, r.get("traceback", r)[-3000:]
-    return [r["ok"] for r in results]
+    return gloo_ranks(_rank, tmp_path_factory.mktemp("fsdp_checkpoint"), "the FSDP2 checkpointing processes")
 
 
 def test_the_emulated_old_torch_fails_as_the_h200_run_did(ranks):

@@ -37,7 +37,7 @@ pytestmark = [
 def test_shipped_qat_weights_recover_part_of_the_fp4_gap_on_held_out_clips():
     from attnqat.mini.evaluation import Variant, _Weights, flow_metrics, held_out_clips
     from attnqat.pipelines import load_pipeline
-    from attnqat.pipelines.loading import read_qat_checkpoint
+    from attnqat.pipelines.loading import read_qat_checkpoint, trained_mode_options
 
     pipe = load_pipeline("mini", dtype=torch.float32, device="cpu")
     # 33x128x128 is a size mini trained at (576 self-attention tokens); the held-out split holds attribute
@@ -46,7 +46,9 @@ def test_shipped_qat_weights_recover_part_of_the_fp4_gap_on_held_out_clips():
     # margin (the QAT weights win back 26-56% of the loss gap and sit at 0.49-0.61x FP4's velocity distance)
     data = held_out_clips(pipe, 2, size=(33, 128, 128), batch=2)
     qat = read_qat_checkpoint(pipe.transformer, QAT_WEIGHTS)
-    variants = [Variant("bf16"), Variant("nvfp4", "nvfp4"), Variant("qat", "attn_qat", qat)]
+    # as a user runs them: with the Q/K rotation they were trained under, where their file records one
+    variants = [Variant("bf16"), Variant("nvfp4", "nvfp4"),
+                Variant("qat", "attn_qat", qat, options=trained_mode_options("attn_qat", QAT_WEIGHTS))]
     rows = flow_metrics(pipe.transformer, variants, data["x0"], data["embeds"], batch=2,
                         weights=_Weights(pipe.transformer))
     bf16, fp4, recovered = rows["bf16"], rows["nvfp4"], rows["qat"]

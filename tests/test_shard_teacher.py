@@ -12,8 +12,6 @@ tests/test_sharded_checkpoint.py.
 """
 from __future__ import annotations
 
-import json
-import traceback
 from pathlib import Path
 
 import pytest
@@ -110,33 +108,17 @@ def _trainers(rank: int) -> dict:
     return out
 
 
-def _rank(rank: int, port: int, out_dir: str):
-    from conftest import as_torchrun_rank
-
-    as_torchrun_rank(rank, 2, port)
-    try:
-        torch.distributed.init_process_group("gloo")  # accelerate's state takes it up later
-        result = {"ok": {"teachers": _teachers(rank), "trainers": _trainers(rank)}}
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+def _rank(rank: int) -> dict:
+    return {"teachers": _teachers(rank), "trainers": _trainers(rank)}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    from conftest import free_port, run_forked
+    from conftest import gloo_ranks
 
-    tmp = tmp_path_factory.mktemp("teacher")
     with pytest.MonkeyPatch.context() as m:
         m.setenv("TRITON_INTERPRET", "0")  # the FP4 reference path (see tests/test_train.py)
-        run_forked(_rank, (free_port(), str(tmp)), 2, "the teacher-sharding processes")
-    results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for r in results:
-        assert "ok" in r, r.get("traceback", r)[-3000:]
-    return [r["ok"] for r in results]
+        return gloo_ranks(_rank, tmp_path_factory.mktemp("teacher"), "the teacher-sharding processes")
 
 
 def test_sharded_teacher_computes_the_replicated_teachers_outputs_and_features(ranks):
