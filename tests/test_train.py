@@ -246,6 +246,59 @@ def test_precompute_replaces_only_its_own_output_and_only_when_complete(tmp_path
     assert run(empty)["num_samples"] == 3 and (empty / "index.json").is_file()
 
 
+def test_precompute_reads_a_model_folder(tmp_path):
+    """`attnqat precompute --model mini` (the name, and the folder as a path): a folder's tokenizer has a
+    tokenizer_config.json and no config.json (Wan's hub folders, mini's), and its prompt embeddings are what
+    diffusers' WanPipeline.encode_prompt gives for the same prompts, to bf16's rounding, zero past each prompt."""
+    from safetensors.torch import load_file
+
+    from attnqat.cli import main
+    from attnqat.mini.model import MINI_DIR
+    from attnqat.pipelines import load_pipeline
+
+    if not (MINI_DIR / "model_index.json").is_file():
+        pytest.skip("mini's weights are not installed")
+    prompts = ["a red ball slides left over a striped background", "a blue cube"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    for name, model in (("name", "mini"), ("path", str(MINI_DIR))):
+        out = tmp_path / name
+        assert main(["precompute", "--prompts", str(tmp_path / "p.txt"), "--model", model, "--out", str(out),
+                     "--device", "cpu"]) == 0
+        embeds = load_file(str(out / "shard-00000.safetensors"))["prompt_embeds"]
+        pipe = load_pipeline("mini", dtype=torch.float32, device="cpu")
+        expected, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512,
+                                         device="cpu", dtype=torch.float32)
+        assert embeds.shape == expected.shape == (2, 512, 128)
+        expected = expected.detach()
+        torch.testing.assert_close(embeds.float(), expected, rtol=2 ** -8, atol=0)  # bf16's rounding, no more
+        assert torch.equal(embeds.float().abs().sum(-1) == 0, expected.abs().sum(-1) == 0)  # zero past each prompt
+
+
+def test_random_wan_folder_is_a_model_folder_the_commands_take(tmp_path, capsys):
+    """bench/random_wan_folder.py (the random-weight Wan folder the GPU runs of `attnqat train` use): the
+    published 1.3B config cut to one block, a one-layer text encoder of its text_dim, Wan's VAE; the folder passes
+    the model-folder checks and loads, its transformer is that config, and a second --out into it is refused."""
+    from conftest import load_script
+
+    from attnqat.pipelines.loading import check_model, load_pipeline
+    from attnqat.pipelines.wan_configs import WAN21_1_3B_TRANSFORMER_CONFIG
+
+    bench = load_script(ROOT / "bench" / "random_wan_folder.py", "bench_random_wan_folder")
+    out = tmp_path / "wan"
+    assert bench.main(["--size", "1.3b", "--layers", "1", "--out", str(out)]) == 0
+    assert "RANDOM weights" in capsys.readouterr().out
+    check_model(str(out))
+    pipe = load_pipeline(str(out), dtype=torch.float32, device="cpu")
+    config = dict(pipe.transformer.config)
+    listed = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731 - JSON gives lists
+    assert {k: listed(config[k]) for k in WAN21_1_3B_TRANSFORMER_CONFIG} == {
+        **{k: listed(v) for k, v in WAN21_1_3B_TRANSFORMER_CONFIG.items()}, "num_layers": 1}
+    assert pipe.text_encoder.config.d_model == config["text_dim"] == 4096
+    assert pipe.transformer.blocks[0].attn1.to_q.weight.dtype == torch.float32  # loaded as asked
+    with pytest.raises(SystemExit):
+        bench.main(["--size", "1.3b", "--layers", "1", "--out", str(out)])
+
+
 def test_precompute_reports_an_encoder_failure_as_such(tmp_path, monkeypatch, capsys):
     """A RuntimeError of the encoders (out of memory, say) while the output folder is being written is a
     failed computation (exit 1, one line naming the shard), not "could not write folder"; nothing is left."""

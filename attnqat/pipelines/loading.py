@@ -108,7 +108,9 @@ def _resolve(model: str, subfolder: str | None = None) -> str:
         if not path.is_dir():
             raise ModelNotFoundError(f"--model {model!r} is a file; expected a diffusers-format Wan 2.1 folder "
                                      f"(with model_index.json, transformer/, vae/, ...)")
-        wanted = path / subfolder / "config.json" if subfolder else path / "model_index.json"
+        # a component's config; a tokenizer's is tokenizer_config.json (Wan's hub folders and mini's have no other)
+        wanted = (path / subfolder / ("tokenizer_config.json" if subfolder == "tokenizer" else "config.json")
+                  if subfolder else path / "model_index.json")
         if not wanted.exists():
             raise ModelNotFoundError(f"{str(path)!r} is not a diffusers-format Wan 2.1 folder: "
                                      f"{wanted.relative_to(path)} is missing; {_download_hint(DEFAULT_REAL_MODEL)}")

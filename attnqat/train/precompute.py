@@ -29,7 +29,7 @@ from attnqat.errors import ComputeError, one_line
 from attnqat.locking import output_lock
 from attnqat.outputs import remove_stale_temps, replace_dir_atomically, write_dir_atomically
 from attnqat.pipelines import build_tiny_text_encoder, build_tiny_tokenizer, build_tiny_vae, is_tiny
-from attnqat.pipelines.loading import _from_pretrained, check_model, model_inputs
+from attnqat.pipelines.loading import _from_pretrained, check_model, model_inputs, resolve_model
 
 from .data import INDEX, SHARD_NAME, is_precompute_output, write_index, write_shard
 
@@ -119,6 +119,7 @@ def load_encoders(model: str, device, need_vae: bool):
         tok, enc = build_tiny_tokenizer(), build_tiny_text_encoder(dtype)
         vae = build_tiny_vae() if need_vae else None
     else:
+        model = resolve_model(model)  # "mini": the shipped folder
         tok = _from_pretrained(AutoTokenizer, model, subfolder="tokenizer")
         enc = _from_pretrained(UMT5EncoderModel, model, subfolder="text_encoder", torch_dtype=dtype)
         vae = _from_pretrained(AutoencoderKLWan, model, subfolder="vae", torch_dtype=torch.float32) if need_vae else None
