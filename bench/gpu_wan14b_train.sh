@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# `attnqat train` end to end on Wan 2.1 14B-sized random weights (docs/multigpu.md): the folder, the prompt
+# embeddings, full-parameter QAT on NPROC GPUs (FSDP2, AdamW8bit, the teacher sharded, Ulysses over all of them),
+# an exact-resume check (a run stopped after STOP steps and resumed against one that ran through), a run whose
+# rank 1 is killed mid-step and resumed, and LoRA-QAT on one GPU. Step time and memory are in each run's log.csv.
+#   bash bench/gpu_wan14b_train.sh folder            # bench/random_wan_folder.py -> $WAN (once a machine; ~29 GB)
+#   bash bench/gpu_wan14b_train.sh data              # attnqat precompute of 8 prompts -> $WAN_DATA
+#   bash bench/gpu_wan14b_train.sh full STEPS        # the full-parameter run, STEPS steps, in $W/full
+#   bash bench/gpu_wan14b_train.sh resume STEPS STOP # $W/through (STEPS) and $W/stopped (STOP, then --resume auto)
+#   bash bench/gpu_wan14b_train.sh kill STEPS        # $W/killed: rank 1 killed after its first checkpoint, resumed
+#                                                    # (against $W/through where `resume` made one of as many steps)
+#   bash bench/gpu_wan14b_train.sh lora STEPS        # LoRA-QAT (rank 64) on one GPU, in $W/lora
+#   bash bench/gpu_wan14b_train.sh compare A B       # the loss columns of two runs' log.csv, step by step
+# Knobs (environment): WAN (/tmp/wan14b), WAN_DATA (/tmp/wan14b_data), W (runs/wan14b), SIZE (14b | 1.3b),
+# LAYERS (all), NPROC (2), LATENT (the config's 16x21x60x104), SET (more --set values, space-separated).
+# Disk: the folder 29 GB, each full-parameter checkpoint about 100 GB (fp32 master weights, 8-bit moments, the
+# bf16 export): keep 1 (set here) and a machine with room for two while one replaces the other.
+# A CPU dry run of the same commands: SIZE=1.3b LAYERS=1 NPROC=1 LATENT=16,2,8,8 WAN=/tmp/w WAN_DATA=/tmp/wd \
+#   W=/tmp/wr SET="train.mixed_precision=no" bash bench/gpu_wan14b_train.sh resume 3 1
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
+WAN=${WAN:-/tmp/wan14b}; WAN_DATA=${WAN_DATA:-/tmp/wan14b_data}; W=${W:-runs/wan14b}; NPROC=${NPROC:-2}
+
+sets() {  # --set arguments of a run: the folder, its data, checkpoints every 2 steps (keep 1), the knobs
+  local s="model=$WAN data.path=$WAN_DATA output_dir=$1 train.max_steps=$2 train.warmup_steps=1 checkpoint.every=2
+           checkpoint.keep=1 log.eval_every=1000 data.held_out=1 train.sequence_parallel=$NPROC ${SET:-}"
+  [ "$NPROC" -gt 1 ] && s="$s train.optimizer=adamw8bit"
+  [ -n "${LATENT:-}" ] && s="$s data.latent_shape=[${LATENT}]"
+  for x in $s; do printf -- "--set %s " "$x"; done
+}
+
+train() {  # OUTPUT STEPS [attnqat train options...]: NPROC processes (FSDP2) or one
+  local out=$1 steps=$2; shift 2
+  mkdir -p "$(dirname "$out")"
+  if [ "$NPROC" -gt 1 ]; then
+    accelerate launch --config_file configs/fsdp2_wan14b.yaml --num_processes "$NPROC" -m attnqat.train \
+      --config configs/wan2.1-14b-sp.yaml $(sets "$out" "$steps") "$@"
+  else
+    python3 -m attnqat.train --config configs/wan2.1-14b-sp.yaml $(sets "$out" "$steps") "$@"
+  fi
+}
+
+losses() { python3 -c "
+import csv, sys
+for r in csv.DictReader(open(sys.argv[1])):
+    print(r['step'], r['loss'], r.get('step_s', ''))" "$1/log.csv"; }
+
+case "${1:-}" in
+  folder)
+    [ -f "$WAN/model_index.json" ] && { echo "$WAN is there"; exit 0; }
+    python3 bench/random_wan_folder.py --size "${SIZE:-14b}" ${LAYERS:+--layers $LAYERS} --out "$WAN" ;;
+  data)
+    p=$(mktemp); for i in 1 2 3 4 5 6 7 8; do echo "a test prompt number $i, a red ball rolls left" >> "$p"; done
+    python3 -m attnqat precompute --prompts "$p" --model "$WAN" --out "$WAN_DATA"; rm -f "$p" ;;
+  full)
+    train "$W/full" "${2:?steps}" --overwrite 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -5
+    losses "$W/full" ;;
+  resume)
+    steps=${2:?steps}; stop=${3:?stop after}
+    train "$W/through" "$steps" --overwrite > "$W.through.log" 2>&1 || { tail -20 "$W.through.log"; exit 1; }
+    train "$W/stopped" "$steps" --overwrite --stop-after "$stop" > "$W.stopped.log" 2>&1 || { tail -20 "$W.stopped.log"; exit 1; }
+    train "$W/stopped" "$steps" --resume auto >> "$W.stopped.log" 2>&1 || { tail -20 "$W.stopped.log"; exit 1; }
+    bash "$0" compare "$W/through" "$W/stopped" ;;
+  kill)
+    steps=${2:?steps}
+    train "$W/killed" "$steps" --overwrite > "$W.killed.log" 2>&1 &
+    until ls -d "$W"/killed/checkpoints/step-* > /dev/null 2>&1; do sleep 5; done
+    sleep 10  # into the next step
+    for pid in $(pgrep -f "attnqat.train --config"); do  # rank 1 (its LOCAL_RANK), or the one process
+      if [ "$NPROC" = 1 ] || tr '\0' '\n' < /proc/$pid/environ 2>/dev/null | grep -qx "LOCAL_RANK=1"; then
+        kill -9 "$pid" && echo "killed pid $pid"
+      fi
+    done
+    wait
+    echo "killed ($(grep -c . "$W/killed/log.csv") log lines); resuming"
+    train "$W/killed" "$steps" --resume auto >> "$W.killed.log" 2>&1 || { tail -20 "$W.killed.log"; exit 1; }
+    if [ -f "$W/through/log.csv" ]; then bash "$0" compare "$W/through" "$W/killed"; else losses "$W/killed"; fi ;;
+  lora)
+    NPROC=1 train "$W/lora" "${2:?steps}" --overwrite --set train.trainable=lora --set train.lora.rank=64 \
+      --set train.lora.alpha=64 --set train.lr=1e-4 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -5
+    losses "$W/lora" ;;
+  compare)
+    python3 - "$2/log.csv" "$3/log.csv" <<'PY'
+import csv, sys
+a, b = ({r["step"]: r["loss"] for r in csv.DictReader(open(p))} for p in sys.argv[1:])
+for step in a:
+    print(step, a[step], b.get(step, "-"))
+print("losses equal at every step" if a and a == b else "LOSSES DIFFER")
+PY
+    ;;
+  *) sed -n 2,17p "$0"; exit 2 ;;
+esac
