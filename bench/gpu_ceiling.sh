@@ -6,7 +6,9 @@
 # WIDTH times the heads and FFN (a random transformer of that config; the VAE and text encoder linked).
 #   bash bench/gpu_ceiling.sh start MINUTES      # both runs side by side in the background (GPU $CUDA_VISIBLE_DEVICES)
 #   bash bench/gpu_ceiling.sh report [ARGS...]   # wait for them; the quality table at the common step -> $W/quality
-# Knobs (environment): W (runs/ceiling), WIDTH (1), MODEL (attnqat/models/mini), EXTRA (more --set values).
+# Knobs (environment): W (runs/ceiling), WIDTH (1), MODEL (attnqat/models/mini), EXTRA (more --set values),
+# ROT=1: the FP4 run trains with Q and K rotated (qk_rotation=hadamard) and is scored with it, beside the bf16-trained
+# run with the rotation alone (the ceiling with the rotation in the loop, against plain nvfp4's gap).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
@@ -40,7 +42,8 @@ case "${1:-}" in
       python3 experiments/wide_mini.py --model $MODEL --width $WIDTH --out $BASE || exit 1
     fi
     for m in bf16 attn_qat; do n=$([ $m = bf16 ] && echo bf16 || echo fp4)
-      setsid nohup bash -c "$(declare -f train_one); BASE=$BASE W=$W EXTRA='${EXTRA:-}' train_one $n ${2:?minutes} $m" \
+      extra="${EXTRA:-}"; [ $m = attn_qat ] && [ "${ROT:-0}" = 1 ] && extra="$extra attention.options.qk_rotation=hadamard"
+      setsid nohup bash -c "$(declare -f train_one); BASE=$BASE W=$W EXTRA='$extra' train_one $n ${2:?minutes} $m" \
         > $W/$n.out 2>&1 < /dev/null & echo $! > $W/$n.pid
       sleep 5
     done ;;
@@ -49,8 +52,12 @@ case "${1:-}" in
     s=$(common_step); [ -n "$s" ] || { echo "no checkpoint step both runs have"; exit 1; }
     echo "common step: $s"
     shift
+    # ROT=1: the FP4-trained row as its run trained, the bf16-trained one also with the rotation alone; the gap stays
+    # plain nvfp4's on the bf16-trained run (the shipped file's measure)
+    fp4=nvfp4; rot=(); [ "${ROT:-0}" = 1 ] && fp4="nvfp4,qk_rotation=hadamard" \
+      && rot=(--variant "s_bf16_fp4_rot=$fp4:$W/bf16/checkpoints/$s")
     python3 -m attnqat quality --model $BASE --base-modes bf16 --variant s_bf16=bf16:$W/bf16/checkpoints/$s \
-      --variant s_bf16_fp4=nvfp4:$W/bf16/checkpoints/$s --variant s_fp4=nvfp4:$W/fp4/checkpoints/$s \
+      --variant s_bf16_fp4=nvfp4:$W/bf16/checkpoints/$s "${rot[@]}" --variant s_fp4=$fp4:$W/fp4/checkpoints/$s \
       --fp4-reference s_bf16_fp4 --bf16-reference s_bf16 --out $W/quality --overwrite "$@" ;;
   *) sed -n 2,9p "$0"; exit 2 ;;
 esac
