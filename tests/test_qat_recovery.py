@@ -43,7 +43,8 @@ def test_shipped_qat_weights_recover_part_of_the_fp4_gap_on_held_out_clips():
     # 33x128x128 is a size mini trained at (576 self-attention tokens); the held-out split holds attribute
     # combinations training never showed, and the noise is fixed, so every row sees the same inputs. Two clips: the
     # FP4 attention rows dominate the cost, and each of the first four clips alone shows the recovery with a wide
-    # margin (the QAT weights win back 26-56% of the loss gap and sit at 0.49-0.61x FP4's velocity distance)
+    # margin (the shipped weights, run with their rotation, win back 40-63% of the loss gap and sit at 0.41-0.45x
+    # FP4's velocity distance; run without their rotation, 0.59x on the two clips here, which the bound below refuses)
     data = held_out_clips(pipe, 2, size=(33, 128, 128), batch=2)
     qat = read_qat_checkpoint(pipe.transformer, QAT_WEIGHTS)
     # as a user runs them: with the Q/K rotation they were trained under, where their file records one
@@ -54,10 +55,10 @@ def test_shipped_qat_weights_recover_part_of_the_fp4_gap_on_held_out_clips():
     bf16, fp4, recovered = rows["bf16"], rows["nvfp4"], rows["qat"]
     # FP4 costs the base model loss and moves its prediction ...
     assert fp4["flow_loss"] > bf16["flow_loss"] and fp4["velocity_distance"] > 1e-3, rows
-    # ... and the QAT weights, in the same FP4 attention, win part of both back (docs/quality.md: 38% / 44% on
+    # ... and the QAT weights, in the same FP4 attention, win part of both back (docs/quality.md: 55% / 55% on
     # 32 clips at this size), without overshooting past bf16
-    assert bf16["flow_loss"] < recovered["flow_loss"] < fp4["flow_loss"] - 0.1 * (fp4["flow_loss"] - bf16["flow_loss"])
-    assert recovered["velocity_distance"] < 0.95 * fp4["velocity_distance"], rows
+    assert bf16["flow_loss"] < recovered["flow_loss"] < fp4["flow_loss"] - 0.25 * (fp4["flow_loss"] - bf16["flow_loss"])
+    assert recovered["velocity_distance"] < 0.5 * fp4["velocity_distance"], rows
 
 
 TRAINING_TEST = "test_a_few_qat_steps_on_mini_lower_its_fp4_held_out_loss_and_velocity_distance"
