@@ -45,12 +45,11 @@ def build(size: str, out: Path, layers: int | None = None, seed: int = 0) -> Pat
         decoder_start_token_id=0)).to(torch.bfloat16).eval()
     vae = AutoencoderKLWan().eval()  # Wan 2.1's VAE config (diffusers' defaults); fp32, as diffusers keeps it
     # bf16 from the start: a 14B fp32 copy (57 GB) would be made only to be cast
-    with torch.device("cpu"):
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            transformer = WanTransformer3DModel(**config).eval()
-        finally:
-            torch.set_default_dtype(torch.float32)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        transformer = WanTransformer3DModel(**config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                        scheduler=build_tiny_scheduler())
     pipe.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")

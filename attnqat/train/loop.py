@@ -1126,10 +1126,10 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
     if gap_after and gap_before and acc.is_main_process:
         acc.print(_held_out_line(trainer.state.step, gap_after, gap_before, with_gap=not tr.from_scratch))
     if final is not None:
+        rotation = cfg.attention.options.get("qk_rotation", "none")
         acc.print(f"final checkpoint: {final}\n  try it: attnqat generate --model {shlex.quote(str(cfg.model))} "
                   f"--qat-checkpoint {shlex.quote(str(final))} --mode {cfg.attention.mode} "
-                  + "".join(f"--qk-rotation {r} " for r in [cfg.attention.options.get("qk_rotation", "none")]
-                            if r != "none")
+                  + (f"--qk-rotation {rotation} " if rotation != "none" else "")
                   + "--prompt 'a red ball slides left over a striped background'")
     return TrainResult(steps=trainer.state.step, losses=losses, gap_before=gap_before, gap_after=gap_after,
                        output_dir=cfg.output_dir, final_checkpoint=str(final) if final else None, log_rows=logger.rows)
