@@ -24,6 +24,7 @@ prefetch not done yet, or an inline encode).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
                         "eager+compile")
     p.add_argument("--loop-steps", type=int, default=60)
     p.add_argument("--loop-warmup", type=int, default=12, help="untimed steps (each size's first step captures)")
+    p.add_argument("--trace", metavar="DIR",
+                   help="--loop: also record the torch profiler over each variant's last --trace-steps steps: "
+                        "DIR/VARIANT.json.gz (a Chrome trace) and, printed and in --json, where the GPU sat idle")
+    p.add_argument("--trace-steps", type=int, default=6)
     args = p.parse_args(argv)
     if (args.config is None) == (args.out is None) or (args.config is not None) != (args.model is not None):
         p.error("give --out, or --config with --model")
@@ -112,7 +117,8 @@ def _loop_variants(args, variants, config, train, waits: list[float]) -> int:
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             waits.clear()
-            rows = train(cfg, stop_after=args.loop_warmup + args.loop_steps).log_rows
+            with _traced(args, variant) as trace:
+                rows = train(cfg, stop_after=args.loop_warmup + args.loop_steps).log_rows
             wall = time.perf_counter() - t0
         sizes = ["x".join(map(str, s)) for s in cfg.data.corpus.sizes]
         pattern = [i for i, w in enumerate(cfg.data.corpus.size_weights or [1] * len(sizes)) for _ in range(int(w))]
@@ -131,6 +137,9 @@ def _loop_variants(args, variants, config, train, waits: list[float]) -> int:
             "loss_first_last": [rows[0]["loss"], rows[-1]["loss"]],
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None}
         r = result["variants"][variant]
+        if trace:
+            r["trace"] = trace
+            print(f"{variant} trace: " + json.dumps(trace)[:1500], flush=True)
         print(f"{variant}: " + "; ".join(f"{k} median {v['median_ms']:.1f} ms mean {v['mean_ms']:.1f} (max "
                                          f"{v['max_ms']:.0f})" for k, v in r["per_size"].items())
               + f"; all sizes mean {r['mean_ms']:.1f} ms/step (clock {r['clock_mean_ms'] or 0:.1f}); refreshes waited "
@@ -138,6 +147,75 @@ def _loop_variants(args, variants, config, train, waits: list[float]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+@contextlib.contextmanager
+def _traced(args, variant: str):
+    """Record the profiler over the last ``--trace-steps`` steps of the run (stepped where the loop advances a step);
+    yields a dict, filled on exit with :func:`_idle`'s summary of the trace."""
+    summary: dict = {}
+    if not args.trace or not torch.cuda.is_available():
+        yield summary
+        return
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from attnqat.train.loop import Trainer
+
+    out = Path(args.trace)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{variant.replace('+', '_')}.json.gz"
+    wait = max(0, args.loop_warmup + args.loop_steps - args.trace_steps - 1)
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=wait, warmup=1, active=args.trace_steps, repeat=1),
+                   on_trace_ready=lambda p: p.export_chrome_trace(str(path)))
+    advance = Trainer.advance_to
+
+    def stepped(self, steps):
+        advance(self, steps)
+        prof.step()
+
+    Trainer.advance_to = stepped
+    try:
+        with prof:
+            yield summary
+    finally:
+        Trainer.advance_to = advance
+    if path.exists():
+        summary.update(_idle(path))
+
+
+def _idle(path: Path, top: int = 12) -> dict:
+    """Where the GPU sat idle in a Chrome trace: its kernels' busy share of the span from the first GPU event to the
+    last, the longest gaps with the host calls (CPU ops and CUDA runtime calls) under way when each began, and the
+    kernels that took the most time."""
+    import gzip
+
+    events = json.loads(gzip.open(path, "rt").read())["traceEvents"]
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e)
+    host = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+            if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation") and "ts" in e]
+    if not gpu:
+        return {"error": "no GPU events in the trace"}
+    busy, gaps, end = 0.0, [], gpu[0][0]
+    for s, e, _ in gpu:
+        if s > end:
+            gaps.append((s - end, end))
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    span = end - gpu[0][0]
+    gaps.sort(reverse=True)
+    longest = []
+    for length, at in gaps[:top]:
+        under_way = sorted({n for s, e, n in host if s <= at <= e and not n.startswith("ProfilerStep")})
+        longest.append({"ms": round(length / 1e3, 3), "host": under_way[:8]})
+    kernels: dict[str, float] = {}
+    for s, e, n in gpu:
+        kernels[n] = kernels.get(n, 0.0) + (e - s)
+    return {"span_ms": round(span / 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2),
+            "idle_ms": round((span - busy) / 1e3, 2), "gaps_over_50us": sum(1 for g, _ in gaps if g > 50),
+            "longest_gaps": longest,
+            "top_kernels_ms": {n[:90]: round(t / 1e3, 2) for n, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}
 
 
 def _parts(args, config) -> int:

@@ -69,7 +69,8 @@ def _trainers(monkeypatch) -> list:
     return made
 
 
-TIMING = ("step_s", "elapsed_s", "tokens_per_s")  # the clock's columns: the only ones two runs may differ in
+TIMING = ("step_s", "elapsed_s", "tokens_per_s", "peak_gib")  # the clock's and the allocator's columns: the only
+# ones two runs may differ in
 
 
 def _close(a, b, rtol: float = 1e-6) -> bool:
