@@ -9,9 +9,10 @@
 #   bash bench/gpu_wan14b_train.sh resume STEPS STOP # $W/through (STEPS) and $W/stopped (STOP, then --resume auto)
 #   bash bench/gpu_wan14b_train.sh kill STEPS        # $W/killed: rank 1 killed after its first checkpoint, resumed
 #                                                    # (against $W/through where `resume` made one of as many steps)
-#   bash bench/gpu_wan14b_train.sh lora STEPS        # LoRA-QAT (rank 64) on one GPU, in $W/lora
+#   bash bench/gpu_wan14b_train.sh lora STEPS        # LoRA-QAT on one GPU (configs/wan2.1-14b-lora.yaml), in $W/lora
 #   bash bench/gpu_wan14b_train.sh compare A B       # the loss columns of two runs' log.csv, step by step
-# Knobs (environment): WAN (/tmp/wan14b), WAN_DATA (/tmp/wan14b_data), W (runs/wan14b), SIZE (14b | 1.3b),
+# Knobs (environment): CONFIG (configs/wan2.1-14b-sp.yaml; lora: configs/wan2.1-14b-lora.yaml),
+# WAN (/tmp/wan14b), WAN_DATA (/tmp/wan14b_data), W (runs/wan14b), SIZE (14b | 1.3b),
 # LAYERS (all), NPROC (2), LATENT (the config's 16x21x60x104), SET (more --set values, space-separated).
 # Disk: the folder 29 GB, each full-parameter checkpoint about 100 GB (fp32 master weights, 8-bit moments, the
 # bf16 export): keep 1 (set here) and a machine with room for two while one replaces the other.
@@ -20,6 +21,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
+CONFIG=${CONFIG:-configs/wan2.1-14b-sp.yaml}
 WAN=${WAN:-/tmp/wan14b}; WAN_DATA=${WAN_DATA:-/tmp/wan14b_data}; W=${W:-runs/wan14b}; NPROC=${NPROC:-2}
 
 sets() {  # --set arguments of a run: the folder, its data, checkpoints every 2 steps (keep 1), the knobs
@@ -35,9 +37,9 @@ train() {  # OUTPUT STEPS [attnqat train options...]: NPROC processes (FSDP2) or
   mkdir -p "$(dirname "$out")"
   if [ "$NPROC" -gt 1 ]; then
     accelerate launch --config_file configs/fsdp2_wan14b.yaml --num_processes "$NPROC" -m attnqat.train \
-      --config configs/wan2.1-14b-sp.yaml $(sets "$out" "$steps") "$@"
+      --config "$CONFIG" $(sets "$out" "$steps") "$@"
   else
-    python3 -m attnqat.train --config configs/wan2.1-14b-sp.yaml $(sets "$out" "$steps") "$@"
+    python3 -m attnqat.train --config "$CONFIG" $(sets "$out" "$steps") "$@"
   fi
 }
 
@@ -77,8 +79,8 @@ case "${1:-}" in
     train "$W/killed" "$steps" --resume auto >> "$W.killed.log" 2>&1 || { tail -20 "$W.killed.log"; exit 1; }
     if [ -f "$W/through/log.csv" ]; then bash "$0" compare "$W/through" "$W/killed"; else losses "$W/killed"; fi ;;
   lora)
-    NPROC=1 train "$W/lora" "${2:?steps}" --overwrite --set train.trainable=lora --set train.lora.rank=64 \
-      --set train.lora.alpha=64 --set train.lr=1e-4 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -5
+    NPROC=1 CONFIG=configs/wan2.1-14b-lora.yaml train "$W/lora" "${2:?steps}" --overwrite 2>&1 | tr '\r' '\n' \
+      | grep -v "it/s\]\|s/it\]" | tail -5
     losses "$W/lora" ;;
   compare)
     python3 - "$2/log.csv" "$3/log.csv" <<'PY'
