@@ -126,6 +126,17 @@ def head_dim_64_sweep(batch: int, heads: int, length: int, deadline: float) -> d
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         timed("cudnn fwd", lambda: torch.nn.functional.scaled_dot_product_attention(*leaves))
         timed("cudnn fwd+bwd", lambda: torch.nn.functional.scaled_dot_product_attention(*leaves).backward(do))
+    # what training runs (attention() picks the kernels), then the Gluon sm_90 variants beside the Triton tiles
+    from attnqat.kernels import attention, hopper_gluon
+    timed("attention(attn_qat) fwd+bwd", lambda: attention(*leaves, mode="attn_qat").backward(do))
+    if hopper_gluon.available(q.device)[0]:
+        for variant in hopper_gluon.FWD_VARIANTS:
+            timed(f"gluon fwd train {variant}",
+                  lambda: hopper_gluon.hopper_attn_qat_forward(q, k, v, sm_scale=sc, variant=variant))
+        o, o_aux, m, l, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, sm_scale=sc)
+        for variant in hopper_gluon.BWD_VARIANTS:
+            timed(f"gluon bwd {variant}", lambda: hopper_gluon.hopper_attn_qat_backward(
+                do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sc, variant=variant))
     for cfg in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 2),
                 (128, 128, 8, 2), (64, 64, 4, 4)]:  # the forward orders keys in 64-blocks: BLOCK_N >= 64
         c = LaunchConfig(*cfg)

@@ -707,8 +707,8 @@ def test_gluon_sm90_choice_and_its_one_warning(cap, warns, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_attention_trains_with_the_gluon_kernels(monkeypatch):
-    """On an H100/H200, attention(mode="attn_qat") trains with the warp-specialised Gluon forward and backward (each
-    called once per step, and backend_info says so), and its output and gradients are the Triton path's bit for bit
+    """On an H100/H200, attention(mode="attn_qat") trains at head_dim 128 with the warp-specialised Gluon forward and
+    backward (each called once per step, and backend_info says so; at 64 with the Triton pair, TRAINING_HEAD_DIMS), and its output and gradients are the Triton path's bit for bit
     (ATTNQAT_GLUON=0 runs that one); p_bwd="normalized" keeps the Triton kernels."""
     from attnqat.kernels import attention, backend_info
 
@@ -731,7 +731,11 @@ def test_gpu_attention_trains_with_the_gluon_kernels(monkeypatch):
 
     gluon = step()
     assert calls == [("hopper_attn_qat_forward", "ws"), ("hopper_attn_qat_backward", "ws")]
-    assert backend_info()["attn_qat_training"] == "Gluon sm_90 kernels (ws forward, ws backward)"
+    leaves = [t.detach().clone().requires_grad_() for t in _inputs(1, 2, 300, 333, 64, "bhld")]
+    attention(*leaves, mode="attn_qat").backward(torch.randn_like(leaves[0]))
+    assert len(calls) == 2 and leaves[0].grad.isfinite().all()  # head_dim 64 trains on the Triton pair
+    assert backend_info()["attn_qat_training"] == ("Gluon sm_90 kernels (ws forward, ws backward) at head_dim 128, "
+                                                   "triton at the others")
     monkeypatch.setenv(hopper_gluon.GLUON_ENV, "0")
     triton_path = step()
     assert len(calls) == 2 and backend_info()["attn_qat_training"] == "triton (ATTNQAT_GLUON=0)"

@@ -227,8 +227,10 @@ def backend_info(device: torch.device | str | None = None) -> dict:
                           "bf16 emulation (exactly dequantized NVFP4 operands)")
         info["fp4_pv"] = "bf16 tensor cores over exact phi(P) and V^F"
         gluon, why = hopper_gluon.gluon_sm90(dev)
+        train_dims = ", ".join(map(str, hopper_gluon.TRAINING_HEAD_DIMS))
         info["attn_qat_training"] = (f"Gluon sm_90 kernels ({hopper_gluon.TRAINING_FWD_VARIANT} forward, "
-                                     f"{hopper_gluon.TRAINING_BWD_VARIANT} backward)" if gluon else f"triton ({why})")
+                                     f"{hopper_gluon.TRAINING_BWD_VARIANT} backward) at head_dim {train_dims}, "
+                                     "triton at the others" if gluon else f"triton ({why})")
         dims = ", ".join(map(str, hopper_gluon.INFERENCE_HEAD_DIMS))
         info["fp4_inference"] = (f"Gluon sm_90 forward ({hopper_gluon.INFERENCE_FWD_VARIANT}) at head_dim {dims}, "
                                  "triton at the others" if gluon else f"triton ({why})")
@@ -324,12 +326,13 @@ def _fp4_inference(q, k, v, *, sm_scale=None, causal=False):
 
 def _attn_qat_kernel(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max"):
     """attn_qat's kernel path. Without grad, :func:`_fp4_inference`. Training on an H100 / H200 whose Triton has
-    Gluon (hopper_gluon.gluon_sm90): the Gluon sm_90 training forward and backward, the same numbers
-    (docs/kernels.md); everywhere else, and for p_bwd="normalized" (an ablation the Gluon backward does not
-    implement), the Triton path."""
+    Gluon (hopper_gluon.gluon_sm90), at hopper_gluon.TRAINING_HEAD_DIMS (the Triton pair is faster at the others):
+    the Gluon sm_90 training forward and backward, the same numbers (docs/kernels.md); everywhere else, and for
+    p_bwd="normalized" (an ablation the Gluon backward does not implement), the Triton path."""
     if not needs_grad(q, k, v):
         return _fp4_inference(q, k, v, sm_scale=sm_scale, causal=causal)
-    if q.is_cuda and p_bwd == "final_max" and hopper_gluon.gluon_sm90(q.device)[0]:
+    if q.is_cuda and p_bwd == "final_max" and q.shape[-1] in hopper_gluon.TRAINING_HEAD_DIMS \
+            and hopper_gluon.gluon_sm90(q.device)[0]:
         return hopper_gluon.HopperAttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
     return attn_qat.attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
 

@@ -631,18 +631,22 @@ FWD_CONFIG_ENV, BWD_CONFIG_ENV, DQ_CONFIG_ENV = "ATTNQAT_FWD_CONFIG", "ATTNQAT_B
 # Inference forward: 128x128 tiles, 8 warps, 3 stages (50.9 ms vs 53-54 ms for 64x64/4 and 128x64/8); at
 # head_dim 64, 128x64/8 (32.5 ms vs 38.1 for 128x128).
 FWD_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 128, 8, 3)}
-FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}  # 70.9 vs 72.5 ms
+# Training forward: at 128, 70.9 vs 72.5 ms; at 64, 64x64/4/3 (H200, mini's (32, 4, 2304, 64), bench/tune_attn_qat.py
+# --head-dim-64, 2026-11-28: 0.77 ms against 0.96 for 128x64/8/3 and 0.89 for 128x128/8/3)
+FWD_TRAIN_CONFIG_GPU = {64: LaunchConfig(64, 64, 4, 3), 128: LaunchConfig(128, 64, 8, 3)}
 # Backward, dK/dV kernel (BLOCK_M queries per step, BLOCK_N keys per program), per layout (TRANSPOSED, see
 # _attn_bwd_dkdv_inner). Measured on an H200 at (1, 40, 32760, 128), the whole backward with phi from S
 # (bench/tune_attn_qat.py --bwd-phi, 2026-11-24; cuDNN fwd+bwd 140.9 ms): untransposed 128x64/8/2 168.7 ms
 # (3 stages need 243 KB of shared memory: more than Hopper's 227), 64x64/4/3 180.1, 128x128/8/2 272.8;
 # transposed 32x64/4/4 181.1, 32x64/4/3 191.3 (the former phi there: 218.4). Compiled for sm_90 (Triton 3.9),
 # untransposed 128x64/8 is the one tile that does not spill (7 spill stores; 64x128/8: 394, 128x128/8: 319).
-# BWD_TRANSPOSED picks the layout per head_dim: untransposed where it was timed (128), transposed at 64, untimed
-# (attn_qat_backward's transposed= overrides it). dQ: 128x64.
+# At head_dim 64 (H200, mini's (32, 4, 2304, 64), --head-dim-64, 2026-11-28; cuDNN fwd+bwd 1.48 ms), the whole
+# backward: untransposed 64x64/4/3 1.48 ms, 64x64/4/2 1.60, 128x128/8/2 1.69, 128x64/8/2 1.99; transposed 32x128/4/3
+# 2.13, 32x64/4/4 2.24. BWD_TRANSPOSED picks the layout per head_dim (attn_qat_backward's transposed= overrides it).
+# dQ: 128x64 (at 64: 1.48 ms, against 1.49-1.72 for five other tiles).
 BWD_CONFIG_GPU = {True: {64: LaunchConfig(32, 64, 4, 4), 128: LaunchConfig(32, 64, 4, 4)},
-                  False: {64: LaunchConfig(128, 64, 8, 2), 128: LaunchConfig(128, 64, 8, 2)}}
-BWD_TRANSPOSED = {64: True, 128: False}
+                  False: {64: LaunchConfig(64, 64, 4, 3), 128: LaunchConfig(128, 64, 8, 2)}}
+BWD_TRANSPOSED = {64: False, 128: False}
 DQ_CONFIG_GPU = {64: LaunchConfig(128, 64, 8, 3), 128: LaunchConfig(128, 64, 8, 3)}
 # Interpreter: small tiles keep numpy arrays small; the result does not depend on them. Kernels whose keys
 # are in _key_order (the forward, the untransposed dK/dV kernel) need BLOCK_N >= 64.
@@ -658,7 +662,7 @@ def fwd_config(head_dim: int, training: bool) -> LaunchConfig:
 
 
 def bwd_transposed(head_dim: int) -> bool:
-    """The dK/dV kernel's default layout at ``head_dim`` (BWD_TRANSPOSED; transposed where untimed)."""
+    """The dK/dV kernel's default layout at ``head_dim`` (BWD_TRANSPOSED; transposed at head dims never timed)."""
     return BWD_TRANSPOSED.get(head_dim, True)
 
 

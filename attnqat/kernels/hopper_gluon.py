@@ -1362,9 +1362,14 @@ INFERENCE_FWD_VARIANT = "pingpong"
 # The head dims whose FP4 inference forward runs here; at 64 attn_qat's Triton forward is as fast or faster (H100,
 # nvfp4 through attention(): (1, 12, 32760, 64) 10.03 ms both; causal (1, 24, 16384, 64) 2.87-2.89 against 2.80,
 # (2, 24, 4096, 64) 0.50-0.53 against 0.46), at 128 slower ((1, 40, 32760, 128) 1.12x against 1.41x cuDNN's forward;
-# causal (1, 40, 8192, 128) 1.70 against 2.01 ms). Training runs here at both (fwd+bwd at head_dim 64: 40.3-41.0
-# against 57.9-58.4 ms at (1, 12, 32760, 64), 1.84-1.97 against 2.16-2.18 ms causal (2, 24, 4096, 64)).
+# causal (1, 40, 8192, 128) 1.70 against 2.01 ms).
 INFERENCE_HEAD_DIMS = (128,)
+# The head dims whose attn_qat training (forward + backward) runs here. At 64 the Triton pair is faster since its
+# head_dim-64 tiles were timed (attn_qat.BWD_CONFIG_GPU; H200, fwd+bwd through attention(), 2026-11-28, Gluon against
+# Triton: (32, 4, 2304, 64) 2.66 / 2.33 ms, (32, 4, 576, 64) 1.85 / 1.65, (1, 12, 32760, 64) 40.6 / 39.3, causal
+# (2, 24, 4096, 64) 1.88 / 1.71; with the former transposed Triton tiles the Gluon pair led, 40.3-41.0 against
+# 57.9-58.4 ms at (1, 12, 32760, 64)). At 128 the Gluon pair leads (1.24-1.36x cuDNN against 1.65x).
+TRAINING_HEAD_DIMS = (128,)
 
 
 def gluon_sm90(device: torch.device) -> tuple[bool, str]:
