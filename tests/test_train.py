@@ -277,7 +277,9 @@ def test_precompute_reads_a_model_folder(tmp_path):
 def test_random_wan_folder_is_a_model_folder_the_commands_take(tmp_path, capsys):
     """bench/random_wan_folder.py (the random-weight Wan folder the GPU runs of `attnqat train` use): the
     published 1.3B config cut to one block, a one-layer text encoder of its text_dim, Wan's VAE; the folder passes
-    the model-folder checks and loads, its transformer is that config, and a second --out into it is refused."""
+    the model-folder checks and loads, its transformer is that config, and a second --out into it is refused. The
+    one-GPU LoRA config (configs/wan2.1-14b-lora.yaml, its adamw8bit included) trains on it and writes its LoRA
+    file."""
     from conftest import load_script
 
     from attnqat.pipelines.loading import check_model, load_pipeline
@@ -297,6 +299,20 @@ def test_random_wan_folder_is_a_model_folder_the_commands_take(tmp_path, capsys)
     assert pipe.transformer.blocks[0].attn1.to_q.weight.dtype == torch.float32  # loaded as asked
     with pytest.raises(SystemExit):
         bench.main(["--size", "1.3b", "--layers", "1", "--out", str(out)])
+    # configs/wan2.1-14b-lora.yaml (LoRA-QAT on one GPU) trains on it: fp32 on a CPU, a small latent, two steps
+    from attnqat.cli import main
+    from attnqat.train.loop import read_log
+
+    (tmp_path / "p.txt").write_text("a red ball\na blue cube\n")
+    assert main(["precompute", "--prompts", str(tmp_path / "p.txt"), "--model", str(out), "--out",
+                 str(tmp_path / "data"), "--device", "cpu"]) == 0
+    sets = [f"model={out}", f"data.path={tmp_path / 'data'}", f"output_dir={tmp_path / 'run'}", "train.max_steps=2",
+            "train.warmup_steps=1", "data.latent_shape=[16,2,8,8]", "data.held_out=1", "train.mixed_precision=no", "log.progress=false"]
+    assert main(["train", "--config", str(ROOT / "configs" / "wan2.1-14b-lora.yaml"),
+                 *[a for kv in sets for a in ("--set", kv)]]) == 0
+    rows = read_log(tmp_path / "run" / "log.csv")
+    assert [r["step"] for r in rows] == ["1", "2"] and all(math.isfinite(float(r["loss"])) for r in rows)
+    assert (tmp_path / "run" / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
 def test_precompute_reports_an_encoder_failure_as_such(tmp_path, monkeypatch, capsys):
