@@ -194,3 +194,28 @@ def test_missing_ffmpeg_plugin_is_one_clear_line_before_generating(tmp_path, cap
     err = capsys.readouterr().err
     assert "pip install imageio-ffmpeg" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_frames_dir_alone_writes_pngs_and_needs_no_ffmpeg(tmp_path, capsys, monkeypatch):
+    """--frames-dir without --out: the PNGs are the output (no video, no default video.mp4 in the working folder),
+    and imageio-ffmpeg is not needed (GPU machines often lack it); the frames are the video's frames (the same
+    seed written as mp4 + PNGs)."""
+    monkeypatch.chdir(tmp_path)
+    both = tmp_path / "both"
+    assert main(["generate", "--prompt", "p", *TINIEST, "--out", str(tmp_path / "v.mp4"), "--frames-dir",
+                 str(both)]) == 0
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # import now raises ImportError
+    alone = tmp_path / "alone"
+    assert main(["generate", "--prompt", "p", *TINIEST, "--frames-dir", str(alone)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(alone)
+    assert f"5 PNGs in {alone}" in captured.err and "no video" in captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alone", "both", "v.mp4"]  # no video.mp4
+    names = sorted(p.name for p in alone.iterdir())
+    assert names == sorted(p.name for p in both.iterdir()) and len(names) == 5
+    for name in names:
+        assert np.array_equal(imageio.imread(alone / name), imageio.imread(both / name))
+    # a video asked for still needs the plugin, refused before generating
+    assert main(["generate", "--prompt", "p", *TINIEST, "--out", str(tmp_path / "w.mp4")]) == 2
+    assert "pip install imageio-ffmpeg" in capsys.readouterr().err

@@ -69,6 +69,7 @@ REAL_DEFAULTS = dict(height=480, width=832, frames=81, steps=50, guidance=5.0, f
 FPS = 16  # Wan 2.1 generates 16 frames per second
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch attribute
 MP4_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers ffmpeg writes H.264 into
+DEFAULT_OUT = "video.mp4"
 PARALLEL_LAYOUTS = ("ulysses", "ring")  # --parallel: diffusers' ContextParallelConfig ulysses_degree / ring_degree
 
 
@@ -164,10 +165,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "weights. The summary's 'weights' line says which ran")
 
     g = p.add_argument_group("output (checked before anything loads; written to a temporary name, then renamed)")
-    g.add_argument("--out", default="video.mp4", help="output video path ending in .mp4 (or .m4v, .mov, .mkv); an "
-                   "existing file is replaced only once the new video is written and reads back (default: video.mp4)")
-    g.add_argument("--frames-dir", metavar="DIR", help="also write every frame as DIR/frame_0000.png ...; DIR must "
-                   "be new or empty (nothing in it is overwritten)")
+    g.add_argument("--out", help="output video path ending in .mp4 (or .m4v, .mov, .mkv); an existing file is "
+                   "replaced only once the new video is written and reads back (default: video.mp4, unless "
+                   "--frames-dir alone is given)")
+    g.add_argument("--frames-dir", metavar="DIR", help="write every frame as DIR/frame_0000.png ...; DIR must be new "
+                   "or empty (nothing in it is overwritten). Without --out, the frames are the only output (no video: "
+                   "imageio-ffmpeg is not needed)")
     g.add_argument("--fps", type=int, default=FPS, help=f"frames per second of the video, 1 to {fps} (default: {FPS})")
 
     g = p.add_argument_group("runtime")
@@ -383,19 +386,24 @@ def parallel_note(args: argparse.Namespace, config) -> str | None:
 
 def check_outputs(args: argparse.Namespace) -> argparse.Namespace:
     """Check --out and --frames-dir before anything loads (a read-only folder, a folder given as
-    --out, a non-empty --frames-dir are refused here, not after minutes of generation). Nothing is
-    created yet."""
+    --out, a non-empty --frames-dir are refused here, not after minutes of generation), and the mp4 writer where a
+    video is asked for. Nothing is created yet. --out defaults to video.mp4 unless --frames-dir alone is given."""
     from .loading import model_inputs
 
-    args.out = check_output_file("--out", args.out, MP4_SUFFIXES)
+    if args.out is None and args.frames_dir is None:
+        args.out = DEFAULT_OUT
+    if args.out is not None:
+        args.out = check_output_file("--out", args.out, MP4_SUFFIXES)
     if args.frames_dir is not None:
         args.frames_dir = check_output_dir("--frames-dir", args.frames_dir, must_be_empty=True)
-        if args.frames_dir.absolute() == args.out.absolute():
+        if args.out is not None and args.frames_dir.absolute() == args.out.absolute():
             raise ValueError("--frames-dir and --out are the same path")
     inputs = [("--qat-checkpoint", args.qat_checkpoint)] + model_inputs("--model", args.model)
     for flag, out in (("--out", args.out), ("--frames-dir", args.frames_dir)):
         if out is not None:
             check_not_input(flag, out, inputs)
+    if args.out is not None:
+        check_mp4_writer()  # before minutes of generation, not after
     return args
 
 
@@ -632,13 +640,12 @@ def main(args: argparse.Namespace) -> int:
     args = resolve_settings(args)
     if args.launch is None:
         check_outputs(args)
-        check_mp4_writer()  # before minutes of generation, not after
         return _generate(args, t_start)
     import torch
 
     with process_group(torch.device(args.device)):
         # Only rank 0 writes, so only rank 0 checks the paths; its refusal stops every rank.
-        shared_check(args.launch, lambda: (check_outputs(args), check_mp4_writer()))
+        shared_check(args.launch, lambda: check_outputs(args))
         return _generate(args, t_start)
 
 
@@ -705,19 +712,19 @@ def _generate(args: argparse.Namespace, t_start: float) -> int:
                                    f"was written") from e
     if not writes:
         return 0
-    out = write_mp4(result.frames, args.out, fps=args.fps)
+    out = write_mp4(result.frames, args.out, fps=args.fps) if args.out is not None else None
     pngs = []
     if args.frames_dir is not None:
         try:
             pngs = write_pngs(result.frames, args.frames_dir)
         except OutputWriteError as e:
-            raise OutputWriteError(f"{e} (the video {str(out)!r} was written)") from e
+            raise OutputWriteError(f"{e}" + (f" (the video {str(out)!r} was written)" if out else "")) from e
     log("\n".join(_summary(args, pipe, result, time.perf_counter() - t_start, t_loaded - t_start, out, pngs)))
-    print(out)
+    print(out if out is not None else args.frames_dir)
     return 0
 
 
-def _summary(args: argparse.Namespace, pipe, result: GenerationResult, total: float, loading: float, out: Path,
+def _summary(args: argparse.Namespace, pipe, result: GenerationResult, total: float, loading: float, out: Path | None,
              pngs: list) -> list[str]:
     """The lines printed after a run: what ran, its times, what was written."""
     from .loading import is_tiny
@@ -763,6 +770,10 @@ def _summary(args: argparse.Namespace, pipe, result: GenerationResult, total: fl
         lines.append("attention    share not measured (--compile)")
     lines.append(f"peak memory  {result.peak_memory_bytes / 2**30:.2f} GiB (GPU, allocated)"
                  if result.peak_memory_bytes is not None else "peak memory  n/a (CPU run)")
-    lines.append(f"wrote        {out} ({len(result.frames)} frames, {args.height}x{args.width}, {args.fps} fps)"
-                 + (f" and {len(pngs)} PNGs in {args.frames_dir}" if pngs else ""))
+    if out is not None:
+        lines.append(f"wrote        {out} ({len(result.frames)} frames, {args.height}x{args.width}, {args.fps} fps)"
+                     + (f" and {len(pngs)} PNGs in {args.frames_dir}" if pngs else ""))
+    else:
+        lines.append(f"wrote        {len(pngs)} PNGs in {args.frames_dir} ({args.height}x{args.width}; no video: "
+                     f"no --out)")
     return lines
