@@ -488,6 +488,42 @@ def test_loop_profile_times_each_size_and_every_refresh(mini_folder, tmp_path, c
     assert "refreshes waited" in capsys.readouterr().out
 
 
+def test_vae_encode_bench_compares_variants_with_todays_encode(tmp_path, capsys):
+    """bench/vae_encode.py on the shipped mini, tiny clips on the CPU: a time for each variant, the default's latents
+    as the reference (difference 0), channels-last latents within float rounding of them, and the VAE given back as
+    it was (float32, contiguous convolution weights) after each variant."""
+    import pathlib
+
+    import torch
+    from conftest import load_script
+
+    from attnqat.train import corpus_source
+
+    bench = load_script(pathlib.Path(__file__).resolve().parents[1] / "bench" / "vae_encode.py", "bench_vae_encode")
+    seen = []
+    real = corpus_source.CorpusSource.encode_video
+
+    def spy(self, video):
+        seen.append(self.vae)
+        return real(self, video)
+
+    corpus_source.CorpusSource.encode_video = spy
+    try:
+        assert bench.main(["--size", "5x32x32", "--clips", "1", "--repeats", "1", "--warmup", "0", "--device", "cpu",
+                           "--json", str(tmp_path / "v.json")]) == 0
+    finally:
+        corpus_source.CorpusSource.encode_video = real
+    rows = json.loads((tmp_path / "v.json").read_text())["variants"]
+    assert list(rows) == ["default", "channels_last", "benchmark"]  # bf16 is CUDA-only
+    assert all(r["median_ms"] > 0 for r in rows.values())
+    assert rows["default"]["max_diff_over_rms"] == 0 and 0 <= rows["channels_last"]["max_diff_over_rms"] < 1e-4
+    vae = seen[-1]
+    for m in vae.modules():
+        if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)):
+            assert m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+    assert "channels_last" in capsys.readouterr().out
+
+
 def test_vae_trains_on_every_size_in_turn_with_a_pixel_budget(monkeypatch):
     """train_vae cycles through its sizes (the VAE must see every clip length it will be used at), with
     vae_batch's clip count at each (about the pixels of ``batch`` 17x128x128 clips), on fresh clips, and learns."""
