@@ -837,3 +837,36 @@ def test_gpu_backward_op_passes_opcheck():
     o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=0.125, causal=True, training=True)
     torch.library.opcheck(hopper_gluon.attn_qat_bwd_sm90, (torch.randn_like(o), q, k, qf, kf, vf, o_aux, m, l, 0.125,
                                                           True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 64])  # the Gluon pair (TRAINING_HEAD_DIMS), the Triton pair
+def test_gpu_checkpointed_attention_runs_the_inference_forward_first_with_the_same_gradients(d):
+    """Under the training loop's block checkpoint (student_teacher.block_checkpoint), attention(mode="attn_qat")'s
+    first pass runs the FP4 inference forward and the backward's recompute the training forward
+    (kernels._common.saved_tensors_recomputed): the output and the gradients equal an unchecked step's bit for
+    bit, which holds only if the inference and training forwards give the same O on the GPU."""
+    from attnqat.kernels import attention
+    from attnqat.train.student_teacher import block_checkpoint
+
+    ok, why = hopper_gluon.available()
+    if not ok:
+        pytest.skip(why)
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(d, 3 * d, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 700, d, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2, 3, 700, d, device="cuda", dtype=torch.bfloat16)
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return attention(*proj(x).chunk(3, dim=-1), mode="attn_qat")
+
+    def run(checkpointed):
+        proj.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        out = block_checkpoint(False)(Block(), leaf) if checkpointed else Block()(leaf)
+        (out.float() * w).sum().backward()
+        return [out.detach(), leaf.grad, proj.weight.grad.clone()]
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.isfinite(got).all() and torch.equal(got, want)

@@ -107,6 +107,49 @@ def test_gradients_equal_plain_checkpointing_and_the_attention_runs_once(mode):
     assert any(torch.isnan(g).any() for g in poisoned.values())
 
 
+def test_plain_checkpointing_runs_the_inference_forward_first_and_the_gradients_stay(monkeypatch):
+    """Plain checkpointing discards what the forward saves and recomputes it in the backward: attn_qat's first pass
+    runs its inference forward (no O', placeholders saved: kernels._common.saved_tensors_recomputed), the recompute
+    its training forward, and the output and gradients equal those of the same model trained without
+    checkpointing (the training forward once), bit for bit, in the interpreter. Without the context (a plain
+    torch checkpoint) every pass is the training forward."""
+    from attnqat.kernels import attn_qat as aq
+
+    flags = []
+    real = aq.attn_qat_fwd
+    monkeypatch.setattr(aq, "attn_qat_fwd", lambda *a: flags.append(a[-1]) or real(*a))
+
+    def run(checkpointing):
+        torch.manual_seed(0)
+        model = build_tiny_transformer().train()
+        patch_for_training(model, "attn_qat")
+        if checkpointing is not None:
+            model.enable_gradient_checkpointing(checkpointing)
+        g = torch.Generator().manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(hidden_states=torch.randn(1, 16, 2, 8, 8, generator=g), timestep=torch.tensor([500.0]),
+                        encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)[0]
+        (out.float() * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    out, grads = run(None)
+    assert flags == [True] * BLOCKS
+    flags.clear()
+    c_out, c_grads = run(block_checkpoint(False))
+    assert flags == [False] * BLOCKS + [True] * BLOCKS  # the forward's passes, then the backward's recomputes
+    assert torch.equal(c_out, out)
+    for name, g in grads.items():
+        assert torch.equal(c_grads[name], g), name
+    assert sum(bool(g.abs().sum() > 0) for g in grads.values()) > len(grads) // 2
+    flags.clear()
+
+    def torch_checkpoint(block, *args):
+        return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+
+    run(torch_checkpoint)
+    assert flags == [True] * (2 * BLOCKS)
+
+
 @pytest.mark.parametrize("mode", available_modes(lambda m: m.trainable))
 def test_every_trainable_mode_runs_an_op_it_keeps(mode):
     """Each trainable mode's forward under grad (on the Triton interpreter, as on a GPU) runs an op of

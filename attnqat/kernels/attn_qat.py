@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ._common import (P_BWD_CHOICES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting,
-                      needs_grad, pinned_config, work_dtype)
+                      needs_grad, pinned_config, recomputed_later, training_placeholders, work_dtype)
 from ._hardware import compile_for, first_that_compiles, fp4_mma_arch, fp8_cast
 from .formats import LOG2E
 from .nvfp4 import fake_quant_tile, quantize_heads, round_e2m1_nonneg, round_e4m3, tile_keys, unpack_tile
@@ -918,6 +918,10 @@ class AttnQATFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, causal, p_bwd):
+        if recomputed_later():  # checkpointing's first pass: the output alone (_common.saved_tensors_recomputed)
+            ctx.save_for_backward(q, k, *training_placeholders(q, k, v))
+            ctx.sm_scale, ctx.causal, ctx.p_bwd = sm_scale, causal, p_bwd
+            return attn_qat_fwd(q, k, v, sm_scale, causal, False)[0]
         o, o_aux, m, l, qf, kf, vf = attn_qat_fwd(q, k, v, sm_scale, causal, True)
         ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l)
         ctx.sm_scale, ctx.causal, ctx.p_bwd = sm_scale, causal, p_bwd

@@ -55,7 +55,7 @@ import warnings
 import torch
 import triton
 
-from ._common import check_qkv, default_scale, interpreting, needs_grad
+from ._common import check_qkv, default_scale, interpreting, needs_grad, recomputed_later, training_placeholders
 from ._hardware import compile_for
 from .formats import LOG2E  # exp(x) = exp2(x * log2(e)): the softmax runs in exp2, the MUFU instruction
 from .attn_qat import BWD_CONFIG_ENV, DQ_CONFIG_ENV, FWD_CONFIG_ENV, _attn_bwd_preprocess, _phi_blocks, _round_p
@@ -1455,6 +1455,10 @@ class HopperAttnQATFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, causal):
+        if recomputed_later():  # checkpointing's first pass: the output alone (_common.saved_tensors_recomputed)
+            ctx.save_for_backward(q, k, *training_placeholders(q, k, v))
+            ctx.sm_scale, ctx.causal = sm_scale, causal
+            return fp4_fwd_sm90(q, k, v, sm_scale, causal)
         o, o_aux, m, l, qf, kf, vf = attn_qat_fwd_sm90(q, k, v, sm_scale, causal)
         ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l)
         ctx.sm_scale, ctx.causal = sm_scale, causal

@@ -12,6 +12,7 @@ input casts). The attention-consistency term's recorder is :mod:`.consistency`. 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from attnqat.kernels import REFERENCE_MODE
+from attnqat.kernels import REFERENCE_MODE, saved_tensors_recomputed
 from attnqat.pipelines.lora import add_lora
 from attnqat.pipelines.processor import AttnQATProcessor, patch_attention, processors_swapped
 
@@ -227,7 +228,10 @@ def block_checkpoint(save_attention: bool = False):
     480p.
 
     A block under FSDP2 gets its inputs cast as :func:`fsdp_cast_inputs` says before the checkpoint saves them."""
-    context = {}
+    # Without save_attention, the forward's saved tensors are thrown away and recomputed: attn_qat's forward then runs
+    # its inference kernel and saves placeholders (kernels._common.saved_tensors_recomputed), the recompute the
+    # training kernel that the backward needs (the same gradients, bit for bit: tests/test_save_attention.py)
+    context = {"context_fn": lambda: (saved_tensors_recomputed(), contextlib.nullcontext())}
     if save_attention:
         kept = set(saved_attention_ops())
         # torch's ops take (query, key, ...): (B, H, L, D) for the _scaled_dot_product_* ones, (B, L, H, D) for others
