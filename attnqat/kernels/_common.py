@@ -50,7 +50,7 @@ def saved_tensors_recomputed():
 def recomputed_later() -> bool:
     """Whether a training forward runs inside :func:`saved_tensors_recomputed`. Never while torch.compile traces: a
     compiled graph would keep the answer of the pass it was traced in (the recompute would then save placeholders)."""
-    return getattr(_RECOMPUTED, "on", False) and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and getattr(_RECOMPUTED, "on", False)  # tracing never reads the flag
 
 
 def training_placeholders(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
