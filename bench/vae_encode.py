@@ -13,7 +13,7 @@ Variants (each on the same rendered clips, ``CorpusSource.encode_video``'s autoc
 - ``default``: what the loop runs (fp32 weights, bf16 autocast, NCDHW tensors).
 - ``channels_last``: the VAE's weights and the clips in ``torch.channels_last_3d``: cuDNN's NHWC kernels without
   the transposes.
-- ``bf16``: the VAE's weights in bf16 (autocast casts them at every conv call otherwise); CUDA only.
+- ``bf16_weights``: the VAE's weights in bf16 (autocast casts them at every conv call otherwise); CUDA only.
 - ``benchmark``: ``torch.backends.cudnn.benchmark`` (cuDNN times its algorithms once per shape; its pick may change
   from process to process, and with it the latents' last bits: a resumed run would then not rebuild its pool to
   the bit).
@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("default", "channels_last", "bf16", "benchmark")
+VARIANTS = ("default", "channels_last", "bf16_weights", "benchmark")
 
 
 @contextlib.contextmanager
@@ -48,7 +48,7 @@ def _variant(src, name: str):
         if name == "channels_last":
             _conv_weights(vae, {5: torch.channels_last_3d, 4: torch.channels_last})
             prepare = lambda v: v.contiguous(memory_format=torch.channels_last_3d)  # noqa: E731
-        elif name == "bf16":
+        elif name == "bf16_weights":
             vae.to(torch.bfloat16)
         elif name == "benchmark":
             torch.backends.cudnn.benchmark = True
@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         frames, height, width = (int(x) for x in args.size.lower().split("x"))
     except ValueError:
         p.error(f"--size {args.size!r}: FRAMESxHEIGHTxWIDTH, e.g. 33x256x256")
-    if args.device == "cpu" and "bf16" in variants:  # encode_video autocasts on CUDA only: bf16 weights need it
+    if args.device == "cpu" and "bf16_weights" in variants:  # encode_video autocasts on CUDA only: bf16 weights need it
         if args.variants != "all":
-            p.error("--variants bf16 needs a CUDA device (the encode autocasts to bf16 there only)")
-        variants.remove("bf16")
+            p.error("--variants bf16_weights needs a CUDA device (the encode autocasts to bf16 there only)")
+        variants.remove("bf16_weights")
     if "default" not in variants:
         variants.insert(0, "default")  # the reference every other variant is compared with
 

@@ -514,7 +514,7 @@ def test_vae_encode_bench_compares_variants_with_todays_encode(tmp_path, capsys)
     finally:
         corpus_source.CorpusSource.encode_video = real
     rows = json.loads((tmp_path / "v.json").read_text())["variants"]
-    assert list(rows) == ["default", "channels_last", "benchmark"]  # bf16 is CUDA-only
+    assert list(rows) == ["default", "channels_last", "benchmark"]  # bf16_weights is CUDA-only
     assert all(r["median_ms"] > 0 for r in rows.values())
     assert rows["default"]["max_diff_over_rms"] == 0 and 0 <= rows["channels_last"]["max_diff_over_rms"] < 1e-4
     vae = seen[-1]
