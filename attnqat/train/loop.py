@@ -994,6 +994,8 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         acc.print("attnqat train: each micro-batch's forward and backward replays a CUDA graph "
                   "(train.cuda_graphs; the first step of each video size captures it); each step's loss and gradient "
                   "norm are read one step later")
+    if acc.device.type == "cuda":  # log.csv's peak_gib is this run's, not an earlier one's in the same process
+        torch.cuda.reset_peak_memory_stats(acc.device)
     t_start = time.perf_counter()
     t_read = t_start  # when the host last had a step's values: with graphs, where the next step's time ends
 
