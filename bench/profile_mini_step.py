@@ -212,10 +212,20 @@ def _idle(path: Path, top: int = 12) -> dict:
     kernels: dict[str, float] = {}
     for s, e, n in gpu:
         kernels[n] = kernels.get(n, 0.0) + (e - s)
+    # per CUDA stream: the training loop's and the pool refresh's (its own stream) run at the same time
+    streams: dict[str, dict[str, float]] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e:
+            per = streams.setdefault(str(e.get("tid")), {})
+            per[e["name"]] = per.get(e["name"], 0.0) + e.get("dur", 0)
     return {"span_ms": round(span / 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2),
             "idle_ms": round((span - busy) / 1e3, 2), "gaps_over_50us": sum(1 for g, _ in gaps if g > 50),
             "longest_gaps": longest,
-            "top_kernels_ms": {n[:90]: round(t / 1e3, 2) for n, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}
+            "top_kernels_ms": {n[:90]: round(t / 1e3, 2) for n, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]},
+            "streams_ms": {tid: {"total": round(sum(per.values()) / 1e3, 2),
+                                 "top": {n[:90]: round(t / 1e3, 2)
+                                         for n, t in sorted(per.items(), key=lambda kv: -kv[1])[:5]}}
+                           for tid, per in streams.items()}}
 
 
 def _parts(args, config) -> int:

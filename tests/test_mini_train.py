@@ -488,6 +488,33 @@ def test_loop_profile_times_each_size_and_every_refresh(mini_folder, tmp_path, c
     assert "refreshes waited" in capsys.readouterr().out
 
 
+def test_loop_trace_summary_finds_the_idle_gaps_and_each_streams_work(tmp_path):
+    """bench/profile_mini_step.py's trace summary (--trace; the trace itself needs a GPU) on a hand-made Chrome
+    trace: the busy time is the union of overlapping kernels on two streams, the gaps are the spans no kernel
+    covers, each named with the host calls under way when it began, and each stream's own total."""
+    import gzip
+    import pathlib
+
+    from conftest import load_script
+
+    profile = load_script(pathlib.Path(__file__).resolve().parents[1] / "bench" / "profile_mini_step.py",
+                          "profile_mini_step")
+    k = lambda ts, dur, name, tid: {"cat": "kernel", "ts": ts, "dur": dur, "name": name, "tid": tid}  # noqa: E731
+    events = [k(0, 100, "gemm", 7), k(50, 100, "conv", 30), k(400, 100, "gemm", 7), k(700, 20, "copy", 30),
+              {"cat": "cuda_runtime", "ts": 140, "dur": 300, "name": "cudaStreamSynchronize", "tid": 1},
+              {"cat": "cpu_op", "ts": 480, "dur": 150, "name": "aten::item", "tid": 1}]
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    got = profile._idle(path)
+    assert got["span_ms"] == 0.72 and got["gpu_busy_ms"] == 0.27 and got["idle_ms"] == 0.45  # busy: 150 + 100 + 20
+    assert got["gaps_over_50us"] == 2
+    assert got["longest_gaps"] == [{"ms": 0.25, "host": ["cudaStreamSynchronize"]},
+                                   {"ms": 0.2, "host": ["aten::item"]}]
+    assert got["top_kernels_ms"] == {"gemm": 0.2, "conv": 0.1, "copy": 0.02}
+    assert got["streams_ms"] == {"7": {"total": 0.2, "top": {"gemm": 0.2}},
+                                 "30": {"total": 0.12, "top": {"conv": 0.1, "copy": 0.02}}}
+
+
 def test_vae_encode_bench_compares_variants_with_todays_encode(tmp_path, capsys):
     """bench/vae_encode.py on the shipped mini, tiny clips on the CPU: a time for each variant, the default's latents
     as the reference (difference 0), channels-last latents within float rounding of them, and the VAE given back as
