@@ -305,6 +305,14 @@ def test_the_rotation_a_finetune_trained_under_travels_with_its_weights(tmp_path
     plain = tmp_path / "plain.safetensors"
     save_file(load_file(str(run / "final" / "transformer.safetensors")), plain)
     assert trained_qk_rotation(plain) is None  # nothing says
+    from attnqat.pipelines.loading import trained_mode_options
+
+    bogus = tmp_path / "bogus"  # a checkpoint whose config names no rotation there is: run without one
+    bogus.mkdir()
+    save_file(load_file(str(run / "final" / "transformer.safetensors")), bogus / "transformer.safetensors")
+    (bogus / "config.yaml").write_text("attention:\n  options:\n    qk_rotation: spiral\n")
+    assert trained_qk_rotation(bogus) == "spiral" and trained_mode_options("attn_qat", bogus) == {}
+    assert trained_mode_options("attn_qat", auto) == {"qk_rotation": "hadamard"}
     small = ["--model", "tiny", "--prompt", "p", "--height", "32", "--width", "32", "--frames", "5", "--steps", "2"]
     for weights, extra, rotated in ((auto, [], True), (auto, ["--qk-rotation", "none"], False), (none, [], False),
                                     (auto, ["--mode", "bf16"], False)):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from attnqat.checks import check_path_text, check_text
 from attnqat.errors import CheckpointMismatchError
-from attnqat.kernels import mode_of
+from attnqat.kernels import QK_ROTATIONS, mode_of
 
 from attnqat.mini.model import is_mini, is_shipped_mini, mini_folder, shipped_qat_weights
 from .lora import LORA_FILE, fuse_lora_file, fused, is_lora_file
@@ -321,11 +321,12 @@ def trained_qk_rotation(path: str | os.PathLike) -> str | None:
 def trained_mode_options(mode: str, path: str | os.PathLike | None) -> dict:
     """The attention options ``mode`` runs the weights at ``path`` with when the user says nothing: the Q/K rotation
     they were trained under (:func:`trained_qk_rotation`), where ``mode`` takes it (the FP4 modes); else none (the
-    base weights, None, were trained without it). ``attnqat generate --qk-rotation auto``, quality rows, the demo."""
+    base weights, None, were trained without it); a recorded value that is no rotation is ignored. ``attnqat
+    generate --qk-rotation auto``, quality rows, the demo."""
     if path is None or "qk_rotation" not in dict(mode_of(mode).options):
         return {}
     rotation = trained_qk_rotation(path)
-    return {"qk_rotation": rotation} if rotation not in (None, "none") else {}
+    return {"qk_rotation": rotation} if rotation in QK_ROTATIONS and rotation != "none" else {}
 
 
 def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint") -> None:

@@ -12,10 +12,9 @@ input casts). The attention-consistency term's recorder is :mod:`.consistency`. 
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
@@ -231,7 +230,7 @@ def block_checkpoint(save_attention: bool = False):
     # Without save_attention, the forward's saved tensors are thrown away and recomputed: attn_qat's forward then runs
     # its inference kernel and saves placeholders (kernels._common.saved_tensors_recomputed), the recompute the
     # training kernel that the backward needs (the same gradients, bit for bit: tests/test_save_attention.py)
-    context = {"context_fn": lambda: (saved_tensors_recomputed(), contextlib.nullcontext())}
+    context = {"context_fn": lambda: (saved_tensors_recomputed(), nullcontext())}
     if save_attention:
         kept = set(saved_attention_ops())
         # torch's ops take (query, key, ...): (B, H, L, D) for the _scaled_dot_product_* ones, (B, L, H, D) for others
