@@ -165,9 +165,10 @@ def _traced(args, variant: str):
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{variant.replace('+', '_')}.json.gz"
     wait = max(0, args.loop_warmup + args.loop_steps - args.trace_steps - 1)
+    exported: list = []
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                    schedule=schedule(wait=wait, warmup=1, active=args.trace_steps, repeat=1),
-                   on_trace_ready=lambda p: p.export_chrome_trace(str(path)))
+                   on_trace_ready=lambda p: exported.append(p.export_chrome_trace(str(path))))
     advance = Trainer.advance_to
 
     def stepped(self, steps):
@@ -180,7 +181,7 @@ def _traced(args, variant: str):
             yield summary
     finally:
         Trainer.advance_to = advance
-    if path.exists():
+    if exported:  # this run's trace, not one an earlier run left in DIR
         summary.update(_idle(path))
 
 
