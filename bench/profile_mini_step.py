@@ -60,10 +60,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="--loop: also record the torch profiler over each variant's last --trace-steps steps: "
                         "DIR/VARIANT.json.gz (a Chrome trace) and, printed and in --json, where the GPU sat idle")
     p.add_argument("--trace-steps", type=int, default=6)
+    p.add_argument("--vae-variant", default="default",
+                   help="--loop: the pool refresh's VAE encode as bench/vae_encode.py's variant of this name "
+                        "(default: the library's own)")
     args = p.parse_args(argv)
     if (args.config is None) == (args.out is None) or (args.config is not None) != (args.model is not None):
         p.error("give --out, or --config with --model")
     variants = args.loop.split(",") if args.loop else []
+    if args.vae_variant != "default" and not variants:
+        p.error("--vae-variant times the loop: give --loop too")
     for v in variants:
         if v.split("+")[0] not in ("eager", "graphs") or v.split("+")[1:] not in ([], ["compile"]):
             p.error(f"--loop variant {v!r}: eager or graphs, optionally +compile")
@@ -98,14 +103,50 @@ def _loop(args, variants, config) -> int:
 
     CorpusSource._refresh_clips = timed_refresh
     try:
-        return _loop_variants(args, variants, config, train, waits)
+        with _vae_variant(args.vae_variant):
+            return _loop_variants(args, variants, config, train, waits)
     finally:
         CorpusSource._refresh_clips = refresh_clips
+
+
+@contextlib.contextmanager
+def _vae_variant(name: str):
+    """Every CorpusSource made inside encodes as bench/vae_encode.py's variant ``name`` (its VAE set up so, its clips
+    prepared so); the class as it was after."""
+    if name == "default":
+        yield
+        return
+    import importlib.util
+
+    from attnqat.train.corpus_source import CorpusSource
+
+    spec = importlib.util.spec_from_file_location("bench_vae_encode", Path(__file__).with_name("vae_encode.py"))
+    vae_encode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vae_encode)
+    if name not in vae_encode.VARIANTS:
+        raise SystemExit(f"--vae-variant {name!r}: one of {', '.join(vae_encode.VARIANTS)}")
+    init, encode = CorpusSource.__init__, CorpusSource.encode_video
+    held = contextlib.ExitStack()
+
+    def variant_init(self, *a, **k):
+        init(self, *a, **k)
+        self._bench_prepare = held.enter_context(vae_encode._variant(self, name))
+
+    def variant_encode(self, video):
+        return encode(self, self._bench_prepare(video))
+
+    CorpusSource.__init__, CorpusSource.encode_video = variant_init, variant_encode
+    try:
+        with held:
+            yield
+    finally:
+        CorpusSource.__init__, CorpusSource.encode_video = init, encode
 
 
 def _loop_variants(args, variants, config, train, waits: list[float]) -> int:
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "config": args.config or "configs/mini.yaml", "overrides": args.set,
+              "vae_variant": args.vae_variant,
               "warmup": args.loop_warmup, "steps": args.loop_steps, "variants": {}}
     for variant in variants:
         graphs, compiled = variant.startswith("graphs"), variant.endswith("+compile")

@@ -14,6 +14,7 @@ Variants (each on the same rendered clips, ``CorpusSource.encode_video``'s autoc
 - ``channels_last``: the VAE's weights and the clips in ``torch.channels_last_3d``: cuDNN's NHWC kernels without
   the transposes.
 - ``bf16_weights``: the VAE's weights in bf16 (autocast casts them at every conv call otherwise); CUDA only.
+- ``channels_last_bf16``: both of the above.
 - ``benchmark``: ``torch.backends.cudnn.benchmark`` (cuDNN times its algorithms once per shape; its pick may change
   from process to process, and with it the latents' last bits: a resumed run would then not rebuild its pool to
   the bit).
@@ -36,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("default", "channels_last", "bf16_weights", "benchmark")
+VARIANTS = ("default", "channels_last", "bf16_weights", "channels_last_bf16", "benchmark")
 
 
 @contextlib.contextmanager
@@ -45,15 +46,15 @@ def _variant(src, name: str):
     vae, prepare = src.vae, (lambda v: v)
     bench = torch.backends.cudnn.benchmark
     try:
-        if name == "channels_last":
+        if name not in VARIANTS:
+            raise ValueError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
+        if name.startswith("channels_last"):
             _conv_weights(vae, {5: torch.channels_last_3d, 4: torch.channels_last})
             prepare = lambda v: v.contiguous(memory_format=torch.channels_last_3d)  # noqa: E731
-        elif name == "bf16_weights":
+        if name.endswith("bf16_weights") or name == "channels_last_bf16":
             vae.to(torch.bfloat16)
-        elif name == "benchmark":
+        if name == "benchmark":
             torch.backends.cudnn.benchmark = True
-        elif name != "default":
-            raise ValueError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
         yield prepare
     finally:
         vae.to(dtype=torch.float32)
@@ -87,10 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         frames, height, width = (int(x) for x in args.size.lower().split("x"))
     except ValueError:
         p.error(f"--size {args.size!r}: FRAMESxHEIGHTxWIDTH, e.g. 33x256x256")
-    if args.device == "cpu" and "bf16_weights" in variants:  # encode_video autocasts on CUDA only: bf16 weights need it
+    bf16 = [v for v in variants if "bf16" in v]
+    if args.device == "cpu" and bf16:  # encode_video autocasts on CUDA only: bf16 weights need it
         if args.variants != "all":
-            p.error("--variants bf16_weights needs a CUDA device (the encode autocasts to bf16 there only)")
-        variants.remove("bf16_weights")
+            p.error(f"--variants {','.join(bf16)} needs a CUDA device (the encode autocasts to bf16 there only)")
+        variants = [v for v in variants if v not in bf16]
     if "default" not in variants:
         variants.insert(0, "default")  # the reference every other variant is compared with
 

@@ -488,6 +488,41 @@ def test_loop_profile_times_each_size_and_every_refresh(mini_folder, tmp_path, c
     assert "refreshes waited" in capsys.readouterr().out
 
 
+def test_loop_profile_encodes_the_pool_as_the_vae_variant_asked(mini_folder, tmp_path):
+    """profile_mini_step --loop --vae-variant channels_last: every refresh's encode sees channels-last convolution
+    weights and clips (what bench/vae_encode.py's variant sets up), and the class is as it was after."""
+    import pathlib
+
+    import torch
+    from conftest import load_script
+
+    from attnqat.train.corpus_source import CorpusSource
+
+    profile = load_script(pathlib.Path(__file__).resolve().parents[1] / "bench" / "profile_mini_step.py",
+                          "profile_mini_step")
+    (tmp_path / "model").symlink_to(mini_folder)
+    seen = []
+    original = CorpusSource.encode_video, CorpusSource.__init__
+
+    def spy(self, video):
+        conv = next(m for m in self.vae.modules() if isinstance(m, torch.nn.Conv3d))
+        seen.append((video.is_contiguous(memory_format=torch.channels_last_3d),
+                     conv.weight.is_contiguous(memory_format=torch.channels_last_3d)))
+        return original[0](self, video)
+
+    CorpusSource.encode_video = spy
+    try:
+        sets = [a for kv in SMALL for a in ("--set", kv)]
+        assert profile.main(["--out", str(tmp_path), "--loop", "eager", "--loop-steps", "1", "--loop-warmup", "1",
+                             "--vae-variant", "channels_last", *sets]) == 0
+        assert (CorpusSource.encode_video, CorpusSource.__init__) == (spy, original[1])
+    finally:
+        CorpusSource.encode_video = original[0]
+    assert seen and all(v == (True, True) for v in seen)
+    with pytest.raises(SystemExit):
+        profile.main(["--out", str(tmp_path), "--vae-variant", "channels_last"])  # a loop is what it times
+
+
 def test_loop_trace_summary_finds_the_idle_gaps_and_each_streams_work(tmp_path):
     """bench/profile_mini_step.py's trace summary (--trace; the trace itself needs a GPU) on a hand-made Chrome
     trace: the busy time is the union of overlapping kernels on two streams, the gaps are the spans no kernel
