@@ -4,8 +4,10 @@
     python experiments/plot_recovery.py \
       --curve "width 1 (9.1M)=$B/ceiling/equal_step/width1_bf16_log.csv,$B/ceiling/equal_step/width1_attn_qat_log.csv" \
       --curve "width 2 (36M)=$B/ceiling/equal_step/width2_bf16_log.csv,$B/ceiling/equal_step/width2_attn_qat_log.csv" \
+      --curve "width 1 rerun, the FP4 run rotated=$B/ceiling/rotation/bf16_log.csv,$B/ceiling/rotation/attn_qat_hadamard_log.csv" \
       --frames "ceiling, width 1, step 4,500=$B/ceiling/equal_step/width1_quality_33x256x256.json:s_fp4" \
       --frames "ceiling, width 2, step 3,000=$B/ceiling/equal_step/width2_quality_33x256x256.json:s_fp4" \
+      --frames "ceiling with the rotation, width 1, step 3,000=$B/ceiling/rotation/quality_33x256x256.json:s_fp4" \
       --frames "rotation alone (no training)=$B/rotation/round2/quality_33x256x256.json:rot" \
       --frames "shipped QAT file + rotation=$B/rotation/round2/quality_33x256x256.json:shipped_rot" \
       --frames "QAT with rotation (rot_distill_5e-5)=$B/rotation/round2/quality_33x256x256.json:rot_distill_5e-5" \
