@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                         "DIR/VARIANT.json.gz (a Chrome trace) and, printed and in --json, where the GPU sat idle")
     p.add_argument("--trace-steps", type=int, default=6)
     p.add_argument("--vae-variant", default="default",
-                   help="--loop: the pool refresh's VAE encode as bench/vae_encode.py's variant of this name "
-                        "(default: the library's own)")
+                   help="--loop: the pool refresh's VAE encode as bench/vae_encode.py's variant of this name, e.g. "
+                        "plain (default: the library's own)")
     args = p.parse_args(argv)
     if (args.config is None) == (args.out is None) or (args.config is not None) != (args.model is not None):
         p.error("give --out, or --config with --model")
@@ -111,8 +111,7 @@ def _loop(args, variants, config) -> int:
 
 @contextlib.contextmanager
 def _vae_variant(name: str):
-    """Every CorpusSource made inside encodes as bench/vae_encode.py's variant ``name`` (its VAE set up so, its clips
-    prepared so); the class as it was after."""
+    """Every CorpusSource made inside encodes as bench/vae_encode.py's variant ``name``; the class as it was after."""
     if name == "default":
         yield
         return
@@ -125,22 +124,19 @@ def _vae_variant(name: str):
     spec.loader.exec_module(vae_encode)
     if name not in vae_encode.VARIANTS:
         raise SystemExit(f"--vae-variant {name!r}: one of {', '.join(vae_encode.VARIANTS)}")
-    init, encode = CorpusSource.__init__, CorpusSource.encode_video
+    init = CorpusSource.__init__
     held = contextlib.ExitStack()
 
     def variant_init(self, *a, **k):
         init(self, *a, **k)
-        self._bench_prepare = held.enter_context(vae_encode._variant(self, name))
+        held.enter_context(vae_encode._variant(self, name))
 
-    def variant_encode(self, video):
-        return encode(self, self._bench_prepare(video))
-
-    CorpusSource.__init__, CorpusSource.encode_video = variant_init, variant_encode
+    CorpusSource.__init__ = variant_init
     try:
         with held:
             yield
     finally:
-        CorpusSource.__init__, CorpusSource.encode_video = init, encode
+        CorpusSource.__init__ = init
 
 
 def _loop_variants(args, variants, config, train, waits: list[float]) -> int:

@@ -94,6 +94,36 @@ def test_prompt_embeddings_equal_the_pipelines(mini_folder):
     assert torch.equal(got == 0, want == 0)  # the same zero padding past each prompt
 
 
+def test_own_vae_encodes_channels_last_as_the_pipelines_vae_encodes(mini_folder):
+    """A source's own VAE is laid out for encoding (channels-last convolutions: set_up_for_encoding) and gives the
+    latents the pipeline's VAE, as loaded, gives the same clips through WanPipeline's normalisation, to float
+    rounding; a source built on a pipeline's components leaves that pipeline's VAE as it was."""
+    from diffusers import WanPipeline
+
+    from attnqat.train.config import CorpusConfig
+    from attnqat.train.corpus_source import CorpusSource
+
+    cfg = CorpusConfig(sizes=[[5, 32, 32]], pool=0)
+    src = CorpusSource(str(mini_folder), cfg, text_len=16, device="cpu")
+    convs = [m for m in src.vae.modules() if isinstance(m, torch.nn.Conv3d)]
+    assert src.channels_last and all(m.weight.is_contiguous(memory_format=torch.channels_last_3d) for m in convs)
+    pipe = WanPipeline.from_pretrained(str(mini_folder), torch_dtype=torch.float32)
+    corpus = src.corpora["train"]
+    video = corpus.render([corpus.spec(j) for j in range(2)], frames=5, height=32, width=32, device="cpu")
+    z = pipe.vae.encode(video).latent_dist.mode()
+    c = pipe.vae.config
+    want = (z - torch.tensor(c.latents_mean).view(1, -1, 1, 1, 1)) / torch.tensor(c.latents_std).view(1, -1, 1, 1, 1)
+    got = src.encode_video(video)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # convolution algorithms' summation order only
+    borrowed = CorpusSource.from_components(pipe.tokenizer, pipe.text_encoder, pipe.vae, cfg, text_len=16,
+                                            device="cpu")
+    assert not borrowed.channels_last
+    assert all(m.weight.is_contiguous() and m.weight.dtype == torch.float32
+               for m in pipe.vae.modules() if isinstance(m, torch.nn.Conv3d))
+    torch.testing.assert_close(borrowed.encode_video(video), want, rtol=0, atol=0)
+
+
 def test_prefetched_pool_refreshes_equal_the_inline_ones(mini_folder):
     """The pool's next refresh encoded ahead on a worker thread (what a GPU run does) gives the very batches the
     inline refresh gives, at every step of two sizes, through several refreshes; a jump in steps (a resumed run)
@@ -489,8 +519,9 @@ def test_loop_profile_times_each_size_and_every_refresh(mini_folder, tmp_path, c
 
 
 def test_loop_profile_encodes_the_pool_as_the_vae_variant_asked(mini_folder, tmp_path):
-    """profile_mini_step --loop --vae-variant channels_last: every refresh's encode sees channels-last convolution
-    weights and clips (what bench/vae_encode.py's variant sets up), and the class is as it was after."""
+    """profile_mini_step --loop --vae-variant plain: every refresh's encode sees float32 NCDHW convolution weights and
+    clips (bench/vae_encode.py's variant), where the library's own encode is channels-last, and the class is as it
+    was after."""
     import pathlib
 
     import torch
@@ -506,21 +537,23 @@ def test_loop_profile_encodes_the_pool_as_the_vae_variant_asked(mini_folder, tmp
 
     def spy(self, video):
         conv = next(m for m in self.vae.modules() if isinstance(m, torch.nn.Conv3d))
-        seen.append((video.is_contiguous(memory_format=torch.channels_last_3d),
-                     conv.weight.is_contiguous(memory_format=torch.channels_last_3d)))
+        seen.append((self.channels_last, conv.weight.is_contiguous(memory_format=torch.channels_last_3d),
+                     conv.weight.dtype))
         return original[0](self, video)
 
     CorpusSource.encode_video = spy
     try:
         sets = [a for kv in SMALL for a in ("--set", kv)]
-        assert profile.main(["--out", str(tmp_path), "--loop", "eager", "--loop-steps", "1", "--loop-warmup", "1",
-                             "--vae-variant", "channels_last", *sets]) == 0
-        assert (CorpusSource.encode_video, CorpusSource.__init__) == (spy, original[1])
+        for variant, want in (("plain", (False, False, torch.float32)), ("default", (True, True, torch.float32))):
+            seen.clear()
+            assert profile.main(["--out", str(tmp_path), "--loop", "eager", "--loop-steps", "1", "--loop-warmup", "1",
+                                 "--vae-variant", variant, *sets]) == 0
+            assert seen and all(v == want for v in seen), variant
+            assert (CorpusSource.encode_video, CorpusSource.__init__) == (spy, original[1])
     finally:
         CorpusSource.encode_video = original[0]
-    assert seen and all(v == (True, True) for v in seen)
     with pytest.raises(SystemExit):
-        profile.main(["--out", str(tmp_path), "--vae-variant", "channels_last"])  # a loop is what it times
+        profile.main(["--out", str(tmp_path), "--vae-variant", "plain"])  # a loop is what it times
 
 
 def test_loop_trace_summary_finds_the_idle_gaps_and_each_streams_work(tmp_path):
@@ -552,8 +585,9 @@ def test_loop_trace_summary_finds_the_idle_gaps_and_each_streams_work(tmp_path):
 
 def test_vae_encode_bench_compares_variants_with_todays_encode(tmp_path, capsys):
     """bench/vae_encode.py on the shipped mini, tiny clips on the CPU: a time for each variant, the default's latents
-    as the reference (difference 0), channels-last latents within float rounding of them, and the VAE given back as
-    it was (float32, contiguous convolution weights) after each variant."""
+    as the reference (difference 0, and its second run within float rounding of its first), the plain and
+    channels-last latents within float rounding of them, and the VAE given back as the library sets it up
+    (float32, channels-last convolution weights on a CPU) after each variant."""
     import pathlib
 
     import torch
@@ -566,7 +600,7 @@ def test_vae_encode_bench_compares_variants_with_todays_encode(tmp_path, capsys)
     real = corpus_source.CorpusSource.encode_video
 
     def spy(self, video):
-        seen.append(self.vae)
+        seen.append((self, self.channels_last))
         return real(self, video)
 
     corpus_source.CorpusSource.encode_video = spy
@@ -576,13 +610,16 @@ def test_vae_encode_bench_compares_variants_with_todays_encode(tmp_path, capsys)
     finally:
         corpus_source.CorpusSource.encode_video = real
     rows = json.loads((tmp_path / "v.json").read_text())["variants"]
-    assert list(rows) == ["default", "channels_last", "benchmark"]  # bf16_weights is CUDA-only
+    # bf16_weights is CUDA-only
+    assert list(rows) == ["default", "plain", "channels_last", "benchmark", "default_again"]
     assert all(r["median_ms"] > 0 for r in rows.values())
-    assert rows["default"]["max_diff_over_rms"] == 0 and 0 <= rows["channels_last"]["max_diff_over_rms"] < 1e-4
-    vae = seen[-1]
-    for m in vae.modules():
-        if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)):
-            assert m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+    assert rows["default"]["max_diff_over_rms"] == 0
+    assert all(0 <= rows[k]["max_diff_over_rms"] < 1e-4 for k in ("plain", "channels_last", "default_again"))
+    assert [c for _, c in seen] == [True, False, True, True, True]  # plain encodes NCDHW clips
+    src = seen[-1][0]
+    for m in src.vae.modules():
+        if isinstance(m, torch.nn.Conv3d):
+            assert m.weight.dtype == torch.float32 and m.weight.is_contiguous(memory_format=torch.channels_last_3d)
     assert "channels_last" in capsys.readouterr().out
 
 
