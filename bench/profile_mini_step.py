@@ -159,9 +159,11 @@ def _loop_variants(args, variants, config, train, waits: list[float]) -> int:
             wall = time.perf_counter() - t0
         sizes = ["x".join(map(str, s)) for s in cfg.data.corpus.sizes]
         pattern = [i for i, w in enumerate(cfg.data.corpus.size_weights or [1] * len(sizes)) for _ in range(int(w))]
+        timed_rows = [(int(r["step"]), sizes[pattern[(int(r["step"]) - 1) % len(pattern)]], float(r["step_s"]))
+                      for r in rows[args.loop_warmup:]]  # (step, its size, its time)
         per: dict[str, list[float]] = {}
-        for r in rows[args.loop_warmup:]:
-            per.setdefault(sizes[pattern[(int(r["step"]) - 1) % len(pattern)]], []).append(float(r["step_s"]))
+        for _, size, t in timed_rows:
+            per.setdefault(size, []).append(t)
         timed = [float(r["step_s"]) for r in rows[args.loop_warmup:]]
         result["variants"][variant] = {
             "per_size": {k: {"median_ms": 1e3 * statistics.median(v), "mean_ms": 1e3 * statistics.fmean(v),
@@ -171,6 +173,9 @@ def _loop_variants(args, variants, config, train, waits: list[float]) -> int:
             "clock_mean_ms": 1e3 * (float(rows[-1]["elapsed_s"]) - float(rows[args.loop_warmup - 1]["elapsed_s"]))
             / (len(rows) - args.loop_warmup) if args.loop_warmup else None,
             "refresh_waits_ms": [round(1e3 * w, 1) for w in waits],
+            # steps over 3x their size's median (step number, size, ms): where a mean's outliers come from
+            "slow_steps": [(step, size, round(1e3 * t, 1)) for step, size, t in timed_rows
+                           if t > 3 * statistics.median(per[size])],
             "loss_first_last": [rows[0]["loss"], rows[-1]["loss"]],
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None}
         r = result["variants"][variant]
@@ -180,7 +185,8 @@ def _loop_variants(args, variants, config, train, waits: list[float]) -> int:
         print(f"{variant}: " + "; ".join(f"{k} median {v['median_ms']:.1f} ms mean {v['mean_ms']:.1f} (max "
                                          f"{v['max_ms']:.0f})" for k, v in r["per_size"].items())
               + f"; all sizes mean {r['mean_ms']:.1f} ms/step (clock {r['clock_mean_ms'] or 0:.1f}); refreshes waited "
-              f"{sum(r['refresh_waits_ms']):.0f} ms in all ({len(r['refresh_waits_ms'])}); wall {wall:.0f} s", flush=True)
+              f"{sum(r['refresh_waits_ms']):.0f} ms in all ({len(r['refresh_waits_ms'])}); wall {wall:.0f} s; slow steps "
+              f"{r['slow_steps']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -515,6 +515,8 @@ def test_loop_profile_times_each_size_and_every_refresh(mini_folder, tmp_path, c
     assert r["clock_mean_ms"] * 4 >= r["mean_ms"] * 4 > 0
     # refresh_every=1: one refresh a step, warm-up included (a size's first fills its pool the same way)
     assert len(r["refresh_waits_ms"]) == 6 and all(w > 0 for w in r["refresh_waits_ms"])
+    medians = {k: v["median_ms"] for k, v in r["per_size"].items()}
+    assert all(step > 2 and ms > 3 * medians[size] for step, size, ms in r["slow_steps"])
     assert "refreshes waited" in capsys.readouterr().out
 
 
