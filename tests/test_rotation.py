@@ -1,10 +1,12 @@
-"""The qk_rotation option: Q and K rotated along head_dim by a Hadamard matrix before FP4 attention."""
+"""The FP4 modes' Q/K options: qk_rotation (Q and K rotated along head_dim by a Hadamard matrix) and k_smoothing
+(K's mean over the sequence subtracted), both before FP4 attention and both exact in high precision."""
 import math
 
 import pytest
 import torch
 
 from attnqat.kernels import attention
+from attnqat.kernels.api import attention_with_lse
 from attnqat.kernels import reference as R
 from attnqat.kernels.rotation import hadamard_matrix
 from conftest import rel_err
@@ -99,14 +101,91 @@ def test_modes_outside_the_nvfp4_family_refuse_it(mode):
         attention(*qkv(), "attn_qat", qk_rotation="random")
 
 
+def smoothed(k: torch.Tensor) -> torch.Tensor:
+    """An independent K-smoothing: the mean key over the sequence subtracted, in float64."""
+    k = k.double()
+    return k - k.sum(dim=2, keepdim=True) / k.shape[2]
+
+
+@pytest.mark.parametrize("mode", FP4_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_smoothed_fp4_attention_is_the_reference_on_smoothed_k(mode, d, causal):
+    """k_smoothing runs the FP4 reference on K minus its mean, alone and before the rotation; exact attention, causal
+    or not, does not change when K loses its mean (every logit of a row moves by the same amount)."""
+    q, k, v = qkv(d, lq=96, lk=96, outliers=True)
+    h = sylvester(d)
+    with torch.no_grad():
+        out = attention(q, k, v, mode, causal=causal, k_smoothing=True)
+        both = attention(q, k, v, mode, causal=causal, k_smoothing=True, qk_rotation="hadamard")
+        plain = attention(q, k, v, mode, causal=causal)
+        assert torch.equal(attention(q, k, v, mode, causal=causal, k_smoothing=False), plain)
+    ref = R.nvfp4_attention_ref(q, smoothed(k).float(), v, causal=causal)
+    ref_both = R.nvfp4_attention_ref((q.double() @ h).float(), (smoothed(k) @ h).float(), v, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref) < 1e-5 < rel_err(plain, ref)
+    assert rel_err(both, ref_both) < 1e-5 < rel_err(out, ref_both)
+    exact = torch.nn.functional.scaled_dot_product_attention
+    assert rel_err(exact(q.double(), smoothed(k), v.double(), is_causal=causal),
+                   exact(q.double(), k.double(), v.double(), is_causal=causal)) < 1e-12
+
+
+def test_smoothing_lowers_fp4_error_when_keys_share_an_offset():
+    q, k, v = qkv()
+    k = k + 4 * torch.randn(1, 2, 1, 64, generator=torch.Generator().manual_seed(1))  # an offset every key shares
+    exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    with torch.no_grad():
+        plain = rel_err(attention(q, k, v, "nvfp4"), exact)
+        smooth = rel_err(attention(q, k, v, "nvfp4", k_smoothing=True), exact)
+    assert smooth < 0.8 * plain
+
+
+def test_attn_qat_gradients_flow_back_through_the_smoothing():
+    q, k, v = (t.requires_grad_() for t in qkv(lq=48, lk=48, outliers=True))
+    do = torch.randn_like(q)
+    grads = torch.autograd.grad((attention(q, k, v, "attn_qat", k_smoothing=True) * do).sum(), (q, k, v))
+    qs, ks, vs = q.detach().clone().requires_grad_(), smoothed(k.detach()).float().requires_grad_(), \
+        v.detach().clone().requires_grad_()
+    dq, dks, dv = torch.autograd.grad((R.attn_qat_attention_ref(qs, ks, vs) * do).sum(), (qs, ks, vs))
+    dk = dks - dks.mean(dim=2, keepdim=True)  # d/dk of f(k - mean(k)): the mean's share taken back out
+    for got, want in zip(grads, (dq, dk, dv)):
+        assert torch.isfinite(got).all() and rel_err(got, want) < 1e-4
+
+
+def test_smoothing_spreads_a_nonfinite_key_over_its_head_only():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    k[0, 1, 9, 3] = float("nan")
+    with torch.no_grad():
+        out = attention(q, k, v, "nvfp4", k_smoothing=True)
+    assert out.dtype == torch.bfloat16
+    assert not torch.isfinite(out[0, 1]).any() and torch.isfinite(out[0, 0]).all()
+
+
+def test_ring_attentions_entry_refuses_smoothing():
+    """attention_with_lse (ring attention's per-chunk call) refuses k_smoothing: a chunk's mean is not the whole's."""
+    q, k, v = qkv(dtype=torch.bfloat16)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="k_smoothing subtracts the mean of all keys.*Ulysses"):
+            attention_with_lse(q, k, v, "nvfp4", k_smoothing=True)
+        out, lse = attention_with_lse(q, k, v, "nvfp4", k_smoothing=False)
+    assert torch.equal(out, attention(q, k, v, "nvfp4").to(out.dtype)) and torch.isfinite(lse).all()
+    with pytest.raises(ValueError, match="k_smoothing"):
+        with torch.no_grad():
+            attention(q, k, v, "sage3", k_smoothing=True)
+    with pytest.raises(ValueError, match="k_smoothing 1 not in"):
+        attention(*qkv(), "attn_qat", k_smoothing=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("mode", ["nvfp4", "attn_qat"])
-def test_gpu_kernels_with_rotation_match_the_reference(mode):
+@pytest.mark.parametrize("smooth", [False, True])
+def test_gpu_kernels_with_rotation_match_the_reference(mode, smooth):
     q, k, v = (t.cuda() for t in qkv(d=128, lq=300, lk=300, dtype=torch.bfloat16))
     h = sylvester(128).float().cuda()
     with torch.no_grad():
-        out = attention(q, k, v, mode, qk_rotation="hadamard")
-    qr, kr = ((t.float() @ h).to(torch.bfloat16) for t in (q, k))
+        out = attention(q, k, v, mode, qk_rotation="hadamard", k_smoothing=smooth)
+    kf = smoothed(k).float() if smooth else k.float()
+    qr, kr = ((t.float() @ h).to(torch.bfloat16) for t in (q, kf))
     ref = R.nvfp4_attention_ref(qr.float().cpu(), kr.float().cpu(), v.float().cpu())
     assert rel_err(out.float().cpu(), ref) < 5e-3

@@ -153,7 +153,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = REF
                          f"run it under torch.no_grad() or use a trainable mode: "
                          f"{', '.join(available_modes(lambda x: x.trainable))}")
     fn = m.kernel if _use_kernel(q) else m.reference
-    q, k, options = _rotated(q, k, options)
+    q, k, options = _transformed(q, k, options)
     return fn(q, k, v, sm_scale=sm_scale, causal=causal, **options)
 
 
@@ -176,7 +176,11 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: 
     if needs_grad(q, k, v):
         raise ValueError(f"attention_with_lse(mode={mode!r}) is inference-only (no backward); run it under "
                          f"torch.no_grad()")
-    q, k, options = _rotated(q, k, options)
+    if options.get("k_smoothing"):
+        raise ValueError(f"attention_with_lse(mode={mode!r}): k_smoothing subtracts the mean of all keys, which a "
+                         f"chunk of them does not have, so ring attention's chunks would not merge into the one-pass "
+                         f"result; use Ulysses sequence parallelism, or k_smoothing=False")
+    q, k, options = _transformed(q, k, options)
     return m.with_lse(q, k, v, sm_scale=sm_scale, causal=causal, use_kernel=_use_kernel(q), **options)
 
 
@@ -195,13 +199,13 @@ def _checked(q, k, v, mode: str, caller: str, sm_scale, causal, options: dict) -
     return m
 
 
-def _rotated(q, k, options: dict):
-    """Apply the checked ``qk_rotation`` option (the FP4 modes': attnqat.kernels.rotation) to q and k; the
-    mode's path gets the other options."""
-    if "qk_rotation" not in options:
+def _transformed(q, k, options: dict):
+    """Apply the checked ``qk_rotation`` and ``k_smoothing`` options (the FP4 modes': attnqat.kernels.rotation) to
+    q and k; the mode's path gets the other options."""
+    if "qk_rotation" not in options and "k_smoothing" not in options:
         return q, k, options
     options = dict(options)
-    q, k = rotate_qk(q, k, options.pop("qk_rotation"))
+    q, k = rotate_qk(q, k, options.pop("qk_rotation", "none"), smooth_k=options.pop("k_smoothing", False))
     return q, k, options
 
 
@@ -372,8 +376,10 @@ def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None):
     return o.to(q.dtype), _fp4_lse(m, l)
 
 
-# The NVFP4 family's option: Q and K rotated along head_dim before the kernel (attnqat.kernels.rotation).
+# The NVFP4 family's options: Q and K rotated along head_dim, K's mean over the sequence subtracted, before the
+# kernel (attnqat.kernels.rotation); both leave exact attention as it is.
 QK_ROTATION = ("qk_rotation", QK_ROTATIONS)
+K_SMOOTHING = ("k_smoothing", (False, True))
 
 # Registration order is the order of available_modes(). No log-sum-exp for sage3: its K smoothing subtracts the
 # mean of all keys, so a chunk of keys gives other logits than the whole (its per-chunk outputs do not merge into
@@ -382,19 +388,21 @@ register_mode(Mode(REFERENCE_MODE, "high-precision attention (torch SDPA: cuDNN 
                    _sdpa, _sdpa, dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=None,
                    with_lse=_sdpa_with_lse, high_precision=True, demo_column=0, demo_label="BF16 (reference)"))
 register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
-                   _fp4_inference, reference.nvfp4_attention_ref, options=(QK_ROTATION,), with_lse=_nvfp4_with_lse,
-                   naive_fp4_forward=True, demo_column=3, demo_ticked=False, demo_label="naive NVFP4"))
+                   _fp4_inference, reference.nvfp4_attention_ref, options=(QK_ROTATION, K_SMOOTHING),
+                   with_lse=_nvfp4_with_lse, naive_fp4_forward=True, demo_column=3, demo_ticked=False,
+                   demo_label="naive NVFP4"))
 # Attn-QAT family (SPEC §2): one FP4 forward; the modes differ in their backward.
 register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
                    "grad it is the nvfp4 forward)", True,
                    _attn_qat_kernel, reference.attn_qat_attention_ref,
-                   options=(("p_bwd", P_BWD_CHOICES), QK_ROTATION), with_lse=_nvfp4_with_lse, same_forward_as="nvfp4",
-                   naive_fp4_forward=True, uses_qat_weights=True, demo_column=2, demo_label="Attn-QAT"))
+                   options=(("p_bwd", P_BWD_CHOICES), QK_ROTATION, K_SMOOTHING), with_lse=_nvfp4_with_lse,
+                   same_forward_as="nvfp4", naive_fp4_forward=True, uses_qat_weights=True, demo_column=2,
+                   demo_label="Attn-QAT"))
 register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
                    "(unstable in training)", True,
                    _marked(_attn_qat_dropin_kernel), _marked(reference.attn_qat_dropin_attention_ref),
-                   options=(QK_ROTATION,), with_lse=_nvfp4_with_lse, same_forward_as="nvfp4", naive_fp4_forward=True,
-                   demo_label="Attn-QAT drop-in (ablation)"))
+                   options=(QK_ROTATION, K_SMOOTHING), with_lse=_nvfp4_with_lse, same_forward_as="nvfp4",
+                   naive_fp4_forward=True, demo_label="Attn-QAT drop-in (ablation)"))
 register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
                    False, *_paths("sage3", "sage3_unchecked", "sage3_attention_ref"), demo_column=1,
                    demo_label="SageAttention3 (emulated)"))
