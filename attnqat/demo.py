@@ -434,7 +434,9 @@ class DemoEngine:
     def weights(self, mode: str) -> str | None:
         said = mode_weights(mode, self.qat_checkpoint, self.qat_shipped)
         if said and self.qat_options and mode_of(mode).uses_qat_weights:
-            said += f", Q and K rotated ({self.qat_options['qk_rotation']}) as it was trained"
+            how = ([f"Q and K rotated ({self.qat_options['qk_rotation']})"] if "qk_rotation" in self.qat_options
+                   else []) + (["K smoothed"] if self.qat_options.get("k_smoothing") else [])
+            said += f", {' and '.join(how)} as it was trained"
         return said
 
     def vocabulary_note(self, prompt: str) -> str | None:

@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the attention option the weights were trained under, recorded in the file so that "
                         "`attnqat generate` runs them with it; auto (default): what --from's training config says "
                         "(an `attnqat train` run or checkpoint), else none")
+    p.add_argument("--k-smoothing", choices=("auto", "on", "off"), default="auto",
+                   help="likewise for K-smoothing (K's mean over the sequence subtracted before FP4 attention); auto "
+                        "(default): what --from's training config says, else off")
     p.add_argument("--trained", metavar="TEXT", help="one line on how the weights were trained, stored in the "
                    f"file's metadata (at most {MAX_TRAINED_CHARS} characters; default: the --from and --model "
                    "given)")
@@ -74,9 +77,11 @@ def main(args: argparse.Namespace) -> int:
     check_arguments(args)
     with output_lock(args.out, "attnqat export-qat"):
         written = export_qat_weights(args.finetune, args.model, args.out, trained=args.trained, storage=args.storage,
-                                     qk_rotation=None if args.qk_rotation == "auto" else args.qk_rotation)
+                                     qk_rotation=None if args.qk_rotation == "auto" else args.qk_rotation,
+                                     k_smoothing=None if args.k_smoothing == "auto" else args.k_smoothing == "on")
     size = written.path.stat().st_size
     print(f"wrote {written.path}: {len(written.tensors)} tensors that differ from {args.model}'s in bf16, as "
           f"{written.storage} ({size / 1e6:.2f} MB); base fingerprint {written.base[:12]}; trained: {written.trained}"
-          + (f"; Q, K rotation: {written.qk_rotation}" if written.qk_rotation != "none" else ""))
+          + (f"; Q, K rotation: {written.qk_rotation}" if written.qk_rotation != "none" else "")
+          + ("; K smoothed" if written.k_smoothing else ""))
     return 0

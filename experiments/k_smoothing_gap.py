@@ -2,12 +2,10 @@
 
     python experiments/k_smoothing_gap.py [--clips 16] [--size 17x128x128] [--json out.json]
 
-K-smoothing (SageAttention's): K - mean over the keys, per batch and head. Every logit of a query row moves by the
-same q . mean(K), so softmax, and the attention, are unchanged in exact arithmetic, while the keys' shared offset
-(a few channels large in every key) no longer sets each NVFP4 block's scale (SPEC §1). sage3 smooths inside its
-emulation; the FP4 modes (nvfp4, attn_qat) do not. This measures it before anything is built for it: the keys are
-smoothed here by wrapping the rotation step of the kernels' entry point (attnqat.kernels.api.rotate_qk), so every
-row that carries a ``qk_rotation`` option ("none" included) runs smoothed.
+K-smoothing (SageAttention's; the FP4 modes' ``k_smoothing`` option, attnqat.kernels.rotation): K minus its mean over
+the keys, per batch and head. Every logit of a query row moves by the same q . mean(K), so softmax, and the
+attention, are unchanged in exact arithmetic, while the keys' shared offset (a few channels large in every key) no
+longer sets each NVFP4 block's scale (SPEC §1).
 
 Rows (the flow metrics of `attnqat quality`, CPU, the reference kernels): bf16, nvfp4, nvfp4 with the rotation,
 the shipped QAT file with its rotation, then the same FP4 rows with smoothed keys; the share of nvfp4's gap each
@@ -15,31 +13,14 @@ closes, on the loss and the velocity, overall and at its worst latent frame.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import pathlib
 import sys
 
-from attnqat.kernels import api
 from attnqat.mini.evaluation import Variant, flow_metrics
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from experiments._held_out import held_out_arguments, load_held_out  # noqa: E402
-
-
-@contextlib.contextmanager
-def smoothed_keys():
-    """Inside, the FP4 modes' rotation step subtracts the keys' mean (over the sequence) first."""
-    rotate = api.rotate_qk
-
-    def smooth_then_rotate(q, k, rotation):
-        return rotate(q, k - k.float().mean(dim=-2, keepdim=True).to(k.dtype), rotation)
-
-    api.rotate_qk = smooth_then_rotate
-    try:
-        yield
-    finally:
-        api.rotate_qk = rotate
 
 
 def main(argv=None) -> None:
@@ -47,18 +28,14 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     pipe, qat, data = load_held_out(args)
-    none, rot = {"qk_rotation": "none"}, {"qk_rotation": "hadamard"}
-
-    def run(rows):
-        return flow_metrics(pipe.transformer, [Variant("bf16", "bf16"), *rows], data["x0"], data["embeds"], batch=4)
-
-    plain = run([Variant("nvfp4", "nvfp4"), Variant("rot", "nvfp4", options=rot),
-                 Variant("qat_rot", "attn_qat", qat, options=rot)])
-    with smoothed_keys():
-        smooth = run([Variant("ksmooth", "nvfp4", options=none), Variant("ksmooth_rot", "nvfp4", options=rot),
-                      Variant("qat_ksmooth_rot", "attn_qat", qat, options=rot)])
-    bf16, fp4 = plain["bf16"], plain["nvfp4"]
-    assert smooth["bf16"]["flow_loss"] == bf16["flow_loss"], "the bf16 rows of the two passes differ"
+    rot, smooth = {"qk_rotation": "hadamard"}, {"k_smoothing": True}
+    rows = flow_metrics(pipe.transformer, [
+        Variant("bf16", "bf16"), Variant("nvfp4", "nvfp4"), Variant("rot", "nvfp4", options=rot),
+        Variant("qat_rot", "attn_qat", qat, options=rot), Variant("ksmooth", "nvfp4", options=smooth),
+        Variant("ksmooth_rot", "nvfp4", options={**rot, **smooth}),
+        Variant("qat_ksmooth_rot", "attn_qat", qat, options={**rot, **smooth})],
+        data["x0"], data["embeds"], batch=4)
+    bf16, fp4 = rows["bf16"], rows["nvfp4"]
 
     def closed(x, key):
         whole = (fp4[key] - x[key]) / (fp4[key] - (bf16[key] if key == "flow_loss" else 0.0))
@@ -66,20 +43,20 @@ def main(argv=None) -> None:
                   zip(fp4[f"{key}_frames"], x[f"{key}_frames"], bf16[f"{key}_frames"])]
         return whole, min(frames)
 
-    rows = {}
+    table = {}
     print(f"{args.clips} held-out clips at {args.size}\n")
     print("| row | flow loss | velocity dist. | gap closed: loss / velocity | worst latent frame: loss / velocity |")
     print("|---|---|---|---|---|")
-    for label, x in [*plain.items(), *((k, v) for k, v in smooth.items() if k != "bf16")]:
+    for label, x in rows.items():
         (loss, loss_min), (vel, vel_min) = closed(x, "flow_loss"), closed(x, "velocity_distance")
-        rows[label] = {"flow_loss": x["flow_loss"], "velocity_distance": x["velocity_distance"],
-                       "gap_closed_loss": loss, "gap_closed_velocity": vel,
-                       "worst_frame_loss": loss_min, "worst_frame_velocity": vel_min}
+        table[label] = {"flow_loss": x["flow_loss"], "velocity_distance": x["velocity_distance"],
+                        "gap_closed_loss": loss, "gap_closed_velocity": vel,
+                        "worst_frame_loss": loss_min, "worst_frame_velocity": vel_min}
         print(f"| {label} | {x['flow_loss']:.5f} | {x['velocity_distance']:.5f} | {loss:.0%} / {vel:.0%} | "
               f"{loss_min:.0%} / {vel_min:.0%} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": args.size, "clips": args.clips, "rows": rows}, f, indent=1)
+            json.dump({"size": args.size, "clips": args.clips, "rows": table}, f, indent=1)
 
 
 if __name__ == "__main__":

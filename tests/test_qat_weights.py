@@ -282,73 +282,81 @@ def test_export_command_writes_and_reports(tiny_qat, tmp_path, capsys):
     assert read_qat_weights(out).trained == "a test"
 
 
-def test_the_rotation_a_finetune_trained_under_travels_with_its_weights(tmp_path, capsys, monkeypatch):
-    """A run trained with attention.options.qk_rotation: its checkpoint's config says so, export-qat records it
-    (or what --qk-rotation says), and `attnqat generate`, `attnqat quality`'s rows and the demo's Attn-QAT column
-    run the weights with it unless told otherwise."""
-    from attnqat.pipelines.loading import trained_qk_rotation
+def test_the_qk_options_a_finetune_trained_under_travel_with_its_weights(tmp_path, capsys, monkeypatch):
+    """A run trained with attention.options qk_rotation and k_smoothing: its checkpoint's config says so, export-qat
+    records them (or what --qk-rotation / --k-smoothing say), and `attnqat generate`, `attnqat quality`'s rows and the
+    demo's Attn-QAT column run the weights with them unless told otherwise."""
+    from attnqat.pipelines.loading import trained_attention_options, trained_mode_options
     from attnqat.train import load_config, train
 
     run = tmp_path / "run"
     train(load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml",
                       [f"output_dir={run}", "log.progress=false", "train.max_steps=2", "train.warmup_steps=1",
-                       "data.batch_size=1", "data.held_out=0", "attention.options.qk_rotation=hadamard"]))
-    assert trained_qk_rotation(run) == trained_qk_rotation(run / "final") == "hadamard"
+                       "data.batch_size=1", "data.held_out=0", "attention.options.qk_rotation=hadamard",
+                       "attention.options.k_smoothing=true"]))
+    both = {"qk_rotation": "hadamard", "k_smoothing": True}
+    assert trained_attention_options(run) == trained_attention_options(run / "final") == both
     auto, none = tmp_path / "auto.safetensors", tmp_path / "none.safetensors"
     assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(auto)]) == 0
-    assert capsys.readouterr().out.strip().endswith("; Q, K rotation: hadamard")
-    assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(none), "--qk-rotation", "none"]) == 0
-    assert read_qat_weights(auto).qk_rotation == trained_qk_rotation(auto) == "hadamard"
-    assert read_qat_weights(none).qk_rotation == trained_qk_rotation(none) == "none"
-    assert "qk_rotation" not in safe_open(str(none), "pt").metadata()  # files without it read as before
-    assert trained_qk_rotation(run / "final" / "transformer.safetensors") == "hadamard"  # the config beside it
+    assert capsys.readouterr().out.strip().endswith("; Q, K rotation: hadamard; K smoothed")
+    assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(none), "--qk-rotation", "none",
+                 "--k-smoothing", "off"]) == 0
+    assert (read_qat_weights(auto).qk_rotation, read_qat_weights(auto).k_smoothing) == ("hadamard", True)
+    assert trained_attention_options(auto) == both
+    assert trained_attention_options(none) == {"qk_rotation": "none", "k_smoothing": False}
+    assert not {"qk_rotation", "k_smoothing"} & set(safe_open(str(none), "pt").metadata())  # read as before
+    assert trained_attention_options(run / "final" / "transformer.safetensors") == both  # the config beside it
     plain = tmp_path / "plain.safetensors"
     save_file(load_file(str(run / "final" / "transformer.safetensors")), plain)
-    assert trained_qk_rotation(plain) is None  # nothing says
-    from attnqat.pipelines.loading import trained_mode_options
+    assert trained_attention_options(plain) is None  # nothing says
 
-    bogus = tmp_path / "bogus"  # a checkpoint whose config names no rotation there is: run without one
+    bogus = tmp_path / "bogus"  # a checkpoint whose config names values no mode takes: run without them
     bogus.mkdir()
     save_file(load_file(str(run / "final" / "transformer.safetensors")), bogus / "transformer.safetensors")
-    (bogus / "config.yaml").write_text("attention:\n  options:\n    qk_rotation: spiral\n")
-    assert trained_qk_rotation(bogus) == "spiral" and trained_mode_options("attn_qat", bogus) == {}
-    assert trained_mode_options("attn_qat", auto) == {"qk_rotation": "hadamard"}
+    (bogus / "config.yaml").write_text("attention:\n  options:\n    qk_rotation: spiral\n    k_smoothing: maybe\n")
+    assert trained_attention_options(bogus) == {"qk_rotation": "spiral", "k_smoothing": "maybe"}
+    assert trained_mode_options("attn_qat", bogus) == {}
+    assert trained_mode_options("attn_qat", auto) == both and trained_mode_options("sage3", auto) == {}
     small = ["--model", "tiny", "--prompt", "p", "--height", "32", "--width", "32", "--frames", "5", "--steps", "2"]
-    for weights, extra, rotated in ((auto, [], True), (auto, ["--qk-rotation", "none"], False), (none, [], False),
-                                    (auto, ["--mode", "bf16"], False)):
+    for weights, extra, said in ((auto, [], "attn_qat (Q, K rotated: hadamard; K smoothed) on"),
+                                 (auto, ["--k-smoothing", "off"], "attn_qat (Q, K rotated: hadamard) on"),
+                                 (auto, ["--qk-rotation", "none"], "attn_qat (K smoothed) on"),
+                                 (none, ["--k-smoothing", "on"], "attn_qat (K smoothed) on"),
+                                 (none, [], "attn_qat on"), (auto, ["--mode", "bf16"], "bf16 on")):
         out = tmp_path / f"v{len(list(tmp_path.glob('v*.mp4')))}.mp4"
         mode = [] if "--mode" in extra else ["--mode", "attn_qat"]
         assert main(["generate", *small, *mode, "--qat-checkpoint", str(weights), *extra, "--out", str(out)]) == 0
-        assert ("(Q, K rotated: hadamard)" in capsys.readouterr().err) == rotated, (weights, extra)
+        assert f"attention    {said}" in capsys.readouterr().err, (weights, extra)
 
     # attnqat quality: a row of such weights in an FP4 mode runs them as trained, unless the row says otherwise
     from attnqat.cli import build_parser
     from attnqat.mini import quality_cli
 
-    rows = [f"auto=attn_qat:{auto}", f"told=attn_qat,qk_rotation=none:{auto}", f"none=attn_qat:{none}",
-            f"exact=bf16:{auto}", f"run=nvfp4:{run}", "base=attn_qat,p_bwd=normalized"]
+    rows = [f"auto=attn_qat:{auto}", f"told=attn_qat,qk_rotation=none,k_smoothing=false:{auto}",
+            f"none=attn_qat:{none}", f"exact=bf16:{auto}", f"run=nvfp4:{run}", "base=attn_qat,p_bwd=normalized"]
     argv = ["quality", "--model", "tiny", "--size", "5x32x32", "--device", "cpu", "--base-modes", "bf16,nvfp4",
             "--out", str(tmp_path / "q")] + [a for r in rows for a in ("--variant", r)]
     args = quality_cli.resolve_settings(build_parser("quality").parse_args(argv))
     assert {label: options for label, _, _, _, options in args.rows} == {
-        "bf16": {}, "nvfp4": {}, "auto": {"qk_rotation": "hadamard"}, "told": {"qk_rotation": "none"}, "none": {},
-        "exact": {}, "run": {"qk_rotation": "hadamard"}, "base": {"p_bwd": "normalized"}}
+        "bf16": {}, "nvfp4": {}, "auto": both, "told": {"qk_rotation": "none", "k_smoothing": False}, "none": {},
+        "exact": {}, "run": both, "base": {"p_bwd": "normalized"}}
 
-    # the demo's Attn-QAT column runs such weights with their rotation, the other columns without
+    # the demo's Attn-QAT column runs such weights with their options, the other columns without
     from attnqat import demo
     from attnqat.demo import DemoEngine
 
     patched = []
     original = demo.patch_attention
     monkeypatch.setattr(demo, "patch_attention", lambda t, mode, **kw: patched.append(
-        (mode, kw.get("qk_rotation"))) or original(t, mode, **kw))
-    for weights, rotation in ((auto, "hadamard"), (none, None)):
+        (mode, kw.get("qk_rotation"), kw.get("k_smoothing"))) or original(t, mode, **kw))
+    for weights, options in ((auto, ("hadamard", True)), (none, (None, None))):
         patched.clear()
         engine = DemoEngine.load("tiny", qat_checkpoint=str(weights), device="cpu", dtype="fp32")
         engine.run("a red ball", modes=["attn_qat", "nvfp4"], height=32, width=32, frames=5, steps=1, seed=0,
-                   out_dir=tmp_path / f"demo_{rotation}")
-        assert patched == [("bf16", None), ("attn_qat", rotation), ("nvfp4", None)], patched
-        assert ("Q and K rotated (hadamard) as it was trained" in engine.weights("attn_qat")) == (rotation is not None)
+                   out_dir=tmp_path / f"demo_{options[0]}")
+        assert patched == [("bf16", None, None), ("attn_qat", *options), ("nvfp4", None, None)], patched
+        said = "Q and K rotated (hadamard) and K smoothed as it was trained"
+        assert (said in engine.weights("attn_qat")) == (options[0] is not None)
         assert engine.weights("nvfp4") is None
 
 

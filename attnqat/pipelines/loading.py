@@ -16,19 +16,19 @@ from safetensors.torch import load_file
 
 from attnqat.checks import check_path_text, check_text
 from attnqat.errors import CheckpointMismatchError
-from attnqat.kernels import QK_ROTATIONS, mode_of
+from attnqat.kernels import mode_of
 
 from attnqat.mini.model import is_mini, is_shipped_mini, mini_folder, shipped_qat_weights
 from .lora import LORA_FILE, fuse_lora_file, fused, is_lora_file
 from .model_folder import ModelConfigError, check_model_folder, check_regular_file
-from .qat_weights import is_qat_weights, read_qat_weights, recorded_qk_rotation, weights_fingerprint
+from .qat_weights import is_qat_weights, read_qat_weights, recorded_attention_options, weights_fingerprint
 from .tiny import TINY_TRANSFORMER_CONFIG, build_tiny_pipeline, build_tiny_transformer
 
 __all__ = ["ModelNotFoundError", "CheckpointMismatchError", "load_pipeline", "load_transformer",
            "load_qat_checkpoint", "read_qat_checkpoint", "checkpoint_weights_path", "is_tiny",
            "resolve_model", "model_inputs", "check_model", "model_num_blocks", "config_num_blocks",
            "model_transformer_config", "check_qat_checkpoint",
-           "choose_qat_checkpoint", "NO_QAT_CHECKPOINT", "trained_qk_rotation", "trained_mode_options"]
+           "choose_qat_checkpoint", "NO_QAT_CHECKPOINT", "trained_attention_options", "trained_mode_options"]
 
 # DIFFUSERS_LATE: diffusers (seconds to import) is imported where a model loads, so that the checks of a command's
 # arguments (check_model, check_qat_checkpoint, model_inputs) answer before it.
@@ -301,32 +301,39 @@ def checkpoint_weights_path(path: str | os.PathLike) -> str:
     return str(files[0]) if len(files) == 1 else str(files[0].parent)
 
 
-def trained_qk_rotation(path: str | os.PathLike) -> str | None:
-    """The ``qk_rotation`` attention option the weights at ``path`` (as :func:`load_qat_checkpoint` takes it) were
-    trained under: what a QAT weights file records, or ``attention.options`` of the ``config.yaml`` that an
-    ``attnqat train`` checkpoint keeps beside its weights. None when nothing says (a plain file, a LoRA file)."""
+#: The FP4 attention options weights are trained under and then run with (attnqat.kernels.rotation): a QAT weights
+#: file's metadata or an ``attnqat train`` run's config.yaml records them.
+TRAINED_OPTIONS = ("qk_rotation", "k_smoothing")
+
+
+def trained_attention_options(path: str | os.PathLike) -> dict | None:
+    """The :data:`TRAINED_OPTIONS` the weights at ``path`` (as :func:`load_qat_checkpoint` takes it) were trained
+    under: what a QAT weights file records, or those of ``attention.options`` in the ``config.yaml`` that an
+    ``attnqat train`` checkpoint keeps beside its weights (unchecked values included: callers check them). None when
+    nothing says (a plain file, a LoRA file)."""
     files = _checkpoint_files(path)
     if len(files) == 1 and is_qat_weights(files[0]):
-        return recorded_qk_rotation(files[0])
+        return recorded_attention_options(files[0])
     config = files[0].parent / "config.yaml"
     try:
         data = yaml.safe_load(config.read_text()) if config.is_file() else None
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     options = (data.get("attention") or {}).get("options") if isinstance(data, dict) else None
-    rotation = options.get("qk_rotation", "none") if isinstance(options, dict) else None
-    return rotation if isinstance(rotation, str) else None
+    return {k: options[k] for k in TRAINED_OPTIONS if k in options} if isinstance(options, dict) else None
 
 
 def trained_mode_options(mode: str, path: str | os.PathLike | None) -> dict:
     """The attention options ``mode`` runs the weights at ``path`` with when the user says nothing: the Q/K rotation
-    they were trained under (:func:`trained_qk_rotation`), where ``mode`` takes it (the FP4 modes); else none (the
-    base weights, None, were trained without it); a recorded value that is no rotation is ignored. ``attnqat
-    generate --qk-rotation auto``, quality rows, the demo."""
-    if path is None or "qk_rotation" not in dict(mode_of(mode).options):
+    and K-smoothing they were trained under (:func:`trained_attention_options`), those ``mode`` takes (the FP4
+    modes) with a value it allows, other than the default; else none (the base weights, None, were trained without
+    them). ``attnqat generate --qk-rotation auto --k-smoothing auto``, quality rows, the demo."""
+    if path is None:
         return {}
-    rotation = trained_qk_rotation(path)
-    return {"qk_rotation": rotation} if rotation in QK_ROTATIONS and rotation != "none" else {}
+    takes = dict(mode_of(mode).options)
+    recorded = trained_attention_options(path) or {}
+    return {k: v for k, v in recorded.items() if k in takes and v not in ("none", False)
+            and any(type(v) is type(c) and v == c for c in takes[k])}
 
 
 def check_qat_checkpoint(path: str | os.PathLike, flag: str = "--qat-checkpoint") -> None:

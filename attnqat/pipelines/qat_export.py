@@ -12,7 +12,7 @@ from attnqat.errors import one_line
 from attnqat.kernels import QK_ROTATIONS
 from attnqat.outputs import write_file_atomically
 
-from .loading import checkpoint_weights_path, load_transformer, read_qat_checkpoint, trained_qk_rotation
+from .loading import checkpoint_weights_path, load_transformer, read_qat_checkpoint, trained_attention_options
 from .qat_weights import (MAX_BYTES, STORAGES, QatWeights, changed_tensors, fp8_changes, read_qat_weights, serialize,
                           weights_fingerprint)
 
@@ -20,25 +20,31 @@ __all__ = ["export_qat_weights"]
 
 
 def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.PathLike, *,
-                       trained: str | None = None, storage: str = "auto", qk_rotation: str | None = None) -> QatWeights:
+                       trained: str | None = None, storage: str = "auto", qk_rotation: str | None = None,
+                       k_smoothing: bool | None = None) -> QatWeights:
     """Write the QAT weights file ``out``: the tensors of the fine-tune ``finetune`` (a safetensors file, a
     folder of shards, an ``attnqat train`` run or checkpoint folder, or a LoRA file: fused into the base by
     :func:`~.loading.read_qat_checkpoint`) that differ from the transformer of
     ``model`` (the base it was fine-tuned from: ``mini``, ``tiny`` or a diffusers folder) in bf16.
     ``storage``: ``subset`` (their values in bf16), ``fp8-delta`` (their changes in FP8, module docstring) or
-    ``auto`` (``subset`` where it fits in :data:`MAX_BYTES`, else ``fp8-delta``). ``qk_rotation``: the attention
-    option the fine-tune was trained under, recorded in the file (None: what the fine-tune's training config says,
-    :func:`~.loading.trained_qk_rotation`, else ``"none"``).
+    ``auto`` (``subset`` where it fits in :data:`MAX_BYTES`, else ``fp8-delta``). ``qk_rotation``, ``k_smoothing``:
+    the attention options the fine-tune was trained under, recorded in the file (None: what the fine-tune's training
+    config says, :func:`~.loading.trained_attention_options`, else ``"none"`` / False).
 
     Refused (ValueError, nothing written): a fine-tune whose keys or shapes differ from the base's
     (:class:`CheckpointMismatchError`), one equal to the base, a file over :data:`MAX_BYTES`. The file is
     written under a temporary name and renamed into place once it reads back.
     Return: the written file, as :func:`read_qat_weights` reads it.
     """
+    trained_options = trained_attention_options(finetune) or {}
     if qk_rotation is None:
-        qk_rotation = trained_qk_rotation(finetune) or "none"
+        qk_rotation = trained_options.get("qk_rotation", "none")
+    if k_smoothing is None:
+        k_smoothing = trained_options.get("k_smoothing", False)
     if qk_rotation not in QK_ROTATIONS:
         raise ValueError(f"qk_rotation must be one of {QK_ROTATIONS}, got {qk_rotation!r}")
+    if type(k_smoothing) is not bool:
+        raise ValueError(f"k_smoothing must be True or False, got {k_smoothing!r}")
     if storage not in ("auto", *STORAGES):
         raise ValueError(f"storage must be 'auto' or one of {STORAGES}, got {storage!r}")
     # fp32: an fp8-delta is the change from the base as the model holds it (a bf16 folder's values, exactly)
@@ -55,7 +61,7 @@ def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.Pa
     fingerprint = weights_fingerprint(base_state)
     for storage in STORAGES if storage == "auto" else (storage,):  # auto: the first that fits
         tensors = changed if storage == "subset" else fp8_changes({k: tuned[k] for k in changed}, base_state)
-        data = serialize(tensors, fingerprint, trained, storage, qk_rotation)
+        data = serialize(tensors, fingerprint, trained, storage, qk_rotation, k_smoothing)
         if len(data) <= MAX_BYTES:
             break
     else:
@@ -66,9 +72,11 @@ def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.Pa
 
     def verify(tmp: Path) -> None:
         back = read_qat_weights(tmp)
-        if set(back.tensors) != set(changed) or back.storage != storage or back.qk_rotation != qk_rotation:
+        got = (set(back.tensors), back.storage, back.qk_rotation, back.k_smoothing)
+        if got != (set(changed), storage, qk_rotation, k_smoothing):
             raise OSError(f"{tmp} does not read back: {len(back.tensors)} tensors ({back.storage}, qk_rotation "
-                          f"{back.qk_rotation}) instead of {len(changed)} ({storage}, {qk_rotation})")
+                          f"{back.qk_rotation}, k_smoothing {back.k_smoothing}) instead of {len(changed)} ({storage}, "
+                          f"{qk_rotation}, {k_smoothing})")
 
     write_file_atomically(out, lambda tmp: tmp.write_bytes(data), verify)
     return read_qat_weights(out)

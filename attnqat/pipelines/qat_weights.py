@@ -25,6 +25,9 @@ header's metadata (strings) says what it is:
 ``base``    :func:`weights_fingerprint` of the base transformer's weights; loading refuses other weights
 ``dtype``   ``bfloat16`` (``subset``) or ``float8_e4m3fn`` (``fp8-delta``)
 ``trained`` one line on how the weights were trained
+optional:   ``qk_rotation`` (``hadamard``) and ``k_smoothing`` (``true``): the FP4 attention options the
+            weights were trained under (:mod:`attnqat.kernels.rotation`), which every command runs them with
+            unless told otherwise; absent: trained without them
 ==========  ===========================================================================================
 
 ``attnqat export-qat`` (:func:`attnqat.pipelines.qat_export.export_qat_weights`) writes one from a fine-tune
@@ -77,7 +80,8 @@ class QatWeights:
     trained: str
     storage: str = "subset"
     scales: dict[str, torch.Tensor] | None = None
-    qk_rotation: str = "none"  # the attention option the weights were trained under (attnqat.kernels.rotation)
+    qk_rotation: str = "none"  # the attention options the weights were trained under (attnqat.kernels.rotation)
+    k_smoothing: bool = False
 
     def values(self, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The new values of the file's tensors, given the ``base`` state dict they apply over (only its keys
@@ -121,9 +125,14 @@ def is_qat_weights(path: str | os.PathLike) -> bool:
     return _metadata(path).get("format") == FORMAT
 
 
-def recorded_qk_rotation(path: str | os.PathLike) -> str:
-    """The ``qk_rotation`` a QAT weights file records (its header only is read; "none" when it records none)."""
-    return _metadata(path).get("qk_rotation", "none")
+def recorded_attention_options(path: str | os.PathLike) -> dict:
+    """The ``qk_rotation`` and ``k_smoothing`` attention options a QAT weights file records (its header only is
+    read): "none" and False where it records none."""
+    return _attention_options(_metadata(path))
+
+
+def _attention_options(meta: dict) -> dict:
+    return {"qk_rotation": meta.get("qk_rotation", "none"), "k_smoothing": meta.get("k_smoothing") == "true"}
 
 
 def read_qat_weights(path: str | os.PathLike) -> QatWeights:
@@ -140,7 +149,7 @@ def read_qat_weights(path: str | os.PathLike) -> QatWeights:
     tensors = {k: v for k, v in stored.items() if not k.startswith(SCALE_PREFIX)}
     _check_stored(path, storage, tensors, scales)
     return QatWeights(Path(path), tensors, meta["base"], meta.get("trained", ""), storage,
-                      scales if storage == "fp8-delta" else None, meta.get("qk_rotation", "none"))
+                      scales if storage == "fp8-delta" else None, **_attention_options(meta))
 
 
 def _check_stored(path, storage: str, tensors: dict, scales: dict) -> None:
@@ -198,8 +207,10 @@ def fp8_changes(tuned: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tens
 
 
 def serialize(tensors: dict[str, torch.Tensor], base: str, trained: str, storage: str = "subset",
-              qk_rotation: str = "none") -> bytes:
+              qk_rotation: str = "none", k_smoothing: bool = False) -> bytes:
     meta = {"format": FORMAT, "tensors": storage, "base": base, "dtype": _STORAGE_DTYPE[storage], "trained": trained}
-    if qk_rotation != "none":  # files of weights trained without it read as before
+    if qk_rotation != "none":  # files of weights trained without them read as before
         meta["qk_rotation"] = qk_rotation
+    if k_smoothing:
+        meta["k_smoothing"] = "true"
     return save(tensors, metadata=meta)
