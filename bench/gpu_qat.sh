@@ -73,6 +73,9 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     lora_distill) echo "$(overrides distill_cos_2e-4) $LORA" ;;
     rot_lora_distill) echo "$(overrides lora_distill) $ROT" ;;
     rot_lora_5e-4) echo "$(overrides rot_lora_distill) train.lr=5e-4" ;;
+    # K's mean subtracted before FP4 attention as well (attention.options.k_smoothing): the shipped recipe with it
+    rot_ks_distill_5e-5) echo "$(overrides rot_distill_5e-5) attention.options.k_smoothing=true" ;;
+    rot_ks_distill_1e-4) echo "$(overrides rot_distill_1e-4) attention.options.k_smoothing=true" ;;
   esac
 }
 

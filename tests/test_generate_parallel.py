@@ -175,6 +175,8 @@ REFUSALS = [
     ({**LAUNCH, "WORLD_SIZE": "3"}, ["--parallel", "ring"],
      "--parallel ring over 3 processes: the video's 32 tokens do not split into 3 equal shares"),
     ({**LAUNCH, "WORLD_SIZE": "2"}, ["--parallel", "ring", "--offload"], "--offload with --parallel is not supported"),
+    ({**LAUNCH, "WORLD_SIZE": "2"}, ["--parallel", "ring", "--mode", "nvfp4", "--k-smoothing", "on"],
+     "--parallel ring cannot run K-smoothing"),
     ({"WORLD_SIZE": "2", "RANK": "0"}, ["--parallel", "ring"], "WORLD_SIZE=2 but LOCAL_RANK, MASTER_ADDR, MASTER_PORT "
                                                              "not set"),
 ]

@@ -45,7 +45,8 @@ def _cp_config(parallel_config: Any) -> Any:
     return getattr(parallel_config, "context_parallel_config", parallel_config)
 
 
-def check_degrees(ring: int, ulysses: int, *, heads: int, mode: str, needs_grad: bool) -> None:
+def check_degrees(ring: int, ulysses: int, *, heads: int, mode: str, needs_grad: bool, options: dict | None = None
+                  ) -> None:
     """Refuse, in one line, degrees :func:`context_parallel_attention` does not run with ``heads`` heads in
     ``mode`` (no device mesh needed: ``attnqat generate --parallel`` checks them before anything loads)."""
     with_lse = mode_of(mode).with_lse
@@ -63,13 +64,17 @@ def check_degrees(ring: int, ulysses: int, *, heads: int, mode: str, needs_grad:
         if with_lse is None:
             raise ValueError(f"ring attention needs the log-sum-exp, which mode {mode!r} does not return; "
                              f"ring runs {', '.join(lse_modes())} (use ulysses_degree for {mode!r})")
+        if (options or {}).get("k_smoothing"):
+            raise ValueError(f"ring attention (ring_degree={ring}) cannot run k_smoothing: it subtracts the mean of "
+                             f"all keys, which no chunk of them has; use ulysses_degree, or k_smoothing=False")
 
 
-def check_context_parallel(parallel_config: Any, *, heads: int, mode: str, needs_grad: bool) -> None:
+def check_context_parallel(parallel_config: Any, *, heads: int, mode: str, needs_grad: bool,
+                           options: dict | None = None) -> None:
     """Refuse, in one line, the context-parallel settings :func:`context_parallel_attention` does not run."""
     cp = _cp_config(parallel_config)
     ring, ulysses = int(cp.ring_degree or 1), int(cp.ulysses_degree or 1)
-    check_degrees(ring, ulysses, heads=heads, mode=mode, needs_grad=needs_grad)
+    check_degrees(ring, ulysses, heads=heads, mode=mode, needs_grad=needs_grad, options=options)
     if getattr(cp, "ulysses_anything", False) or getattr(cp, "ring_anything", False):
         raise ValueError("ContextParallelConfig's ulysses_anything / ring_anything are not supported by "
                          "AttnQATProcessor; use plain ulysses or ring")
@@ -127,7 +132,7 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         raise ValueError("causal attention is not supported under context parallelism (diffusers' templated "
                          "functions refuse it too)")
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-    check_context_parallel(parallel_config, heads=query.shape[2], mode=mode, needs_grad=needs_grad)
+    check_context_parallel(parallel_config, heads=query.shape[2], mode=mode, needs_grad=needs_grad, options=options)
     if not hasattr(parallel_config, "context_parallel_config"):
         from diffusers.models._modeling_parallel import ParallelConfig
 

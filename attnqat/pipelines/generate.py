@@ -319,6 +319,9 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         args.k_smoothing = "on" if trained.get("k_smoothing") else "off"
     args.mode_options = {**({} if args.qk_rotation == "none" else {"qk_rotation": args.qk_rotation}),
                          **({"k_smoothing": True} if args.k_smoothing == "on" else {})}
+    if args.mode_options.get("k_smoothing") and getattr(args, "launch", None) is not None and args.parallel == "ring":
+        raise ValueError("--parallel ring cannot run K-smoothing (it subtracts the mean of all keys, which no chunk of "
+                         "them has): use --parallel ulysses, or --k-smoothing off")
     return args
 
 
