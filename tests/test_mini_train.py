@@ -124,6 +124,30 @@ def test_own_vae_encodes_channels_last_as_the_pipelines_vae_encodes(mini_folder)
     torch.testing.assert_close(borrowed.encode_video(video), want, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_own_vae_encodes_in_bf16_channels_last_close_to_the_pipelines(mini_folder):
+    """On a GPU the source's own VAE holds bf16, channels-last weights; its latents stay within the bf16 autocast's
+    rounding of the float32 NCDHW encode the pipeline's VAE gives under the same autocast."""
+    from diffusers import AutoencoderKLWan
+
+    from attnqat.train.config import CorpusConfig
+    from attnqat.train.corpus_source import CorpusSource
+
+    src = CorpusSource(str(mini_folder), CorpusConfig(sizes=[[17, 64, 64]], pool=0), text_len=16, device="cuda")
+    conv = next(m for m in src.vae.modules() if isinstance(m, torch.nn.Conv3d))
+    assert conv.weight.dtype == torch.bfloat16 and conv.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    corpus = src.corpora["train"]
+    video = corpus.render([corpus.spec(j) for j in range(4)], frames=17, height=64, width=64, device="cuda")
+    plain = AutoencoderKLWan.from_pretrained(str(mini_folder), subfolder="vae", torch_dtype=torch.float32).cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        z = plain.encode(video.float()).latent_dist.mode().float()
+    want = (z - src.mean) / src.std
+    got = src.encode_video(video)
+    assert torch.isfinite(got).all()
+    assert ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt() < 2e-2
+
+
 def test_prefetched_pool_refreshes_equal_the_inline_ones(mini_folder):
     """The pool's next refresh encoded ahead on a worker thread (what a GPU run does) gives the very batches the
     inline refresh gives, at every step of two sizes, through several refreshes; a jump in steps (a resumed run)
