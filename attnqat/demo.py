@@ -387,7 +387,7 @@ class DemoEngine:
         self._lock = threading.Lock()
         self._weights = {"base": self._snapshot()}
         self._live = "base"
-        # the Attn-QAT column runs its weights as they were trained: with the Q/K rotation their file records
+        # the Attn-QAT column runs its weights as trained: with the Q/K options their file records (rotation, smoothing)
         self.qat_options: dict = {}
         if qat_checkpoint:
             load_qat_checkpoint(pipe.transformer, qat_checkpoint)  # validates keys and shapes
