@@ -23,6 +23,7 @@ import json
 import pathlib
 import sys
 
+from attnqat.kernels import REFERENCE_MODE, mode_of
 from attnqat.mini.evaluation import Variant, flow_metrics
 from attnqat.pipelines import processor
 
@@ -36,7 +37,7 @@ def smoothed_values():
     attention = processor.attention
 
     def v_smoothed(q, k, v, mode, **options):
-        if mode == "bf16":
+        if mode_of(mode).high_precision:
             return attention(q, k, v, mode, **options)
         mean = v.float().mean(dim=-2, keepdim=True)
         return (attention(q, k, (v.float() - mean).to(v.dtype), mode, **options).float() + mean).to(v.dtype)
@@ -64,11 +65,13 @@ def main(argv=None) -> None:
     if args.v_smoothing:
         with smoothed_values():
             v_rows = flow_metrics(pipe.transformer, [
-                Variant("bf16", "bf16"), Variant("vsmooth_ksmooth_rot", "nvfp4", options={**rot, **smooth}),
+                Variant(REFERENCE_MODE, REFERENCE_MODE),
+                Variant("vsmooth_ksmooth_rot", "nvfp4", options={**rot, **smooth}),
                 Variant("qat_vsmooth_ksmooth_rot", "attn_qat", qat, options={**rot, **smooth})],
                 data["x0"], data["embeds"], batch=4)
-        assert v_rows["bf16"]["flow_loss"] == rows["bf16"]["flow_loss"], "the bf16 rows of the two passes differ"
-        rows.update((k, v) for k, v in v_rows.items() if k != "bf16")
+        ref = v_rows.pop(REFERENCE_MODE)
+        assert ref["flow_loss"] == rows[REFERENCE_MODE]["flow_loss"], "the bf16 rows of the two passes differ"
+        rows.update(v_rows)
     bf16, fp4 = rows["bf16"], rows["nvfp4"]
 
     def closed(x, key):
