@@ -63,7 +63,8 @@ def _variant(src, name: str):
         yield
     finally:
         _plain(vae)
-        src.channels_last = set_up_for_encoding(vae)
+        set_up_for_encoding(vae)
+        src.channels_last = True
         torch.backends.cudnn.benchmark = bench
 
 

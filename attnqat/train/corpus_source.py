@@ -69,8 +69,8 @@ def pool_clips(pool: int, refresh: int, use: int) -> list[int]:
     return out
 
 
-def set_up_for_encoding(vae: torch.nn.Module) -> bool:
-    """Lay out a VAE that only encodes the corpus for speed; returns whether its clips go in channels-last.
+def set_up_for_encoding(vae: torch.nn.Module) -> None:
+    """Lay out a VAE that only encodes the corpus for speed (its clips then go in channels-last too).
 
     Its convolution weights go channels-last, so cuDNN (and the CPU's oneDNN) run their NHWC kernels without
     transposing to and from them around every convolution; on a GPU its weights go to bf16 as well, which the encode's
@@ -83,7 +83,6 @@ def set_up_for_encoding(vae: torch.nn.Module) -> bool:
             m.weight.data = m.weight.data.contiguous(memory_format=fmt)
     if next(vae.parameters()).device.type == "cuda":
         vae.to(torch.bfloat16)
-    return True
 
 
 class CorpusSource:
@@ -104,7 +103,8 @@ class CorpusSource:
         text_encoder = UMT5EncoderModel.from_pretrained(folder, subfolder="text_encoder", dtype=torch.float32)
         vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32)
         self._setup(tokenizer, text_encoder, vae, cfg, text_len, device, rank, world, prefetch)
-        self.channels_last = set_up_for_encoding(self.vae)  # its own copy: nothing else uses it
+        set_up_for_encoding(self.vae)  # its own copy: nothing else uses it
+        self.channels_last = True
 
     @classmethod
     def from_components(cls, tokenizer, text_encoder, vae, cfg: CorpusConfig, *, text_len: int,
