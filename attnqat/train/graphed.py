@@ -14,7 +14,9 @@ before the weights change, its update skipped on the device.
 
 Same numerics: the graph replays the kernels the eager step launches, on the same inputs. Gradients live at
 fixed addresses (allocated once, zeroed by :meth:`StepGraphs.zero_grad` after each optimizer step instead of
-being freed), and the backward accumulates into them as the eager one does into fresh zeros. On a CPU
+being freed): the backward computes each into a fresh tensor, as the eager one does, and one multi-tensor addition
+adds them all to the fixed ones (a backward accumulating into ``.grad`` itself launches one addition per
+parameter: 232 kernels a step in mini's, ~0.5 ms of an H200 at 33x256x256). On a CPU
 (``capture=False``) :meth:`StepGraphs.forward_backward` runs the same body without a graph: the equality test
 (tests/test_graphed.py) compares it step for step with the eager loop, and a GPU test the replayed graph.
 
@@ -99,8 +101,15 @@ class StepGraphs:
     def _body(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The captured work: the objective's terms and the backward; returns the terms of :data:`TERMS` that the
         objective has (``self.keys``), stacked, each divided by ``accum`` as the eager loop sums them."""
+        for p in self.params:
+            p.grad = None  # the backward allocates each gradient (in a capture: from the graph's pool) ...
         out = self.trainer.losses(batch)
         (out["loss"] * self.scale).backward()
+        fresh = [(g, p.grad) for g, p in zip(self.grads, self.params) if p.grad is not None]
+        if fresh:  # ... which one multi-tensor kernel adds to the fixed ones
+            torch._foreach_add_([g for g, _ in fresh], [new for _, new in fresh])
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
         self.keys = [k for k in TERMS if k in out]
         return torch.stack([out[k].detach().float() / self.accum for k in self.keys])
 
