@@ -626,7 +626,9 @@ def test_vae_encode_bench_compares_variants_with_todays_encode(tmp_path, capsys)
     real = corpus_source.CorpusSource.encode_video
 
     def spy(self, video):
-        seen.append((self, self.channels_last))
+        compiled = [m._compiled_call_impl is not None for m in self.vae.encoder.modules()
+                    if type(m).__name__ == "WanRMS_norm"]
+        seen.append((self, self.channels_last, all(compiled) if any(compiled) else False))
         return real(self, video)
 
     corpus_source.CorpusSource.encode_video = spy
@@ -637,15 +639,19 @@ def test_vae_encode_bench_compares_variants_with_todays_encode(tmp_path, capsys)
         corpus_source.CorpusSource.encode_video = real
     rows = json.loads((tmp_path / "v.json").read_text())["variants"]
     # bf16_weights is CUDA-only
-    assert list(rows) == ["default", "plain", "channels_last", "benchmark", "default_again"]
+    assert list(rows) == ["default", "plain", "channels_last", "compiled_norms", "benchmark", "default_again"]
     assert all(r["median_ms"] > 0 for r in rows.values())
     assert rows["default"]["max_diff_over_rms"] == 0
-    assert all(0 <= rows[k]["max_diff_over_rms"] < 1e-4 for k in ("plain", "channels_last", "default_again"))
-    assert [c for _, c in seen] == [True, False, True, True, True]  # plain encodes NCDHW clips
+    assert all(0 <= rows[k]["max_diff_over_rms"] < 1e-4
+               for k in ("plain", "channels_last", "compiled_norms", "default_again"))
+    assert [c for _, c, _ in seen] == [True, False, True, True, True, True]  # plain encodes NCDHW clips
+    assert [c for _, _, c in seen] == [False, False, False, True, False, False]  # every norm compiled, in its variant
     src = seen[-1][0]
     for m in src.vae.modules():
         if isinstance(m, torch.nn.Conv3d):
             assert m.weight.dtype == torch.float32 and m.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    norms = [m for m in src.vae.encoder.modules() if type(m).__name__ == "WanRMS_norm"]
+    assert norms and all(m._compiled_call_impl is None for m in norms)  # compiled_norms undone
     assert "channels_last" in capsys.readouterr().out
 
 
