@@ -6,6 +6,11 @@
 # WIDTH times the heads and FFN (a random transformer of that config; the VAE and text encoder linked).
 #   bash bench/gpu_ceiling.sh start MINUTES      # both runs side by side in the background (GPU $CUDA_VISIBLE_DEVICES)
 #   bash bench/gpu_ceiling.sh report [ARGS...]   # wait for them; the quality table at the common step -> $W/quality
+#   bash bench/gpu_ceiling.sh full [tN]          # at full length: the shipped base's four transformer runs
+#                                                # (bench/build_mini.sh, 23,808 steps) on its VAE, FP4 in the loop,
+#                                                # in the background; UNTIL tN (t1-t3) for a short session
+#   bash bench/gpu_ceiling.sh fullreport [ARGS...]  # wait; the built model in FP4 beside MODEL, the bf16 base that
+#                                                # recipe built, in bf16 and FP4 -> $W/quality_full
 # Knobs (environment): W (runs/ceiling), WIDTH (1), MODEL (attnqat/models/mini), EXTRA (more --set values),
 # ROT=1: the FP4 run trains with Q and K rotated (qk_rotation=hadamard) and is scored with it, beside the bf16-trained
 # run with the rotation alone (the ceiling with the rotation in the loop, against plain nvfp4's gap).
@@ -59,5 +64,18 @@ case "${1:-}" in
     python3 -m attnqat quality --model $BASE --base-modes bf16 --variant s_bf16=bf16:$W/bf16/checkpoints/$s \
       --variant s_bf16_fp4=nvfp4:$W/bf16/checkpoints/$s "${rot[@]}" --variant s_fp4=$fp4:$W/fp4/checkpoints/$s \
       --fp4-reference s_bf16_fp4 --bf16-reference s_bf16 --out $W/quality --overwrite "$@" ;;
-  *) sed -n 2,9p "$0"; exit 2 ;;
+  full)
+    mkdir -p $W
+    sets="--set attention.mode=attn_qat"; [ "${ROT:-0}" = 1 ] && sets="$sets --set attention.options.qk_rotation=hadamard"
+    for kv in ${EXTRA:-}; do sets="$sets --set $kv"; done
+    setsid nohup env VAE=$MODEL UNTIL=${2:-t4} EXTRA="$sets" bash bench/build_mini.sh $W/full > $W/full.out 2>&1 \
+      < /dev/null & echo $! > $W/full.pid ;;
+  fullreport)
+    while [ -f $W/full.pid ] && kill -0 $(cat $W/full.pid) 2>/dev/null; do sleep 5; done
+    [ -f $W/full/t4/mini/attnqat_mini.json ] || { echo "no $W/full/t4/mini: the chain has not finished"; exit 1; }
+    shift
+    fp4=nvfp4; rot=(); [ "${ROT:-0}" = 1 ] && fp4="nvfp4,qk_rotation=hadamard" && rot=(--variant "base_rot=$fp4")
+    python3 -m attnqat quality --model $MODEL --base-modes bf16,nvfp4 "${rot[@]}" \
+      --variant "ceiling=$fp4:$W/full/t4/mini/transformer" --out $W/quality_full --overwrite "$@" ;;
+  *) sed -n 2,13p "$0"; exit 2 ;;
 esac

@@ -21,11 +21,12 @@ SMALL = ["data.corpus.sizes=[[5,32,32]]", "data.corpus.size_weights=null", "data
          'train.mixed_precision="no"', "train.compile=false", "log.progress=false"]
 
 
-def _build(out: Path, *args: str) -> subprocess.CompletedProcess:
+def _build(out: Path, *args: str, sets: tuple[str, ...] = (), **env_vars: str) -> subprocess.CompletedProcess:
     # --vae-batch 0.02: one 5x32x32 clip a VAE step (1 would be 54 of them, 17x128x128's pixels: 8 s a training)
     extra = " ".join(["--device cpu --vae-steps 1 --vae-batch 0.02 --vae-sizes 5x32x32 --eval-clips 1",
-                      *(f"--set {kv}" for kv in SMALL)])
-    env = dict(os.environ, EXTRA=extra, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+                      *(f"--set {kv}" for kv in (*SMALL, *sets))])
+    env = dict(os.environ, EXTRA=extra, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               **env_vars)
     return subprocess.run(["bash", str(SCRIPT), str(out), *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=900)
 
@@ -67,6 +68,44 @@ def test_builds_the_whole_chain_and_skips_what_is_done(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     card = json.loads((out / "t4" / "mini" / "attnqat_mini.json").read_text())
     assert card["transformer_steps"] == 8 and [r["warm_start"] for r in card["runs"]] == [False, True, True, True]
+
+
+def test_a_trained_vae_and_a_stop_after_a_run(tmp_path):
+    """VAE=: no VAE is trained, the runs encode with that build's VAE and their cards count its VAE trainings;
+    UNTIL=: the chain stops after that run's export and the same command continues it (the full-length ceiling,
+    bench/gpu_ceiling.sh, trains the chain with FP4 attention over two device sessions this way)."""
+    out, shipped = tmp_path / "build", ROOT / "attnqat" / "models" / "mini"
+    fp4 = ("attention.mode=attn_qat", "attention.options.qk_rotation=hadamard")
+    first = _build(out, sets=fp4, VAE=str(shipped), UNTIL="t1")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert f"stopped after t1 (UNTIL): {out / 't1' / 'mini'}" in first.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["t1", "vae_timings.json"]  # no VAE folders, no t2
+    vae_rows = [r for r in json.loads((shipped / "attnqat_mini.json").read_text())["timings"] if r["stage"] == "vae"]
+    card = json.loads((out / "t1" / "mini" / "attnqat_mini.json").read_text())
+    assert card["timings"][:4] == vae_rows and [r["stage"] for r in card["timings"]] == ["vae"] * 4 + ["transformer"]
+    assert card["config"]["attention"] == {"mode": "attn_qat", "layers": "self", "options": {"qk_rotation": "hadamard"}}
+    # the export's VAE is the given one, as it was (the export stores it in fp16, as the shipped one is stored)
+    from safetensors.torch import load_file
+    given = load_file(shipped / "vae" / "diffusion_pytorch_model.safetensors")
+    exported = load_file(out / "t1" / "mini" / "vae" / "diffusion_pytorch_model.safetensors")
+    assert given.keys() == exported.keys() and all(given[k].equal(exported[k]) for k in given)
+    t1 = (out / "t1" / "mini" / "attnqat_mini.json").read_bytes()
+    more = _build(out, sets=fp4, VAE=str(shipped), UNTIL="t2")
+    assert more.returncode == 0, more.stdout[-2000:] + more.stderr[-3000:]
+    assert "t1: exported already, skipped" in more.stdout and not (out / "t3").exists()
+    assert (out / "t1" / "mini" / "attnqat_mini.json").read_bytes() == t1
+    card = json.loads((out / "t2" / "mini" / "attnqat_mini.json").read_text())
+    assert card["transformer_steps"] == 4 and [r["warm_start"] for r in card["runs"]] == [False, True]
+
+
+@pytest.mark.parametrize("env, message", [({"UNTIL": "t5"}, "UNTIL must be t1, t2, t3 or t4"),
+                                          ({"VAE": "NOWHERE"}, "is not an exported build")])
+def test_bad_knobs_are_refused(tmp_path, env, message):
+    env = {k: str(tmp_path / v) if v == "NOWHERE" else v for k, v in env.items()}
+    run = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=60, env=dict(os.environ, **env))
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing created
 
 
 @pytest.mark.parametrize("args, message", [((), "usage"), (("x", "--shp"), "usage"), (("x", "--ship", "y"), "usage"),
