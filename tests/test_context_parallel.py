@@ -70,7 +70,7 @@ def test_ring_refuses_k_smoothing_and_ulysses_takes_it():
     """K-smoothing subtracts the mean of all keys, which a ring chunk does not have: refused before any chunk runs;
     Ulysses keeps each head's whole sequence and takes it."""
     msg = _refusal(_cfg(ring=2), mode="nvfp4", options={"k_smoothing": True})
-    assert "k_smoothing" in msg and "ulysses_degree" in msg
+    assert "cannot run K-smoothing" in msg and "ulysses_degree" in msg and "k_smoothing=False" in msg
     check_context_parallel(_cfg(ring=2), heads=12, mode="nvfp4", needs_grad=False, options={"k_smoothing": False})
     check_context_parallel(_cfg(ulysses=2), heads=12, mode="attn_qat", needs_grad=True,
                            options={"k_smoothing": True, "qk_rotation": "hadamard"})

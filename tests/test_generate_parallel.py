@@ -176,7 +176,7 @@ REFUSALS = [
      "--parallel ring over 3 processes: the video's 32 tokens do not split into 3 equal shares"),
     ({**LAUNCH, "WORLD_SIZE": "2"}, ["--parallel", "ring", "--offload"], "--offload with --parallel is not supported"),
     ({**LAUNCH, "WORLD_SIZE": "2"}, ["--parallel", "ring", "--mode", "nvfp4", "--k-smoothing", "on"],
-     "--parallel ring cannot run K-smoothing"),
+     "--parallel ring over 2 processes: ring attention (ring_degree=2) cannot run K-smoothing"),
     ({"WORLD_SIZE": "2", "RANK": "0"}, ["--parallel", "ring"], "WORLD_SIZE=2 but LOCAL_RANK, MASTER_ADDR, MASTER_PORT "
                                                              "not set"),
 ]

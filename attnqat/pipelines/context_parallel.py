@@ -65,8 +65,9 @@ def check_degrees(ring: int, ulysses: int, *, heads: int, mode: str, needs_grad:
             raise ValueError(f"ring attention needs the log-sum-exp, which mode {mode!r} does not return; "
                              f"ring runs {', '.join(lse_modes())} (use ulysses_degree for {mode!r})")
         if (options or {}).get("k_smoothing"):
-            raise ValueError(f"ring attention (ring_degree={ring}) cannot run k_smoothing: it subtracts the mean of "
-                             f"all keys, which no chunk of them has; use ulysses_degree, or k_smoothing=False")
+            raise ValueError(f"ring attention (ring_degree={ring}) cannot run K-smoothing: it subtracts the mean of "
+                             f"all keys, which no chunk of them has; use Ulysses (ulysses_degree, --parallel "
+                             f"ulysses), or K-smoothing off (k_smoothing=False, --k-smoothing off)")
 
 
 def check_context_parallel(parallel_config: Any, *, heads: int, mode: str, needs_grad: bool,

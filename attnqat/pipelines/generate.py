@@ -296,6 +296,16 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         if asked and option not in dict(mode_of(args.mode).options):
             fp4 = ", ".join(available_modes(lambda m: option in dict(m.options)))
             raise ValueError(f"{flag} {getattr(args, option)} needs an FP4 --mode ({fp4}), not {args.mode}")
+    args.qat_checkpoint, args.weights_note = choose_qat_checkpoint(args.model, args.qat_checkpoint, args.mode)
+    if args.qat_checkpoint is not None:
+        check_qat_checkpoint(args.qat_checkpoint)
+    trained = trained_mode_options(args.mode, args.qat_checkpoint)  # the base weights were trained without them
+    if args.qk_rotation == "auto":  # as the weights were trained
+        args.qk_rotation = trained.get("qk_rotation", "none")
+    if args.k_smoothing == "auto":
+        args.k_smoothing = "on" if trained.get("k_smoothing") else "off"
+    args.mode_options = {**({} if args.qk_rotation == "none" else {"qk_rotation": args.qk_rotation}),
+                         **({"k_smoothing": True} if args.k_smoothing == "on" else {})}
     # None for a hub id: what depends on its transformer is checked once it has loaded (_generate)
     args.transformer_config = model_transformer_config(args.model)
     n_blocks = config_num_blocks(args.transformer_config)  # the config read once
@@ -309,19 +319,6 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--offload needs a CUDA device (it moves models between CPU and GPU)")
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
-    args.qat_checkpoint, args.weights_note = choose_qat_checkpoint(args.model, args.qat_checkpoint, args.mode)
-    if args.qat_checkpoint is not None:
-        check_qat_checkpoint(args.qat_checkpoint)
-    trained = trained_mode_options(args.mode, args.qat_checkpoint)  # the base weights were trained without them
-    if args.qk_rotation == "auto":  # as the weights were trained
-        args.qk_rotation = trained.get("qk_rotation", "none")
-    if args.k_smoothing == "auto":
-        args.k_smoothing = "on" if trained.get("k_smoothing") else "off"
-    args.mode_options = {**({} if args.qk_rotation == "none" else {"qk_rotation": args.qk_rotation}),
-                         **({"k_smoothing": True} if args.k_smoothing == "on" else {})}
-    if args.mode_options.get("k_smoothing") and getattr(args, "launch", None) is not None and args.parallel == "ring":
-        raise ValueError("--parallel ring cannot run K-smoothing (it subtracts the mean of all keys, which no chunk of "
-                         "them has): use --parallel ulysses, or --k-smoothing off")
     return args
 
 
@@ -369,10 +366,14 @@ def check_parallel_layout(args: argparse.Namespace, config: dict) -> None:
     world = args.launch.world_size
     where = f"--parallel {args.parallel} over {world} processes"
     ring, ulysses = (world, 1) if args.parallel == "ring" else (1, world)
-    modes = [args.mode] + ([args.schedule.mode] if args.schedule is not None else [])
-    for mode in modes:
+    # the mode with its options (K-smoothing), and the schedule's high-precision mode, which runs without them
+    modes = [(args.mode, getattr(args, "mode_options", None) or {})]
+    if args.schedule is not None:
+        modes.append((args.schedule.mode, {}))
+    for mode, options in modes:
         try:
-            check_degrees(ring, ulysses, heads=int(config["num_attention_heads"]), mode=mode, needs_grad=False)
+            check_degrees(ring, ulysses, heads=int(config["num_attention_heads"]), mode=mode, needs_grad=False,
+                          options=options)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
     tokens = video_tokens(args, config)
