@@ -64,7 +64,8 @@ import torch
 
 from attnqat.checks import check_device, check_text, check_video_size
 from attnqat.errors import GenerationCancelled
-from attnqat.kernels import REFERENCE_MODE, available_modes, backend_info, mode_of, reference_first
+from attnqat.kernels import (REFERENCE_MODE, available_modes, backend_info, describe_qk_options, mode_of,
+                             reference_first)
 from attnqat.outputs import write_file_atomically
 from attnqat.pipelines import (AttentionTimer, PrecisionSchedule, is_tiny, load_pipeline, load_qat_checkpoint,
                                patch_attention)
@@ -434,9 +435,7 @@ class DemoEngine:
     def weights(self, mode: str) -> str | None:
         said = mode_weights(mode, self.qat_checkpoint, self.qat_shipped)
         if said and self.qat_options and mode_of(mode).uses_qat_weights:
-            how = ([f"Q and K rotated ({self.qat_options['qk_rotation']})"] if "qk_rotation" in self.qat_options
-                   else []) + (["K smoothed"] if self.qat_options.get("k_smoothing") else [])
-            said += f", {' and '.join(how)} as it was trained"
+            said += f" ({'; '.join(describe_qk_options(self.qat_options))}, as it was trained)"
         return said
 
     def vocabulary_note(self, prompt: str) -> str | None:

@@ -72,6 +72,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from attnqat.kernels import describe_qk_options
     from attnqat.pipelines.qat_export import export_qat_weights
 
     check_arguments(args)
@@ -82,6 +83,6 @@ def main(args: argparse.Namespace) -> int:
     size = written.path.stat().st_size
     print(f"wrote {written.path}: {len(written.tensors)} tensors that differ from {args.model}'s in bf16, as "
           f"{written.storage} ({size / 1e6:.2f} MB); base fingerprint {written.base[:12]}; trained: {written.trained}"
-          + (f"; Q, K rotation: {written.qk_rotation}" if written.qk_rotation != "none" else "")
-          + ("; K smoothed" if written.k_smoothing else ""))
+          + "".join(f"; {said}" for said in describe_qk_options({"qk_rotation": written.qk_rotation,
+                                                                  "k_smoothing": written.k_smoothing})))
     return 0

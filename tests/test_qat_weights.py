@@ -298,7 +298,7 @@ def test_the_qk_options_a_finetune_trained_under_travel_with_its_weights(tmp_pat
     assert trained_attention_options(run) == trained_attention_options(run / "final") == both
     auto, none = tmp_path / "auto.safetensors", tmp_path / "none.safetensors"
     assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(auto)]) == 0
-    assert capsys.readouterr().out.strip().endswith("; Q, K rotation: hadamard; K smoothed")
+    assert capsys.readouterr().out.strip().endswith("; Q, K rotated: hadamard; K smoothed")
     assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(none), "--qk-rotation", "none",
                  "--k-smoothing", "off"]) == 0
     assert (read_qat_weights(auto).qk_rotation, read_qat_weights(auto).k_smoothing) == ("hadamard", True)
@@ -355,7 +355,7 @@ def test_the_qk_options_a_finetune_trained_under_travel_with_its_weights(tmp_pat
         engine.run("a red ball", modes=["attn_qat", "nvfp4"], height=32, width=32, frames=5, steps=1, seed=0,
                    out_dir=tmp_path / f"demo_{options[0]}")
         assert patched == [("bf16", None, None), ("attn_qat", *options), ("nvfp4", None, None)], patched
-        said = "Q and K rotated (hadamard) and K smoothed as it was trained"
+        said = "(Q, K rotated: hadamard; K smoothed, as it was trained)"
         assert (said in engine.weights("attn_qat")) == (options[0] is not None)
         assert engine.weights("nvfp4") is None
 

@@ -35,6 +35,14 @@ QK_ROTATIONS = ("none", "hadamard")
 _MATRICES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
+def describe_qk_options(options: dict) -> list[str]:
+    """The Q/K options among a mode's ``options`` in words, one phrase each (``["Q, K rotated: hadamard",
+    "K smoothed"]``), for every command that says how attention runs; [] when neither is on."""
+    rotation = options.get("qk_rotation", "none")
+    return ([f"Q, K rotated: {rotation}"] if rotation != "none" else []) \
+        + (["K smoothed"] if options.get("k_smoothing") else [])
+
+
 def hadamard_matrix(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The (d, d) Walsh-Hadamard matrix divided by sqrt(d) (orthogonal, symmetric) in float32, d a power of two
     (Sylvester's construction, so the same matrix as ``scipy.linalg.hadamard(d) / d ** 0.5``)."""

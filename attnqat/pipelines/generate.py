@@ -643,13 +643,6 @@ def check_mode_runs(mode: str, head_dim: int, device, dtype, flag: str = "--mode
                          f"{str(e).splitlines()[0]}{hint}") from e
 
 
-def _describe_options(options: dict) -> str:
-    """The Q/K options of the summary's attention line: ``" (Q, K rotated: hadamard; K smoothed)"``, or nothing."""
-    said = ([f"Q, K rotated: {options['qk_rotation']}"] if "qk_rotation" in options else []) \
-        + (["K smoothed"] if options.get("k_smoothing") else [])
-    return f" ({'; '.join(said)})" if said else ""
-
-
 def _describe_layers(layers, n_blocks: int) -> str:
     if layers == "self":
         return f"self-attention (attn1) of all {n_blocks} blocks"
@@ -750,6 +743,8 @@ def _generate(args: argparse.Namespace, t_start: float) -> int:
 def _summary(args: argparse.Namespace, pipe, result: GenerationResult, total: float, loading: float, out: Path | None,
              pngs: list) -> list[str]:
     """The lines printed after a run: what ran, its times, what was written."""
+    from attnqat.kernels import describe_qk_options
+
     from .loading import is_tiny
 
     tiny = is_tiny(args.model)
@@ -759,12 +754,13 @@ def _summary(args: argparse.Namespace, pipe, result: GenerationResult, total: fl
     denoise = sum(steps)
     per_step = denoise / max(len(steps), 1)
     passes = "cond + uncond" if args.guidance > 1.0 else "cond only"
+    qk = describe_qk_options(getattr(args, "mode_options", None) or {})
     lines = [
         "",
         f"model        {args.model}" + ("  (RANDOM weights: not a real video model)" if tiny else "")
         + ("  (attnqat's small model, trained on its procedural corpus: coloured shapes over simple backgrounds)"
            if is_mini_model(args.model) else ""),
-        f"attention    {args.mode}{_describe_options(getattr(args, 'mode_options', None) or {})}"
+        f"attention    {args.mode}" + (f" ({'; '.join(qk)})" if qk else "") +
         f" on {_describe_layers(args.layers, len(pipe.transformer.blocks))}",
     ]
     if getattr(args, "weights_note", None):
