@@ -78,7 +78,9 @@ def _variant(src, name: str):
 
 def _rms_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
     """Wan's VAE RMS norms in ``module`` (diffusers' ``WanRMS_norm``)."""
-    return [m for m in module.modules() if type(m).__name__ == "WanRMS_norm"]
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+
+    return [m for m in module.modules() if isinstance(m, WanRMS_norm)]
 
 
 def _plain(vae: torch.nn.Module) -> None:
