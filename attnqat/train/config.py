@@ -115,6 +115,8 @@ class CorpusConfig:
                                     # that size: the VAE's cost is mostly per call, so batching refreshes saves time
     encode_batch: int = 16          # clips rendered and encoded at once
     caption_dropout: float = 0.1    # share of samples whose prompt is replaced by the empty one (for guidance)
+    compact_text: int = 0           # > 0: keep this many rows of the prompt embeddings, the last standing for all the
+                                    # padding (exact; cross-attention over them, not data.text_len: compact_text.py)
 
 
 @dataclass
@@ -548,6 +550,16 @@ def validate(cfg: TrainConfig, *, transformer_config: dict | None = None, device
     _one_of(d.source, DATA_SOURCES, "data.source")
     needs_latents = objective.latents == "dataset"
     corpus_shapes = _corpus_shapes(d.corpus)  # checked whatever the source: no setting is silently ignored
+    keep = d.corpus.compact_text
+    if not (type(keep) is int and (keep == 0 or 2 <= keep < d.text_len)):
+        raise ValueError(f"data.corpus.compact_text must be 0 (off) or an integer from 2 to data.text_len - 1 "
+                         f"({d.text_len - 1}), got {_show(keep)}")
+    if keep and d.source != "corpus":
+        raise ValueError("data.corpus.compact_text cuts the corpus's prompt embeddings; data.source is "
+                         f"{d.source!r}: set compact_text: 0 or data.source: corpus")
+    if keep and a.layers == "all":
+        raise ValueError("data.corpus.compact_text needs the cross-attention in diffusers' processor, but "
+                         "attention.layers 'all' runs it in attention.mode; use layers 'self' or compact_text: 0")
     if d.source == "corpus":
         if d.path is not None:
             raise ValueError("data.path and data.source 'corpus' exclude each other; set data.path: null")

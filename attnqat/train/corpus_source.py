@@ -140,13 +140,22 @@ class CorpusSource:
     # -- encoding -------------------------------------------------------------------------------------------
     @torch.no_grad()
     def embed(self, captions: list[str]) -> torch.Tensor:
-        """(n, text_len, d_model) float32 prompt embeddings, as ``WanPipeline`` computes them."""
+        """(n, text_len, d_model) float32 prompt embeddings, as ``WanPipeline`` computes them; with
+        ``cfg.compact_text`` = L > 0, their first L rows, the last of which is padding for every caption
+        (:mod:`.compact_text`: it stands for all of it), and a caption with no padding within L is refused."""
         tokens = self.tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=self.text_len,
                                 truncation=True, add_special_tokens=True, return_attention_mask=True,
                                 return_tensors="pt")
+        keep = self.cfg.compact_text
+        if keep:  # the tokenizer's lengths are on the host: no wait for the GPU
+            longest = int(tokens.attention_mask.sum(1).max())
+            if longest >= keep:
+                raise ValueError(f"data.corpus.compact_text {keep}: a caption of {longest} tokens leaves none of the "
+                                 f"first {keep} rows to stand for the padding; set it above {longest}")
         ids, mask = tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)
         out = self.text_encoder(ids, mask).last_hidden_state.float()
-        return out * mask.unsqueeze(-1).to(out.dtype)  # zero past each prompt's length, as the pipeline pads
+        out = out * mask.unsqueeze(-1).to(out.dtype)  # zero past each prompt's length, as the pipeline pads
+        return out[:, :keep].contiguous() if keep else out
 
     @torch.no_grad()
     def encode_video(self, video: torch.Tensor) -> torch.Tensor:

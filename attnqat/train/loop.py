@@ -38,7 +38,7 @@ from attnqat.pipelines.loading import CHECKPOINTS_DIR, load_transformer, model_i
 from attnqat.pipelines.lora import save_lora
 
 from . import checkpoint as ck
-from . import optimizers, sequence_parallel
+from . import compact_text, optimizers, sequence_parallel
 from .checkpoint import CheckpointError, NonFiniteTrainingError
 from .consistency import AttentionConsistency
 from .config import CheckedConfig, TrainConfig, objective_of, save_config, tokens_per_sample, trackers_of, validate
@@ -213,6 +213,9 @@ class Trainer:
                                                 lora=asdict(tr.lora))
         # a LoRA run's teacher is the student's module (student_teacher.AdapterOffTeacher), else a copy of its own
         shared = isinstance(teacher, AdapterOffTeacher)
+        if cfg.data.source == "corpus" and cfg.data.corpus.compact_text:  # prompt embeddings cut to their first rows
+            for model in (student,) if shared or teacher is None else (student, teacher):
+                compact_text.install(model, cfg.data.text_len)
         if tr.gradient_checkpointing:
             student.enable_gradient_checkpointing(block_checkpoint(tr.save_attention))
         if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are
