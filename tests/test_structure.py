@@ -69,7 +69,7 @@ LAZY: dict[tuple[str, str], str] = {
     **{("attnqat.demo_app", m): _HELP.format("demo") for m in (
         "attnqat.demo", "attnqat.kernels", "attnqat.pipelines.loading", "attnqat.pipelines.tiny")},
     **{("attnqat.export_qat_cli", m): _HELP.format("export-qat") for m in (
-        "attnqat.pipelines.loading", "attnqat.pipelines.qat_export")},
+        "attnqat.kernels", "attnqat.pipelines.loading", "attnqat.pipelines.qat_export")},
     **{("attnqat.mini.model", m): "the commands read mini's name and folder from here before --help" for m in (
         "attnqat.mini.corpus", "attnqat.pipelines.tiny")},
 }
