@@ -3,7 +3,7 @@ file changed")
 
     python experiments/fp4_noise_sources.py [--model attnqat/models/mini] \
         [--qat attnqat/models/mini/attn_qat.safetensors] [--clips 4] [--size 33x128x128] \
-        [--qk-rotation hadamard] [--k-smoothing]
+        [--qk-rotation hadamard] [--k-smoothing] [--q-smoothing sequence|block]
 
 For the base weights and for the QAT weights, each in its own bf16 as the reference: the velocity distance
 ``|v_fp4 - v_bf16|^2 / |v_bf16|^2`` of nvfp4 attention with only some of its quantizers on (Q and K; V; P; Q, K
@@ -12,13 +12,16 @@ velocity distance of the QAT weights in FP4 to the *base* weights in bf16 (the q
 weights' own FP4 error and how far their bf16 function moved from the base's, also printed. The quantizers are
 switched in the PyTorch reference (attnqat.kernels.reference), so this runs where that runs (CPU: ~10 minutes).
 ``--qk-rotation`` / ``--k-smoothing``: the FP4 rows with those options (Q and K transformed before the
-quantizers, as the shipped QAT file runs: its weights were trained with the rotation).
+quantizers, as the shipped QAT file runs: its weights were trained with the rotation). ``--q-smoothing``: a probe
+of SageAttention2's Q smoothing (:func:`quantizers`).
 """
 from __future__ import annotations
 
 import contextlib
 import pathlib
 import sys
+
+import torch
 
 from attnqat.kernels import QK_ROTATIONS, describe_qk_options, reference
 from attnqat.mini.evaluation import Variant, flow_metrics
@@ -31,19 +34,33 @@ SOURCES = {"Q,K": ("qk",), "V": ("v",), "P": ("p",), "Q,K,V": ("qk", "v"), "all 
 
 
 @contextlib.contextmanager
-def quantizers(on: tuple[str, ...]):
-    """The reference FP4 forward with only the quantizers in ``on`` (the others pass fp32 values through)."""
+def quantizers(on: tuple[str, ...], q_smoothing: str = "none"):
+    """The reference FP4 forward with only the quantizers in ``on`` (the others pass fp32 values through).
+    ``q_smoothing`` (a probe; no option builds it): Q minus its mean over the sequence ("sequence") or over each
+    block of 64 queries ("block", as SageAttention2 smooths each tile) is quantized, and the mean's logits
+    q_mean . K are added back in float32, so exact attention does not change."""
     fq = reference.fake_quant_nvfp4_ref
     forward = reference.attn_qat_forward_ref
 
     def partial(q, k, v, *, sm_scale=None, causal=False, block_n=64, training=True):
         scale = reference._scale(q, sm_scale)
-        qf, kf = ((fq(t.float()) if "qk" in on else t.float()) for t in (q, k))
+        q, k = q.float(), k.float()
+        q_mean = torch.zeros_like(q[..., :1, :])
+        if q_smoothing == "sequence":
+            q_mean = q.mean(dim=-2, keepdim=True)
+        elif q_smoothing == "block":
+            blocks = q.unflatten(-2, (-1, 64)) if q.shape[-2] % 64 == 0 else None
+            if blocks is None:
+                raise SystemExit(f"--q-smoothing block needs a multiple of 64 tokens, not {q.shape[-2]}")
+            q_mean = blocks.mean(dim=-2, keepdim=True).expand_as(blocks).flatten(-3, -2)
+        qf, kf = ((fq(t) if "qk" in on else t) for t in (q - q_mean, k))
         vf = fq(v.float()) if "v" in on else v.float()
         reference.fake_quant_nvfp4_ref = fq if "p" in on else (lambda x, dim=-1, pre_scale=1.0: x)
         try:
-            return reference._fp4_online_softmax(reference._logits_log2(qf, kf, scale, causal), vf, block_n=block_n,
-                                                 training=training)
+            s = reference._logits_log2(qf, kf, scale, causal)
+            if q_smoothing != "none":  # the mean's share of every logit, unquantized
+                s = s + (q_mean @ k.transpose(-1, -2)) * (scale * reference.LOG2E)
+            return reference._fp4_online_softmax(s, vf, block_n=block_n, training=training)
         finally:
             reference.fake_quant_nvfp4_ref = fq
 
@@ -58,7 +75,12 @@ def main(argv=None) -> None:
     parser = held_out_arguments(__doc__, clips=4, size="33x128x128")
     parser.add_argument("--qk-rotation", choices=QK_ROTATIONS, default="none")
     parser.add_argument("--k-smoothing", action="store_true")
+    parser.add_argument("--sources", nargs="+", choices=list(SOURCES), default=list(SOURCES),
+                        help="the rows (default: all of them)")
+    parser.add_argument("--q-smoothing", choices=("none", "sequence", "block"), default="none",
+                        help="probe: Q minus its mean quantized, the mean's logits added back exactly (quantizers())")
     args = parser.parse_args(argv)
+    sources = {name: SOURCES[name] for name in args.sources}
     options = {**({"qk_rotation": args.qk_rotation} if args.qk_rotation != "none" else {}),
                **({"k_smoothing": True} if args.k_smoothing else {})}
     pipe, qat, data = load_held_out(args)
@@ -69,18 +91,20 @@ def main(argv=None) -> None:
     own = {}
     for label, weights in (("base", base), ("QAT", qat)):
         pipe.transformer.load_state_dict(weights)
-        for name, on in SOURCES.items():
-            with quantizers(on):
+        for name, on in sources.items():
+            with quantizers(on, args.q_smoothing):
                 own[label, name] = run(pair)["fp4"]["velocity_distance"]
     print(f"{args.clips} held-out clips at {args.size}; velocity distance of FP4"
-          f"{' (' + '; '.join(describe_qk_options(options)) + ')' if options else ''} to the same weights in bf16\n")
+          f"{' (' + '; '.join(describe_qk_options(options)) + ')' if options else ''}"
+          f"{f', Q smoothed over each {args.q_smoothing}' if args.q_smoothing != 'none' else ''} to the same weights in bf16\n")
     print("| quantizers on | base weights | QAT weights | QAT / base |")
     print("|---|---|---|---|")
-    for name in SOURCES:
+    for name in sources:
         b, q = own["base", name], own["QAT", name]
         print(f"| {name} | {b:.5f} | {q:.5f} | {q / b:.2f} |")
     pipe.transformer.load_state_dict(base)
-    r = run([Variant("bf16", "bf16"), Variant("qat_bf16", "bf16", qat), Variant("qat_fp4", "nvfp4", qat, options)])
+    with quantizers(SOURCES["all (nvfp4)"], args.q_smoothing):
+        r = run([Variant("bf16", "bf16"), Variant("qat_bf16", "bf16", qat), Variant("qat_fp4", "nvfp4", qat, options)])
     print(f"\nto the base weights in bf16: the QAT weights in bf16 {r['qat_bf16']['velocity_distance']:.5f}, "
           f"in FP4 {r['qat_fp4']['velocity_distance']:.5f}")
 
