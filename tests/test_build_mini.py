@@ -89,13 +89,12 @@ def test_a_trained_vae_and_a_stop_after_a_run(tmp_path):
     given = load_file(shipped / "vae" / "diffusion_pytorch_model.safetensors")
     exported = load_file(out / "t1" / "mini" / "vae" / "diffusion_pytorch_model.safetensors")
     assert given.keys() == exported.keys() and all(given[k].equal(exported[k]) for k in given)
+    # the same command again: the run is recorded, nothing trains (the warm starts of later runs: the test above)
     t1 = (out / "t1" / "mini" / "attnqat_mini.json").read_bytes()
-    more = _build(out, sets=fp4, VAE=str(shipped), UNTIL="t2")
-    assert more.returncode == 0, more.stdout[-2000:] + more.stderr[-3000:]
-    assert "t1: exported already, skipped" in more.stdout and not (out / "t3").exists()
+    again = _build(out, sets=fp4, VAE=str(shipped), UNTIL="t1")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "t1: exported already, skipped" in again.stdout and not (out / "t2").exists()
     assert (out / "t1" / "mini" / "attnqat_mini.json").read_bytes() == t1
-    card = json.loads((out / "t2" / "mini" / "attnqat_mini.json").read_text())
-    assert card["transformer_steps"] == 4 and [r["warm_start"] for r in card["runs"]] == [False, True]
 
 
 @pytest.mark.parametrize("env, message", [({"UNTIL": "t5"}, "UNTIL must be t1, t2, t3 or t4"),
