@@ -115,7 +115,7 @@ class AttentionTimer:
 
 
 def qkv_projections(attn: WanAttention, hidden_states: torch.Tensor,
-                     encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q from ``hidden_states``, K and V from ``encoder_hidden_states``; through the fused linears after
     ``transformer.fuse_qkv_projections()`` (to_qkv in self-attention, to_kv in cross-attention)."""
     if attn.fused_projections:
@@ -196,7 +196,7 @@ class AttnQATProcessor(WanAttnProcessor, SwitchableProcessor):
             split = encoder_hidden_states.shape[1] - _TEXT_TOKENS
             image_states, encoder_hidden_states = encoder_hidden_states[:, :split], encoder_hidden_states[:, split:]
         query, key, value = qkv_projections(attn, hidden_states,
-                                             hidden_states if self_attention else encoder_hidden_states)
+                                            hidden_states if self_attention else encoder_hidden_states)
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
