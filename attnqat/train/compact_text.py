@@ -13,7 +13,7 @@ arithmetic over L keys instead of 512. mini's captions are at most a few dozen t
 33x256x256 training step spent 3.4 of 42 ms in cross-attention over 512 keys (docs/benchmarks.md).
 
 :class:`CompactTextProcessor` is the cross-attention's processor: with ``text_len`` keys it is diffusers' own;
-with fewer it adds ln(count) to the last key's logit, in float32 outside autocast (in bf16, ln 489 = 6.19 would
+with fewer it adds ln(count) to the last key's logit, in float32 outside autocast (plain products and softmax) (in bf16, ln 489 = 6.19 would
 round by up to 0.016, a 1.6% error in the padding's weight). :func:`install` sets it on every block's ``attn2``.
 The corpus source (:mod:`.corpus_source`) cuts the embeddings and refuses a caption too long for L.
 """
@@ -50,8 +50,12 @@ class CompactTextProcessor(WanAttnProcessor):
                              for t in (attn.norm_q(query), attn.norm_k(key), value))
         pads = self.text_len - keys + 1  # the padded rows the last key stands for
         bias = F.pad(torch.zeros(1, 1, 1, keys - 1, device=query.device), (0, 1), value=math.log(pads))
+        # Plain float32 products and softmax, not SDPA: over a few dozen keys they are a few small kernels that
+        # the compiler fuses, while SDPA's float32 path (memory-efficient attention) cost more than bf16 cuDNN
+        # over all 512 keys (H200, mini at 33x256x256: 45.1 against 42.0 ms a step).
         with torch.autocast(query.device.type, enabled=False):
-            out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=bias)
+            logits = torch.matmul(query.float(), key.float().transpose(-1, -2)) * query.shape[-1] ** -0.5 + bias
+            out = torch.matmul(logits.softmax(dim=-1), value.float())
         out = out.transpose(1, 2).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
