@@ -37,7 +37,7 @@ import triton.language as tl
 from ._common import (P_BWD_CHOICES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting,
                       needs_grad, pinned_config, recomputed_later, training_placeholders, work_dtype)
 from ._hardware import compile_for, first_that_compiles, fp4_mma_arch, fp8_cast
-from .formats import LOG2E
+from .formats import LOG2E, SAGE3_Q_BLOCK
 from .nvfp4 import fake_quant_tile, quantize_heads, round_e2m1_nonneg, round_e4m3, tile_keys, unpack_tile
 from .reference import refuse_double_backward
 
@@ -82,6 +82,74 @@ def _through_mma(x, COLS: tl.constexpr):
     87.8 against 72.5), so the forward takes it only for inference with 128-key tiles."""
     c = tl.arange(0, COLS)
     return tl.dot(x, tl.where(c[:, None] == c[None, :], 1.0, 0.0).to(x.dtype)).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ΔS, the Q-smoothing bias (sage3, and the q_smoothing option of the FP4 modes)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bf16_bits(x):
+    """x (fp32 whose low 16 bits are 0) as bf16, by its bits: exact, with no rounding cast."""
+    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _delta_s(K, KMean, QMean, DS, stride_kb, stride_kh, stride_kl, H, LK, NQB, DS_STRIDE,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_QB: tl.constexpr, KEY_TILE: tl.constexpr,
+             CENTER_K: tl.constexpr, IEEE: tl.constexpr):
+    """ΔS[bh, i, :, keys] = q̄_i · (K - k̄)^T for every 128-row query block i and BLOCK_N keys, computed in
+    fp32 and stored as bf16 parts hi, mid, lo (hi + mid + lo = ΔS exactly). KEY_TILE > 0: in the column order
+    of the forward's KEY_TILE-wide tiles (nvfp4.tile_keys) so that its loads are contiguous; 0: keys in order
+    (the backward kernels', which gather them). CENTER_K (constexpr: sage3's K smoothing) subtracts k̄ = KMean;
+    without it (q_smoothing) ΔS = q̄_i K^T. Padding keys (LK <= key < DS_STRIDE) get q̄ · (0 - k̄): finite,
+    as the forward needs.
+
+    The GPU runs the dot as three tf32 tensor-core products (hi*hi + hi*lo + lo*hi: relative error
+    4e-7 against fp32 at L=32760; an exact "ieee" dot ran 30x slower); the interpreter runs it in fp32."""
+    bh = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # where ΔS is stored
+    if KEY_TILE:
+        keys = (offs_n // KEY_TILE) * KEY_TILE + tile_keys(offs_n % KEY_TILE, KEY_TILE)  # the key stored there
+    else:
+        keys = offs_n
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.load(K + (bh // H) * stride_kb + (bh % H) * stride_kh + keys[None, :] * stride_kl + offs_d[:, None],
+                mask=keys[None, :] < LK, other=0.0).to(tl.float32)
+    if CENTER_K:
+        k = k - tl.load(KMean + bh * HEAD_DIM + offs_d)[:, None]  # (HEAD_DIM, BLOCK_N): K_s^T
+    for start in range(0, NQB, BLOCK_QB):
+        rows = start + tl.arange(0, BLOCK_QB)
+        q_bar = tl.load(QMean + (bh * NQB + rows[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < NQB,
+                        other=0.0)
+        if IEEE:
+            ds = tl.dot(q_bar, k, input_precision="ieee")
+        else:
+            ds = tl.dot(q_bar, k, input_precision="tf32x3")
+        # hi + mid + lo = ds exactly: each keeps the top 8 significant bits of what is left (truncation
+        # by masking, so the interpreter's rounding casts never enter); the last remainder has <= 8.
+        hi = (ds.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        mid = ((ds - hi).to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        lo = ds - hi - mid
+        ptrs = DS + ((bh * NQB + rows[:, None]).to(tl.int64) * 3) * DS_STRIDE + offs_n[None, :]
+        mask = (rows[:, None] < NQB) & (offs_n[None, :] < DS_STRIDE)
+        tl.store(ptrs, _bf16_bits(hi), mask=mask)
+        tl.store(ptrs + DS_STRIDE, _bf16_bits(mid), mask=mask)
+        tl.store(ptrs + 2 * DS_STRIDE, _bf16_bits(lo), mask=mask)
+
+
+@triton.jit
+def _delta_s_row(ds_base, offs_n, LK, DS_STRIDE):
+    """One query block's ΔS (keys in order, _delta_s with KEY_TILE=0) at keys offs_n, in fp32: hi + mid + lo,
+    exact (8 + 8 + <= 8 significant bits); 0 past LK. The backward kernels start S's accumulator from it, so S
+    sums as the forward's does (ΔS first, then Q K^T)."""
+    ok = offs_n < LK
+    hi = tl.load(ds_base + offs_n, mask=ok, other=0.0).to(tl.float32)
+    mid = tl.load(ds_base + DS_STRIDE + offs_n, mask=ok, other=0.0).to(tl.float32)
+    lo = tl.load(ds_base + 2 * DS_STRIDE + offs_n, mask=ok, other=0.0).to(tl.float32)
+    return (hi + mid) + lo
+
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -184,7 +252,7 @@ def _round_p(y, scale, IEEE: tl.constexpr, FP16: tl.constexpr):
 def _add_delta_s(s, ds_base, start_n, DS_STRIDE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """S + ΔS for the key tile at start_n (SageAttention3's Q-smoothing correction), on the tensor cores.
 
-    ΔS is stored as three bf16 rows hi, mid, lo with hi + mid + lo = ΔS exactly (sage3._delta_s), so
+    ΔS is stored as three bf16 rows hi, mid, lo with hi + mid + lo = ΔS exactly (_delta_s), so
     S + ΔS = S + [1 1 1 0 ...] @ [hi; mid; lo; 0 ...]: one more k=16 MMA chained on S's accumulator.
     Adding fp32 ΔS in registers instead cost an FMA per element and the ΔS row's registers: 62.1 ms at
     (1, 40, 32760, 128) on an H100 against 58.3 ms for this form (docs/kernels.md). The rows are stored
@@ -723,6 +791,26 @@ def compile_backward(arch: int, cfg: LaunchConfig, **constexprs):
              "FUSED_DQ": False, "PHI_FROM_S": True, "FP16": False, "FP8_CAST": arch >= 89, **constexprs}
     return compile_for(_attn_bwd_dkdv, arch, types={**ptrs, "qk_scale": "fp32", "sm_scale": "fp32"},
                        constexprs=const, aligned=tuple(ptrs), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU; (128, 64), (128, 128) were slower
+
+
+def delta_s_parts(k: torch.Tensor, q_mean: torch.Tensor, width: int, key_tile: int,
+                  k_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """ΔS = q̄ (K - k̄)^T (k̄ = ``k_mean`` (B, H, D) fp32: sage3's K smoothing; None: ΔS = q̄ K^T, q_smoothing's)
+    for the 128-row block means ``q_mean`` (B, H, ceil(Lq/128), D) fp32 of Q, as (B, H, ceil(Lq/128), 3, width)
+    bf16 exact parts hi, mid, lo (_delta_s). ``key_tile`` > 0: columns in the order of the forward's key_tile-wide
+    tiles, ``width`` a whole number of them; 0: keys in order (the backward kernels'), ``width`` >= Lk."""
+    b, h, lk, d = k.shape
+    nqb = q_mean.shape[2]
+    delta_s = torch.empty((b, h, nqb, 3, width), dtype=torch.bfloat16, device=k.device)
+    block_n = 32 if interpreting() else DELTA_S_TILE[0]
+    _delta_s[(triton.cdiv(width, block_n), b * h)](
+        k, k if k_mean is None else k_mean, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), h, lk, nqb,
+        delta_s.stride(3), HEAD_DIM=d, BLOCK_N=block_n, BLOCK_QB=32 if interpreting() else DELTA_S_TILE[1],
+        KEY_TILE=key_tile, CENTER_K=k_mean is not None, IEEE=interpreting(), num_stages=2)
+    return delta_s
 
 
 def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
