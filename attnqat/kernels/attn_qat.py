@@ -581,7 +581,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta,
             dk = _dot(tl.trans(ds.to(dot_ty)), q, dk, IEEE)
             if SMOOTH_Q:
                 ds_sum = tl.sum(ds, axis=0)
-        if SMOOTH_Q:  # dK += (dS^T 1) q̄^T: a rank-1 update, BLOCK_N x HEAD_DIM FMAs against the MMA's BLOCK_M times more
+        if SMOOTH_Q:  # dK += (dS^T 1) q̄^T: rank 1, BLOCK_N x HEAD_DIM FMAs (the dK MMA: BLOCK_M times more)
             dk += ds_sum[:, None] * tl.load(QMean + block * HEAD_DIM + offs_d)[None, :]
         if FUSED_DQ:
             if TRANSPOSED:
@@ -609,8 +609,9 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV, DQAcc, DeltaS, QMean,
     ((B*H, LQ, HEAD_DIM) fp32, zeroed; unscaled), and no dQ kernel runs. TRANSPOSED, PHI_FROM_S: see
     _attn_bwd_dkdv_inner. SMOOTH_Q (constexpr: the q_smoothing option; off, the kernel is as without it): DeltaS
     (B*H, NQB, 3, DS_STRIDE) bf16, ΔS in exact parts with keys in order (_delta_s with KEY_TILE=0), QMean
-    (B*H, NQB, HEAD_DIM) fp32 the 128-row block means q̄; QF holds phi(Q - q̄). The program owns its keys, so their order is free: K, V are loaded, and dK, dV
-    stored, in the order whose 16-key blocks the layout keeps together (_key_order unless TRANSPOSED)."""
+    (B*H, NQB, HEAD_DIM) fp32 the 128-row block means q̄; QF holds phi(Q - q̄). The program owns its keys, so their
+    order is free: K, V are loaded, and dK, dV stored, in the order whose 16-key blocks the layout keeps together
+    (_key_order unless TRANSPOSED)."""
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
     if SMOOTH_Q:
@@ -1023,7 +1024,7 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
 # traces models that use them without graph breaks; Dynamo traces the autograd Functions below.
 #
 #     attnqat::attn_qat_fwd  (q, k, v, sm_scale, causal, training, q_smoothing=False)
-#                            -> (o, o_aux, m, l, q^F, k^F, v^F, q̄)        (q̄: an empty placeholder without q_smoothing)
+#                            -> (o, o_aux, m, l, q^F, k^F, v^F, q̄)   (q̄: empty without q_smoothing)
 #     attnqat::attn_qat_bwd  (do, q, k, q^F, k^F, v^F, o_aux, m, l, sm_scale, causal, p_bwd, q̄=None) -> (dq, dk, dv)
 #     attnqat::attn_qat_dropin_bwd  (do, q, k, v, o, sm_scale, causal) -> (dq, dk, dv)   (the ablation's backward)
 # ---------------------------------------------------------------------------------------------------
