@@ -12,6 +12,10 @@ Backward: recompute S from the same Q^F, K^F (principle 1), P^F = phi(P~)/l with
 (the forward's quantized P), D = rowsum(dO * O') (principle 2), dV = P^F^T dO, dP = dO V^F^T,
 dS = P (dP - D), dQ = dS K^F scale, dK = dS^T Q^F scale; straight-through to Q, K, V.
 
+``q_smoothing`` (SMOOTH_Q, off by default; docs/kernels.md, "Q smoothing"): per 128-row query block Q^F = phi(Q - q̄)
+and S gains ΔS = q̄ K^T, in the forward and the backward's recomputes; dK gains (dS^T 1) q̄^T scale, and dQ goes
+straight through Q - q̄ (q̄'s own gradient is dropped).
+
 The file reads top to bottom, in the order of Triton's fused-attention tutorial and FlashAttention's
 layers: ``@triton.jit`` helpers -> ``_attn_fwd`` -> ``_attn_bwd_preprocess`` -> ``_attn_bwd_dkdv`` ->
 ``_attn_bwd_dq`` -> launch configs -> the launchers :func:`attn_qat_forward` / :func:`attn_qat_backward`
@@ -350,8 +354,8 @@ def _attn_fwd(QF, KF, VF, QS, KS, O, OAux, M, Lsum, DeltaS,
               IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr,
               PACKED_QK: tl.constexpr):
     """One block of BLOCK_M query rows per program. SMOOTH_Q (constexpr: SageAttention3's
-    Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T.
-    DeltaS: (B*H, blocks of 128 rows, 3, DS_STRIDE) bf16, ΔS = hi + mid + lo (sage3._delta_s).
+    Q-smoothing, sage3's and the FP4 modes' q_smoothing option): add the fp32 correction ΔS of the row's 128-row
+    block to Q^F K^F^T. DeltaS: (B*H, blocks of 128 rows, 3, DS_STRIDE) bf16, ΔS = hi + mid + lo (_delta_s).
     PACKED_QK (constexpr, the native path, 1 or 2): QF, KF hold NVFP4 codes (B*H, L, HEAD_DIM/2) and QS, KS
     their scale bits (B*H, L, HEAD_DIM/16), and S comes from the block-scaled FP4 MMA (_dot_fp4; 2 starts S
     from a runtime zero, see _attn_fwd_inner)."""
