@@ -56,7 +56,7 @@ def test_reference_without_phi_is_exact_attention(causal):
     assert rel_err(torch.softmax(without / LOG2E, dim=-1) @ v, out) > 0.1
 
 
-def test_reference_backward_is_exact_without_phi_in_the_limit():
+def test_reference_dk_term_is_the_block_means_share():
     """The backward's dK algebra: dS^T Q_s + (dS^T 1) q̄^T = dS^T Q, per block. Checked on the reference's own
     pieces: dK with the term against dS^T (Q_s + q̄) computed here, dK without it differs."""
     q, k, v = shared_offset_qkv(1, 1, 200, 96, 64, dtype=torch.float32, seed=1)
@@ -289,3 +289,13 @@ def test_gpu_matches_reference(causal, poison):
     assert rel_err(o.float().cpu(), ro) < 5e-3
     for got, w in zip((q.grad, k.grad, v.grad), want):
         assert rel_err(got.float().cpu(), w) < 1e-2
+
+
+def test_forward_op_with_q_smoothing_passes_opcheck():
+    """attnqat::attn_qat_fwd with q_smoothing=True (training: q̄ is its eighth output): schema, its fake against the
+    real outputs (shapes, dtypes, strides; q in diffusers' (B, L, H, D) layout), AOTAutograd."""
+    from attnqat.kernels.attn_qat import attn_qat_fwd
+
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in shared_offset_qkv(1, 1, 130, 64, 64))
+    torch.library.opcheck(attn_qat_fwd, (q, k, v, 0.125, False, True, True))
+    assert attn_qat_fwd(q, k, v, 0.125, False, True, True)[7].shape == (1, 1, 2, 64)
