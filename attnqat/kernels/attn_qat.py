@@ -12,6 +12,10 @@ Backward: recompute S from the same Q^F, K^F (principle 1), P^F = phi(P~)/l with
 (the forward's quantized P), D = rowsum(dO * O') (principle 2), dV = P^F^T dO, dP = dO V^F^T,
 dS = P (dP - D), dQ = dS K^F scale, dK = dS^T Q^F scale; straight-through to Q, K, V.
 
+``q_smoothing`` (SMOOTH_Q, off by default; docs/kernels.md, "Q smoothing"): per 128-row query block Q^F = phi(Q - q̄)
+and S gains ΔS = q̄ K^T, in the forward and the backward's recomputes; dK gains (dS^T 1) q̄^T scale, and dQ goes
+straight through Q - q̄ (q̄'s own gradient is dropped).
+
 The file reads top to bottom, in the order of Triton's fused-attention tutorial and FlashAttention's
 layers: ``@triton.jit`` helpers -> ``_attn_fwd`` -> ``_attn_bwd_preprocess`` -> ``_attn_bwd_dkdv`` ->
 ``_attn_bwd_dq`` -> launch configs -> the launchers :func:`attn_qat_forward` / :func:`attn_qat_backward`
@@ -37,7 +41,7 @@ import triton.language as tl
 from ._common import (P_BWD_CHOICES, LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting,
                       needs_grad, pinned_config, recomputed_later, training_placeholders, work_dtype)
 from ._hardware import compile_for, first_that_compiles, fp4_mma_arch, fp8_cast
-from .formats import LOG2E
+from .formats import LOG2E, SAGE3_Q_BLOCK
 from .nvfp4 import fake_quant_tile, quantize_heads, round_e2m1_nonneg, round_e4m3, tile_keys, unpack_tile
 from .reference import refuse_double_backward
 
@@ -82,6 +86,74 @@ def _through_mma(x, COLS: tl.constexpr):
     87.8 against 72.5), so the forward takes it only for inference with 128-key tiles."""
     c = tl.arange(0, COLS)
     return tl.dot(x, tl.where(c[:, None] == c[None, :], 1.0, 0.0).to(x.dtype)).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ΔS, the Q-smoothing bias (sage3, and the q_smoothing option of the FP4 modes)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bf16_bits(x):
+    """x (fp32 whose low 16 bits are 0) as bf16, by its bits: exact, with no rounding cast."""
+    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _delta_s(K, KMean, QMean, DS, stride_kb, stride_kh, stride_kl, H, LK, NQB, DS_STRIDE,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_QB: tl.constexpr, KEY_TILE: tl.constexpr,
+             CENTER_K: tl.constexpr, IEEE: tl.constexpr):
+    """ΔS[bh, i, :, keys] = q̄_i · (K - k̄)^T for every 128-row query block i and BLOCK_N keys, computed in
+    fp32 and stored as bf16 parts hi, mid, lo (hi + mid + lo = ΔS exactly). KEY_TILE > 0: in the column order
+    of the forward's KEY_TILE-wide tiles (nvfp4.tile_keys) so that its loads are contiguous; 0: keys in order
+    (the backward kernels', which gather them). CENTER_K (constexpr: sage3's K smoothing) subtracts k̄ = KMean;
+    without it (q_smoothing) ΔS = q̄_i K^T. Padding keys (LK <= key < DS_STRIDE) get q̄ · (0 - k̄): finite,
+    as the forward needs.
+
+    The GPU runs the dot as three tf32 tensor-core products (hi*hi + hi*lo + lo*hi: relative error
+    4e-7 against fp32 at L=32760; an exact "ieee" dot ran 30x slower); the interpreter runs it in fp32."""
+    bh = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # where ΔS is stored
+    if KEY_TILE:
+        keys = (offs_n // KEY_TILE) * KEY_TILE + tile_keys(offs_n % KEY_TILE, KEY_TILE)  # the key stored there
+    else:
+        keys = offs_n
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.load(K + (bh // H) * stride_kb + (bh % H) * stride_kh + keys[None, :] * stride_kl + offs_d[:, None],
+                mask=keys[None, :] < LK, other=0.0).to(tl.float32)
+    if CENTER_K:
+        k = k - tl.load(KMean + bh * HEAD_DIM + offs_d)[:, None]  # (HEAD_DIM, BLOCK_N): K_s^T
+    for start in range(0, NQB, BLOCK_QB):
+        rows = start + tl.arange(0, BLOCK_QB)
+        q_bar = tl.load(QMean + (bh * NQB + rows[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < NQB,
+                        other=0.0)
+        if IEEE:
+            ds = tl.dot(q_bar, k, input_precision="ieee")
+        else:
+            ds = tl.dot(q_bar, k, input_precision="tf32x3")
+        # hi + mid + lo = ds exactly: each keeps the top 8 significant bits of what is left (truncation
+        # by masking, so the interpreter's rounding casts never enter); the last remainder has <= 8.
+        hi = (ds.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        mid = ((ds - hi).to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        lo = ds - hi - mid
+        ptrs = DS + ((bh * NQB + rows[:, None]).to(tl.int64) * 3) * DS_STRIDE + offs_n[None, :]
+        mask = (rows[:, None] < NQB) & (offs_n[None, :] < DS_STRIDE)
+        tl.store(ptrs, _bf16_bits(hi), mask=mask)
+        tl.store(ptrs + DS_STRIDE, _bf16_bits(mid), mask=mask)
+        tl.store(ptrs + 2 * DS_STRIDE, _bf16_bits(lo), mask=mask)
+
+
+@triton.jit
+def _delta_s_row(ds_base, offs_n, LK, DS_STRIDE):
+    """One query block's ΔS (keys in order, _delta_s with KEY_TILE=0) at keys offs_n, in fp32: hi + mid + lo,
+    exact (8 + 8 + <= 8 significant bits); 0 past LK. The backward kernels start S's accumulator from it, so S
+    sums as the forward's does (ΔS first, then Q K^T)."""
+    ok = offs_n < LK
+    hi = tl.load(ds_base + offs_n, mask=ok, other=0.0).to(tl.float32)
+    mid = tl.load(ds_base + DS_STRIDE + offs_n, mask=ok, other=0.0).to(tl.float32)
+    lo = tl.load(ds_base + 2 * DS_STRIDE + offs_n, mask=ok, other=0.0).to(tl.float32)
+    return (hi + mid) + lo
+
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -184,7 +256,7 @@ def _round_p(y, scale, IEEE: tl.constexpr, FP16: tl.constexpr):
 def _add_delta_s(s, ds_base, start_n, DS_STRIDE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """S + ΔS for the key tile at start_n (SageAttention3's Q-smoothing correction), on the tensor cores.
 
-    ΔS is stored as three bf16 rows hi, mid, lo with hi + mid + lo = ΔS exactly (sage3._delta_s), so
+    ΔS is stored as three bf16 rows hi, mid, lo with hi + mid + lo = ΔS exactly (_delta_s), so
     S + ΔS = S + [1 1 1 0 ...] @ [hi; mid; lo; 0 ...]: one more k=16 MMA chained on S's accumulator.
     Adding fp32 ΔS in registers instead cost an FMA per element and the ΔS row's registers: 62.1 ms at
     (1, 40, 32760, 128) on an H100 against 58.3 ms for this form (docs/kernels.md). The rows are stored
@@ -282,8 +354,8 @@ def _attn_fwd(QF, KF, VF, QS, KS, O, OAux, M, Lsum, DeltaS,
               IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr,
               PACKED_QK: tl.constexpr):
     """One block of BLOCK_M query rows per program. SMOOTH_Q (constexpr: SageAttention3's
-    Q-smoothing, sage3 mode only): add the fp32 correction ΔS of the row's 128-row block to Q^F K^F^T.
-    DeltaS: (B*H, blocks of 128 rows, 3, DS_STRIDE) bf16, ΔS = hi + mid + lo (sage3._delta_s).
+    Q-smoothing, sage3's and the FP4 modes' q_smoothing option): add the fp32 correction ΔS of the row's 128-row
+    block to Q^F K^F^T. DeltaS: (B*H, blocks of 128 rows, 3, DS_STRIDE) bf16, ΔS = hi + mid + lo (_delta_s).
     PACKED_QK (constexpr, the native path, 1 or 2): QF, KF hold NVFP4 codes (B*H, L, HEAD_DIM/2) and QS, KS
     their scale bits (B*H, L, HEAD_DIM/16), and S comes from the block-scaled FP4 MMA (_dot_fp4; 2 starts S
     from a runtime zero, see _attn_fwd_inner)."""
@@ -408,12 +480,12 @@ def _phi_blocks(p, amax, IEEE: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.co
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, lo, hi, stride_dol,
-                         LQ, LK, qk_scale,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, DeltaS, QMean, bh, offs_n, lo, hi,
+                         stride_dol, LQ, LK, NQB, DS_STRIDE, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                          CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, QUANT_P: tl.constexpr,
                          IEEE: tl.constexpr, FUSED_DQ: tl.constexpr, TRANSPOSED: tl.constexpr,
-                         PHI_FROM_S: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr):
+                         PHI_FROM_S: tl.constexpr, FP16: tl.constexpr, FP8_CAST: tl.constexpr, SMOOTH_Q: tl.constexpr):
     """Query blocks [lo, hi) for one key block. MASK (constexpr): only ragged blocks and the causal diagonal pay
     for it. FUSED_DQ: also dQ += dS K^F from this S recompute, added atomically into an fp32 buffer (five MMAs
     per tile pair instead of seven over the two kernels; the price is the atomic traffic).
@@ -424,6 +496,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta,
     the forward, so every block lies in one thread, and P^T, dS^T pass through shared memory to their MMAs.
     PHI_FROM_S (constexpr): phi as the forward does it (_phi_blocks: block maxima taken on S before the exp2,
     packed rounding); False keeps the former fake_quant_tile on P~ (transposed only), to test and time against.
+    SMOOTH_Q (constexpr, the q_smoothing option): S starts from the query block's ΔS row (keys in order), and dK
+    gains (dS^T 1) q̄^T, the share of dS^T Q that the quantized Q_s = Q - q̄ lacks (SPEC §4's Q-smoothing term).
+    A query tile lies in one 128-row block (the launcher checks that BLOCK_M divides 128, and tiles start at
+    multiples of BLOCK_M).
     """
     offs_d = tl.arange(0, HEAD_DIM)
     dot_ty = k.dtype
@@ -444,20 +520,35 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta,
             delta = tl.load(Delta + bh * LQ + offs_m)
             do = tl.load(do_base + offs_m[:, None] * stride_dol + offs_d[None, :])
         do = do.to(dot_ty)
-        # Padded keys are masked: they would enter the 16-key quantization blocks of real keys.
+        if SMOOTH_Q:
+            block = (bh * NQB + start_m // 128).to(tl.int64)  # the tile's 128-row smoothing block
+            ds_row = _delta_s_row(DeltaS + block * 3 * DS_STRIDE, offs_n, LK, DS_STRIDE)
+        # Padded keys are masked: they would enter the 16-key quantization blocks of real keys. With SMOOTH_Q
+        # padded query rows are masked too: their S is ΔS, not 0, and 2^(ΔS scale + 11.4) may overflow to inf,
+        # which times their zero dO would make NaN.
         if TRANSPOSED:
-            s = _dot(k, q, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+            if SMOOTH_Q:
+                s = _dot(k, q, ds_row[:, None] + tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
+            else:
+                s = _dot(k, q, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE)
             if MASK:
                 valid = offs_n[:, None] < LK
                 if CAUSAL:
                     valid = valid & (offs_n[:, None] <= offs_m[None, :])
+                if SMOOTH_Q:
+                    valid = valid & (offs_m[None, :] < LQ)
                 s = tl.where(valid, s, float("-inf"))
         else:
-            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+            if SMOOTH_Q:
+                s = _dot(q, tl.trans(k), ds_row[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+            else:
+                s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
             if MASK:
                 valid = offs_n[None, :] < LK
                 if CAUSAL:
                     valid = valid & (offs_n[None, :] <= offs_m[:, None])
+                if SMOOTH_Q:
+                    valid = valid & (offs_m[:, None] < LQ)
                 s = tl.where(valid, s, float("-inf"))
         sb = _key_blocks(s, TRANSPOSED)
         base = _per_query(m - 11.392317422778761, TRANSPOSED)  # P~ = 2688 * 2^(S - m) = 2^(S - base)
@@ -486,10 +577,16 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta,
             dv = _dot(pf, do, dv, IEEE)
             ds = p * (_dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), IEEE) - delta[None, :])
             dk = _dot(ds.to(dot_ty), tl.trans(q), dk, IEEE)
+            if SMOOTH_Q:
+                ds_sum = tl.sum(ds, axis=1)  # dS^T 1 over the tile's queries, in fp32
         else:
             dv = _dot(tl.trans(pf), do, dv, IEEE)
             ds = p * (_dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) - delta[:, None])
             dk = _dot(tl.trans(ds.to(dot_ty)), q, dk, IEEE)
+            if SMOOTH_Q:
+                ds_sum = tl.sum(ds, axis=0)
+        if SMOOTH_Q:  # dK += (dS^T 1) q̄^T: rank 1, BLOCK_N x HEAD_DIM FMAs (the dK MMA: BLOCK_M times more)
+            dk += ds_sum[:, None] * tl.load(QMean + block * HEAD_DIM + offs_d)[None, :]
         if FUSED_DQ:
             if TRANSPOSED:
                 ds = tl.trans(ds)
@@ -503,21 +600,26 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta,
 
 
 @triton.jit
-def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV, DQAcc,
+def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV, DQAcc, DeltaS, QMean,
                    stride_dob, stride_doh, stride_dol,
                    stride_kb, stride_kh, stride_kl,
-                   H, LQ, LK, qk_scale, sm_scale,
+                   H, LQ, LK, NQB, DS_STRIDE, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, P_NORMALIZED: tl.constexpr, IEEE: tl.constexpr, QUANT_P: tl.constexpr,
                    FUSED_DQ: tl.constexpr = False, TRANSPOSED: tl.constexpr = True, PHI_FROM_S: tl.constexpr = True,
-                   FP16: tl.constexpr = False, FP8_CAST: tl.constexpr = False):
+                   FP16: tl.constexpr = False, FP8_CAST: tl.constexpr = False, SMOOTH_Q: tl.constexpr = False):
     """One key block per program, looping over query blocks: dV = P^F^T dO, dK = dS^T Q^F * scale.
     QUANT_P=False drops phi (benchmarks use it to price the quantization). FUSED_DQ: also dS K^F into DQAcc
     ((B*H, LQ, HEAD_DIM) fp32, zeroed; unscaled), and no dQ kernel runs. TRANSPOSED, PHI_FROM_S: see
-    _attn_bwd_dkdv_inner. The program owns its keys, so their order is free: K, V are loaded, and dK, dV
-    stored, in the order whose 16-key blocks the layout keeps together (_key_order unless TRANSPOSED)."""
+    _attn_bwd_dkdv_inner. SMOOTH_Q (constexpr: the q_smoothing option; off, the kernel is as without it): DeltaS
+    (B*H, NQB, 3, DS_STRIDE) bf16, ΔS in exact parts with keys in order (_delta_s with KEY_TILE=0), QMean
+    (B*H, NQB, HEAD_DIM) fp32 the 128-row block means q̄; QF holds phi(Q - q̄). The program owns its keys, so their
+    order is free: K, V are loaded, and dK, dV stored, in the order whose 16-key blocks the layout keeps together
+    (_key_order unless TRANSPOSED)."""
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
+    if SMOOTH_Q:
+        tl.static_assert(128 % BLOCK_M == 0)  # a query tile's rows share one 128-row smoothing block
     if TRANSPOSED:
         tl.static_assert(BLOCK_N % 16 == 0)
         offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -542,33 +644,42 @@ def _attn_bwd_dkdv(QF, KF, VF, DO, M, Lsum, Delta, DK, DV, DQAcc,
         mid = 0
     mid = tl.where((start_n + 1) * BLOCK_N <= LK, mid, LQ)
     full_hi = tl.maximum(mid, (LQ // BLOCK_M) * BLOCK_M)
-    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, lo, mid, stride_dol,
-                                  LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, P_NORMALIZED,
-                                  QUANT_P, IEEE, FUSED_DQ, TRANSPOSED, PHI_FROM_S, FP16, FP8_CAST)
-    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, mid, full_hi,
-                                  stride_dol, LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
-                                  P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ, TRANSPOSED, PHI_FROM_S, FP16, FP8_CAST)
-    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, bh, offs_n, full_hi, LQ,
-                                  stride_dol, LQ, LK, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
-                                  P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ, TRANSPOSED, PHI_FROM_S, FP16, FP8_CAST)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, DeltaS, QMean, bh, offs_n,
+                                  lo, mid, stride_dol, LQ, LK, NQB, DS_STRIDE, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                  True, CAUSAL, P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ, TRANSPOSED, PHI_FROM_S, FP16,
+                                  FP8_CAST, SMOOTH_Q)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, DeltaS, QMean, bh, offs_n,
+                                  mid, full_hi, stride_dol, LQ, LK, NQB, DS_STRIDE, qk_scale, HEAD_DIM, BLOCK_M,
+                                  BLOCK_N, False, CAUSAL, P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ, TRANSPOSED, PHI_FROM_S,
+                                  FP16, FP8_CAST, SMOOTH_Q)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, M, Lsum, Delta, DeltaS, QMean, bh, offs_n,
+                                  full_hi, LQ, stride_dol, LQ, LK, NQB, DS_STRIDE, qk_scale, HEAD_DIM, BLOCK_M,
+                                  BLOCK_N, True, CAUSAL, P_NORMALIZED, QUANT_P, IEEE, FUSED_DQ, TRANSPOSED, PHI_FROM_S,
+                                  FP16, FP8_CAST, SMOOTH_Q)
     out = (bh // H) * stride_kb + (bh % H) * stride_kh + offs_n[:, None] * stride_kl + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < LK)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < LK)
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, offs_m, lo, hi, LK, qk_scale,
+def _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, ds_base, offs_m, lo, hi, LK, DS_STRIDE, qk_scale,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                       CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                       CAUSAL: tl.constexpr, IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr):
     """Key tiles [lo, hi) for one query block; MASK only for the ragged last tile and the causal diagonal
-    (padded query rows need none: their dO and D are 0, so their dS is 0)."""
+    (padded query rows need none: their dO and D are 0, so their dS is 0, or NaN with SMOOTH_Q where ΔS overflows
+    P, which stays in those rows and is not stored). SMOOTH_Q: S starts from the block's ΔS row (ds_base); dQ
+    is dS K^F as without it (straight through Q_s = Q - q̄)."""
     offs_d = tl.arange(0, HEAD_DIM)
     dot_ty = q.dtype
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_keys(k_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
         vt = _load_keys(v_base, offs_n, offs_d, LK, HEAD_DIM, MASK, True)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        if SMOOTH_Q:
+            s0 = _delta_s_row(ds_base, offs_n, LK, DS_STRIDE)[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            s0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        s = _dot(q, kt, s0, IEEE)
         if MASK:
             valid = offs_n[None, :] < LK
             if CAUSAL:
@@ -582,15 +693,21 @@ def _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, offs_m, lo, h
 
 
 @triton.jit
-def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
+def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ, DeltaS,
                  stride_dob, stride_doh, stride_dol,
                  stride_qb, stride_qh, stride_ql,
-                 H, LQ, LK, qk_scale, sm_scale,
+                 H, LQ, LK, NQB, DS_STRIDE, qk_scale, sm_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    """One query block per program, looping over key blocks: dQ = sum_j dS_j K^F_j * scale."""
+                 CAUSAL: tl.constexpr, IEEE: tl.constexpr, SMOOTH_Q: tl.constexpr = False):
+    """One query block per program, looping over key blocks: dQ = sum_j dS_j K^F_j * scale. SMOOTH_Q: S with the
+    block's ΔS (DeltaS as _attn_bwd_dkdv's)."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
+    if SMOOTH_Q:
+        tl.static_assert(128 % BLOCK_M == 0)  # the program's rows share one 128-row smoothing block
+        ds_base = DeltaS + (bh * NQB + start_m * BLOCK_M // 128).to(tl.int64) * 3 * DS_STRIDE
+    else:
+        ds_base = DeltaS
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     dot_ty = QF.dtype.element_ty
@@ -610,10 +727,10 @@ def _attn_bwd_dq(QF, KF, VF, DO, M, Lsum, Delta, DQ,
     else:
         hi = LK
         full_hi = (LK // BLOCK_N) * BLOCK_N
-    dq = _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, offs_m, 0, full_hi, LK, qk_scale,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, IEEE)
-    dq = _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, offs_m, full_hi, hi, LK, qk_scale,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, IEEE)
+    dq = _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, ds_base, offs_m, 0, full_hi, LK, DS_STRIDE,
+                            qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, IEEE, SMOOTH_Q)
+    dq = _attn_bwd_dq_inner(dq, q, do, m, inv_l, delta, k_base, v_base, ds_base, offs_m, full_hi, hi, LK, DS_STRIDE,
+                            qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, IEEE, SMOOTH_Q)
     out = DQ + (bh // H) * stride_qb + (bh % H) * stride_qh + offs_m[:, None] * stride_ql + offs_d[None, :]
     tl.store(out, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
@@ -716,13 +833,34 @@ def compile_forward(arch: int, cfg: LaunchConfig, **constexprs):
 
 def compile_backward(arch: int, cfg: LaunchConfig, **constexprs):
     """Compile the dK/dV kernel (bf16, phi of P~ with the final max) for sm_<arch> without a GPU; ``constexprs``
-    set HEAD_DIM, CAUSAL and TRANSPOSED, and may set its other flags (default: QUANT_P, PHI_FROM_S, no FUSED_DQ)."""
-    ptrs = {**dict.fromkeys(("QF", "KF", "VF", "DO", "DK", "DV"), "*bf16"),
-            **dict.fromkeys(("M", "Lsum", "Delta", "DQAcc"), "*fp32")}
+    set HEAD_DIM, CAUSAL and TRANSPOSED, and may set its other flags (default: QUANT_P, PHI_FROM_S, no FUSED_DQ, no
+    SMOOTH_Q)."""
+    ptrs = {**dict.fromkeys(("QF", "KF", "VF", "DO", "DK", "DV", "DeltaS"), "*bf16"),
+            **dict.fromkeys(("M", "Lsum", "Delta", "DQAcc", "QMean"), "*fp32")}
     const = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "P_NORMALIZED": False, "IEEE": False, "QUANT_P": True,
              "FUSED_DQ": False, "PHI_FROM_S": True, "FP16": False, "FP8_CAST": arch >= 89, **constexprs}
     return compile_for(_attn_bwd_dkdv, arch, types={**ptrs, "qk_scale": "fp32", "sm_scale": "fp32"},
                        constexprs=const, aligned=tuple(ptrs), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU; (128, 64), (128, 128) were slower
+
+
+def delta_s_parts(k: torch.Tensor, q_mean: torch.Tensor, width: int, key_tile: int,
+                  k_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """ΔS = q̄ (K - k̄)^T (k̄ = ``k_mean`` (B, H, D) fp32: sage3's K smoothing; None: ΔS = q̄ K^T, q_smoothing's)
+    for the 128-row block means ``q_mean`` (B, H, ceil(Lq/128), D) fp32 of Q, as (B, H, ceil(Lq/128), 3, width)
+    bf16 exact parts hi, mid, lo (_delta_s). ``key_tile`` > 0: columns in the order of the forward's key_tile-wide
+    tiles, ``width`` a whole number of them; 0: keys in order (the backward kernels'), ``width`` >= Lk."""
+    b, h, lk, d = k.shape
+    nqb = q_mean.shape[2]
+    delta_s = torch.empty((b, h, nqb, 3, width), dtype=torch.bfloat16, device=k.device)
+    block_n = 32 if interpreting() else DELTA_S_TILE[0]
+    _delta_s[(triton.cdiv(width, block_n), b * h)](
+        k, k if k_mean is None else k_mean, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), h, lk, nqb,
+        delta_s.stride(3), HEAD_DIM=d, BLOCK_N=block_n, BLOCK_QB=32 if interpreting() else DELTA_S_TILE[1],
+        KEY_TILE=key_tile, CENTER_K=k_mean is not None, IEEE=interpreting(), num_stages=2)
+    return delta_s
 
 
 def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -731,9 +869,17 @@ def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(x, dtype=dtype)
 
 
+def check_smoothing_tile(cfg: LaunchConfig, what: str) -> None:
+    """Refuse a launch config whose query tiles would straddle two 128-row smoothing blocks (a pinned one)."""
+    if SAGE3_Q_BLOCK % cfg.block_m:
+        raise ValueError(f"{what} with q_smoothing needs BLOCK_M dividing {SAGE3_Q_BLOCK} (one smoothing block per "
+                         f"query tile), got {cfg}")
+
+
 def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, quant_p: bool = True,
                      quant_qkv: bool = True, config: LaunchConfig | None = None, operands: tuple | None = None,
-                     delta_s: torch.Tensor | None = None, packed_qk: int | bool | None = None):
+                     delta_s: torch.Tensor | None = None, packed_qk: int | bool | None = None,
+                     q_smoothing: bool = False):
     """Launch the forward. Returns (o, o_aux | None, m, l, (q^F, k^F, v^F)); o in q's layout.
 
     ``quant_qkv=False`` and ``quant_p=False`` give plain high-precision attention through the same
@@ -743,6 +889,9 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     ``packed_qk``: Q K^T on the native block-scaled FP4 MMA over NVFP4 storage (then Q^F and K^F in
     ``operands`` are (codes, scales) pairs from ``quantize_heads(packed=True)``); an int picks the kernel
     form (see native_qk_form), True is 1; default: :func:`native_fp4`, for inference.
+    ``q_smoothing`` (the FP4 modes' option; docs/kernels.md, "Q smoothing"): Q minus its 128-row block means q̄
+    is quantized, and ΔS = q̄ K^T (K as given, unquantized) rides in through SMOOTH_Q; the operands then come back
+    as (q^F, k^F, v^F, q̄), q̄ (B, H, ceil(Lq/128), D) fp32, all that attn_qat_backward's ``q_mean`` needs.
     """
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -754,8 +903,15 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     elif packed_qk and (training or not quant_qkv):
         raise ValueError("attn_qat_forward: packed_qk is for the quantized inference forward")
     packed_qk = int(packed_qk)
+    if q_smoothing and (operands is not None or delta_s is not None or not quant_qkv):
+        raise ValueError("attn_qat_forward: q_smoothing prepares its own operands and ΔS, from quantized Q, K, V")
+    q_mean = None
     if operands is not None:
         qf, kf, vf = operands
+    elif q_smoothing:
+        qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK, packed=packed_qk)
+        kf = quantize_heads(k, wdt, packed=packed_qk)
+        vf = quantize_heads(v, wdt)
     elif quant_qkv:
         qf, kf = (quantize_heads(t, wdt, packed=packed_qk) for t in (q, k))
         vf = quantize_heads(v, wdt)
@@ -771,7 +927,10 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     m = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
 
-    def launch(c):
+    def launch(c, delta_s=delta_s):
+        if q_smoothing:  # ΔS laid out for c's key tiles: a step-down (launch_fitting) lays it out again
+            check_smoothing_tile(c, "the FP4 forward")
+            delta_s = delta_s_parts(k, q_mean, triton.cdiv(lk, c.block_n) * c.block_n, c.block_n)
         _attn_fwd[(triton.cdiv(lq, c.block_m), b * h)](
             qf, kf, vf, qs, ks, o, o_aux, m, l, vf if delta_s is None else delta_s,
             o.stride(0), o.stride(1), o.stride(2),
@@ -784,14 +943,16 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     if delta_s is not None:  # laid out for cfg's tiles: sage3_forward finds the config that fits
         launch(cfg)
     else:
-        launch_fitting(launch, cfg, ("attn_qat forward", q.device, d, training, packed_qk))
+        launch_fitting(launch, cfg, ("attn_qat forward", q.device, d, training, packed_qk, q_smoothing))
+    if q_smoothing:
+        return o, (o_aux if training else None), m, l, (qf, kf, vf, q_mean)
     return o, (o_aux if training else None), m, l, (qf, kf, vf)
 
 
 def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, causal: bool,
                       p_bwd: str = "final_max", config: LaunchConfig | None = None,
                       config_dq: LaunchConfig | None = None, quant_p: bool = True, fused_dq: bool = False,
-                      transposed: bool | None = None, phi_from_s: bool = True):
+                      transposed: bool | None = None, phi_from_s: bool = True, q_mean: torch.Tensor | None = None):
     """Launch the backward. Returns (dq, dk, dv) in the layouts and dtype of q and k.
 
     ``config`` is the dK/dV kernel's (BLOCK_M: queries per step, BLOCK_N: keys per program),
@@ -805,6 +966,9 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     ``phi_from_s=False``: phi as fake_quant_tile on P~ (transposed only) instead of from S.
     Neither ``transposed`` nor ``phi_from_s`` changes a number: dk, dv are the same bit for bit at the same tiles
     (tested under the interpreter).
+    ``q_mean``: the q_smoothing forward's q̄ (its operands' fourth; then ``qf`` is phi(Q - q̄)). S is recomputed
+    with ΔS = q̄ K^T from ``k`` by the forward's own _delta_s (so bit for bit its ΔS), dQ = dS K^F scale goes
+    straight through Q - q̄ (q̄'s own gradient is dropped), and dK gains (dS^T 1) q̄^T scale per 128-row block.
     """
     b, h, lq, d = qf.shape
     if transposed is None:
@@ -824,29 +988,38 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     dk = _empty_like_layout(k, wdt)
     dv = torch.empty_like(dk)  # same layout as dk: one set of strides for both stores
     dq_acc = torch.zeros(b, h, lq, d, device=q.device, dtype=torch.float32) if fused_dq else dk
+    smooth = q_mean is not None
+    # keys in order (KEY_TILE=0): the backward kernels gather ΔS at their own key offsets
+    delta_s = delta_s_parts(k, q_mean, lk, 0) if smooth else dk
+    nqb, ds_stride = (delta_s.shape[2], delta_s.stride(3)) if smooth else (0, 0)
 
     def launch_dkdv(c):  # a tile that does not fit the GPU's shared memory: launch_fitting steps down
+        if smooth:
+            check_smoothing_tile(c, "the backward (dK/dV)")
         _attn_bwd_dkdv[(triton.cdiv(lk, c.block_n), b * h)](
-            qf, kf, vf, do, m, l, delta, dk, dv, dq_acc, do.stride(0), do.stride(1), do.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
+            qf, kf, vf, do, m, l, delta, dk, dv, dq_acc, delta_s, q_mean if smooth else delta,
+            do.stride(0), do.stride(1), do.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+            h, lq, lk, nqb, ds_stride, sm_scale * LOG2E, sm_scale,
             HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal, IEEE=interpreting(),
             P_NORMALIZED=(p_bwd == "normalized"), QUANT_P=quant_p, FUSED_DQ=fused_dq, TRANSPOSED=transposed,
-            PHI_FROM_S=phi_from_s, FP16=q.dtype == torch.float16, FP8_CAST=fp8_cast(q.device),
+            PHI_FROM_S=phi_from_s, FP16=q.dtype == torch.float16, FP8_CAST=fp8_cast(q.device), SMOOTH_Q=smooth,
             num_warps=c.num_warps, num_stages=c.num_stages)
 
-    launch_fitting(launch_dkdv, cfg, ("attn_qat backward (dK/dV)", q.device, d, transposed, fused_dq))
+    launch_fitting(launch_dkdv, cfg, ("attn_qat backward (dK/dV)", q.device, d, transposed, fused_dq, smooth))
     if fused_dq:
         dq.copy_(dq_acc.mul_(sm_scale))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype)
 
     def launch_dq(c):  # 128x64/8/3 needs 116 KB on sm_89 (99 KB there): launch_fitting steps down
+        if smooth:
+            check_smoothing_tile(c, "the backward (dQ)")
         _attn_bwd_dq[(triton.cdiv(lq, c.block_m), b * h)](
-            qf, kf, vf, do, m, l, delta, dq, do.stride(0), do.stride(1), do.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2), h, lq, lk, sm_scale * LOG2E, sm_scale,
-            HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal, IEEE=interpreting(),
+            qf, kf, vf, do, m, l, delta, dq, delta_s, do.stride(0), do.stride(1), do.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2), h, lq, lk, nqb, ds_stride, sm_scale * LOG2E, sm_scale,
+            HEAD_DIM=d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal, IEEE=interpreting(), SMOOTH_Q=smooth,
             num_warps=c.num_warps, num_stages=c.num_stages)
 
-    launch_fitting(launch_dq, cfg_dq, ("attn_qat backward (dQ)", q.device, d))
+    launch_fitting(launch_dq, cfg_dq, ("attn_qat backward (dQ)", q.device, d, smooth))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype)
 
 
@@ -854,41 +1027,53 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
 # torch.library custom ops over the launches, with fake (shape-only) implementations, so torch.compile
 # traces models that use them without graph breaks; Dynamo traces the autograd Functions below.
 #
-#     attnqat::attn_qat_fwd  (q, k, v, sm_scale, causal, training) -> (o, o_aux, m, l, q^F, k^F, v^F)
-#     attnqat::attn_qat_bwd  (do, q, k, q^F, k^F, v^F, o_aux, m, l, sm_scale, causal, p_bwd) -> (dq, dk, dv)
+#     attnqat::attn_qat_fwd  (q, k, v, sm_scale, causal, training, q_smoothing=False)
+#                            -> (o, o_aux, m, l, q^F, k^F, v^F, q̄)   (q̄: empty without q_smoothing)
+#     attnqat::attn_qat_bwd  (do, q, k, q^F, k^F, v^F, o_aux, m, l, sm_scale, causal, p_bwd, q̄=None) -> (dq, dk, dv)
 #     attnqat::attn_qat_dropin_bwd  (do, q, k, v, o, sm_scale, causal) -> (dq, dk, dv)   (the ablation's backward)
 # ---------------------------------------------------------------------------------------------------
 
 
+def _q_mean_shape(q: torch.Tensor) -> tuple[int, ...]:
+    """q̄'s shape, (B, H, ceil(Lq/128), D): one mean per 128-row smoothing block."""
+    b, h, lq, d = q.shape
+    return b, h, triton.cdiv(lq, SAGE3_Q_BLOCK), d
+
+
 @torch.library.custom_op("attnqat::attn_qat_fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_qat_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
-                 training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                          torch.Tensor, torch.Tensor]:
-    o, o_aux, m, l, (qf, kf, vf) = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal, training=training)
+                 training: bool, q_smoothing: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor, torch.Tensor]:
+    o, o_aux, m, l, (qf, kf, vf, *q_mean) = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal,
+                                                             training=training, q_smoothing=q_smoothing)
     if o_aux is None:  # inference: an empty placeholder (custom ops return tensors, not None)
         o_aux = o.new_empty(0)
-    return o.to(q.dtype), o_aux, m, l, qf, kf, vf
+    return o.to(q.dtype), o_aux, m, l, qf, kf, vf, q_mean[0] if q_smoothing else m.new_empty(0)
 
 
 @attn_qat_fwd.register_fake
-def _(q, k, v, sm_scale, causal, training):
+def _(q, k, v, sm_scale, causal, training, q_smoothing=False):
     b, h, lq, d = q.shape
     wdt = work_dtype(q.dtype)
     aux = q.new_empty((b, h, lq, d), dtype=wdt) if training else q.new_empty(0, dtype=wdt)
     return (torch.empty_like(q), aux, q.new_empty((b, h, lq), dtype=torch.float32),
             q.new_empty((b, h, lq), dtype=torch.float32), q.new_empty(q.shape, dtype=wdt),
-            k.new_empty(k.shape, dtype=wdt), v.new_empty(v.shape, dtype=wdt))
+            k.new_empty(k.shape, dtype=wdt), v.new_empty(v.shape, dtype=wdt),
+            q.new_empty(_q_mean_shape(q) if q_smoothing else (0,), dtype=torch.float32))
 
 
 @torch.library.custom_op("attnqat::attn_qat_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_qat_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor,
                  vf: torch.Tensor, o_aux: torch.Tensor, m: torch.Tensor, l: torch.Tensor, sm_scale: float,
-                 causal: bool, p_bwd: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
+                 causal: bool, p_bwd: str, q_mean: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd,
+                             q_mean=q_mean)
 
 
 @attn_qat_bwd.register_fake
-def _(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale, causal, p_bwd):
+def _(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale, causal, p_bwd, q_mean=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
 
 
@@ -914,25 +1099,28 @@ def _(do, q, k, v, o, sm_scale, causal):
 
 
 class AttnQATFunction(torch.autograd.Function):
-    """FP4 forward that saves Q^F, K^F, V^F, O', m, l; the matching FP4-consistent backward."""
+    """FP4 forward that saves Q^F, K^F, V^F, O', m, l (and q̄ with q_smoothing); the matching FP4-consistent
+    backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal, p_bwd):
+    def forward(ctx, q, k, v, sm_scale, causal, p_bwd, q_smoothing=False):
+        ctx.sm_scale, ctx.causal, ctx.p_bwd, ctx.q_smoothing = sm_scale, causal, p_bwd, q_smoothing
         if recomputed_later():  # checkpointing's first pass: the output alone (_common.saved_tensors_recomputed)
-            ctx.save_for_backward(q, k, *training_placeholders(q, k, v))
-            ctx.sm_scale, ctx.causal, ctx.p_bwd = sm_scale, causal, p_bwd
-            return attn_qat_fwd(q, k, v, sm_scale, causal, False)[0]
-        o, o_aux, m, l, qf, kf, vf = attn_qat_fwd(q, k, v, sm_scale, causal, True)
-        ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l)
-        ctx.sm_scale, ctx.causal, ctx.p_bwd = sm_scale, causal, p_bwd
+            q_mean = torch.empty((), dtype=torch.float32, device=q.device)
+            q_mean = q_mean.expand(_q_mean_shape(q)) if q_smoothing else q_mean.new_empty(0)
+            ctx.save_for_backward(q, k, *training_placeholders(q, k, v), q_mean)
+            return attn_qat_fwd(q, k, v, sm_scale, causal, False, q_smoothing)[0]
+        o, o_aux, m, l, qf, kf, vf, q_mean = attn_qat_fwd(q, k, v, sm_scale, causal, True, q_smoothing)
+        ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l, q_mean)
         return o
 
     @staticmethod
     def backward(ctx, do):
         refuse_double_backward("attn_qat")
-        q, k, qf, kf, vf, o_aux, m, l = ctx.saved_tensors
-        dq, dk, dv = attn_qat_bwd(do, q, k, qf, kf, vf, o_aux, m, l, ctx.sm_scale, ctx.causal, ctx.p_bwd)
-        return dq, dk, dv, None, None, None
+        q, k, qf, kf, vf, o_aux, m, l, q_mean = ctx.saved_tensors
+        dq, dk, dv = attn_qat_bwd(do, q, k, qf, kf, vf, o_aux, m, l, ctx.sm_scale, ctx.causal, ctx.p_bwd,
+                                  q_mean if ctx.q_smoothing else None)
+        return dq, dk, dv, None, None, None, None
 
 
 class AttnQATDropinFunction(torch.autograd.Function):
@@ -940,8 +1128,8 @@ class AttnQATDropinFunction(torch.autograd.Function):
     backward (P recomputed from unquantized Q, K; no phi; D = rowsum(dO * O) with the FP4 O)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal):
-        o = attn_qat_fwd(q, k, v, sm_scale, causal, False)[0]
+    def forward(ctx, q, k, v, sm_scale, causal, q_smoothing=False):
+        o = attn_qat_fwd(q, k, v, sm_scale, causal, False, q_smoothing)[0]
         ctx.save_for_backward(q, k, v, o)
         ctx.sm_scale, ctx.causal = sm_scale, causal
         return o
@@ -951,7 +1139,7 @@ class AttnQATDropinFunction(torch.autograd.Function):
         refuse_double_backward("attn_qat_dropin")
         q, k, v, o = ctx.saved_tensors
         dq, dk, dv = attn_qat_dropin_bwd(do, q, k, v, o, ctx.sm_scale, ctx.causal)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -961,30 +1149,31 @@ class AttnQATDropinFunction(torch.autograd.Function):
 
 
 def nvfp4_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                    causal: bool = False) -> torch.Tensor:
+                    causal: bool = False, q_smoothing: bool = False) -> torch.Tensor:
     """The FP4 inference forward (nvfp4's, and attn_qat's and attn_qat_dropin's without grad) through its custom
     op, without O'."""
-    return attn_qat_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal, False)[0]
+    return attn_qat_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal, False, q_smoothing)[0]
 
 
 def attn_qat_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                       causal: bool = False, p_bwd: str = "final_max") -> torch.Tensor:
+                       causal: bool = False, p_bwd: str = "final_max", q_smoothing: bool = False) -> torch.Tensor:
     """:func:`attn_qat_attention` on checked inputs."""
     if needs_grad(q, k, v):
-        return AttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal, p_bwd)
-    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
+        return AttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal, p_bwd, q_smoothing)
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
 
 
 def attn_qat_dropin_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                              causal: bool = False) -> torch.Tensor:
-    """:func:`attn_qat_dropin_attention` on checked inputs."""
+                              causal: bool = False, q_smoothing: bool = False) -> torch.Tensor:
+    """:func:`attn_qat_dropin_attention` on checked inputs (``q_smoothing`` changes the FP4 forward only: the
+    high-precision backward's logits are Q K^T with or without it)."""
     if needs_grad(q, k, v):
-        return AttnQATDropinFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
-    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
+        return AttnQATDropinFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal, q_smoothing)
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
 
 
 def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                       causal: bool = False, p_bwd: str = "final_max") -> torch.Tensor:
+                       causal: bool = False, p_bwd: str = "final_max", q_smoothing: bool = False) -> torch.Tensor:
     """Attn-QAT attention: NVFP4 forward with the matching backward (SPEC §2).
 
     Arguments:
@@ -996,6 +1185,10 @@ def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
         p_bwd: ``"final_max"`` (default: the backward quantizes P~ = 2688 * 2^(S - m) with the saved
             integer max, i.e. exactly the forward's quantized P) or ``"normalized"`` (the published
             code's phi of the normalized P; an ablation that loses dV at long sequence lengths).
+        q_smoothing: quantize Q minus its mean over each block of 128 query rows and add the mean's logits
+            q̄ K^T back unquantized (docs/kernels.md, "Q smoothing"; off by default). The backward recomputes S
+            with them, dQ goes straight through Q - q̄ (the gradient through q̄ is dropped) and dK gains
+            (dS^T 1) q̄^T * scale per block.
     Return:
         out: (batch, heads, seqlen_q, head_dim), q's dtype and stride order.
 
@@ -1004,23 +1197,31 @@ def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
     check_qkv(q, k, v, name="attn_qat_attention", sm_scale=sm_scale, causal=causal)
     if p_bwd not in P_BWD_CHOICES:
         raise ValueError(f"p_bwd {p_bwd!r} not in {P_BWD_CHOICES}")
-    return attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd)
+    _check_q_smoothing(q_smoothing)
+    return attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd, q_smoothing=q_smoothing)
 
 
 def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                              causal: bool = False) -> torch.Tensor:
+                              causal: bool = False, q_smoothing: bool = False) -> torch.Tensor:
     """The ``attn_qat_dropin`` ablation: NVFP4 forward, high-precision backward (unstable in training).
     Arguments and return as :func:`attn_qat_attention`."""
     check_qkv(q, k, v, name="attn_qat_dropin_attention", sm_scale=sm_scale, causal=causal)
-    return attn_qat_dropin_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
+    _check_q_smoothing(q_smoothing)
+    return attn_qat_dropin_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
+
+
+def _check_q_smoothing(q_smoothing) -> None:
+    if type(q_smoothing) is not bool:
+        raise ValueError(f"q_smoothing {q_smoothing!r} not in (False, True)")
 
 
 def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                    causal: bool = False) -> torch.Tensor:
+                    causal: bool = False, q_smoothing: bool = False) -> torch.Tensor:
     """Naive NVFP4 attention (inference only): phi on Q, K, V along head_dim and on P along keys.
     Arguments and return as :func:`attn_qat_attention`."""
     check_qkv(q, k, v, name="nvfp4_attention", sm_scale=sm_scale, causal=causal)
+    _check_q_smoothing(q_smoothing)
     if needs_grad(q, k, v):
         raise ValueError("nvfp4_attention is inference-only (no backward): call it under torch.no_grad() "
                          "or train with attn_qat_attention")
-    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal)
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)

@@ -145,8 +145,47 @@ def _fp4_online_softmax(s, vf, *, block_n: int, training: bool):
     return o, o_aux, m, l
 
 
-def attn_qat_forward_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int = 64, training: bool = True):
-    """Tile-wise Attn-QAT forward with the integer running max and the 2688 P scale (SPEC §2).
+def q_block_means_ref(q):
+    """Per 128-row query block i (SAGE3_Q_BLOCK, the last one may be partial): q̄_i = mean_rows(Q_i). Returns
+    float32 (q_s = Q - q̄ of each row's block, q_bar (B, H, ceil(Lq/128), D), q̄ of each row (B, H, Lq, D))."""
+    qf = q.float()
+    lq = q.shape[2]
+    nb = -(-lq // SAGE3_Q_BLOCK)
+    pad = nb * SAGE3_Q_BLOCK - lq
+    sums = torch.nn.functional.pad(qf, (0, 0, 0, pad)).reshape(*q.shape[:2], nb, SAGE3_Q_BLOCK, q.shape[3]).sum(3)
+    counts = torch.full((nb,), float(SAGE3_Q_BLOCK), device=q.device)
+    counts[-1] = lq - (nb - 1) * SAGE3_Q_BLOCK
+    q_bar = sums / counts[:, None]
+    rows = q_bar.repeat_interleave(SAGE3_Q_BLOCK, dim=2)[:, :, :lq]
+    return qf - rows, q_bar, rows
+
+
+def fp4_logits_ref(q, k, *, sm_scale=None, causal=False, q_smoothing: bool = False, quantize: bool = True):
+    """The FP4 modes' logits S in log2 units (SPEC §2), from Q^F = phi(Q), K^F = phi(K) along head_dim.
+
+    ``q_smoothing`` (SPEC §3's forward smoothing without its K smoothing): per 128-row query block i,
+    Q_s = Q - q̄_i is quantized instead of Q and the bias ΔS_i = q̄_i K^T (float32, K unquantized) is added:
+    S = (phi(Q_s) phi(K)^T + ΔS) * scale * log2(e). Without phi that is Q K^T again, so it moves only where FP4
+    rounding falls. ``quantize=False`` drops phi on Q and K (tests use it to show that algebra).
+    Returns float32 (s, q^F, k^F, q̄ of each row (B, H, Lq, D) or None)."""
+    scale = _scale(q, sm_scale)
+    fq = fake_quant_nvfp4_ref if quantize else (lambda x: x)
+    if not q_smoothing:
+        qf, kf = fq(q.float()), fq(k.float())
+        return _logits_log2(qf, kf, scale, causal), qf, kf, None
+    q_s, _, q_rows = q_block_means_ref(q)
+    qf, kf = fq(q_s), fq(k.float())
+    delta_s = q_rows @ k.float().transpose(-1, -2)  # ΔS, materialized per row: q̄ of its block times K^T
+    s = (qf @ kf.transpose(-1, -2) + delta_s) * (scale * LOG2E)
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    return s, qf, kf, q_rows
+
+
+def attn_qat_forward_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int = 64, training: bool = True,
+                         q_smoothing: bool = False):
+    """Tile-wise Attn-QAT forward with the integer running max and the 2688 P scale (SPEC §2); ``q_smoothing``:
+    the logits of :func:`fp4_logits_ref` with Q smoothed per 128-row block (docs/kernels.md, "Q smoothing").
 
     Return:
         o: (B, H, Lq, D) float32, the FP4 output O.
@@ -154,21 +193,27 @@ def attn_qat_forward_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int =
         m: (B, H, Lq) float32, the final integer running max (log2 units).
         l: (B, H, Lq) float32, the row sum of the unquantized P~ = 2688 * 2^(S - m).
     """
-    scale = _scale(q, sm_scale)
-    qf, kf, vf = (fake_quant_nvfp4_ref(t.float()) for t in (q, k, v))
-    return _fp4_online_softmax(_logits_log2(qf, kf, scale, causal), vf, block_n=block_n, training=training)
+    s = fp4_logits_ref(q, k, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)[0]
+    vf = fake_quant_nvfp4_ref(v.float())
+    return _fp4_online_softmax(s, vf, block_n=block_n, training=training)
 
 
-def attn_qat_backward_ref(q, k, v, o_aux, do, m, l, *, sm_scale=None, causal=False, p_bwd: str = "final_max"):
+def attn_qat_backward_ref(q, k, v, o_aux, do, m, l, *, sm_scale=None, causal=False, p_bwd: str = "final_max",
+                          q_smoothing: bool = False, dk_mean_term: bool = True):
     """Attn-QAT backward (SPEC §2): recompute S from Q^F, K^F; P^F = phi(P~)/l with the saved integer
     max; D = rowsum(dO * O'); straight-through to q, k, v. ``p_bwd="normalized"`` is the published
-    code's choice (phi of the normalized P), kept for ablations. Returns float32 (dq, dk, dv)."""
+    code's choice (phi of the normalized P), kept for ablations. Returns float32 (dq, dk, dv).
+
+    ``q_smoothing``: S recomputed with ΔS as the forward has it; dQ = dS K^F * scale, straight through
+    Q_s = Q - q̄ (the gradient through q̄ is dropped); dK = dS^T Q^F * scale + (dS^T 1) q̄^T * scale per query
+    block (SPEC §4's Q-smoothing term), here as dS^T (1 q̄^T of each row's block). ``dk_mean_term=False`` drops
+    that term (a test's control: it shows the term matters)."""
     if p_bwd not in ("final_max", "normalized"):
         raise ValueError(f"p_bwd {p_bwd!r} not in ('final_max', 'normalized')")
     scale = _scale(q, sm_scale)
-    qf, kf, vf = (fake_quant_nvfp4_ref(t.float()) for t in (q, k, v))
+    s, qf, kf, q_rows = fp4_logits_ref(q, k, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
+    vf = fake_quant_nvfp4_ref(v.float())
     dof = do.float()
-    s = _logits_log2(qf, kf, scale, causal)
     p_tilde = P_SCALE * torch.exp2(s - m[..., None])
     p = p_tilde / l[..., None]
     if p_bwd == "final_max":
@@ -178,7 +223,10 @@ def attn_qat_backward_ref(q, k, v, o_aux, do, m, l, *, sm_scale=None, causal=Fal
     delta = (dof * o_aux.float()).sum(-1, keepdim=True)
     dv = p_fp4.transpose(-1, -2) @ dof
     ds = p * (dof @ vf.transpose(-1, -2) - delta)
-    return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, dv
+    dk = ds.transpose(-1, -2) @ qf
+    if q_smoothing and dk_mean_term:  # sum over each block's rows of dS_ij q̄_i = (dS^T 1) q̄^T per block
+        dk = dk + ds.transpose(-1, -2) @ q_rows
+    return ds @ kf * scale, dk * scale, dv
 
 
 def forward_quantized_p_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int = 64) -> torch.Tensor:
@@ -216,38 +264,42 @@ class _AttnQATRef(torch.autograd.Function):
     the paper's failing ablation: FP4 forward, standard high-precision backward with D from the FP4 O."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal, p_bwd, dropin):
-        o, o_aux, m, l = attn_qat_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, training=not dropin)
+    def forward(ctx, q, k, v, sm_scale, causal, p_bwd, dropin, q_smoothing):
+        o, o_aux, m, l = attn_qat_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, training=not dropin,
+                                              q_smoothing=q_smoothing)
         ctx.save_for_backward(q, k, v, o if dropin else o_aux, m, l)
-        ctx.args = (sm_scale, causal, p_bwd, dropin)
+        ctx.args = (sm_scale, causal, p_bwd, dropin, q_smoothing)
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
-        sm_scale, causal, p_bwd, dropin = ctx.args
+        sm_scale, causal, p_bwd, dropin, q_smoothing = ctx.args
         refuse_double_backward("attn_qat_dropin" if dropin else "attn_qat")
         q, k, v, o_saved, m, l = ctx.saved_tensors
         if dropin:
             dq, dk, dv = attention_bwd_fp32(q, k, v, o_saved, do, sm_scale=sm_scale, causal=causal)
         else:
             dq, dk, dv = attn_qat_backward_ref(q, k, v, o_saved, do, m, l, sm_scale=sm_scale, causal=causal,
-                                               p_bwd=p_bwd)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+                                               p_bwd=p_bwd, q_smoothing=q_smoothing)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def attn_qat_attention_ref(q, k, v, *, sm_scale=None, causal=False, p_bwd: str = "final_max"):
+def attn_qat_attention_ref(q, k, v, *, sm_scale=None, causal=False, p_bwd: str = "final_max",
+                           q_smoothing: bool = False):
     """Reference ``attn_qat`` mode: FP4 forward, Attn-QAT backward (differentiable)."""
-    return _AttnQATRef.apply(q, k, v, sm_scale, causal, p_bwd, False)
+    return _AttnQATRef.apply(q, k, v, sm_scale, causal, p_bwd, False, q_smoothing)
 
 
-def attn_qat_dropin_attention_ref(q, k, v, *, sm_scale=None, causal=False):
-    """Reference ``attn_qat_dropin`` mode: FP4 forward, high-precision FlashAttention-style backward."""
-    return _AttnQATRef.apply(q, k, v, sm_scale, causal, "final_max", True)
+def attn_qat_dropin_attention_ref(q, k, v, *, sm_scale=None, causal=False, q_smoothing: bool = False):
+    """Reference ``attn_qat_dropin`` mode: FP4 forward, high-precision FlashAttention-style backward (which
+    ``q_smoothing`` leaves as it is: without phi the smoothed logits are Q K^T)."""
+    return _AttnQATRef.apply(q, k, v, sm_scale, causal, "final_max", True, q_smoothing)
 
 
-def nvfp4_attention_ref(q, k, v, *, sm_scale=None, causal=False):
+def nvfp4_attention_ref(q, k, v, *, sm_scale=None, causal=False, q_smoothing: bool = False):
     """Reference ``nvfp4`` mode (naive FP4 attention, inference): the Attn-QAT forward without O'."""
-    return attn_qat_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, training=False)[0].to(q.dtype)
+    return attn_qat_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, training=False,
+                                q_smoothing=q_smoothing)[0].to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,16 +309,9 @@ def nvfp4_attention_ref(q, k, v, *, sm_scale=None, causal=False):
 def sage3_smooth(q, k):
     """K_s = K - mean_tokens(K); per 128-row query block i: q̄_i = mean_rows(Q_i), Q_s = Q - q̄_i,
     ΔS_i = q̄_i K_s^T. Returns float32 (q_s, k_s, delta_s (B, H, ceil(Lq/128), Lk))."""
-    qf, kf = q.float(), k.float()
+    kf = k.float()
     k_s = kf - kf.mean(dim=2, keepdim=True)
-    lq = q.shape[2]
-    nb = -(-lq // SAGE3_Q_BLOCK)
-    pad = nb * SAGE3_Q_BLOCK - lq
-    sums = torch.nn.functional.pad(qf, (0, 0, 0, pad)).reshape(*q.shape[:2], nb, SAGE3_Q_BLOCK, q.shape[3]).sum(3)
-    counts = torch.full((nb,), float(SAGE3_Q_BLOCK), device=q.device)
-    counts[-1] = lq - (nb - 1) * SAGE3_Q_BLOCK
-    q_bar = sums / counts[:, None]
-    q_s = qf - q_bar.repeat_interleave(SAGE3_Q_BLOCK, dim=2)[:, :, :lq]
+    q_s, q_bar, _ = q_block_means_ref(q)
     return q_s, k_s, q_bar @ k_s.transpose(-1, -2)
 
 

@@ -4,72 +4,26 @@
     S   = (phi(Q_s) phi(K_s)^T + ΔS) * scale;  two-level P (2688);  V quantized along tokens
 
 The pre-pass is four launches: K's token mean (torch), then ``nvfp4.quantize_heads`` smoothing and
-quantizing Q (its own 128-row means), K and V (blocks of 16 tokens), then ``_delta_s`` for ΔS in fp32,
-stored as three exact bf16 parts. The attention itself is ``attn_qat._attn_fwd`` with ``SMOOTH_Q=True``
-adding ΔS through one more k=16 MMA, so the online softmax (integer running max) and phi(P) are the very
-code the other FP4 modes run.
+quantizing Q (its own 128-row means), K and V (blocks of 16 tokens), then ``attn_qat.delta_s_parts`` for ΔS
+in fp32, stored as three exact bf16 parts (shared with the FP4 modes' ``q_smoothing``). The attention itself
+is ``attn_qat._attn_fwd`` with ``SMOOTH_Q=True`` adding ΔS through one more k=16 MMA, so the online softmax
+(integer running max) and phi(P) are the very code the other FP4 modes run.
 
-Top to bottom: ``_bf16_bits`` -> ``_delta_s`` -> launch config and pre-pass -> :func:`sage3_forward` (the
-launch) -> its custom op ``attnqat::sage3_fwd`` (with a fake implementation, so ``torch.compile`` traces
-it) -> :func:`sage3_unchecked` (the registry's path) -> :func:`sage3_attention` (the checked public function).
+Top to bottom: launch config and pre-pass -> :func:`sage3_forward` (the launch) -> its custom op
+``attnqat::sage3_fwd`` (with a fake implementation, so ``torch.compile`` traces it) -> :func:`sage3_unchecked`
+(the registry's path) -> :func:`sage3_attention` (the checked public function).
 """
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launch_fitting, needs_grad, work_dtype
-from .attn_qat import attn_qat_forward, fwd_config, native_fp4
+from ._common import LaunchConfig, check_qkv, default_scale, launch_fitting, needs_grad, work_dtype
+from .attn_qat import attn_qat_forward, delta_s_parts, fwd_config, native_fp4
 from .formats import SAGE3_Q_BLOCK
-from .nvfp4 import quantize_heads, tile_keys
+from .nvfp4 import quantize_heads
 
-DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU; (128, 64), (128, 128) were slower
 DELTA_S_BYTES = 2 << 30  # _sage3_heads splits the heads so that ΔS stays below this
-
-
-@triton.jit
-def _bf16_bits(x):
-    """x (fp32 whose low 16 bits are 0) as bf16, by its bits: exact, with no rounding cast."""
-    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _delta_s(K, KMean, QMean, DS, stride_kb, stride_kh, stride_kl, H, LK, NQB, DS_STRIDE,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_QB: tl.constexpr, KEY_TILE: tl.constexpr,
-             IEEE: tl.constexpr):
-    """ΔS[bh, i, :, keys] = q̄_i · (K - k̄)^T for every 128-row query block i and BLOCK_N keys, computed in
-    fp32 and stored as bf16 parts hi, mid, lo (hi + mid + lo = ΔS exactly), in the column order of the
-    forward's KEY_TILE-wide tiles (nvfp4.tile_keys) so that its loads are contiguous.
-    Padding keys (LK <= key < DS_STRIDE) get q̄ · (0 - k̄): finite, as the forward needs.
-
-    The GPU runs the dot as three tf32 tensor-core products (hi*hi + hi*lo + lo*hi: relative error
-    4e-7 against fp32 at L=32760; an exact "ieee" dot ran 30x slower); the interpreter runs it in fp32."""
-    bh = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # where ΔS is stored
-    keys = (offs_n // KEY_TILE) * KEY_TILE + tile_keys(offs_n % KEY_TILE, KEY_TILE)  # the key stored there
-    offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(K + (bh // H) * stride_kb + (bh % H) * stride_kh + keys[None, :] * stride_kl + offs_d[:, None],
-                mask=keys[None, :] < LK, other=0.0).to(tl.float32)
-    k_s = k - tl.load(KMean + bh * HEAD_DIM + offs_d)[:, None]  # (HEAD_DIM, BLOCK_N): K_s^T
-    for start in range(0, NQB, BLOCK_QB):
-        rows = start + tl.arange(0, BLOCK_QB)
-        q_bar = tl.load(QMean + (bh * NQB + rows[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None] < NQB,
-                        other=0.0)
-        if IEEE:
-            ds = tl.dot(q_bar, k_s, input_precision="ieee")
-        else:
-            ds = tl.dot(q_bar, k_s, input_precision="tf32x3")
-        # hi + mid + lo = ds exactly: each keeps the top 8 significant bits of what is left (truncation
-        # by masking, so the interpreter's rounding casts never enter); the last remainder has <= 8.
-        hi = (ds.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
-        mid = ((ds - hi).to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
-        lo = ds - hi - mid
-        ptrs = DS + ((bh * NQB + rows[:, None]).to(tl.int64) * 3) * DS_STRIDE + offs_n[None, :]
-        mask = (rows[:, None] < NQB) & (offs_n[None, :] < DS_STRIDE)
-        tl.store(ptrs, _bf16_bits(hi), mask=mask)
-        tl.store(ptrs + DS_STRIDE, _bf16_bits(mid), mask=mask)
-        tl.store(ptrs + 2 * DS_STRIDE, _bf16_bits(lo), mask=mask)
 
 
 def sage3_config(head_dim: int) -> LaunchConfig:
@@ -98,13 +52,7 @@ def sage3_prepass(q, k, v, cfg: LaunchConfig, packed: bool = False):
     qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK, packed=packed)
     kf = quantize_heads(k, wdt, center=k_mean, packed=packed)
     vf = quantize_heads(v, wdt, tokens=True)
-    nqb = q_mean.shape[2]
-    delta_s = torch.empty((b, h, nqb, 3, _delta_s_width(lk, cfg.block_n)), dtype=torch.bfloat16, device=q.device)
-    block_n = 32 if interpreting() else DELTA_S_TILE[0]
-    _delta_s[(triton.cdiv(delta_s.shape[-1], block_n), b * h)](
-        k, k_mean, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), h, lk, nqb, delta_s.stride(3),
-        HEAD_DIM=d, BLOCK_N=block_n, BLOCK_QB=32 if interpreting() else DELTA_S_TILE[1], KEY_TILE=cfg.block_n,
-        IEEE=interpreting(), num_stages=2)
+    delta_s = delta_s_parts(k, q_mean, _delta_s_width(lk, cfg.block_n), cfg.block_n, k_mean=k_mean)
     return qf, kf, vf, delta_s
 
 
