@@ -3,7 +3,7 @@ file changed")
 
     python experiments/fp4_noise_sources.py [--model attnqat/models/mini] \
         [--qat attnqat/models/mini/attn_qat.safetensors] [--clips 4] [--size 33x128x128] \
-        [--qk-rotation hadamard] [--k-smoothing] [--q-smoothing sequence|block]
+        [--qk-rotation hadamard] [--k-smoothing] [--q-smoothing sequence|block|option]
 
 For the base weights and for the QAT weights, each in its own bf16 as the reference: the velocity distance
 ``|v_fp4 - v_bf16|^2 / |v_bf16|^2`` of nvfp4 attention with only some of its quantizers on (Q and K; V; P; Q, K
@@ -13,7 +13,8 @@ weights' own FP4 error and how far their bf16 function moved from the base's, al
 switched in the PyTorch reference (attnqat.kernels.reference), so this runs where that runs (CPU: ~10 minutes).
 ``--qk-rotation`` / ``--k-smoothing``: the FP4 rows with those options (Q and K transformed before the
 quantizers, as the shipped QAT file runs: its weights were trained with the rotation). ``--q-smoothing``: a probe
-of SageAttention2's Q smoothing (:func:`quantizers`).
+of SageAttention2's Q smoothing (:func:`quantizers`); ``option`` smooths as the ``q_smoothing`` option does (blocks of
+128 queries, the last partial).
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def quantizers(on: tuple[str, ...], q_smoothing: str = "none"):
             if blocks is None:
                 raise SystemExit(f"--q-smoothing block needs a multiple of 64 tokens, not {q.shape[-2]}")
             q_mean = blocks.mean(dim=-2, keepdim=True).expand_as(blocks).flatten(-3, -2)
+        elif q_smoothing == "option":  # the q_smoothing option's own means: per 128-row block, the last partial
+            q_mean = reference.q_block_means_ref(q)[2]
         qf, kf = ((fq(t) if "qk" in on else t) for t in (q - q_mean, k))
         vf = fq(v.float()) if "v" in on else v.float()
         reference.fake_quant_nvfp4_ref = fq if "p" in on else (lambda x, dim=-1, pre_scale=1.0: x)
@@ -77,7 +80,7 @@ def main(argv=None) -> None:
     parser.add_argument("--k-smoothing", action="store_true")
     parser.add_argument("--sources", nargs="+", choices=list(SOURCES), default=list(SOURCES),
                         help="the rows (default: all of them)")
-    parser.add_argument("--q-smoothing", choices=("none", "sequence", "block"), default="none",
+    parser.add_argument("--q-smoothing", choices=("none", "sequence", "block", "option"), default="none",
                         help="probe: Q minus its mean quantized, the mean's logits added back exactly (quantizers())")
     args = parser.parse_args(argv)
     sources = {name: SOURCES[name] for name in args.sources}
