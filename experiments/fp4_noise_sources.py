@@ -30,6 +30,9 @@ from attnqat.mini.evaluation import Variant, flow_metrics
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from experiments._held_out import held_out_arguments, load_held_out  # noqa: E402
 
+#: how the header names --q-smoothing
+SMOOTHED = {"sequence": ", Q smoothed over the sequence", "block": ", Q smoothed over each block of 64",
+            "option": ", Q smoothed as the q_smoothing option (blocks of 128)"}
 #: which of nvfp4's four quantizers are on, per row
 SOURCES = {"Q,K": ("qk",), "V": ("v",), "P": ("p",), "Q,K,V": ("qk", "v"), "all (nvfp4)": ("qk", "v", "p")}
 
@@ -43,7 +46,9 @@ def quantizers(on: tuple[str, ...], q_smoothing: str = "none"):
     fq = reference.fake_quant_nvfp4_ref
     forward = reference.attn_qat_forward_ref
 
-    def partial(q, k, v, *, sm_scale=None, causal=False, block_n=64, training=True):
+    def partial(q, k, v, *, sm_scale=None, causal=False, block_n=64, training=True, **option):
+        if option.get("q_smoothing"):  # the mode's own option: this probe smooths Q itself (--q-smoothing option)
+            raise SystemExit("the probe smooths Q itself: pass --q-smoothing option, not the mode's q_smoothing")
         scale = reference._scale(q, sm_scale)
         q, k = q.float(), k.float()
         q_mean = torch.zeros_like(q[..., :1, :])
@@ -99,7 +104,7 @@ def main(argv=None) -> None:
                 own[label, name] = run(pair)["fp4"]["velocity_distance"]
     print(f"{args.clips} held-out clips at {args.size}; velocity distance of FP4"
           f"{' (' + '; '.join(describe_qk_options(options)) + ')' if options else ''}"
-          f"{f', Q smoothed over each {args.q_smoothing}' if args.q_smoothing != 'none' else ''} to the same weights in bf16\n")
+          f"{SMOOTHED.get(args.q_smoothing, '')} to the same weights in bf16\n")
     print("| quantizers on | base weights | QAT weights | QAT / base |")
     print("|---|---|---|---|")
     for name in sources:
