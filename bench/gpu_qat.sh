@@ -76,6 +76,8 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     # K's mean subtracted before FP4 attention as well (attention.options.k_smoothing): the shipped recipe with it
     rot_ks_distill_5e-5) echo "$(overrides rot_distill_5e-5) attention.options.k_smoothing=true" ;;
     rot_ks_distill_1e-4) echo "$(overrides rot_distill_1e-4) attention.options.k_smoothing=true" ;;
+    # Q minus its 128-row block means quantized, their logits added back unquantized (attention.options.q_smoothing)
+    rot_qs_distill_5e-5) echo "$(overrides rot_distill_5e-5) attention.options.q_smoothing=true" ;;
   esac
 }
 

@@ -125,6 +125,8 @@ BAD = [
     (["--qk-rotation", "hadamard"], "--qk-rotation hadamard needs an FP4 --mode \\(nvfp4, attn_qat, attn_qat_dropin\\), not bf16"),
     (["--k-smoothing", "yes", "--mode", "nvfp4"], "--k-smoothing 'yes': choose one of auto, on, off"),
     (["--k-smoothing", "on", "--mode", "sage3"], "--k-smoothing on needs an FP4 --mode \\(nvfp4, attn_qat, attn_qat_dropin\\), not sage3"),
+    (["--q-smoothing", "maybe", "--mode", "nvfp4"], "--q-smoothing 'maybe': choose one of auto, on, off"),
+    (["--q-smoothing", "on", "--mode", "sage3"], "--q-smoothing on needs an FP4 --mode \\(nvfp4, attn_qat, attn_qat_dropin\\), not sage3"),
     (["--layers", "0,x"], "--layers '0,x'"),
     (["--layers", "0,7"], "block indices \\[7\\] out of range"),
     (["--model", "{tmp}/missing-model"], "model folder .*missing-model' does not exist; download it once with "

@@ -70,6 +70,8 @@ FPS = 16  # Wan 2.1 generates 16 frames per second
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> torch attribute
 MP4_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")  # containers ffmpeg writes H.264 into
 DEFAULT_OUT = "video.mp4"
+#: the FP4 attention options switched auto / on / off, each its flag and option name (auto: as the weights were trained)
+SWITCHED_OPTIONS = (("--k-smoothing", "k_smoothing"), ("--q-smoothing", "q_smoothing"))
 PARALLEL_LAYOUTS = ("ulysses", "ring")  # --parallel: diffusers' ContextParallelConfig ulysses_degree / ring_degree
 
 
@@ -148,6 +150,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "sequence before FP4 attention (the same modes): exact in high precision, it lowers FP4's error by "
                    "about a quarter on mini with no training, and adds about ten points to the rotation's "
                    "(docs/quality.md); auto (default): as the loaded QAT weights were trained, else off")
+    g.add_argument("--q-smoothing", default="auto", metavar="{auto,on,off}", help="quantize Q minus its mean over "
+                   "each block of 128 queries and add the mean's logits back unquantized, inside the kernels (the "
+                   "same modes): exact in high precision (docs/kernels.md); auto (default): as the loaded QAT "
+                   "weights were trained, else off")
     g.add_argument("--layers", default="self", help="which attention layers use --mode: 'self' (default: attn1 "
                    "of every block, the paper's setting), 'all' (attn1 and cross-attention attn2), or comma-"
                    "separated block indices (their attn1)")
@@ -288,11 +294,12 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     check_text("--qk-rotation", args.qk_rotation)
     if args.qk_rotation not in ("auto", *QK_ROTATIONS):
         raise ValueError(f"--qk-rotation {args.qk_rotation!r}: choose one of auto, {', '.join(QK_ROTATIONS)}")
-    check_text("--k-smoothing", args.k_smoothing)
-    if args.k_smoothing not in ("auto", "on", "off"):
-        raise ValueError(f"--k-smoothing {args.k_smoothing!r}: choose one of auto, on, off")
+    for flag, option in SWITCHED_OPTIONS:
+        check_text(flag, getattr(args, option))
+        if getattr(args, option) not in ("auto", "on", "off"):
+            raise ValueError(f"{flag} {getattr(args, option)!r}: choose one of auto, on, off")
     for flag, option, asked in (("--qk-rotation", "qk_rotation", args.qk_rotation not in ("auto", "none")),
-                                ("--k-smoothing", "k_smoothing", args.k_smoothing == "on")):
+                                *((flag, option, getattr(args, option) == "on") for flag, option in SWITCHED_OPTIONS)):
         if asked and option not in dict(mode_of(args.mode).options):
             fp4 = ", ".join(available_modes(lambda m: option in dict(m.options)))
             raise ValueError(f"{flag} {getattr(args, option)} needs an FP4 --mode ({fp4}), not {args.mode}")
@@ -302,10 +309,11 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     trained = trained_mode_options(args.mode, args.qat_checkpoint)  # the base weights were trained without them
     if args.qk_rotation == "auto":  # as the weights were trained
         args.qk_rotation = trained.get("qk_rotation", "none")
-    if args.k_smoothing == "auto":
-        args.k_smoothing = "on" if trained.get("k_smoothing") else "off"
+    for _, option in SWITCHED_OPTIONS:
+        if getattr(args, option) == "auto":
+            setattr(args, option, "on" if trained.get(option) else "off")
     args.mode_options = {**({} if args.qk_rotation == "none" else {"qk_rotation": args.qk_rotation}),
-                         **({"k_smoothing": True} if args.k_smoothing == "on" else {})}
+                         **{option: True for _, option in SWITCHED_OPTIONS if getattr(args, option) == "on"}}
     # None for a hub id: what depends on its transformer is checked once it has loaded (_generate)
     args.transformer_config = model_transformer_config(args.model)
     n_blocks = config_num_blocks(args.transformer_config)  # the config read once

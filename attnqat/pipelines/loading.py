@@ -303,7 +303,7 @@ def checkpoint_weights_path(path: str | os.PathLike) -> str:
 
 #: The FP4 attention options weights are trained under and then run with (attnqat.kernels.rotation): a QAT weights
 #: file's metadata or an ``attnqat train`` run's config.yaml records them.
-TRAINED_OPTIONS = ("qk_rotation", "k_smoothing")
+TRAINED_OPTIONS = ("qk_rotation", "k_smoothing", "q_smoothing")
 
 
 def trained_attention_options(path: str | os.PathLike) -> dict | None:
@@ -324,8 +324,8 @@ def trained_attention_options(path: str | os.PathLike) -> dict | None:
 
 
 def trained_mode_options(mode: str, path: str | os.PathLike | None) -> dict:
-    """The attention options ``mode`` runs the weights at ``path`` with when the user says nothing: the Q/K rotation
-    and K-smoothing they were trained under (:func:`trained_attention_options`), those ``mode`` takes (the FP4
+    """The attention options ``mode`` runs the weights at ``path`` with when the user says nothing: the Q/K rotation,
+    K- and Q-smoothing they were trained under (:func:`trained_attention_options`), those ``mode`` takes (the FP4
     modes) with a value it allows, other than the default; else none (the base weights, None, were trained without
     them). ``attnqat generate --qk-rotation auto --k-smoothing auto``, quality rows, the demo."""
     if path is None:

@@ -25,7 +25,7 @@ header's metadata (strings) says what it is:
 ``base``    :func:`weights_fingerprint` of the base transformer's weights; loading refuses other weights
 ``dtype``   ``bfloat16`` (``subset``) or ``float8_e4m3fn`` (``fp8-delta``)
 ``trained`` one line on how the weights were trained
-optional:   ``qk_rotation`` (``hadamard``) and ``k_smoothing`` (``true``): the FP4 attention options the
+optional:   ``qk_rotation`` (``hadamard``), ``k_smoothing`` and ``q_smoothing`` (``true``): the FP4 attention options the
             weights were trained under (:mod:`attnqat.kernels.rotation`), which every command runs them with
             unless told otherwise; absent: trained without them
 ==========  ===========================================================================================
@@ -82,6 +82,7 @@ class QatWeights:
     scales: dict[str, torch.Tensor] | None = None
     qk_rotation: str = "none"  # the attention options the weights were trained under (attnqat.kernels.rotation)
     k_smoothing: bool = False
+    q_smoothing: bool = False
 
     def values(self, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The new values of the file's tensors, given the ``base`` state dict they apply over (only its keys
@@ -126,13 +127,14 @@ def is_qat_weights(path: str | os.PathLike) -> bool:
 
 
 def recorded_attention_options(path: str | os.PathLike) -> dict:
-    """The ``qk_rotation`` and ``k_smoothing`` attention options a QAT weights file records (its header only is
+    """The ``qk_rotation``, ``k_smoothing`` and ``q_smoothing`` attention options a QAT weights file records (its header only is
     read): "none" and False where it records none."""
     return _attention_options(_metadata(path))
 
 
 def _attention_options(meta: dict) -> dict:
-    return {"qk_rotation": meta.get("qk_rotation", "none"), "k_smoothing": meta.get("k_smoothing") == "true"}
+    return {"qk_rotation": meta.get("qk_rotation", "none"), "k_smoothing": meta.get("k_smoothing") == "true",
+            "q_smoothing": meta.get("q_smoothing") == "true"}
 
 
 def read_qat_weights(path: str | os.PathLike) -> QatWeights:
@@ -207,10 +209,12 @@ def fp8_changes(tuned: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tens
 
 
 def serialize(tensors: dict[str, torch.Tensor], base: str, trained: str, storage: str = "subset",
-              qk_rotation: str = "none", k_smoothing: bool = False) -> bytes:
+              qk_rotation: str = "none", k_smoothing: bool = False, q_smoothing: bool = False) -> bytes:
     meta = {"format": FORMAT, "tensors": storage, "base": base, "dtype": _STORAGE_DTYPE[storage], "trained": trained}
     if qk_rotation != "none":  # files of weights trained without them read as before
         meta["qk_rotation"] = qk_rotation
     if k_smoothing:
         meta["k_smoothing"] = "true"
+    if q_smoothing:
+        meta["q_smoothing"] = "true"
     return save(tensors, metadata=meta)

@@ -1138,6 +1138,7 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
                   f"--qat-checkpoint {shlex.quote(str(final))} --mode {cfg.attention.mode} "
                   + (f"--qk-rotation {rotation} " if rotation != "none" else "")
                   + ("--k-smoothing on " if cfg.attention.options.get("k_smoothing") else "")
+                  + ("--q-smoothing on " if cfg.attention.options.get("q_smoothing") else "")
                   + "--prompt 'a red ball slides left over a striped background'")
     return TrainResult(steps=trainer.state.step, losses=losses, gap_before=gap_before, gap_after=gap_after,
                        output_dir=cfg.output_dir, final_checkpoint=str(final) if final else None, log_rows=logger.rows)
