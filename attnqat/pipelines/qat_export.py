@@ -28,8 +28,8 @@ def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.Pa
     ``model`` (the base it was fine-tuned from: ``mini``, ``tiny`` or a diffusers folder) in bf16.
     ``storage``: ``subset`` (their values in bf16), ``fp8-delta`` (their changes in FP8, module docstring) or
     ``auto`` (``subset`` where it fits in :data:`MAX_BYTES`, else ``fp8-delta``). ``qk_rotation``, ``k_smoothing``,
-    ``q_smoothing``: the attention options the fine-tune was trained under, recorded in the file (None: what the fine-tune's training
-    config says, :func:`~.loading.trained_attention_options`, else ``"none"`` / False).
+    ``q_smoothing``: the attention options the fine-tune was trained under, recorded in the file (None: what the
+    fine-tune's training config says, :func:`~.loading.trained_attention_options`, else ``"none"`` / False).
 
     Refused (ValueError, nothing written): a fine-tune whose keys or shapes differ from the base's
     (:class:`CheckpointMismatchError`), one equal to the base, a file over :data:`MAX_BYTES`. The file is

@@ -25,8 +25,8 @@ header's metadata (strings) says what it is:
 ``base``    :func:`weights_fingerprint` of the base transformer's weights; loading refuses other weights
 ``dtype``   ``bfloat16`` (``subset``) or ``float8_e4m3fn`` (``fp8-delta``)
 ``trained`` one line on how the weights were trained
-optional:   ``qk_rotation`` (``hadamard``), ``k_smoothing`` and ``q_smoothing`` (``true``): the FP4 attention options the
-            weights were trained under (:mod:`attnqat.kernels.rotation`), which every command runs them with
+optional:   ``qk_rotation`` (``hadamard``), ``k_smoothing`` and ``q_smoothing`` (``true``): the FP4 attention
+            options the weights were trained under (:mod:`attnqat.kernels.rotation`), which every command runs them with
             unless told otherwise; absent: trained without them
 ==========  ===========================================================================================
 
@@ -127,8 +127,8 @@ def is_qat_weights(path: str | os.PathLike) -> bool:
 
 
 def recorded_attention_options(path: str | os.PathLike) -> dict:
-    """The ``qk_rotation``, ``k_smoothing`` and ``q_smoothing`` attention options a QAT weights file records (its header only is
-    read): "none" and False where it records none."""
+    """The ``qk_rotation``, ``k_smoothing`` and ``q_smoothing`` attention options a QAT weights file records (its
+    header only is read): "none" and False where it records none."""
     return _attention_options(_metadata(path))
 
 

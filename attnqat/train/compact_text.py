@@ -13,8 +13,9 @@ arithmetic over L keys instead of 512. mini's captions are at most a few dozen t
 33x256x256 training step spent 3.4 of 42 ms in cross-attention over 512 keys (docs/benchmarks.md).
 
 :class:`CompactTextProcessor` is the cross-attention's processor: with ``text_len`` keys it is diffusers' own;
-with fewer it adds ln(count) to the last key's logit, in float32 outside autocast (plain products and softmax) (in bf16, ln 489 = 6.19 would
-round by up to 0.016, a 1.6% error in the padding's weight). :func:`install` sets it on every block's ``attn2``.
+with fewer it adds ln(count) to the last key's logit and computes the attention in float32 outside autocast, as
+plain products and a softmax (in bf16, ln 489 = 6.19 would round by up to 0.016, a 1.6% error in the padding's
+weight). :func:`install` sets it on every block's ``attn2``.
 The corpus source (:mod:`.corpus_source`) cuts the embeddings and refuses a caption too long for L.
 """
 from __future__ import annotations
