@@ -78,6 +78,8 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     rot_ks_distill_1e-4) echo "$(overrides rot_distill_1e-4) attention.options.k_smoothing=true" ;;
     # Q minus its 128-row block means quantized, their logits added back unquantized (attention.options.q_smoothing)
     rot_qs_distill_5e-5) echo "$(overrides rot_distill_5e-5) attention.options.q_smoothing=true" ;;
+    rot_qs_distill_2e-4) echo "$(overrides rot_distill) attention.options.q_smoothing=true" ;;
+    rot_qs_ks_distill_5e-5) echo "$(overrides rot_qs_distill_5e-5) attention.options.k_smoothing=true" ;;
   esac
 }
 
