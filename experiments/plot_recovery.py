@@ -13,10 +13,16 @@
       --frames "QAT with rotation (rot_distill_5e-5)=$B/rotation/round2/quality_33x256x256.json:rot_distill_5e-5" \
       --out docs/recovery.png
 
-Left: the held-out flow loss of each --curve pair of `attnqat train` logs (a run trained in bf16 attention, evaluated
-in bf16, and the same recipe trained in FP4, evaluated in FP4), as the training evaluated them. Right: the gap closed
-per latent frame, (FP4 - X) / (FP4 - bf16) on the flow loss, of each --frames row of an `attnqat quality` table.json
-(each table's own references), with --bar drawn across.
+Left (where --curve is given): the held-out flow loss of each --curve pair of `attnqat train` logs (a run trained in
+bf16 attention, evaluated in bf16, and the same recipe trained in FP4, evaluated in FP4), as the training evaluated
+them. Then one panel per video size of the --frames tables: the gap closed per latent frame, (FP4 - X) / (FP4 -
+bf16) on the flow loss, of each --frames row of an `attnqat quality` table.json (each table's own references),
+with --bar drawn across. Q smoothing's rows at two sizes (docs/quality.md, "Smoothing Q"):
+
+    G=bench/results/q_smoothing/gpu
+    python experiments/plot_recovery.py --out docs/q_smoothing.png \
+      --frames "rotation alone=$G/qat_qs_vs_control_33x256x256.json:rot" ... \
+      --frames "rotation alone=$G/qat_qs_vs_control_33x128x128.json:rot" ...
 """
 from __future__ import annotations
 
@@ -49,27 +55,40 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_eval, ax_frames) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for i, text in enumerate(args.curve):
-        label, logs = _pair(text, "--curve")
-        bf16_log, fp4_log = logs.split(",")
-        for path, style, kind in ((bf16_log, "-", "trained and evaluated in bf16"),
-                                  (fp4_log, "--", "trained and evaluated in FP4")):
-            curve = held_out(pathlib.Path(path))
-            ax_eval.plot(list(curve), list(curve.values()), style, color=f"C{i}", label=f"{label}: {kind}")
-    ax_eval.set(title="held-out flow loss (training's evaluation)", xlabel="step", yscale="log")
-    ax_eval.legend(fontsize=8)
-    for i, text in enumerate(args.frames):
+    frames = []  # (label, size, row of its table), in the order given
+    for text in args.frames:
         label, source = _pair(text, "--frames")
         path, row = source.rsplit(":", 1)
-        r = json.loads(pathlib.Path(path).read_text())["rows"][row]
-        frames = r["gap_closed_loss_frames"]
-        ax_frames.plot(range(len(frames)), frames, "o-", ms=4, color=f"C{i + 2}",
-                       label=f"{label}: {r['gap_closed_loss']:.0%} overall")
-    ax_frames.axhline(args.bar, color="grey", ls=":", label=f"{args.bar:.0%}")
-    ax_frames.set(title="flow-loss gap closed per latent frame (33x256x256)", xlabel="latent frame",
-                  ylim=(0, 1))
-    ax_frames.legend(fontsize=8)
+        table = json.loads(pathlib.Path(path).read_text())
+        if row not in table["rows"]:
+            raise SystemExit(f"--frames {text!r}: no row {row!r} in {path} (rows: {', '.join(table['rows'])})")
+        frames.append((label, "x".join(map(str, table["size"])), table["rows"][row]))
+    sizes = list(dict.fromkeys(size for _, size, _ in frames))
+    panels = (1 if args.curve else 0) + len(sizes)
+    if panels == 0:
+        raise SystemExit("nothing to draw: give --curve or --frames")
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 6.2), squeeze=False)
+    axes = list(axes[0])
+    if args.curve:
+        ax_eval = axes.pop(0)
+        for i, text in enumerate(args.curve):
+            label, logs = _pair(text, "--curve")
+            bf16_log, fp4_log = logs.split(",")
+            for path, style, kind in ((bf16_log, "-", "trained and evaluated in bf16"),
+                                      (fp4_log, "--", "trained and evaluated in FP4")):
+                curve = held_out(pathlib.Path(path))
+                ax_eval.plot(list(curve), list(curve.values()), style, color=f"C{i}", label=f"{label}: {kind}")
+        ax_eval.set(title="held-out flow loss (training's evaluation)", xlabel="step", yscale="log")
+        ax_eval.legend(fontsize=8)
+    for size, ax in zip(sizes, axes):
+        rows = [(label, r) for label, s, r in frames if s == size]
+        for i, (label, r) in enumerate(rows):
+            gap = r["gap_closed_loss_frames"]
+            ax.plot(range(len(gap)), gap, "o-", ms=4, color=f"C{i + 2}",
+                    label=f"{label}: {r['gap_closed_loss']:.0%} overall")
+        ax.axhline(args.bar, color="grey", ls=":", label=f"{args.bar:.0%}")
+        ax.set(title=f"flow-loss gap closed per latent frame ({size})", xlabel="latent frame", ylim=(0, 1))
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13))  # below: the lines fill it
     save_figure(fig, args.out)
     return 0
 
