@@ -3,18 +3,22 @@ file changed")
 
     python experiments/fp4_noise_sources.py [--model attnqat/models/mini] \
         [--qat attnqat/models/mini/attn_qat.safetensors] [--clips 4] [--size 33x128x128] \
-        [--qk-rotation hadamard] [--k-smoothing] [--q-smoothing sequence|block|option]
+        [--qk-rotation hadamard] [--k-smoothing] [--q-smoothing sequence|block|option] \
+        [--four-over-six qk v p] [--base-nvfp4]
 
 For the base weights and for the QAT weights, each in its own bf16 as the reference: the velocity distance
 ``|v_fp4 - v_bf16|^2 / |v_bf16|^2`` of nvfp4 attention with only some of its quantizers on (Q and K; V; P; Q, K
 and V; all four, which is nvfp4), on the first ``--clips`` held-out clips at the quality table's noise levels. The
 velocity distance of the QAT weights in FP4 to the *base* weights in bf16 (the quality table's) splits into the QAT
 weights' own FP4 error and how far their bf16 function moved from the base's, also printed. The quantizers are
-switched in the PyTorch reference (attnqat.kernels.reference), so this runs where that runs (CPU: ~10 minutes).
+switched in the PyTorch reference (attnqat.kernels.reference), which runs on the CPU (~10 minutes) or, with
+``--device cuda``, on a GPU (the reference there too, not the kernels).
 ``--qk-rotation`` / ``--k-smoothing``: the FP4 rows with those options (Q and K transformed before the
 quantizers, as the shipped QAT file runs: its weights were trained with the rotation). ``--q-smoothing``: a probe
 of SageAttention2's Q smoothing (:func:`quantizers`); ``option`` smooths as the ``q_smoothing`` option does (blocks of
-128 queries, the last partial).
+128 queries, the last partial). ``--four-over-six``: those quantizers choose each block's scale as "Four Over Six"
+does (:func:`fake_quant_four_over_six`). ``--base-nvfp4``: also the base weights in plain nvfp4 to their bf16 (the
+quality table's FP4 reference), so the last line reads as a share of the gap closed.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import sys
 
 import torch
 
-from attnqat.kernels import QK_ROTATIONS, describe_qk_options, reference
+from attnqat.kernels import QK_ROTATIONS, api, describe_qk_options, reference
+from attnqat.kernels.formats import E2M1_GRID, NVFP4_BLOCK
 from attnqat.mini.evaluation import Variant, flow_metrics
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -37,14 +42,41 @@ SMOOTHED = {"sequence": ", Q smoothed over the sequence", "block": ", Q smoothed
 SOURCES = {"Q,K": ("qk",), "V": ("v",), "P": ("p",), "Q,K,V": ("qk", "v"), "all (nvfp4)": ("qk", "v", "p")}
 
 
+def fake_quant_four_over_six(x: torch.Tensor, dim: int = -1, pre_scale: float = 1.0) -> torch.Tensor:
+    """phi with "Four Over Six" block scales (Cook et al., arXiv 2512.02010; a probe, no option builds it): each
+    block of 16 is quantized twice, its largest magnitude mapped to 6 (s = e4m3(amax / 6), SPEC §1) and to 4
+    (s = e4m3(amax / 4)), and keeps the one with the smaller squared error. Both are NVFP4 (e2m1 codes, one e4m3
+    scale a block), so an FP4 MMA runs either; only the quantizer's choice of scale differs. Finite inputs only."""
+    xt = x.movedim(dim, -1).float() * pre_scale
+    n = xt.shape[-1]
+    xt = torch.nn.functional.pad(xt, (0, (-n) % NVFP4_BLOCK))
+    xb = xt.reshape(*xt.shape[:-1], -1, NVFP4_BLOCK)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    grid = torch.tensor(E2M1_GRID, device=x.device)
+    best, best_err = None, None
+    for top in (6.0, 4.0):
+        s = (amax / top).clamp(max=448.0).to(torch.float8_e4m3fn).float()
+        codes = reference.e2m1_codes_ref(xb / torch.where(s > 0, s, torch.ones_like(s)))
+        mag = grid[codes & 0x7]
+        q = torch.where(s > 0, torch.where((codes & 0x8) != 0, -mag, mag) * s, torch.zeros_like(xb))
+        err = (q - xb).square().sum(dim=-1, keepdim=True)
+        if best is None:
+            best, best_err = q, err
+        else:
+            take = err < best_err
+            best, best_err = torch.where(take, q, best), torch.where(take, err, best_err)
+    return (best.reshape(*xt.shape)[..., :n] / pre_scale).to(x.dtype).movedim(-1, dim)
+
+
 @contextlib.contextmanager
-def quantizers(on: tuple[str, ...], q_smoothing: str = "none"):
+def quantizers(on: tuple[str, ...], q_smoothing: str = "none", four_over_six: tuple[str, ...] = ()):
     """The reference FP4 forward with only the quantizers in ``on`` (the others pass fp32 values through).
     ``q_smoothing`` (a probe; no option builds it): Q minus its mean over the sequence ("sequence") or over each
     block of 64 queries ("block", as SageAttention2 smooths each tile) is quantized, and the mean's logits
     q_mean . K are added back in float32, so exact attention does not change."""
     fq = reference.fake_quant_nvfp4_ref
     forward = reference.attn_qat_forward_ref
+    rule = {name: (fake_quant_four_over_six if name in four_over_six else fq) for name in ("qk", "v", "p")}
 
     def partial(q, k, v, *, sm_scale=None, causal=False, block_n=64, training=True, **option):
         if option.get("q_smoothing"):  # the mode's own option: this probe smooths Q itself (--q-smoothing option)
@@ -61,9 +93,9 @@ def quantizers(on: tuple[str, ...], q_smoothing: str = "none"):
             q_mean = blocks.mean(dim=-2, keepdim=True).expand_as(blocks).flatten(-3, -2)
         elif q_smoothing == "option":  # the q_smoothing option's own means: per 128-row block, the last partial
             q_mean = reference.q_block_means_ref(q)[2]
-        qf, kf = ((fq(t) if "qk" in on else t) for t in (q - q_mean, k))
-        vf = fq(v.float()) if "v" in on else v.float()
-        reference.fake_quant_nvfp4_ref = fq if "p" in on else (lambda x, dim=-1, pre_scale=1.0: x)
+        qf, kf = ((rule["qk"](t) if "qk" in on else t) for t in (q - q_mean, k))
+        vf = rule["v"](v.float()) if "v" in on else v.float()
+        reference.fake_quant_nvfp4_ref = rule["p"] if "p" in on else (lambda x, dim=-1, pre_scale=1.0: x)
         try:
             s = reference._logits_log2(qf, kf, scale, causal)
             if q_smoothing != "none":  # the mean's share of every logit, unquantized
@@ -72,11 +104,16 @@ def quantizers(on: tuple[str, ...], q_smoothing: str = "none"):
         finally:
             reference.fake_quant_nvfp4_ref = fq
 
+    use_kernel, check_qkv = api._use_kernel, api.check_qkv
     reference.attn_qat_forward_ref = partial
+    # on a GPU too: the reference, whose quantizers this switches, in fp32 as on the CPU
+    api._use_kernel = lambda q: False
+    api.check_qkv = lambda *a, dtypes, **kw: check_qkv(*a, dtypes=(*dtypes, torch.float32), **kw)
     try:
         yield
     finally:
         reference.attn_qat_forward_ref = forward
+        api._use_kernel, api.check_qkv = use_kernel, check_qkv
 
 
 def main(argv=None) -> None:
@@ -87,7 +124,12 @@ def main(argv=None) -> None:
                         help="the rows (default: all of them)")
     parser.add_argument("--q-smoothing", choices=("none", "sequence", "block", "option"), default="none",
                         help="probe: Q minus its mean quantized, the mean's logits added back exactly (quantizers())")
+    parser.add_argument("--four-over-six", nargs="*", choices=("qk", "v", "p"), default=[],
+                        help="probe: these quantizers pick each block's scale as Four Over Six does")
+    parser.add_argument("--base-nvfp4", action="store_true",
+                        help="also the base weights in plain nvfp4 (the gap's FP4 end) on the same clips")
     args = parser.parse_args(argv)
+    fos = tuple(args.four_over_six)
     sources = {name: SOURCES[name] for name in args.sources}
     options = {**({"qk_rotation": args.qk_rotation} if args.qk_rotation != "none" else {}),
                **({"k_smoothing": True} if args.k_smoothing else {})}
@@ -100,21 +142,27 @@ def main(argv=None) -> None:
     for label, weights in (("base", base), ("QAT", qat)):
         pipe.transformer.load_state_dict(weights)
         for name, on in sources.items():
-            with quantizers(on, args.q_smoothing):
+            with quantizers(on, args.q_smoothing, fos):
                 own[label, name] = run(pair)["fp4"]["velocity_distance"]
     print(f"{args.clips} held-out clips at {args.size}; velocity distance of FP4"
           f"{' (' + '; '.join(describe_qk_options(options)) + ')' if options else ''}"
-          f"{SMOOTHED.get(args.q_smoothing, '')} to the same weights in bf16\n")
+          f"{SMOOTHED.get(args.q_smoothing, '')}{', Four Over Six on ' + ' '.join(fos) if fos else ''}"
+          " to the same weights in bf16\n")
     print("| quantizers on | base weights | QAT weights | QAT / base |")
     print("|---|---|---|---|")
     for name in sources:
         b, q = own["base", name], own["QAT", name]
         print(f"| {name} | {b:.5f} | {q:.5f} | {q / b:.2f} |")
     pipe.transformer.load_state_dict(base)
-    with quantizers(SOURCES["all (nvfp4)"], args.q_smoothing):
+    with quantizers(SOURCES["all (nvfp4)"], args.q_smoothing, fos):
         r = run([Variant("bf16", "bf16"), Variant("qat_bf16", "bf16", qat), Variant("qat_fp4", "nvfp4", qat, options)])
     print(f"\nto the base weights in bf16: the QAT weights in bf16 {r['qat_bf16']['velocity_distance']:.5f}, "
           f"in FP4 {r['qat_fp4']['velocity_distance']:.5f}")
+    if args.base_nvfp4:
+        with quantizers(SOURCES["all (nvfp4)"]):  # plain: no option, no probe
+            plain = run([Variant("bf16", "bf16"), Variant("nvfp4", "nvfp4")])["nvfp4"]["velocity_distance"]
+        print(f"the base weights in plain nvfp4: {plain:.5f}; the QAT weights in FP4 close "
+              f"{1 - r['qat_fp4']['velocity_distance'] / plain:.1%} of that velocity distance")
 
 if __name__ == "__main__":
     main()
