@@ -27,6 +27,7 @@ from attnqat.checks import check_not_input, check_output_file, check_text
 from attnqat.errors import one_line
 from attnqat.locking import output_lock
 from attnqat.mini.model import DEFAULT_MODEL
+from attnqat.trained_options import SWITCHED, flag
 
 # torch and diffusers are imported where they are used, so `attnqat export-qat --help` stays fast.
 
@@ -51,13 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the attention option the weights were trained under, recorded in the file so that "
                         "`attnqat generate` runs them with it; auto (default): what --from's training config says "
                         "(an `attnqat train` run or checkpoint), else none")
-    p.add_argument("--k-smoothing", choices=("auto", "on", "off"), default="auto",
-                   help="likewise for K-smoothing (K's mean over the sequence subtracted before FP4 attention); auto "
-                        "(default): what --from's training config says, else off")
-    p.add_argument("--q-smoothing", choices=("auto", "on", "off"), default="auto",
-                   help="likewise for Q-smoothing (Q minus its mean over each block of 128 queries quantized, the "
-                        "mean's logits added back unquantized); auto (default): what --from's training config says, "
-                        "else off")
+    for option, words in SWITCHED.items():
+        p.add_argument(flag(option), choices=("auto", "on", "off"), default="auto",
+                       help=f"likewise for {words}; auto (default): what --from's training config says, else off")
     p.add_argument("--trained", metavar="TEXT", help="one line on how the weights were trained, stored in the "
                    f"file's metadata (at most {MAX_TRAINED_CHARS} characters; default: the --from and --model "
                    "given)")
@@ -81,14 +78,12 @@ def main(args: argparse.Namespace) -> int:
 
     check_arguments(args)
     with output_lock(args.out, "attnqat export-qat"):
+        options = {"qk_rotation": None if args.qk_rotation == "auto" else args.qk_rotation,
+                   **{name: None if getattr(args, name) == "auto" else getattr(args, name) == "on" for name in SWITCHED}}
         written = export_qat_weights(args.finetune, args.model, args.out, trained=args.trained, storage=args.storage,
-                                     qk_rotation=None if args.qk_rotation == "auto" else args.qk_rotation,
-                                     k_smoothing=None if args.k_smoothing == "auto" else args.k_smoothing == "on",
-                                     q_smoothing=None if args.q_smoothing == "auto" else args.q_smoothing == "on")
+                                     options=options)
     size = written.path.stat().st_size
     print(f"wrote {written.path}: {len(written.tensors)} tensors that differ from {args.model}'s in bf16, as "
           f"{written.storage} ({size / 1e6:.2f} MB); base fingerprint {written.base[:12]}; trained: {written.trained}"
-          + "".join(f"; {said}" for said in describe_qk_options({"qk_rotation": written.qk_rotation,
-                                                                  "k_smoothing": written.k_smoothing,
-                                                                  "q_smoothing": written.q_smoothing})))
+          + "".join(f"; {said}" for said in describe_qk_options(written.options)))
     return 0

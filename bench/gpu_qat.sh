@@ -80,6 +80,8 @@ overrides() {  # the --set switches of each run (configs/mini_qat.yaml's header)
     rot_qs_distill_5e-5) echo "$(overrides rot_distill_5e-5) attention.options.q_smoothing=true" ;;
     rot_qs_distill_2e-4) echo "$(overrides rot_distill) attention.options.q_smoothing=true" ;;
     rot_qs_ks_distill_5e-5) echo "$(overrides rot_qs_distill_5e-5) attention.options.k_smoothing=true" ;;
+    # Four Over Six on Q, K and V's block scales (docs/kernels.md) in the loop as well
+    rot_qs_fos_distill_5e-5) echo "$(overrides rot_qs_distill_5e-5) attention.options.four_over_six=true" ;;
   esac
 }
 

@@ -313,7 +313,7 @@ E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints of the e2m1 gri
 
 def fp4_rounding_ties(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, sm_scale: float | None = None,
                       block_n: int = 64, backward: str | None = "final_max", tol: float = 3e-6,
-                      q_smoothing: bool = False) -> bool:
+                      q_smoothing: bool = False, four_over_six: bool = False) -> bool:
     """Whether FP4 attention over q, k rounds something in P within ``tol`` (relative) of a tie: a 16-key block's
     scale amax/6 near an e4m3 midpoint, or an element P~/s near an e2m1 one; P~ of each forward tile (running
     max, ``block_n`` keys) and of Attn-QAT's backward (``backward``: its p_bwd, or None for none), as the
@@ -326,12 +326,12 @@ def fp4_rounding_ties(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False,
     test_dropin_backward_is_high_precision_with_fp4_output and about 9 of 10,300 of
     test_forward_and_backward_match_reference[shape5] failed so, every time with a block scale 5 ulps from
     an e4m3 midpoint. Tests whose bound is output rounding therefore draw inputs without such ties.
-    ``q_smoothing``: the logits of the q_smoothing option (reference.fp4_logits_ref)."""
+    ``q_smoothing``, ``four_over_six``: the logits of those options (reference.fp4_logits_ref)."""
     from attnqat.kernels import reference as R
     from attnqat.kernels.formats import P_SCALE
 
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    s = R.fp4_logits_ref(q, k, sm_scale=scale, causal=causal, q_smoothing=q_smoothing)[0]
+    s = R.fp4_logits_ref(q, k, sm_scale=scale, causal=causal, q_smoothing=q_smoothing, four_over_six=four_over_six)[0]
     m = torch.full(s.shape[:-1], float("-inf"))
     tiles = []
     for j in range(0, s.shape[-1], block_n):

@@ -103,7 +103,8 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="takes no options"):
         with torch.no_grad():
             attention(q, k, v, mode="sage3", qk_rotation="hadamard")
-    with pytest.raises(ValueError, match="takes options qk_rotation, k_smoothing, q_smoothing; got .'p_bwd'"):
+    with pytest.raises(ValueError,
+                       match="takes options qk_rotation, k_smoothing, q_smoothing, four_over_six; got .'p_bwd'"):
         with torch.no_grad():
             attention(q, k, v, mode="nvfp4", p_bwd="final_max")
     with pytest.raises(ValueError, match="p_bwd"):

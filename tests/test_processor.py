@@ -290,7 +290,7 @@ def test_unpatch_restores_what_was_there_and_keeps_later_processors():
 
 
 def test_options_are_checked_when_the_processor_is_made():
-    with pytest.raises(ValueError, match="attention mode 'attn_qat' takes options p_bwd, qk_rotation, k_smoothing, q_smoothing; got \\['p_fwd'\\]"):
+    with pytest.raises(ValueError, match="attention mode 'attn_qat' takes options p_bwd, qk_rotation, k_smoothing, q_smoothing, four_over_six; got \\['p_fwd'\\]"):
         patch_attention(_tiny(), "attn_qat", p_fwd="x")
     with pytest.raises(ValueError, match="p_bwd 'nope' not in"):
         AttnQATProcessor("attn_qat", p_bwd="nope")

@@ -301,9 +301,10 @@ def test_the_qk_options_a_finetune_trained_under_travel_with_its_weights(tmp_pat
     assert capsys.readouterr().out.strip().endswith("; Q, K rotated: hadamard; K smoothed")
     assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(none), "--qk-rotation", "none",
                  "--k-smoothing", "off"]) == 0
-    assert (read_qat_weights(auto).qk_rotation, read_qat_weights(auto).k_smoothing) == ("hadamard", True)
-    assert trained_attention_options(auto) == {**both, "q_smoothing": False}  # a file records all three
-    assert trained_attention_options(none) == {"qk_rotation": "none", "k_smoothing": False, "q_smoothing": False}
+    assert {k: read_qat_weights(auto).options[k] for k in both} == both
+    assert trained_attention_options(auto) == {**both, "q_smoothing": False, "four_over_six": False}  # all recorded
+    assert trained_attention_options(none) == {"qk_rotation": "none", "k_smoothing": False, "q_smoothing": False,
+                                              "four_over_six": False}
     assert not {"qk_rotation", "k_smoothing"} & set(safe_open(str(none), "pt").metadata())  # read as before
     assert trained_attention_options(run / "final" / "transformer.safetensors") == both  # the config beside it
     plain = tmp_path / "plain.safetensors"
@@ -360,41 +361,45 @@ def test_the_qk_options_a_finetune_trained_under_travel_with_its_weights(tmp_pat
         assert engine.weights("nvfp4") is None
 
 
-def test_q_smoothing_travels_with_its_weights(tmp_path, capsys):
-    """A run trained with attention.options.q_smoothing: export-qat records it (unless --q-smoothing off), and
-    `attnqat generate` and `attnqat quality`'s rows run the weights with it unless told otherwise."""
+@pytest.mark.parametrize("option, said", [("q_smoothing", "Q smoothed per 128-row block"),
+                                          ("four_over_six", "Q, K, V block scales: Four Over Six")])
+def test_switched_options_travel_with_their_weights(option, said, tmp_path, capsys):
+    """A run trained with a switched attention option (attnqat.trained_options.SWITCHED) on: export-qat records it
+    (unless its flag says off), and `attnqat generate` and `attnqat quality`'s rows run the weights with it unless
+    told otherwise."""
     from attnqat.cli import build_parser
     from attnqat.mini import quality_cli
     from attnqat.pipelines.loading import trained_attention_options, trained_mode_options
     from attnqat.train import load_config, train
+    from attnqat.trained_options import flag
 
     run = tmp_path / "run"
     train(load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml",
                       [f"output_dir={run}", "log.progress=false", "train.max_steps=2", "train.warmup_steps=1",
-                       "data.batch_size=1", "data.held_out=0", "attention.options.q_smoothing=true"]))
-    assert trained_attention_options(run) == {"q_smoothing": True}
+                       "data.batch_size=1", "data.held_out=0", f"attention.options.{option}=true"]))
+    assert trained_attention_options(run) == {option: True}
     auto, off = tmp_path / "auto.safetensors", tmp_path / "off.safetensors"
     assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(auto)]) == 0
-    assert capsys.readouterr().out.strip().endswith("; Q smoothed per 128-row block")
-    assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(off), "--q-smoothing", "off"]) == 0
-    assert read_qat_weights(auto).q_smoothing and not read_qat_weights(off).q_smoothing
-    assert safe_open(str(auto), "pt").metadata()["q_smoothing"] == "true"
-    assert "q_smoothing" not in safe_open(str(off), "pt").metadata()  # files without it read as before
-    assert trained_mode_options("attn_qat", auto) == {"q_smoothing": True} and trained_mode_options("attn_qat", off) == {}
+    assert capsys.readouterr().out.strip().endswith(f"; {said}")
+    assert main(["export-qat", "--from", str(run), "--model", "tiny", "--out", str(off), flag(option), "off"]) == 0
+    assert read_qat_weights(auto).options[option] and not read_qat_weights(off).options[option]
+    assert safe_open(str(auto), "pt").metadata()[option] == "true"
+    assert option not in safe_open(str(off), "pt").metadata()  # files without it read as before
+    assert trained_mode_options("attn_qat", auto) == {option: True} and trained_mode_options("attn_qat", off) == {}
     small = ["--model", "tiny", "--prompt", "p", "--height", "32", "--width", "32", "--frames", "5", "--steps", "2",
              "--mode", "attn_qat"]
-    for weights, extra, said in ((auto, [], "attn_qat (Q smoothed per 128-row block) on"),
-                                 (auto, ["--q-smoothing", "off"], "attn_qat on"),
-                                 (off, ["--q-smoothing", "on"], "attn_qat (Q smoothed per 128-row block) on")):
+    for weights, extra, words in ((auto, [], f"attn_qat ({said}) on"),
+                                  (auto, [flag(option), "off"], "attn_qat on"),
+                                  (off, [flag(option), "on"], f"attn_qat ({said}) on")):
         out = tmp_path / f"q{len(list(tmp_path.glob('q*.mp4')))}.mp4"
         assert main(["generate", *small, "--qat-checkpoint", str(weights), *extra, "--out", str(out)]) == 0
-        assert f"attention    {said}" in capsys.readouterr().err, (weights, extra)
-    rows = [f"auto=attn_qat:{auto}", f"told=attn_qat,q_smoothing=false:{auto}", f"run=nvfp4:{run}"]
+        assert f"attention    {words}" in capsys.readouterr().err, (weights, extra)
+    rows = [f"auto=attn_qat:{auto}", f"told=attn_qat,{option}=false:{auto}", f"run=nvfp4:{run}"]
     argv = ["quality", "--model", "tiny", "--size", "5x32x32", "--device", "cpu", "--base-modes", "bf16",
             "--out", str(tmp_path / "qq")] + [a for r in rows for a in ("--variant", r)]
     args = quality_cli.resolve_settings(build_parser("quality").parse_args(argv))
     assert {label: options for label, _, _, _, options in args.rows} == {
-        "bf16": {}, "auto": {"q_smoothing": True}, "told": {"q_smoothing": False}, "run": {"q_smoothing": True}}
+        "bf16": {}, "auto": {option: True}, "told": {option: False}, "run": {option: True}}
 
 
 # ---------------------------------------------------------------------------------------------- generate

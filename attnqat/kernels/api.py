@@ -317,46 +317,52 @@ def _paths(kernel_module: str, kernel_name: str, reference_name: str):
     return kernel, ref
 
 
-def _gluon_sm90(q, head_dims: tuple, q_smoothing: bool) -> bool:
+def _gluon_sm90(q, head_dims: tuple, triton_option: bool) -> bool:
     """Whether the Gluon sm_90 kernels run q: a CUDA tensor on an H100 / H200 whose Triton has Gluon
     (hopper_gluon.gluon_sm90), at ``head_dims`` (the Triton kernels are faster at the others). Never with
-    ``q_smoothing``: the Gluon kernels have no ΔS input, so the Triton kernels run it (docs/kernels.md, "Q
-    smoothing"); the one place that decides it, for the inference forward and for training alike."""
-    return not q_smoothing and q.is_cuda and q.shape[-1] in head_dims and hopper_gluon.gluon_sm90(q.device)[0]
+    ``triton_option`` (``q_smoothing`` or ``four_over_six`` on): the Gluon kernels have no ΔS input and their
+    pre-pass no Four Over Six, so the Triton kernels run them (docs/kernels.md, "Q smoothing", "Four Over Six");
+    the one place that decides it, for the inference forward and for training alike."""
+    return not triton_option and q.is_cuda and q.shape[-1] in head_dims and hopper_gluon.gluon_sm90(q.device)[0]
 
 
-def _gluon_fp4_inference(q, q_smoothing: bool = False) -> bool:
+def _gluon_fp4_inference(q, q_smoothing: bool = False, four_over_six: bool = False) -> bool:
     """Whether the FP4 inference forward of q runs the Gluon sm_90 kernel (:func:`_gluon_sm90` at
     hopper_gluon.INFERENCE_HEAD_DIMS); elsewhere attn_qat's Triton forward. The same numbers either way
     (docs/kernels.md)."""
-    return _gluon_sm90(q, hopper_gluon.INFERENCE_HEAD_DIMS, q_smoothing)
+    return _gluon_sm90(q, hopper_gluon.INFERENCE_HEAD_DIMS, q_smoothing or four_over_six)
 
 
-def _fp4_inference(q, k, v, *, sm_scale=None, causal=False, q_smoothing=False):
+def _fp4_inference(q, k, v, *, sm_scale=None, causal=False, q_smoothing=False, four_over_six=False):
     """The FP4 inference forward (nvfp4's; attn_qat's and attn_qat_dropin's without grad)."""
-    if _gluon_fp4_inference(q, q_smoothing):
+    if _gluon_fp4_inference(q, q_smoothing, four_over_six):
         return hopper_gluon.fp4_fwd_sm90(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
-    return attn_qat.nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
+    return attn_qat.nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
+                                    four_over_six=four_over_six)
 
 
-def _attn_qat_kernel(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max", q_smoothing=False):
+def _attn_qat_kernel(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max", q_smoothing=False,
+                     four_over_six=False):
     """attn_qat's kernel path. Without grad, :func:`_fp4_inference`. Training where :func:`_gluon_sm90` says so,
     at hopper_gluon.TRAINING_HEAD_DIMS: the Gluon sm_90 training forward and backward, the same numbers
     (docs/kernels.md); everywhere else, for p_bwd="normalized" (an ablation the Gluon backward does not implement)
-    and for q_smoothing, the Triton path."""
+    and for q_smoothing and four_over_six, the Triton path."""
     if not needs_grad(q, k, v):
-        return _fp4_inference(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
-    if p_bwd == "final_max" and _gluon_sm90(q, hopper_gluon.TRAINING_HEAD_DIMS, q_smoothing):
+        return _fp4_inference(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
+                              four_over_six=four_over_six)
+    if p_bwd == "final_max" and _gluon_sm90(q, hopper_gluon.TRAINING_HEAD_DIMS, q_smoothing or four_over_six):
         return hopper_gluon.HopperAttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
     return attn_qat.attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd,
-                                       q_smoothing=q_smoothing)
+                                       q_smoothing=q_smoothing, four_over_six=four_over_six)
 
 
-def _attn_qat_dropin_kernel(q, k, v, *, sm_scale=None, causal=False, q_smoothing=False):
+def _attn_qat_dropin_kernel(q, k, v, *, sm_scale=None, causal=False, q_smoothing=False, four_over_six=False):
     """attn_qat_dropin's kernel path: without grad :func:`_fp4_inference`, else its Triton autograd Function."""
     if not needs_grad(q, k, v):
-        return _fp4_inference(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
-    return attn_qat.attn_qat_dropin_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
+        return _fp4_inference(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
+                              four_over_six=four_over_six)
+    return attn_qat.attn_qat_dropin_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
+                                              four_over_six=four_over_six)
 
 
 def _marked(fn):
@@ -373,27 +379,30 @@ def _fp4_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
     return (m.float() + torch.log2(l.float()) - math.log2(P_SCALE)) * math.log(2.0)
 
 
-def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None, q_smoothing=False):
+def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None, q_smoothing=False, four_over_six=False):
     """The FP4 forward shared by nvfp4, attn_qat and attn_qat_dropin (their forwards are one and the same;
     ``p_bwd``, attn_qat's option, is the backward's) with its row statistics: the kernel :func:`_fp4_inference`
     would run."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    if use_kernel and _gluon_fp4_inference(q, q_smoothing):
+    if use_kernel and _gluon_fp4_inference(q, q_smoothing, four_over_six):
         o, m, l = hopper_gluon.fp4_fwd_stats_sm90(q, k, v, scale, causal)
     elif use_kernel:
-        o, _, m, l = attn_qat.attn_qat_fwd(q, k, v, scale, causal, False, q_smoothing)[:4]
+        o, _, m, l = attn_qat.attn_qat_fwd(q, k, v, scale, causal, False, q_smoothing, four_over_six)[:4]
     else:
         o, _, m, l = reference.attn_qat_forward_ref(q, k, v, sm_scale=scale, causal=causal, training=False,
-                                                    q_smoothing=q_smoothing)
+                                                    q_smoothing=q_smoothing, four_over_six=four_over_six)
     return o.to(q.dtype), _fp4_lse(m, l)
 
 
 # The NVFP4 family's options: Q and K rotated along head_dim, K's mean over the sequence subtracted, before the
 # kernel (attnqat.kernels.rotation); Q's mean over each 128-row block quantized apart, in the kernel (its logits
 # q̄ K^T added back unquantized: docs/kernels.md, "Q smoothing"). All three leave exact attention as it is.
+# Four Over Six: each Q, K and V block's scale, amax / 6 or amax / 4, whichever quantizes it better (docs/kernels.md).
 QK_ROTATION = ("qk_rotation", QK_ROTATIONS)
 K_SMOOTHING = ("k_smoothing", (False, True))
 Q_SMOOTHING = ("q_smoothing", (False, True))
+FOUR_OVER_SIX = ("four_over_six", (False, True))
+FP4_OPTIONS = (QK_ROTATION, K_SMOOTHING, Q_SMOOTHING, FOUR_OVER_SIX)
 
 # Registration order is the order of available_modes(). No log-sum-exp for sage3: its K smoothing subtracts the
 # mean of all keys, so a chunk of keys gives other logits than the whole (its per-chunk outputs do not merge into
@@ -402,21 +411,21 @@ register_mode(Mode(REFERENCE_MODE, "high-precision attention (torch SDPA: cuDNN 
                    _sdpa, _sdpa, dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=None,
                    with_lse=_sdpa_with_lse, high_precision=True, demo_column=0, demo_label="BF16 (reference)"))
 register_mode(Mode("nvfp4", "naive NVFP4 attention: phi on Q, K, V and on P (inference only)", False,
-                   _fp4_inference, reference.nvfp4_attention_ref, options=(QK_ROTATION, K_SMOOTHING, Q_SMOOTHING),
+                   _fp4_inference, reference.nvfp4_attention_ref, options=FP4_OPTIONS,
                    with_lse=_nvfp4_with_lse, naive_fp4_forward=True, demo_column=3, demo_ticked=False,
                    demo_label="naive NVFP4"))
 # Attn-QAT family (SPEC §2): one FP4 forward; the modes differ in their backward.
 register_mode(Mode("attn_qat", "Attn-QAT: NVFP4 forward with the matching FP4 backward (trainable; without "
                    "grad it is the nvfp4 forward)", True,
                    _attn_qat_kernel, reference.attn_qat_attention_ref,
-                   options=(("p_bwd", P_BWD_CHOICES), QK_ROTATION, K_SMOOTHING, Q_SMOOTHING),
+                   options=(("p_bwd", P_BWD_CHOICES), *FP4_OPTIONS),
                    with_lse=_nvfp4_with_lse,
                    same_forward_as="nvfp4", naive_fp4_forward=True, uses_qat_weights=True, demo_column=2,
                    demo_label="Attn-QAT"))
 register_mode(Mode("attn_qat_dropin", "ablation: NVFP4 forward, high-precision FlashAttention backward "
                    "(unstable in training)", True,
                    _marked(_attn_qat_dropin_kernel), _marked(reference.attn_qat_dropin_attention_ref),
-                   options=(QK_ROTATION, K_SMOOTHING, Q_SMOOTHING), with_lse=_nvfp4_with_lse, same_forward_as="nvfp4",
+                   options=FP4_OPTIONS, with_lse=_nvfp4_with_lse, same_forward_as="nvfp4",
                    naive_fp4_forward=True, demo_label="Attn-QAT drop-in (ablation)"))
 register_mode(Mode("sage3", "SageAttention3 emulated: NVFP4 with Q/K smoothing and two-level P (inference only)",
                    False, *_paths("sage3", "sage3_unchecked", "sage3_attention_ref"), demo_column=1,

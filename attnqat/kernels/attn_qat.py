@@ -16,6 +16,9 @@ dS = P (dP - D), dQ = dS K^F scale, dK = dS^T Q^F scale; straight-through to Q, 
 and S gains ΔS = q̄ K^T, in the forward and the backward's recomputes; dK gains (dS^T 1) q̄^T scale, and dQ goes
 straight through Q - q̄ (q̄'s own gradient is dropped).
 
+``four_over_six`` (off by default; docs/kernels.md, "Four Over Six"): the phi pre-pass picks each Q, K and V
+block's scale, e4m3(amax / 6) or e4m3(amax / 4), by the smaller quantization error; the kernels are unchanged.
+
 The file reads top to bottom, in the order of Triton's fused-attention tutorial and FlashAttention's
 layers: ``@triton.jit`` helpers -> ``_attn_fwd`` -> ``_attn_bwd_preprocess`` -> ``_attn_bwd_dkdv`` ->
 ``_attn_bwd_dq`` -> launch configs -> the launchers :func:`attn_qat_forward` / :func:`attn_qat_backward`
@@ -879,7 +882,7 @@ def check_smoothing_tile(cfg: LaunchConfig, what: str) -> None:
 def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, quant_p: bool = True,
                      quant_qkv: bool = True, config: LaunchConfig | None = None, operands: tuple | None = None,
                      delta_s: torch.Tensor | None = None, packed_qk: int | bool | None = None,
-                     q_smoothing: bool = False):
+                     q_smoothing: bool = False, four_over_six: bool = False):
     """Launch the forward. Returns (o, o_aux | None, m, l, (q^F, k^F, v^F)); o in q's layout.
 
     ``quant_qkv=False`` and ``quant_p=False`` give plain high-precision attention through the same
@@ -892,6 +895,8 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     ``q_smoothing`` (the FP4 modes' option; docs/kernels.md, "Q smoothing"): Q minus its 128-row block means q̄
     is quantized, and ΔS = q̄ K^T (K as given, unquantized) rides in through SMOOTH_Q; the operands then come back
     as (q^F, k^F, v^F, q̄), q̄ (B, H, ceil(Lq/128), D) fp32, all that attn_qat_backward's ``q_mean`` needs.
+    ``four_over_six`` (the FP4 modes' option; docs/kernels.md, "Four Over Six"): the pre-pass picks each Q, K and V
+    block's scale as Four Over Six does (nvfp4.quantize_heads); the kernels take the operands as they are.
     """
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -905,16 +910,19 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     packed_qk = int(packed_qk)
     if q_smoothing and (operands is not None or delta_s is not None or not quant_qkv):
         raise ValueError("attn_qat_forward: q_smoothing prepares its own operands and ΔS, from quantized Q, K, V")
+    if four_over_six and (operands is not None or not quant_qkv):
+        raise ValueError("attn_qat_forward: four_over_six is the pre-pass's: it needs quantize_qkv and no operands")
     q_mean = None
+    fos = four_over_six
     if operands is not None:
         qf, kf, vf = operands
     elif q_smoothing:
-        qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK, packed=packed_qk)
-        kf = quantize_heads(k, wdt, packed=packed_qk)
-        vf = quantize_heads(v, wdt)
+        qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK, packed=packed_qk, four_over_six=fos)
+        kf = quantize_heads(k, wdt, packed=packed_qk, four_over_six=fos)
+        vf = quantize_heads(v, wdt, four_over_six=fos)
     elif quant_qkv:
-        qf, kf = (quantize_heads(t, wdt, packed=packed_qk) for t in (q, k))
-        vf = quantize_heads(v, wdt)
+        qf, kf = (quantize_heads(t, wdt, packed=packed_qk, four_over_six=fos) for t in (q, k))
+        vf = quantize_heads(v, wdt, four_over_six=fos)
     else:
         qf, kf, vf = (t.to(wdt).contiguous() for t in (q, k, v))
     if packed_qk:
@@ -1027,7 +1035,7 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
 # torch.library custom ops over the launches, with fake (shape-only) implementations, so torch.compile
 # traces models that use them without graph breaks; Dynamo traces the autograd Functions below.
 #
-#     attnqat::attn_qat_fwd  (q, k, v, sm_scale, causal, training, q_smoothing=False)
+#     attnqat::attn_qat_fwd  (q, k, v, sm_scale, causal, training, q_smoothing=False, four_over_six=False)
 #                            -> (o, o_aux, m, l, q^F, k^F, v^F, q̄)   (q̄: empty without q_smoothing)
 #     attnqat::attn_qat_bwd  (do, q, k, q^F, k^F, v^F, o_aux, m, l, sm_scale, causal, p_bwd, q̄=None) -> (dq, dk, dv)
 #     attnqat::attn_qat_dropin_bwd  (do, q, k, v, o, sm_scale, causal) -> (dq, dk, dv)   (the ablation's backward)
@@ -1042,18 +1050,19 @@ def _q_mean_shape(q: torch.Tensor) -> tuple[int, ...]:
 
 @torch.library.custom_op("attnqat::attn_qat_fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_qat_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
-                 training: bool, q_smoothing: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                    torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                    torch.Tensor, torch.Tensor]:
+                 training: bool, q_smoothing: bool = False, four_over_six: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor, torch.Tensor]:
     o, o_aux, m, l, (qf, kf, vf, *q_mean) = attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal,
-                                                             training=training, q_smoothing=q_smoothing)
+                                                             training=training, q_smoothing=q_smoothing,
+                                                             four_over_six=four_over_six)
     if o_aux is None:  # inference: an empty placeholder (custom ops return tensors, not None)
         o_aux = o.new_empty(0)
     return o.to(q.dtype), o_aux, m, l, qf, kf, vf, q_mean[0] if q_smoothing else m.new_empty(0)
 
 
 @attn_qat_fwd.register_fake
-def _(q, k, v, sm_scale, causal, training, q_smoothing=False):
+def _(q, k, v, sm_scale, causal, training, q_smoothing=False, four_over_six=False):
     b, h, lq, d = q.shape
     wdt = work_dtype(q.dtype)
     aux = q.new_empty((b, h, lq, d), dtype=wdt) if training else q.new_empty(0, dtype=wdt)
@@ -1103,14 +1112,15 @@ class AttnQATFunction(torch.autograd.Function):
     backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal, p_bwd, q_smoothing=False):
+    def forward(ctx, q, k, v, sm_scale, causal, p_bwd, q_smoothing=False, four_over_six=False):
         ctx.sm_scale, ctx.causal, ctx.p_bwd, ctx.q_smoothing = sm_scale, causal, p_bwd, q_smoothing
         if recomputed_later():  # checkpointing's first pass: the output alone (_common.saved_tensors_recomputed)
             q_mean = torch.empty((), dtype=torch.float32, device=q.device)
             q_mean = q_mean.expand(_q_mean_shape(q)) if q_smoothing else q_mean.new_empty(0)
             ctx.save_for_backward(q, k, *training_placeholders(q, k, v), q_mean)
-            return attn_qat_fwd(q, k, v, sm_scale, causal, False, q_smoothing)[0]
-        o, o_aux, m, l, qf, kf, vf, q_mean = attn_qat_fwd(q, k, v, sm_scale, causal, True, q_smoothing)
+            return attn_qat_fwd(q, k, v, sm_scale, causal, False, q_smoothing, four_over_six)[0]
+        o, o_aux, m, l, qf, kf, vf, q_mean = attn_qat_fwd(q, k, v, sm_scale, causal, True, q_smoothing,
+                                                          four_over_six)
         ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l, q_mean)
         return o
 
@@ -1120,7 +1130,7 @@ class AttnQATFunction(torch.autograd.Function):
         q, k, qf, kf, vf, o_aux, m, l, q_mean = ctx.saved_tensors
         dq, dk, dv = attn_qat_bwd(do, q, k, qf, kf, vf, o_aux, m, l, ctx.sm_scale, ctx.causal, ctx.p_bwd,
                                   q_mean if ctx.q_smoothing else None)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 class AttnQATDropinFunction(torch.autograd.Function):
@@ -1128,8 +1138,8 @@ class AttnQATDropinFunction(torch.autograd.Function):
     backward (P recomputed from unquantized Q, K; no phi; D = rowsum(dO * O) with the FP4 O)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal, q_smoothing=False):
-        o = attn_qat_fwd(q, k, v, sm_scale, causal, False, q_smoothing)[0]
+    def forward(ctx, q, k, v, sm_scale, causal, q_smoothing=False, four_over_six=False):
+        o = attn_qat_fwd(q, k, v, sm_scale, causal, False, q_smoothing, four_over_six)[0]
         ctx.save_for_backward(q, k, v, o)
         ctx.sm_scale, ctx.causal = sm_scale, causal
         return o
@@ -1139,7 +1149,7 @@ class AttnQATDropinFunction(torch.autograd.Function):
         refuse_double_backward("attn_qat_dropin")
         q, k, v, o = ctx.saved_tensors
         dq, dk, dv = attn_qat_dropin_bwd(do, q, k, v, o, ctx.sm_scale, ctx.causal)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1149,31 +1159,38 @@ class AttnQATDropinFunction(torch.autograd.Function):
 
 
 def nvfp4_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                    causal: bool = False, q_smoothing: bool = False) -> torch.Tensor:
+                    causal: bool = False, q_smoothing: bool = False, four_over_six: bool = False) -> torch.Tensor:
     """The FP4 inference forward (nvfp4's, and attn_qat's and attn_qat_dropin's without grad) through its custom
     op, without O'."""
-    return attn_qat_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal, False, q_smoothing)[0]
+    return attn_qat_fwd(q, k, v, default_scale(q.shape[-1], sm_scale), causal, False, q_smoothing, four_over_six)[0]
 
 
 def attn_qat_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                       causal: bool = False, p_bwd: str = "final_max", q_smoothing: bool = False) -> torch.Tensor:
+                       causal: bool = False, p_bwd: str = "final_max", q_smoothing: bool = False,
+                       four_over_six: bool = False) -> torch.Tensor:
     """:func:`attn_qat_attention` on checked inputs."""
     if needs_grad(q, k, v):
-        return AttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal, p_bwd, q_smoothing)
-    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
+        return AttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal, p_bwd, q_smoothing,
+                                     four_over_six)
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
+                           four_over_six=four_over_six)
 
 
 def attn_qat_dropin_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                              causal: bool = False, q_smoothing: bool = False) -> torch.Tensor:
-    """:func:`attn_qat_dropin_attention` on checked inputs (``q_smoothing`` changes the FP4 forward only: the
-    high-precision backward's logits are Q K^T with or without it)."""
+                              causal: bool = False, q_smoothing: bool = False,
+                              four_over_six: bool = False) -> torch.Tensor:
+    """:func:`attn_qat_dropin_attention` on checked inputs (``q_smoothing`` and ``four_over_six`` change the FP4
+    forward only: the high-precision backward's logits are Q K^T with or without them)."""
     if needs_grad(q, k, v):
-        return AttnQATDropinFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal, q_smoothing)
-    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
+        return AttnQATDropinFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal, q_smoothing,
+                                           four_over_six)
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
+                           four_over_six=four_over_six)
 
 
 def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                       causal: bool = False, p_bwd: str = "final_max", q_smoothing: bool = False) -> torch.Tensor:
+                       causal: bool = False, p_bwd: str = "final_max", q_smoothing: bool = False,
+                       four_over_six: bool = False) -> torch.Tensor:
     """Attn-QAT attention: NVFP4 forward with the matching backward (SPEC §2).
 
     Arguments:
@@ -1189,6 +1206,9 @@ def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
             q̄ K^T back unquantized (docs/kernels.md, "Q smoothing"; off by default). The backward recomputes S
             with them, dQ goes straight through Q - q̄ (the gradient through q̄ is dropped) and dK gains
             (dS^T 1) q̄^T * scale per block.
+        four_over_six: each block of 16 of Q, K and V takes the scale e4m3(amax / 6) or e4m3(amax / 4) whose
+            quantization error is smaller (Four Over Six, docs/kernels.md; off by default: SPEC §1's amax / 6).
+            P keeps SPEC §1's scales. The backward uses the forward's Q^F, K^F, V^F, so it matches.
     Return:
         out: (batch, heads, seqlen_q, head_dim), q's dtype and stride order.
 
@@ -1197,31 +1217,36 @@ def attn_qat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
     check_qkv(q, k, v, name="attn_qat_attention", sm_scale=sm_scale, causal=causal)
     if p_bwd not in P_BWD_CHOICES:
         raise ValueError(f"p_bwd {p_bwd!r} not in {P_BWD_CHOICES}")
-    _check_q_smoothing(q_smoothing)
-    return attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd, q_smoothing=q_smoothing)
+    _check_switches(q_smoothing=q_smoothing, four_over_six=four_over_six)
+    return attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd, q_smoothing=q_smoothing,
+                              four_over_six=four_over_six)
 
 
 def attn_qat_dropin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                              causal: bool = False, q_smoothing: bool = False) -> torch.Tensor:
+                              causal: bool = False, q_smoothing: bool = False,
+                              four_over_six: bool = False) -> torch.Tensor:
     """The ``attn_qat_dropin`` ablation: NVFP4 forward, high-precision backward (unstable in training).
     Arguments and return as :func:`attn_qat_attention`."""
     check_qkv(q, k, v, name="attn_qat_dropin_attention", sm_scale=sm_scale, causal=causal)
-    _check_q_smoothing(q_smoothing)
-    return attn_qat_dropin_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
+    _check_switches(q_smoothing=q_smoothing, four_over_six=four_over_six)
+    return attn_qat_dropin_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
+                                     four_over_six=four_over_six)
 
 
-def _check_q_smoothing(q_smoothing) -> None:
-    if type(q_smoothing) is not bool:
-        raise ValueError(f"q_smoothing {q_smoothing!r} not in (False, True)")
+def _check_switches(**switches) -> None:
+    for name, value in switches.items():
+        if type(value) is not bool:
+            raise ValueError(f"{name} {value!r} not in (False, True)")
 
 
 def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                    causal: bool = False, q_smoothing: bool = False) -> torch.Tensor:
+                    causal: bool = False, q_smoothing: bool = False, four_over_six: bool = False) -> torch.Tensor:
     """Naive NVFP4 attention (inference only): phi on Q, K, V along head_dim and on P along keys.
     Arguments and return as :func:`attn_qat_attention`."""
     check_qkv(q, k, v, name="nvfp4_attention", sm_scale=sm_scale, causal=causal)
-    _check_q_smoothing(q_smoothing)
+    _check_switches(q_smoothing=q_smoothing, four_over_six=four_over_six)
     if needs_grad(q, k, v):
         raise ValueError("nvfp4_attention is inference-only (no backward): call it under torch.no_grad() "
                          "or train with attn_qat_attention")
-    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
+    return nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
+                           four_over_six=four_over_six)

@@ -122,13 +122,29 @@ def e4m3_value(bits):
 
 
 @triton.jit
-def pack_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _block_scale(xb, amax, FOUR_OVER_SIX: tl.constexpr):
+    """The e4m3 scale of each block of 16 along xb's last axis (xb (ROWS, COLS/16, 16), amax (ROWS, COLS/16)):
+    e4m3(amax / 6) (SPEC §1), or with FOUR_OVER_SIX the one of e4m3(amax / 6) and e4m3(amax / 4) whose phi has
+    the smaller squared error (the six on equal errors; reference.four_over_six_scale). True division, as
+    fake_quant_tile's EXACT_DIV. A non-finite amax stays the scale (both errors NaN: the six is kept)."""
+    s = round_e4m3(tl.math.div_rn(amax, 6.0))
+    if FOUR_OVER_SIX:
+        s4 = round_e4m3(tl.math.div_rn(amax, 4.0))
+        e6 = round_e2m1(tl.math.div_rn(xb, tl.where(s > 0.0, s, 1.0)[:, :, None])) * s[:, :, None] - xb
+        e4 = round_e2m1(tl.math.div_rn(xb, tl.where(s4 > 0.0, s4, 1.0)[:, :, None])) * s4[:, :, None] - xb
+        s = tl.where(tl.sum(e4 * e4, axis=2) < tl.sum(e6 * e6, axis=2), s4, s)
+    return s
+
+
+@triton.jit
+def pack_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, FOUR_OVER_SIX: tl.constexpr = False):
     """phi of a (ROWS, COLS) fp32 tile along axis 1 in NVFP4 storage: (codes (ROWS, COLS/2) uint8, two per
     byte, element 0 in the low nibble; scale bits (ROWS, COLS/16) uint8, float8_e4m3fn patterns).
-    Same numerics as fake_quant_tile(EXACT_DIV, PROPAGATE_NAN): a non-finite block gets a NaN scale."""
+    Same numerics as fake_quant_tile(EXACT_DIV, PROPAGATE_NAN, FOUR_OVER_SIX): a non-finite block gets a NaN
+    scale."""
     xb = tl.reshape(x, (ROWS, COLS // 16, 16))
     amax = tl.max(tl.abs(xb), axis=2) + tl.sum(xb * 0.0, axis=2)
-    s = round_e4m3(tl.math.div_rn(amax, 6.0))
+    s = _block_scale(xb, amax, FOUR_OVER_SIX)
     r = round_e2m1(tl.math.div_rn(xb, tl.where(s > 0.0, s, 1.0)[:, :, None]))
     codes = e2m1_code(tl.where(s[:, :, None] > 0.0, r, 0.0))
     lo, hi = tl.split(tl.reshape(codes, (ROWS, COLS // 2, 2)))
@@ -146,7 +162,8 @@ def unpack_tile(codes, scale_bits, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexpr,
-                    EXACT_DIV: tl.constexpr, PROPAGATE_NAN: tl.constexpr, NONNEG: tl.constexpr = False):
+                    EXACT_DIV: tl.constexpr, PROPAGATE_NAN: tl.constexpr, NONNEG: tl.constexpr = False,
+                    FOUR_OVER_SIX: tl.constexpr = False):
     """phi(x) for a 2-D fp32 tile, blocks of 16 along ``AXIS`` (0 or 1); returns fp32.
 
     EXACT_DIV: constexpr so the hot loop can use a reciprocal multiply (SPEC §1 allows it: results
@@ -154,9 +171,11 @@ def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexp
     kernels whose input cannot hold NaN skip the extra reduction; with it, a NaN (or inf) anywhere in
     a block makes the whole block non-finite, like the reference (GPU max ignores NaN otherwise).
     NONNEG: constexpr for P (>= 0): block max and rounding without sign handling.
+    FOUR_OVER_SIX: constexpr (AXIS 1, EXACT_DIV): each block's scale is _block_scale's Four Over Six choice.
     A block whose scale rounds to 0 needs no select: y is then x (exact path) or 0, and q = r * 0 = 0.
     """
     tl.static_assert(AXIS == 0 or AXIS == 1)
+    tl.static_assert(not FOUR_OVER_SIX or (AXIS == 1 and EXACT_DIV))
     if AXIS == 1:
         tl.static_assert(COLS % 16 == 0)
         xb = tl.reshape(x, (ROWS, COLS // 16, 16))
@@ -167,7 +186,7 @@ def fake_quant_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexp
         if PROPAGATE_NAN:
             amax += tl.sum(xb * 0.0, axis=2)  # NaN if the block holds NaN or inf
         if EXACT_DIV:
-            s = round_e4m3(tl.math.div_rn(amax, 6.0))
+            s = _block_scale(xb, amax, FOUR_OVER_SIX)
             safe = tl.where(s > 0.0, s, 1.0)
             y = tl.math.div_rn(xb, safe[:, :, None])
         else:
@@ -239,7 +258,8 @@ def _fake_quant_rows_kernel(X, Y, n_rows, n_cols, stride_xr, stride_yr, pre_scal
 @triton.jit
 def _quantize_rows(X, XF, XS, Mean, XIn, stride_b, stride_h, stride_l, H, L, L_OUT,
                    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, CENTER: tl.constexpr, AXIS: tl.constexpr,
-                   PACK: tl.constexpr, KEY_TILE: tl.constexpr = 0, BOTH_ORDERS: tl.constexpr = False):
+                   PACK: tl.constexpr, KEY_TILE: tl.constexpr = 0, BOTH_ORDERS: tl.constexpr = False,
+                   FOUR_OVER_SIX: tl.constexpr = False):
     """phi over (BLOCK_L, HEAD_DIM) tiles: along head_dim (AXIS=1) or in blocks of 16 tokens (AXIS=0,
     SageAttention3's V). CENTER (constexpr, SageAttention3's smoothing): 0 none; 1 subtract Mean[bh]
     (K's token mean); 2 subtract the tile's own row mean (Q per 128 rows) and store it to Mean[bh, tile].
@@ -250,6 +270,7 @@ def _quantize_rows(X, XF, XS, Mean, XIn, stride_b, stride_h, stride_l, H, L, L_O
     = L rounded up to whole tiles; the rows past L are written as zeros.
     BOTH_ORDERS (constexpr, with KEY_TILE): also store the rows in order into XIn (B*H, L, HEAD_DIM), from the same
     load and the same phi: one read of X for the two layouts (the Gluon forward's and the backwards').
+    FOUR_OVER_SIX (constexpr, AXIS=1 only): the block scales chosen as _block_scale does.
     Padded rows are zeros, which never change a block's scale."""
     bh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -266,14 +287,14 @@ def _quantize_rows(X, XF, XS, Mean, XIn, stride_b, stride_h, stride_l, H, L, L_O
         x = tl.where(row_ok, x - mean[None, :], 0.0)
     if PACK:
         tl.static_assert(AXIS == 1)
-        codes, scale_bits = pack_tile(x, BLOCK_L, HEAD_DIM)
+        codes, scale_bits = pack_tile(x, BLOCK_L, HEAD_DIM, FOUR_OVER_SIX)
         half = tl.arange(0, HEAD_DIM // 2)
         tl.store(XF + bh * L * (HEAD_DIM // 2) + rows[:, None] * (HEAD_DIM // 2) + half[None, :], codes, mask=row_ok)
         blocks = tl.arange(0, HEAD_DIM // 16)
         tl.store(XS + bh * L * (HEAD_DIM // 16) + rows[:, None] * (HEAD_DIM // 16) + blocks[None, :], scale_bits,
                  mask=row_ok)
     else:
-        xf = fake_quant_tile(x, BLOCK_L, HEAD_DIM, AXIS, True, True)
+        xf = fake_quant_tile(x, BLOCK_L, HEAD_DIM, AXIS, True, True, False, FOUR_OVER_SIX)
         if KEY_TILE:
             tl.static_assert(KEY_TILE % BLOCK_L == 0 or BLOCK_L % KEY_TILE == 0)
             out_rows = (rows // KEY_TILE) * KEY_TILE + tile_column(rows % KEY_TILE, KEY_TILE)
@@ -326,7 +347,8 @@ def fake_quant_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16, pre_scale:
 
 
 def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False, center: torch.Tensor | None = None,
-                   block_mean: int | None = None, packed: bool = False, key_tile: int = 0, both_orders: bool = False):
+                   block_mean: int | None = None, packed: bool = False, key_tile: int = 0, both_orders: bool = False,
+                   four_over_six: bool = False):
     """phi of a (B, H, L, D) tensor -> contiguous (B, H, L, D) in ``dtype``: along head_dim, or along
     tokens (``tokens=True``). ``center`` (B, H, D) fp32 is subtracted first; ``block_mean=n`` subtracts
     each block of n rows' own mean and also returns those means, (B, H, ceil(L/n), D) fp32.
@@ -336,10 +358,14 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False,
     the order a forward over n-key tiles reads them (``tile_keys``; the Gluon forward's K and V), zeros past L.
     ``both_orders=True`` (with ``key_tile``) returns a pair, (keys in order (B, H, L, D) contiguous, the key_tile
     layout above), from one pass: x is read once and both are written (the Gluon training forward's K and V, which
-    its kernel reads in tile order and the backwards read in key order); each equals its one-order call exactly."""
+    its kernel reads in tile order and the backwards read in key order); each equals its one-order call exactly.
+    ``four_over_six=True`` (along head_dim only): each block's scale is Four Over Six's choice
+    (:func:`attnqat.kernels.reference.four_over_six_scale`), in every layout above."""
     b, h, n, d = x.shape
     if packed and tokens:
         raise ValueError("quantize_heads: packed storage is along head_dim only")
+    if four_over_six and tokens:
+        raise ValueError("quantize_heads: four_over_six is along head_dim only")
     if key_tile and (packed or tokens or block_mean or center is not None):
         raise ValueError("quantize_heads: key_tile is for plain phi along head_dim")
     if both_orders and not key_tile:
@@ -363,7 +389,7 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False,
     _quantize_rows[grid](x, out, scales, mean, in_order, x.stride(0), x.stride(1), x.stride(2), h, n, n_out,
                          HEAD_DIM=d, BLOCK_L=block_l, CENTER=2 if block_mean else (0 if center is None else 1),
                          AXIS=0 if tokens else 1, PACK=packed, KEY_TILE=key_tile, BOTH_ORDERS=both_orders,
-                         num_warps=num_warps)
+                         FOUR_OVER_SIX=four_over_six, num_warps=num_warps)
     if both_orders:
         return in_order, out
     if packed:

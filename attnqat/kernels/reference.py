@@ -23,9 +23,9 @@ from .formats import (E2M1_GRID, E4M3_MAX, LOG2E, NVFP4_BLOCK as BLOCK, P_SCALE,
 # ---------------------------------------------------------------------------------------------------
 
 
-def e4m3_scale_ref(amax: torch.Tensor) -> torch.Tensor:
-    """s = e4m3(amax / 6): round-to-nearest-even, saturating at 448; inf and NaN pass through."""
-    s = amax.float() / 6.0
+def e4m3_scale_ref(amax: torch.Tensor, top: float = 6.0) -> torch.Tensor:
+    """s = e4m3(amax / top) (SPEC §1: top 6): round-to-nearest-even, saturating at 448; inf and NaN pass through."""
+    s = amax.float() / top
     finite = torch.isfinite(s)
     rounded = s.clamp(max=448.0).nan_to_num(0.0).to(torch.float8_e4m3fn).float()
     return torch.where(finite, rounded, s)
@@ -48,23 +48,47 @@ def e2m1_codes_ref(y: torch.Tensor) -> torch.Tensor:
     return code.int() | ((y < 0).int() << 3)
 
 
-def fake_quant_nvfp4_ref(x: torch.Tensor, dim: int = -1, pre_scale: float = 1.0) -> torch.Tensor:
+def _quantize_blocks(xb: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """q * s for blocks ``xb`` (..., 16) with scales ``s`` (..., 1): NaN where s is not finite, 0 where s is 0."""
+    bad = ~torch.isfinite(s)
+    safe = torch.where((s > 0) & ~bad, s, torch.ones_like(s))
+    codes = e2m1_codes_ref(torch.where(bad, torch.zeros_like(xb), xb / safe))
+    grid = torch.tensor(E2M1_GRID, device=xb.device)
+    mag = grid[codes & 0x7]
+    q = torch.where((codes & 0x8) != 0, -mag, mag) * s
+    return torch.where(bad, torch.full_like(q, float("nan")), torch.where(s > 0, q, torch.zeros_like(q)))
+
+
+def four_over_six_scale(xb: torch.Tensor) -> torch.Tensor:
+    """Four Over Six's block scale (Cook et al. 2025, arXiv 2512.02010; the FP4 modes' ``four_over_six`` option,
+    docs/kernels.md): of s6 = e4m3(amax / 6) (SPEC §1) and s4 = e4m3(amax / 4), the one whose phi has the smaller
+    squared error over the block (float32 sums; s6 on equal errors). s4 maps the block's largest magnitude to the
+    grid value 4 (or up to 6 when e4m3 rounds s4 down), where the grid's last step, 4 to 6, is widest: blocks whose
+    values cluster near their max lose less. Both are NVFP4 (e2m1 codes, one e4m3 scale a block), so the FP4 MMA
+    takes either unchanged. ``xb`` (..., 16) float32 blocks; returns (..., 1). Non-finite blocks keep s6 (NaN or
+    inf: the block comes out NaN). Kernels sum the squares in another order, so where the two errors are within
+    float32 rounding of each other they may pick the other scale (as accurate, to that rounding)."""
+    amax = xb.abs().amax(dim=-1)
+    s6 = e4m3_scale_ref(amax)[..., None]
+    s4 = e4m3_scale_ref(amax, top=4.0)[..., None]
+    e6 = (_quantize_blocks(xb, s6) - xb).square().sum(dim=-1, keepdim=True)
+    e4 = (_quantize_blocks(xb, s4) - xb).square().sum(dim=-1, keepdim=True)
+    return torch.where(e4 < e6, s4, s6)
+
+
+def fake_quant_nvfp4_ref(x: torch.Tensor, dim: int = -1, pre_scale: float = 1.0,
+                         four_over_six: bool = False) -> torch.Tensor:
     """phi(x) (SPEC §1) along ``dim`` in blocks of 16; returns x's dtype. A block holding NaN or inf
-    comes out all NaN; an all-zero or all-tiny block (amax/6 rounds to 0) comes out zero."""
+    comes out all NaN; an all-zero or all-tiny block (amax/6 rounds to 0) comes out zero.
+    ``four_over_six``: each block's scale is :func:`four_over_six_scale`'s choice."""
     xt = x.movedim(dim, -1).float() * pre_scale
     n = xt.shape[-1]
     pad = (-n) % BLOCK
     if pad:
         xt = torch.nn.functional.pad(xt, (0, pad))
     xb = xt.reshape(*xt.shape[:-1], -1, BLOCK)
-    s = e4m3_scale_ref(xb.abs().amax(dim=-1))[..., None]
-    bad = ~torch.isfinite(s)
-    safe = torch.where((s > 0) & ~bad, s, torch.ones_like(s))
-    codes = e2m1_codes_ref(torch.where(bad, torch.zeros_like(xb), xb / safe))
-    grid = torch.tensor(E2M1_GRID, device=x.device)
-    mag = grid[codes & 0x7]
-    q = torch.where((codes & 0x8) != 0, -mag, mag) * s
-    q = torch.where(bad, torch.full_like(q, float("nan")), torch.where(s > 0, q, torch.zeros_like(q)))
+    s = four_over_six_scale(xb) if four_over_six else e4m3_scale_ref(xb.abs().amax(dim=-1))[..., None]
+    q = _quantize_blocks(xb, s)
     q = q.reshape(*xt.shape)[..., :n] / pre_scale
     return q.to(x.dtype).movedim(-1, dim)
 
@@ -160,16 +184,18 @@ def q_block_means_ref(q):
     return qf - rows, q_bar, rows
 
 
-def fp4_logits_ref(q, k, *, sm_scale=None, causal=False, q_smoothing: bool = False, quantize: bool = True):
+def fp4_logits_ref(q, k, *, sm_scale=None, causal=False, q_smoothing: bool = False, quantize: bool = True,
+                   four_over_six: bool = False):
     """The FP4 modes' logits S in log2 units (SPEC §2), from Q^F = phi(Q), K^F = phi(K) along head_dim.
 
     ``q_smoothing`` (SPEC §3's forward smoothing without its K smoothing): per 128-row query block i,
     Q_s = Q - q̄_i is quantized instead of Q and the bias ΔS_i = q̄_i K^T (float32, K unquantized) is added:
     S = (phi(Q_s) phi(K)^T + ΔS) * scale * log2(e). Without phi that is Q K^T again, so it moves only where FP4
     rounding falls. ``quantize=False`` drops phi on Q and K (tests use it to show that algebra).
+    ``four_over_six``: phi with Four Over Six's block scales (:func:`four_over_six_scale`).
     Returns float32 (s, q^F, k^F, q̄ of each row (B, H, Lq, D) or None)."""
     scale = _scale(q, sm_scale)
-    fq = fake_quant_nvfp4_ref if quantize else (lambda x: x)
+    fq = (lambda x: fake_quant_nvfp4_ref(x, four_over_six=four_over_six)) if quantize else (lambda x: x)
     if not q_smoothing:
         qf, kf = fq(q.float()), fq(k.float())
         return _logits_log2(qf, kf, scale, causal), qf, kf, None
@@ -183,9 +209,10 @@ def fp4_logits_ref(q, k, *, sm_scale=None, causal=False, q_smoothing: bool = Fal
 
 
 def attn_qat_forward_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int = 64, training: bool = True,
-                         q_smoothing: bool = False):
+                         q_smoothing: bool = False, four_over_six: bool = False):
     """Tile-wise Attn-QAT forward with the integer running max and the 2688 P scale (SPEC §2); ``q_smoothing``:
-    the logits of :func:`fp4_logits_ref` with Q smoothed per 128-row block (docs/kernels.md, "Q smoothing").
+    the logits of :func:`fp4_logits_ref` with Q smoothed per 128-row block (docs/kernels.md, "Q smoothing");
+    ``four_over_six``: Q, K and V quantized with Four Over Six's block scales (P as SPEC §1 has it).
 
     Return:
         o: (B, H, Lq, D) float32, the FP4 output O.
@@ -193,13 +220,14 @@ def attn_qat_forward_ref(q, k, v, *, sm_scale=None, causal=False, block_n: int =
         m: (B, H, Lq) float32, the final integer running max (log2 units).
         l: (B, H, Lq) float32, the row sum of the unquantized P~ = 2688 * 2^(S - m).
     """
-    s = fp4_logits_ref(q, k, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)[0]
-    vf = fake_quant_nvfp4_ref(v.float())
+    s = fp4_logits_ref(q, k, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
+                       four_over_six=four_over_six)[0]
+    vf = fake_quant_nvfp4_ref(v.float(), four_over_six=four_over_six)
     return _fp4_online_softmax(s, vf, block_n=block_n, training=training)
 
 
 def attn_qat_backward_ref(q, k, v, o_aux, do, m, l, *, sm_scale=None, causal=False, p_bwd: str = "final_max",
-                          q_smoothing: bool = False, dk_mean_term: bool = True):
+                          q_smoothing: bool = False, dk_mean_term: bool = True, four_over_six: bool = False):
     """Attn-QAT backward (SPEC §2): recompute S from Q^F, K^F; P^F = phi(P~)/l with the saved integer
     max; D = rowsum(dO * O'); straight-through to q, k, v. ``p_bwd="normalized"`` is the published
     code's choice (phi of the normalized P), kept for ablations. Returns float32 (dq, dk, dv).
@@ -207,12 +235,13 @@ def attn_qat_backward_ref(q, k, v, o_aux, do, m, l, *, sm_scale=None, causal=Fal
     ``q_smoothing``: S recomputed with ΔS as the forward has it; dQ = dS K^F * scale, straight through
     Q_s = Q - q̄ (the gradient through q̄ is dropped); dK = dS^T Q^F * scale + (dS^T 1) q̄^T * scale per query
     block (SPEC §4's Q-smoothing term), here as dS^T (1 q̄^T of each row's block). ``dk_mean_term=False`` drops
-    that term (a test's control: it shows the term matters)."""
+    that term (a test's control: it shows the term matters). ``four_over_six``: Q^F, K^F, V^F as the forward's."""
     if p_bwd not in ("final_max", "normalized"):
         raise ValueError(f"p_bwd {p_bwd!r} not in ('final_max', 'normalized')")
     scale = _scale(q, sm_scale)
-    s, qf, kf, q_rows = fp4_logits_ref(q, k, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing)
-    vf = fake_quant_nvfp4_ref(v.float())
+    s, qf, kf, q_rows = fp4_logits_ref(q, k, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
+                                       four_over_six=four_over_six)
+    vf = fake_quant_nvfp4_ref(v.float(), four_over_six=four_over_six)
     dof = do.float()
     p_tilde = P_SCALE * torch.exp2(s - m[..., None])
     p = p_tilde / l[..., None]
@@ -264,42 +293,44 @@ class _AttnQATRef(torch.autograd.Function):
     the paper's failing ablation: FP4 forward, standard high-precision backward with D from the FP4 O."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal, p_bwd, dropin, q_smoothing):
+    def forward(ctx, q, k, v, sm_scale, causal, p_bwd, dropin, q_smoothing, four_over_six):
         o, o_aux, m, l = attn_qat_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, training=not dropin,
-                                              q_smoothing=q_smoothing)
+                                              q_smoothing=q_smoothing, four_over_six=four_over_six)
         ctx.save_for_backward(q, k, v, o if dropin else o_aux, m, l)
-        ctx.args = (sm_scale, causal, p_bwd, dropin, q_smoothing)
+        ctx.args = (sm_scale, causal, p_bwd, dropin, q_smoothing, four_over_six)
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
-        sm_scale, causal, p_bwd, dropin, q_smoothing = ctx.args
+        sm_scale, causal, p_bwd, dropin, q_smoothing, four_over_six = ctx.args
         refuse_double_backward("attn_qat_dropin" if dropin else "attn_qat")
         q, k, v, o_saved, m, l = ctx.saved_tensors
         if dropin:
             dq, dk, dv = attention_bwd_fp32(q, k, v, o_saved, do, sm_scale=sm_scale, causal=causal)
         else:
             dq, dk, dv = attn_qat_backward_ref(q, k, v, o_saved, do, m, l, sm_scale=sm_scale, causal=causal,
-                                               p_bwd=p_bwd, q_smoothing=q_smoothing)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+                                               p_bwd=p_bwd, q_smoothing=q_smoothing, four_over_six=four_over_six)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def attn_qat_attention_ref(q, k, v, *, sm_scale=None, causal=False, p_bwd: str = "final_max",
-                           q_smoothing: bool = False):
+                           q_smoothing: bool = False, four_over_six: bool = False):
     """Reference ``attn_qat`` mode: FP4 forward, Attn-QAT backward (differentiable)."""
-    return _AttnQATRef.apply(q, k, v, sm_scale, causal, p_bwd, False, q_smoothing)
+    return _AttnQATRef.apply(q, k, v, sm_scale, causal, p_bwd, False, q_smoothing, four_over_six)
 
 
-def attn_qat_dropin_attention_ref(q, k, v, *, sm_scale=None, causal=False, q_smoothing: bool = False):
+def attn_qat_dropin_attention_ref(q, k, v, *, sm_scale=None, causal=False, q_smoothing: bool = False,
+                                  four_over_six: bool = False):
     """Reference ``attn_qat_dropin`` mode: FP4 forward, high-precision FlashAttention-style backward (which
-    ``q_smoothing`` leaves as it is: without phi the smoothed logits are Q K^T)."""
-    return _AttnQATRef.apply(q, k, v, sm_scale, causal, "final_max", True, q_smoothing)
+    ``q_smoothing`` and ``four_over_six`` leave as it is: without phi the smoothed logits are Q K^T)."""
+    return _AttnQATRef.apply(q, k, v, sm_scale, causal, "final_max", True, q_smoothing, four_over_six)
 
 
-def nvfp4_attention_ref(q, k, v, *, sm_scale=None, causal=False, q_smoothing: bool = False):
+def nvfp4_attention_ref(q, k, v, *, sm_scale=None, causal=False, q_smoothing: bool = False,
+                        four_over_six: bool = False):
     """Reference ``nvfp4`` mode (naive FP4 attention, inference): the Attn-QAT forward without O'."""
     return attn_qat_forward_ref(q, k, v, sm_scale=sm_scale, causal=causal, training=False,
-                                q_smoothing=q_smoothing)[0].to(q.dtype)
+                                q_smoothing=q_smoothing, four_over_six=four_over_six)[0].to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

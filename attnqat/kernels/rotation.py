@@ -37,12 +37,14 @@ _MATRICES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 def describe_qk_options(options: dict) -> list[str]:
     """The Q/K options among a mode's ``options`` in words, one phrase each (``["Q, K rotated: hadamard",
-    "K smoothed", "Q smoothed per 128-row block"]``), for every command that says how attention runs; [] when none
-    is on. (``q_smoothing`` is the kernels' own, not a transform here: docs/kernels.md, "Q smoothing".)"""
+    "K smoothed", "Q smoothed per 128-row block", "Q, K, V block scales: Four Over Six"]``), for every command that
+    says how attention runs; [] when none is on. (``q_smoothing`` and ``four_over_six`` are the kernels' own, not
+    transforms here: docs/kernels.md, "Q smoothing", "Four Over Six".)"""
     rotation = options.get("qk_rotation", "none")
     return ([f"Q, K rotated: {rotation}"] if rotation != "none" else []) \
         + (["K smoothed"] if options.get("k_smoothing") else []) \
-        + (["Q smoothed per 128-row block"] if options.get("q_smoothing") else [])
+        + (["Q smoothed per 128-row block"] if options.get("q_smoothing") else []) \
+        + (["Q, K, V block scales: Four Over Six"] if options.get("four_over_six") else [])
 
 
 def hadamard_matrix(d: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -19,6 +19,7 @@ from attnqat.errors import CheckpointMismatchError
 from attnqat.kernels import mode_of
 
 from attnqat.mini.model import is_mini, is_shipped_mini, mini_folder, shipped_qat_weights
+from attnqat.trained_options import TRAINED_OPTIONS
 from .lora import LORA_FILE, fuse_lora_file, fused, is_lora_file
 from .model_folder import ModelConfigError, check_model_folder, check_regular_file
 from .qat_weights import is_qat_weights, read_qat_weights, recorded_attention_options, weights_fingerprint
@@ -301,16 +302,13 @@ def checkpoint_weights_path(path: str | os.PathLike) -> str:
     return str(files[0]) if len(files) == 1 else str(files[0].parent)
 
 
-#: The FP4 attention options weights are trained under and then run with (attnqat.kernels.rotation): a QAT weights
-#: file's metadata or an ``attnqat train`` run's config.yaml records them.
-TRAINED_OPTIONS = ("qk_rotation", "k_smoothing", "q_smoothing")
 
 
 def trained_attention_options(path: str | os.PathLike) -> dict | None:
-    """The :data:`TRAINED_OPTIONS` the weights at ``path`` (as :func:`load_qat_checkpoint` takes it) were trained
-    under: what a QAT weights file records, or those of ``attention.options`` in the ``config.yaml`` that an
-    ``attnqat train`` checkpoint keeps beside its weights (unchecked values included: callers check them). None when
-    nothing says (a plain file, a LoRA file)."""
+    """The :data:`~attnqat.trained_options.TRAINED_OPTIONS` the weights at ``path`` (as :func:`load_qat_checkpoint`
+    takes it) were trained under: what a QAT weights file records, or those of ``attention.options`` in the
+    ``config.yaml`` that an ``attnqat train`` checkpoint keeps beside its weights (unchecked values included: callers
+    check them). None when nothing says (a plain file, a LoRA file)."""
     files = _checkpoint_files(path)
     if len(files) == 1 and is_qat_weights(files[0]):
         return recorded_attention_options(files[0])

@@ -11,6 +11,7 @@ import torch
 from attnqat.errors import one_line
 from attnqat.kernels import QK_ROTATIONS
 from attnqat.outputs import write_file_atomically
+from attnqat.trained_options import DEFAULTS, SWITCHED, TRAINED_OPTIONS
 
 from .loading import checkpoint_weights_path, load_transformer, read_qat_checkpoint, trained_attention_options
 from .qat_weights import (MAX_BYTES, STORAGES, QatWeights, changed_tensors, fp8_changes, read_qat_weights, serialize,
@@ -20,34 +21,35 @@ __all__ = ["export_qat_weights"]
 
 
 def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.PathLike, *,
-                       trained: str | None = None, storage: str = "auto", qk_rotation: str | None = None,
-                       k_smoothing: bool | None = None, q_smoothing: bool | None = None) -> QatWeights:
+                       trained: str | None = None, storage: str = "auto",
+                       options: Mapping | None = None) -> QatWeights:
     """Write the QAT weights file ``out``: the tensors of the fine-tune ``finetune`` (a safetensors file, a
     folder of shards, an ``attnqat train`` run or checkpoint folder, or a LoRA file: fused into the base by
     :func:`~.loading.read_qat_checkpoint`) that differ from the transformer of
     ``model`` (the base it was fine-tuned from: ``mini``, ``tiny`` or a diffusers folder) in bf16.
     ``storage``: ``subset`` (their values in bf16), ``fp8-delta`` (their changes in FP8, module docstring) or
-    ``auto`` (``subset`` where it fits in :data:`MAX_BYTES`, else ``fp8-delta``). ``qk_rotation``, ``k_smoothing``,
-    ``q_smoothing``: the attention options the fine-tune was trained under, recorded in the file (None: what the
-    fine-tune's training config says, :func:`~.loading.trained_attention_options`, else ``"none"`` / False).
+    ``auto`` (``subset`` where it fits in :data:`MAX_BYTES`, else ``fp8-delta``). ``options``: the attention options
+    the fine-tune was trained under (:data:`~attnqat.trained_options.TRAINED_OPTIONS`), recorded in the file; one
+    left out or None: what the fine-tune's training config says (:func:`~.loading.trained_attention_options`), else
+    its default ("none", False).
 
     Refused (ValueError, nothing written): a fine-tune whose keys or shapes differ from the base's
     (:class:`CheckpointMismatchError`), one equal to the base, a file over :data:`MAX_BYTES`. The file is
     written under a temporary name and renamed into place once it reads back.
     Return: the written file, as :func:`read_qat_weights` reads it.
     """
+    unknown = set(options or {}) - set(TRAINED_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown attention options {sorted(unknown)}: the recorded ones are {TRAINED_OPTIONS}")
     trained_options = trained_attention_options(finetune) or {}
-    if qk_rotation is None:
-        qk_rotation = trained_options.get("qk_rotation", "none")
-    if k_smoothing is None:
-        k_smoothing = trained_options.get("k_smoothing", False)
-    if q_smoothing is None:
-        q_smoothing = trained_options.get("q_smoothing", False)
-    if qk_rotation not in QK_ROTATIONS:
-        raise ValueError(f"qk_rotation must be one of {QK_ROTATIONS}, got {qk_rotation!r}")
-    for name, value in (("k_smoothing", k_smoothing), ("q_smoothing", q_smoothing)):
-        if type(value) is not bool:
-            raise ValueError(f"{name} must be True or False, got {value!r}")
+    options = {name: (options or {}).get(name) for name in TRAINED_OPTIONS}
+    options = {name: trained_options.get(name, DEFAULTS[name]) if value is None else value
+               for name, value in options.items()}
+    if options["qk_rotation"] not in QK_ROTATIONS:
+        raise ValueError(f"qk_rotation must be one of {QK_ROTATIONS}, got {options['qk_rotation']!r}")
+    for name in SWITCHED:
+        if type(options[name]) is not bool:
+            raise ValueError(f"{name} must be True or False, got {options[name]!r}")
     if storage not in ("auto", *STORAGES):
         raise ValueError(f"storage must be 'auto' or one of {STORAGES}, got {storage!r}")
     # fp32: an fp8-delta is the change from the base as the model holds it (a bf16 folder's values, exactly)
@@ -64,7 +66,7 @@ def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.Pa
     fingerprint = weights_fingerprint(base_state)
     for storage in STORAGES if storage == "auto" else (storage,):  # auto: the first that fits
         tensors = changed if storage == "subset" else fp8_changes({k: tuned[k] for k in changed}, base_state)
-        data = serialize(tensors, fingerprint, trained, storage, qk_rotation, k_smoothing, q_smoothing)
+        data = serialize(tensors, fingerprint, trained, storage, options)
         if len(data) <= MAX_BYTES:
             break
     else:
@@ -75,11 +77,9 @@ def export_qat_weights(finetune: str | os.PathLike, model: str, out: str | os.Pa
 
     def verify(tmp: Path) -> None:
         back = read_qat_weights(tmp)
-        got = (set(back.tensors), back.storage, back.qk_rotation, back.k_smoothing, back.q_smoothing)
-        if got != (set(changed), storage, qk_rotation, k_smoothing, q_smoothing):
-            raise OSError(f"{tmp} does not read back: {len(back.tensors)} tensors ({back.storage}, qk_rotation "
-                          f"{back.qk_rotation}, k_smoothing {back.k_smoothing}, q_smoothing {back.q_smoothing}) "
-                          f"instead of {len(changed)} ({storage}, {qk_rotation}, {k_smoothing}, {q_smoothing})")
+        if (set(back.tensors), back.storage, back.options) != (set(changed), storage, options):
+            raise OSError(f"{tmp} does not read back: {len(back.tensors)} tensors ({back.storage}, {back.options}) "
+                          f"instead of {len(changed)} ({storage}, {options})")
 
     write_file_atomically(out, lambda tmp: tmp.write_bytes(data), verify)
     return read_qat_weights(out)

@@ -25,9 +25,9 @@ header's metadata (strings) says what it is:
 ``base``    :func:`weights_fingerprint` of the base transformer's weights; loading refuses other weights
 ``dtype``   ``bfloat16`` (``subset``) or ``float8_e4m3fn`` (``fp8-delta``)
 ``trained`` one line on how the weights were trained
-optional:   ``qk_rotation`` (``hadamard``), ``k_smoothing`` and ``q_smoothing`` (``true``): the FP4 attention
-            options the weights were trained under (:mod:`attnqat.kernels.rotation`), which every command runs them with
-            unless told otherwise; absent: trained without them
+optional:   ``qk_rotation`` (``hadamard``), and ``k_smoothing``, ``q_smoothing``, ``four_over_six`` (``true``): the
+            FP4 attention options the weights were trained under (:mod:`attnqat.trained_options`), which every
+            command runs them with unless told otherwise; absent: trained without them
 ==========  ===========================================================================================
 
 ``attnqat export-qat`` (:func:`attnqat.pipelines.qat_export.export_qat_weights`) writes one from a fine-tune
@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +49,7 @@ from safetensors.torch import load_file, save
 from attnqat.errors import CheckpointMismatchError
 
 from attnqat.mini.model import MAX_QAT_WEIGHTS_BYTES
+from attnqat.trained_options import DEFAULTS, SWITCHED
 
 __all__ = ["FORMAT", "MAX_BYTES", "STORAGES", "QatWeights", "weights_fingerprint", "is_qat_weights",
            "read_qat_weights", "changed_tensors", "fp8_changes", "serialize"]
@@ -80,9 +81,8 @@ class QatWeights:
     trained: str
     storage: str = "subset"
     scales: dict[str, torch.Tensor] | None = None
-    qk_rotation: str = "none"  # the attention options the weights were trained under (attnqat.kernels.rotation)
-    k_smoothing: bool = False
-    q_smoothing: bool = False
+    #: the attention options the weights were trained under, every one of attnqat.trained_options.TRAINED_OPTIONS
+    options: dict = field(default_factory=lambda: dict(DEFAULTS))
 
     def values(self, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The new values of the file's tensors, given the ``base`` state dict they apply over (only its keys
@@ -127,14 +127,13 @@ def is_qat_weights(path: str | os.PathLike) -> bool:
 
 
 def recorded_attention_options(path: str | os.PathLike) -> dict:
-    """The ``qk_rotation``, ``k_smoothing`` and ``q_smoothing`` attention options a QAT weights file records (its
+    """The attention options (:data:`~attnqat.trained_options.TRAINED_OPTIONS`) a QAT weights file records (its
     header only is read): "none" and False where it records none."""
     return _attention_options(_metadata(path))
 
 
 def _attention_options(meta: dict) -> dict:
-    return {"qk_rotation": meta.get("qk_rotation", "none"), "k_smoothing": meta.get("k_smoothing") == "true",
-            "q_smoothing": meta.get("q_smoothing") == "true"}
+    return {"qk_rotation": meta.get("qk_rotation", "none"), **{name: meta.get(name) == "true" for name in SWITCHED}}
 
 
 def read_qat_weights(path: str | os.PathLike) -> QatWeights:
@@ -151,7 +150,7 @@ def read_qat_weights(path: str | os.PathLike) -> QatWeights:
     tensors = {k: v for k, v in stored.items() if not k.startswith(SCALE_PREFIX)}
     _check_stored(path, storage, tensors, scales)
     return QatWeights(Path(path), tensors, meta["base"], meta.get("trained", ""), storage,
-                      scales if storage == "fp8-delta" else None, **_attention_options(meta))
+                      scales if storage == "fp8-delta" else None, _attention_options(meta))
 
 
 def _check_stored(path, storage: str, tensors: dict, scales: dict) -> None:
@@ -209,12 +208,11 @@ def fp8_changes(tuned: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tens
 
 
 def serialize(tensors: dict[str, torch.Tensor], base: str, trained: str, storage: str = "subset",
-              qk_rotation: str = "none", k_smoothing: bool = False, q_smoothing: bool = False) -> bytes:
+              options: Mapping | None = None) -> bytes:
+    """The file's bytes; ``options``: the attention options trained under (those left out: their defaults)."""
     meta = {"format": FORMAT, "tensors": storage, "base": base, "dtype": _STORAGE_DTYPE[storage], "trained": trained}
-    if qk_rotation != "none":  # files of weights trained without them read as before
-        meta["qk_rotation"] = qk_rotation
-    if k_smoothing:
-        meta["k_smoothing"] = "true"
-    if q_smoothing:
-        meta["q_smoothing"] = "true"
+    options = {**DEFAULTS, **(options or {})}
+    if options["qk_rotation"] != "none":  # files of weights trained without them read as before
+        meta["qk_rotation"] = options["qk_rotation"]
+    meta.update({name: "true" for name in SWITCHED if options[name]})
     return save(tensors, metadata=meta)

@@ -36,6 +36,7 @@ from attnqat.checks import check_not_input
 from attnqat.locking import output_lock
 from attnqat.pipelines.loading import CHECKPOINTS_DIR, load_transformer, model_inputs, step_dir_name
 from attnqat.pipelines.lora import save_lora
+from attnqat.trained_options import SWITCHED, flag as option_flag
 
 from . import checkpoint as ck
 from . import compact_text, optimizers, sequence_parallel
@@ -1137,8 +1138,7 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
         acc.print(f"final checkpoint: {final}\n  try it: attnqat generate --model {shlex.quote(str(cfg.model))} "
                   f"--qat-checkpoint {shlex.quote(str(final))} --mode {cfg.attention.mode} "
                   + (f"--qk-rotation {rotation} " if rotation != "none" else "")
-                  + ("--k-smoothing on " if cfg.attention.options.get("k_smoothing") else "")
-                  + ("--q-smoothing on " if cfg.attention.options.get("q_smoothing") else "")
+                  + "".join(f"{option_flag(name)} on " for name in SWITCHED if cfg.attention.options.get(name))
                   + "--prompt 'a red ball slides left over a striped background'")
     return TrainResult(steps=trainer.state.step, losses=losses, gap_before=gap_before, gap_after=gap_after,
                        output_dir=cfg.output_dir, final_checkpoint=str(final) if final else None, log_rows=logger.rows)
