@@ -37,10 +37,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the diffusers integration: processors, schedules, loading, checkpoints, the built-in models (mini's building)
     "pipelines": ("attnqat.pipelines", "attnqat.pipelines.*", "attnqat.mini.model"),
     # what every layer above the kernels may use: errors, atomic writes, output locks, argument checks, the thread
-    # cap, and the corpus side (the procedural clips and captions, the pixel detector; the mini package itself
-    # imports nothing, so that each of its modules can sit in its own layer)
+    # cap, the list of attention options weights record, and the corpus side (the procedural clips and captions, the
+    # pixel detector; the mini package itself imports nothing, so that each of its modules can sit in its own layer)
     "shared": ("attnqat.errors", "attnqat.outputs", "attnqat.locking", "attnqat.checks", "attnqat.threads",
-               "attnqat.mini", "attnqat.mini.corpus", "attnqat.mini.quality"),
+               "attnqat.trained_options", "attnqat.mini", "attnqat.mini.corpus", "attnqat.mini.quality"),
     # attention(q, k, v, mode), the mode registry, the Triton kernels and their references
     "kernels": ("attnqat.kernels", "attnqat.kernels.*"),
 }
