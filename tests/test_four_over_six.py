@@ -198,11 +198,48 @@ def test_bad_values_are_refused():
         attention(q, q, q, "bf16", four_over_six=True)
 
 
-def test_gluon_sm90_is_never_taken_with_four_over_six(monkeypatch):
-    """Where the Gluon sm_90 kernels would run, four_over_six runs the Triton ones (their pre-pass has it)."""
+@pytest.mark.parametrize("forward", ["inference", "training"])
+def test_gluon_forwards_launch_on_the_options_pre_pass(forward, monkeypatch, poison):
+    """The Gluon sm_90 forwards share the pre-pass: with the option their kernel receives Four Over Six's Q^F and
+    K^F, V^F in tile order (the launch replaced by a spy: the kernel itself needs an H100 / H200; it is unchanged),
+    and the training forward returns the keys-in-order K^F, V^F its backward takes."""
+    from attnqat.kernels import hopper_gluon
+
+    seen = []
+    monkeypatch.setattr(hopper_gluon, "_check", lambda *a, **kw: None)
+    monkeypatch.setattr(hopper_gluon, "_launch", lambda qf, kf, vf, *a, **kw: seen.append((qf, kf, vf)) or kw["out"])
+    q, k, v = shared_draw(1, 2, 130, 100, 128, seed=6)
+    training = forward == "training"
+    block_n = hopper_gluon._fwd_config("default", 128, training=training)[1]
+    if training:
+        *_, (qf, kf, vf) = hopper_gluon.hopper_attn_qat_forward(q, k, v, four_over_six=True)
+        for got, x in ((qf, q), (kf, k), (vf, v)):
+            assert torch.equal(got, R.fake_quant_nvfp4_ref(x.float(), four_over_six=True).to(x.dtype))
+    else:
+        hopper_gluon.hopper_fp4_attention(q, k, v, four_over_six=True)
+    (qf, k_tiles, v_tiles), = seen
+    assert torch.equal(qf, quantize_heads(q, q.dtype, four_over_six=True))
+    for got, x in ((k_tiles, k), (v_tiles, v)):
+        assert torch.equal(got, quantize_heads(x, x.dtype, key_tile=block_n, four_over_six=True))
+        assert not torch.equal(got, quantize_heads(x, x.dtype, key_tile=block_n))
+
+
+def test_dispatch_hands_the_option_to_the_gluon_path(monkeypatch):
+    """Where the Gluon sm_90 kernels run (a stand-in says so), the inference forward and training get four_over_six;
+    q_smoothing still sends both to the Triton kernels."""
     monkeypatch.setattr(api.hopper_gluon, "gluon_sm90", lambda device: (True, ""))
-    q = types.SimpleNamespace(is_cuda=True, shape=(1, 1, 8, 128), device="cuda")
-    assert api._gluon_fp4_inference(q) and not api._gluon_fp4_inference(q, four_over_six=True)
+    fake = types.SimpleNamespace(is_cuda=True, shape=(1, 1, 8, 128), device="cuda")
+    assert api._gluon_fp4_inference(fake) and not api._gluon_fp4_inference(fake, q_smoothing=True)
+    calls = []
+    monkeypatch.setattr(api, "_gluon_fp4_inference", lambda q, q_smoothing=False: True)
+    monkeypatch.setattr(api.hopper_gluon, "fp4_fwd_sm90", lambda *a: calls.append(("infer", a[-1])))
+    monkeypatch.setattr(api, "_gluon_sm90", lambda q, dims, q_smoothing: True)
+    monkeypatch.setattr(api.hopper_gluon.HopperAttnQATFunction, "apply", lambda *a: calls.append(("train", a[-1])))
+    q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        api._fp4_inference(q, q, q, four_over_six=True)
+    api._attn_qat_kernel(q, q, q, four_over_six=True)
+    assert calls == [("infer", True), ("train", True)]
 
 
 def test_forward_op_with_four_over_six_passes_opcheck():

@@ -317,26 +317,26 @@ def _paths(kernel_module: str, kernel_name: str, reference_name: str):
     return kernel, ref
 
 
-def _gluon_sm90(q, head_dims: tuple, triton_option: bool) -> bool:
+def _gluon_sm90(q, head_dims: tuple, q_smoothing: bool) -> bool:
     """Whether the Gluon sm_90 kernels run q: a CUDA tensor on an H100 / H200 whose Triton has Gluon
     (hopper_gluon.gluon_sm90), at ``head_dims`` (the Triton kernels are faster at the others). Never with
-    ``triton_option`` (``q_smoothing`` or ``four_over_six`` on): the Gluon kernels have no ΔS input and their
-    pre-pass no Four Over Six, so the Triton kernels run them (docs/kernels.md, "Q smoothing", "Four Over Six");
-    the one place that decides it, for the inference forward and for training alike."""
-    return not triton_option and q.is_cuda and q.shape[-1] in head_dims and hopper_gluon.gluon_sm90(q.device)[0]
+    ``q_smoothing``: the Gluon kernels have no ΔS input, so the Triton kernels run it (docs/kernels.md, "Q
+    smoothing"); the one place that decides it, for the inference forward and for training alike. (``four_over_six``
+    is the shared pre-pass's, so both paths take it.)"""
+    return not q_smoothing and q.is_cuda and q.shape[-1] in head_dims and hopper_gluon.gluon_sm90(q.device)[0]
 
 
-def _gluon_fp4_inference(q, q_smoothing: bool = False, four_over_six: bool = False) -> bool:
+def _gluon_fp4_inference(q, q_smoothing: bool = False) -> bool:
     """Whether the FP4 inference forward of q runs the Gluon sm_90 kernel (:func:`_gluon_sm90` at
     hopper_gluon.INFERENCE_HEAD_DIMS); elsewhere attn_qat's Triton forward. The same numbers either way
     (docs/kernels.md)."""
-    return _gluon_sm90(q, hopper_gluon.INFERENCE_HEAD_DIMS, q_smoothing or four_over_six)
+    return _gluon_sm90(q, hopper_gluon.INFERENCE_HEAD_DIMS, q_smoothing)
 
 
 def _fp4_inference(q, k, v, *, sm_scale=None, causal=False, q_smoothing=False, four_over_six=False):
     """The FP4 inference forward (nvfp4's; attn_qat's and attn_qat_dropin's without grad)."""
-    if _gluon_fp4_inference(q, q_smoothing, four_over_six):
-        return hopper_gluon.fp4_fwd_sm90(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+    if _gluon_fp4_inference(q, q_smoothing):
+        return hopper_gluon.fp4_fwd_sm90(q, k, v, default_scale(q.shape[-1], sm_scale), causal, four_over_six)
     return attn_qat.nvfp4_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
                                     four_over_six=four_over_six)
 
@@ -346,12 +346,13 @@ def _attn_qat_kernel(q, k, v, *, sm_scale=None, causal=False, p_bwd="final_max",
     """attn_qat's kernel path. Without grad, :func:`_fp4_inference`. Training where :func:`_gluon_sm90` says so,
     at hopper_gluon.TRAINING_HEAD_DIMS: the Gluon sm_90 training forward and backward, the same numbers
     (docs/kernels.md); everywhere else, for p_bwd="normalized" (an ablation the Gluon backward does not implement)
-    and for q_smoothing and four_over_six, the Triton path."""
+    and for q_smoothing, the Triton path."""
     if not needs_grad(q, k, v):
         return _fp4_inference(q, k, v, sm_scale=sm_scale, causal=causal, q_smoothing=q_smoothing,
                               four_over_six=four_over_six)
-    if p_bwd == "final_max" and _gluon_sm90(q, hopper_gluon.TRAINING_HEAD_DIMS, q_smoothing or four_over_six):
-        return hopper_gluon.HopperAttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal)
+    if p_bwd == "final_max" and _gluon_sm90(q, hopper_gluon.TRAINING_HEAD_DIMS, q_smoothing):
+        return hopper_gluon.HopperAttnQATFunction.apply(q, k, v, default_scale(q.shape[-1], sm_scale), causal,
+                                                        four_over_six)
     return attn_qat.attn_qat_unchecked(q, k, v, sm_scale=sm_scale, causal=causal, p_bwd=p_bwd,
                                        q_smoothing=q_smoothing, four_over_six=four_over_six)
 
@@ -384,8 +385,8 @@ def _nvfp4_with_lse(q, k, v, *, sm_scale, causal, use_kernel, p_bwd=None, q_smoo
     ``p_bwd``, attn_qat's option, is the backward's) with its row statistics: the kernel :func:`_fp4_inference`
     would run."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    if use_kernel and _gluon_fp4_inference(q, q_smoothing, four_over_six):
-        o, m, l = hopper_gluon.fp4_fwd_stats_sm90(q, k, v, scale, causal)
+    if use_kernel and _gluon_fp4_inference(q, q_smoothing):
+        o, m, l = hopper_gluon.fp4_fwd_stats_sm90(q, k, v, scale, causal, four_over_six)
     elif use_kernel:
         o, _, m, l = attn_qat.attn_qat_fwd(q, k, v, scale, causal, False, q_smoothing, four_over_six)[:4]
     else:

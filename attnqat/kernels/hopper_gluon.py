@@ -1117,7 +1117,8 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sc
 
 
 def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                         causal: bool = False, variant: str = "default", return_stats: bool = False):
+                         causal: bool = False, variant: str = "default", return_stats: bool = False,
+                         four_over_six: bool = False):
     """The FP4 inference forward (``nvfp4``, and ``attn_qat`` without grad; SPEC §2) with the Gluon sm_90
     forward: the numerics of attn_qat's Triton forward, on the warp-specialised pipeline.
 
@@ -1130,6 +1131,8 @@ def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     Arguments as :func:`hopper_attention`. Inference only: inputs that require grad are refused.
     ``return_stats``: also return each row's integer running max m (log2 units) and the row sum l of the
     unquantized P~ = 2688 2^(S - m), as attn_qat's Triton forward returns them (ring attention's log-sum-exp).
+    ``four_over_six``: the pre-pass picks each Q, K, V block's scale as Four Over Six does (the FP4 modes' option,
+    docs/kernels.md); the kernel is the same.
     Return:
         o, (batch, heads, seqlen_q, head_dim) in q's dtype and stride order (contiguous where TMA cannot write that
         layout), a new tensor, as attn_qat's Triton forward returns it; with ``return_stats``, (o, m, l), m and l
@@ -1137,8 +1140,8 @@ def hopper_fp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     """
     _check(q, k, v, "hopper_fp4_attention", sm_scale, causal, variant, inference_only=True)
     block_n = _fwd_config(variant, q.shape[3], training=False)[1]
-    qf = quantize_heads(q, q.dtype)
-    kf, vf = (quantize_heads(t, q.dtype, key_tile=block_n) for t in (k, v))
+    qf = quantize_heads(q, q.dtype, four_over_six=four_over_six)
+    kf, vf = (quantize_heads(t, q.dtype, key_tile=block_n, four_over_six=four_over_six) for t in (k, v))
     stats = _row_stats_like(q) if return_stats else None
     o = _launch(qf, kf, vf, k.shape[2], sm_scale, causal, fp4=True, out=_output_like(q), stats=stats,
                 variant=variant)
@@ -1158,7 +1161,7 @@ def _output_like(q: torch.Tensor) -> torch.Tensor:
 
 
 def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                            causal: bool = False, variant: str = "default"):
+                            causal: bool = False, variant: str = "default", four_over_six: bool = False):
     """The Attn-QAT training forward (SPEC §2 with the auxiliary output O') with the Gluon sm_90 forward: what
     ``attn_qat.attn_qat_forward(training=True)`` computes and saves for its backward, in the same layouts, so that
     ``attn_qat.attn_qat_backward`` takes its results unchanged.
@@ -1170,7 +1173,8 @@ def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     ``both_orders``): in key order for the backward, in tile order for the kernel.
 
     Arguments as :func:`hopper_attention` (inputs may require grad: this is a launcher, autograd is the caller's;
-    the variants' training tiles: FWD_TRAIN_CONFIG, FWD_TRAIN_WS_CONFIG).
+    the variants' training tiles: FWD_TRAIN_CONFIG, FWD_TRAIN_WS_CONFIG); ``four_over_six`` as
+    :func:`hopper_fp4_attention`'s (the backward takes the forward's qf, kf, vf, so it follows).
     Return:
         (o, o_aux, m, l, (qf, kf, vf)): o (B, H, Lq, D) in q's dtype and stride order, the FP4 output;
         o_aux (B, H, Lq, D) contiguous in q's dtype, O'; m, l (B, H, Lq) fp32, the integer running max (log2
@@ -1180,8 +1184,9 @@ def hopper_attn_qat_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     _check(q, k, v, "hopper_attn_qat_forward", sm_scale, causal, variant)
     batch, heads, seqlen_q, head_dim = q.shape
     block_n = _fwd_config(variant, head_dim, training=True)[1]
-    qf = quantize_heads(q, q.dtype)
-    (kf, k_tiles), (vf, v_tiles) = (quantize_heads(t, q.dtype, key_tile=block_n, both_orders=True) for t in (k, v))
+    qf = quantize_heads(q, q.dtype, four_over_six=four_over_six)
+    (kf, k_tiles), (vf, v_tiles) = (quantize_heads(t, q.dtype, key_tile=block_n, both_orders=True,
+                                                   four_over_six=four_over_six) for t in (k, v))
     o = _output_like(q)
     o_aux = torch.empty(batch, heads, seqlen_q, head_dim, dtype=q.dtype, device=q.device)
     m, l = _row_stats_like(q)
@@ -1398,39 +1403,42 @@ def available_or_warn(device: torch.device, who: str) -> tuple[bool, str]:
 
 
 @torch.library.custom_op("attnqat::fp4_fwd_sm90", mutates_args=(), device_types=("cuda",))
-def fp4_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool) -> torch.Tensor:
+def fp4_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
+                 four_over_six: bool = False) -> torch.Tensor:
     """The FP4 inference forward on sm_90 (:func:`hopper_fp4_attention`, INFERENCE_FWD_VARIANT)."""
-    return hopper_fp4_attention(q, k, v, sm_scale=sm_scale, causal=causal, variant=INFERENCE_FWD_VARIANT)
+    return hopper_fp4_attention(q, k, v, sm_scale=sm_scale, causal=causal, variant=INFERENCE_FWD_VARIANT,
+                                four_over_six=four_over_six)
 
 
 @fp4_fwd_sm90.register_fake
-def _(q, k, v, sm_scale, causal):
+def _(q, k, v, sm_scale, causal, four_over_six=False):
     return _output_like(q)
 
 
 @torch.library.custom_op("attnqat::fp4_fwd_stats_sm90", mutates_args=(), device_types=("cuda",))
 def fp4_fwd_stats_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-                       causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       causal: bool, four_over_six: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FP4 inference forward on sm_90 with its row statistics (o, m, l): ring attention's forward."""
     return hopper_fp4_attention(q, k, v, sm_scale=sm_scale, causal=causal, variant=INFERENCE_FWD_VARIANT,
-                                return_stats=True)
+                                return_stats=True, four_over_six=four_over_six)
 
 
 @fp4_fwd_stats_sm90.register_fake
-def _(q, k, v, sm_scale, causal):
+def _(q, k, v, sm_scale, causal, four_over_six=False):
     return (_output_like(q), *_row_stats_like(q))
 
 
 @torch.library.custom_op("attnqat::attn_qat_fwd_sm90", mutates_args=(), device_types=("cuda",))
-def attn_qat_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def attn_qat_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool,
+                      four_over_six: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor, torch.Tensor, torch.Tensor]:
     o, o_aux, m, l, (qf, kf, vf) = hopper_attn_qat_forward(q, k, v, sm_scale=sm_scale, causal=causal,
-                                                           variant=TRAINING_FWD_VARIANT)
+                                                           variant=TRAINING_FWD_VARIANT, four_over_six=four_over_six)
     return o, o_aux, m, l, qf, kf, vf
 
 
 @attn_qat_fwd_sm90.register_fake
-def _(q, k, v, sm_scale, causal):
+def _(q, k, v, sm_scale, causal, four_over_six=False):
     return (_output_like(q), q.new_empty(q.shape), *_row_stats_like(q), q.new_empty(q.shape),
             k.new_empty(k.shape, dtype=q.dtype),
             v.new_empty(v.shape, dtype=q.dtype))
@@ -1454,12 +1462,12 @@ class HopperAttnQATFunction(torch.autograd.Function):
     saved tensors)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal):
+    def forward(ctx, q, k, v, sm_scale, causal, four_over_six=False):
         if recomputed_later():  # checkpointing's first pass: the output alone (_common.saved_tensors_recomputed)
             ctx.save_for_backward(q, k, *training_placeholders(q, k, v))
             ctx.sm_scale, ctx.causal = sm_scale, causal
-            return fp4_fwd_sm90(q, k, v, sm_scale, causal)
-        o, o_aux, m, l, qf, kf, vf = attn_qat_fwd_sm90(q, k, v, sm_scale, causal)
+            return fp4_fwd_sm90(q, k, v, sm_scale, causal, four_over_six)
+        o, o_aux, m, l, qf, kf, vf = attn_qat_fwd_sm90(q, k, v, sm_scale, causal, four_over_six)
         ctx.save_for_backward(q, k, qf, kf, vf, o_aux, m, l)
         ctx.sm_scale, ctx.causal = sm_scale, causal
         return o
@@ -1469,4 +1477,4 @@ class HopperAttnQATFunction(torch.autograd.Function):
         refuse_double_backward("attn_qat")
         q, k, qf, kf, vf, o_aux, m, l = ctx.saved_tensors
         dq, dk, dv = attn_qat_bwd_sm90(do, q, k, qf, kf, vf, o_aux, m, l, ctx.sm_scale, ctx.causal)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
