@@ -27,6 +27,10 @@ from attnqat.kernels._common import LaunchConfig  # noqa: E402
 from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_backward, attn_qat_forward  # noqa: E402
 
 
+#: attn_qat's options timed in their own columns: the column's name -> the option set True
+OPTION_COLUMNS = {"qs": "q_smoothing", "fos": "four_over_six"}
+
+
 def sdpa_fns(backend, q, k, v, do):
     def fwd():
         with sdpa_kernel(backend):
@@ -96,14 +100,15 @@ def run(lengths, heads=40, head_dim=128, batch=1, sweep=False):
                     return attention(q, k, v, mode=mode)
             res[f"{mode}_infer"] = bench_ms(infer_mode)
 
-        def qs_infer():  # the q_smoothing option (docs/kernels.md): the Triton kernels, with ΔS
-            with torch.no_grad():
-                return attention(q, k, v, mode="attn_qat", q_smoothing=True)
-        res["attn_qat_qs_infer"] = bench_ms(qs_infer)
+        for name, option in OPTION_COLUMNS.items():  # attn_qat with one of its options (docs/kernels.md)
+            def option_infer(option=option):
+                with torch.no_grad():
+                    return attention(q, k, v, mode="attn_qat", **{option: True})
+            res[f"attn_qat_{name}_infer"] = bench_ms(option_infer)
 
-        def qs_fwd_bwd():
-            attention(q, k, v, mode="attn_qat", q_smoothing=True).backward(do)
-        res["attn_qat_qs_fwdbwd"] = bench_ms(qs_fwd_bwd)
+            def option_fwd_bwd(option=option):
+                attention(q, k, v, mode="attn_qat", **{option: True}).backward(do)
+            res[f"attn_qat_{name}_fwdbwd"] = bench_ms(option_fwd_bwd)
 
         def sagebwd_fwd_bwd():
             attention(q, k, v, mode="sagebwd").backward(do)
@@ -178,14 +183,16 @@ def markdown(rows, env) -> str:
             f"{r['flash_fwdbwd']:.2f} ms ({r['flash_fwdbwd'] / cb:.2f}x) | "
             f"{r['attn_qat_fwdbwd']:.2f} ms ({r['attn_qat_fwdbwd'] / cb:.2f}x) | "
             f"{r['attn_qat_triton_fwdbwd']:.2f} ms ({r['attn_qat_triton_fwdbwd'] / cb:.2f}x) |")
-    extra = [k_ for k_ in ("nvfp4_infer", "sage3_infer", "attn_qat_qs_infer", "attn_qat_qs_fwdbwd", "sagebwd_infer",
-                           "sagebwd_fwdbwd", "sagebwd_triton_fwdbwd", "sagebwd_16bit_fwdbwd") if k_ in rows[0]]
+    options = [f"attn_qat_{name}_{kind}" for name in OPTION_COLUMNS for kind in ("infer", "fwdbwd")]
+    extra = [k_ for k_ in ("nvfp4_infer", "sage3_infer", *options, "sagebwd_infer", "sagebwd_fwdbwd",
+                           "sagebwd_triton_fwdbwd", "sagebwd_16bit_fwdbwd") if k_ in rows[0]]
     if extra:
         lines += ["", "Every mode's inference forward (no grad) through `attnqat.kernels.attention`, and SageBwd "
                   "training, same run (ratio to cuDNN fwd, or cuDNN fwd+bwd for `*_fwdbwd`; SageBwd ran: "
                   f"{env.get('sagebwd', 'triton')}; `sagebwd_triton`: its Triton kernels (`ATTNQAT_GLUON=0`); "
                   "`sagebwd_16bit`: `pv=\"bf16\", bwd=\"bf16\"`, INT8 only in QK^T and its recompute; `attn_qat_qs`: "
-                  "`attn_qat` with `q_smoothing=True`, the Triton kernels with ΔS):", "",
+                  "`attn_qat` with `q_smoothing=True`, the Triton kernels with ΔS; `attn_qat_fos`: with "
+                  "`four_over_six=True`, the kernels of plain `attn_qat` after a pre-pass that quantizes twice):", "",
                   "| L | " + " | ".join(extra) + " |", "|---|" + "---|" * len(extra)]
         for r in rows:
             cells = [f"{r[k_]:.2f} ms ({r[k_] / (r['cudnn_fwdbwd'] if k_.endswith('fwdbwd') else r['cudnn_fwd']):.2f}x)"

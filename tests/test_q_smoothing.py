@@ -107,6 +107,38 @@ def test_kernel_forward_and_backward_match_reference(shape, poison):
     assert rel_err(o, plain) > 10 * bound(ro)  # the option did something
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_heads_in_groups_when_delta_s_is_large(training, monkeypatch, poison):
+    """A ΔS budget smaller than one head's (attn_qat.DELTA_S_BYTES) makes the forward and the backward run the heads
+    one by one (batch 2, so each head's slice of the saved tensors is strided): the same outputs, saved tensors and
+    gradients, bit for bit; and the split does happen (a spy counts the ΔS made)."""
+    from attnqat.kernels import attn_qat as A
+
+    q, k, v = shared_offset_qkv(2, 3, 200, 90, 64, seed=7)
+    do = torch.randn_like(q)
+    scale = 64 ** -0.5
+
+    def run():
+        fwd = A.attn_qat_forward(q, k, v, sm_scale=scale, causal=False, training=training, q_smoothing=True)
+        if not training:
+            return fwd, ()
+        o, o_aux, m, l, (qf, kf, vf, q_mean) = fwd
+        return fwd, A.attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, sm_scale=scale, causal=False,
+                                        q_mean=q_mean)
+
+    whole, whole_grads = run()
+    made = []
+    parts = A.delta_s_parts
+    monkeypatch.setattr(A, "delta_s_parts", lambda k, *a, **kw: made.append(k.shape[1]) or parts(k, *a, **kw))
+    monkeypatch.setattr(A, "DELTA_S_BYTES", 1)
+    split, split_grads = run()
+    assert made == [1] * (6 if training else 3)  # one head at a time, in the forward and in the backward
+    flat = lambda x: [t for y in x for t in (flat(y) if isinstance(y, tuple) else [y])]  # noqa: E731
+    for a, b in zip(flat(whole) + list(whole_grads), flat(split) + list(split_grads)):
+        assert (a is None and b is None) or (a.shape == b.shape and torch.equal(a, b))
+    assert split[0].stride() == whole[0].stride()  # O in q's layout either way
+
+
 def test_kernel_inference_forward_matches_reference_at_head_dim_128(poison):
     """The inference forward (nvfp4, no O') at head_dim 128, Lq != Lk, and its internals in the interpreter's fp32
     buffers: the integer max exactly, O and l to fp32 rounding; q̄ is the 128-row block means."""

@@ -847,6 +847,30 @@ def compile_backward(arch: int, cfg: LaunchConfig, **constexprs):
 
 
 DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU; (128, 64), (128, 128) were slower
+DELTA_S_BYTES = 2 << 30  # ΔS past this is made for groups of heads in turn (delta_s_head_groups)
+
+
+def delta_s_head_groups(b: int, h: int, lq: int, width: int) -> list[slice]:
+    """Head ranges, in order, whose ΔS ((B, heads, ceil(Lq/128), 3, width) bf16: Lq/128 x width x 6 bytes a head)
+    stays within DELTA_S_BYTES, one head at least: one range when the whole fits. Q smoothing's and sage3's ΔS is
+    10 GiB for Wan 14B's 40 heads at 720p in one piece."""
+    per_head = b * triton.cdiv(lq, SAGE3_Q_BLOCK) * 3 * width * 2
+    group = max(1, min(h, DELTA_S_BYTES // per_head))
+    return [slice(h0, min(h, h0 + group)) for h0 in range(0, h, group)]
+
+
+def _into_heads(full, part, hs: slice, heads: int):
+    """Copy ``part`` (a tensor, None, or a tuple of them: what a launcher returns for the heads ``hs``) into ``full``
+    (the same structure over all ``heads``; None: allocated like ``part``, contiguous, by the first group's call)
+    and return ``full``."""
+    if part is None:
+        return None
+    if isinstance(part, tuple):
+        return tuple(_into_heads(f, p, hs, heads) for f, p in zip(full or (None,) * len(part), part))
+    if full is None:
+        full = part.new_empty((part.shape[0], heads, *part.shape[2:]))
+    full[:, hs] = part
+    return full
 
 
 def delta_s_parts(k: torch.Tensor, q_mean: torch.Tensor, width: int, key_tile: int,
@@ -912,6 +936,18 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
         raise ValueError("attn_qat_forward: q_smoothing prepares its own operands and ΔS, from quantized Q, K, V")
     if four_over_six and (operands is not None or not quant_qkv):
         raise ValueError("attn_qat_forward: four_over_six is the pre-pass's: it needs quantize_qkv and no operands")
+    groups = delta_s_head_groups(b, k.shape[1], lq, triton.cdiv(lk, cfg.block_n) * cfg.block_n) if q_smoothing else []
+    if len(groups) > 1:  # ΔS for all heads at once would pass DELTA_S_BYTES: the heads in groups, in turn
+        o = out = None
+        for hs in groups:
+            o_g, *rest = attn_qat_forward(q[:, hs], k[:, hs], v[:, hs], sm_scale=sm_scale, causal=causal,
+                                          training=training, quant_p=quant_p, config=config, packed_qk=packed_qk,
+                                          q_smoothing=True, four_over_six=four_over_six)
+            if o is None:
+                o = _empty_like_layout(q, o_g.dtype)
+            o[:, hs] = o_g
+            out = _into_heads(out, tuple(rest), hs, q.shape[1])
+        return (o, *out)
     q_mean = None
     fos = four_over_six
     if operands is not None:
@@ -986,6 +1022,19 @@ def attn_qat_backward(do, q, k, qf, kf, vf, o_aux, m, l, *, sm_scale: float, cau
     lk = kf.shape[2]
     cfg = config or bwd_config(d, transposed)
     cfg_dq = config_dq or dq_config(d)
+    groups = delta_s_head_groups(b, h, lq, lk) if q_mean is not None else []
+    if len(groups) > 1:  # as the forward: ΔS for groups of heads in turn, each group's saved tensors made contiguous
+        dq, dk = _empty_like_layout(q, q.dtype), _empty_like_layout(k, k.dtype)
+        dv = torch.empty_like(dk)
+        for hs in groups:
+            part = attn_qat_backward(do[:, hs], q[:, hs], k[:, hs], *(t[:, hs].contiguous() for t in
+                                                                      (qf, kf, vf, o_aux, m, l)),
+                                     sm_scale=sm_scale, causal=causal, p_bwd=p_bwd, config=config,
+                                     config_dq=config_dq, quant_p=quant_p, fused_dq=fused_dq, transposed=transposed,
+                                     phi_from_s=phi_from_s, q_mean=q_mean[:, hs].contiguous())
+            for full, got in zip((dq, dk, dv), part):
+                full[:, hs] = got
+        return dq, dk, dv
     wdt = work_dtype(q.dtype)
     if do.stride(-1) != 1:
         do = do.contiguous()

@@ -19,11 +19,9 @@ import torch
 import triton
 
 from ._common import LaunchConfig, check_qkv, default_scale, launch_fitting, needs_grad, work_dtype
-from .attn_qat import attn_qat_forward, delta_s_parts, fwd_config, native_fp4
+from .attn_qat import attn_qat_forward, delta_s_head_groups, delta_s_parts, fwd_config, native_fp4
 from .formats import SAGE3_Q_BLOCK
 from .nvfp4 import quantize_heads
-
-DELTA_S_BYTES = 2 << 30  # _sage3_heads splits the heads so that ΔS stays below this
 
 
 def sage3_config(head_dim: int) -> LaunchConfig:
@@ -67,14 +65,11 @@ def sage3_forward(q, k, v, *, sm_scale: float, causal: bool, packed_qk: int | No
 
 
 def _sage3_heads(q, k, v, cfg: LaunchConfig, sm_scale: float, causal: bool, packed_qk: int) -> torch.Tensor:
-    """sage3 over groups of heads whose ΔS fits in ``DELTA_S_BYTES`` (ΔS is Lq/128 x Lk x 6 bytes per head:
-    10 GiB for 40 heads at 720p in one piece)."""
+    """sage3 over groups of heads whose ΔS fits in ``attn_qat.DELTA_S_BYTES`` (attn_qat.delta_s_head_groups)."""
     b, h, lq, d = q.shape
-    per_head = b * triton.cdiv(lq, SAGE3_Q_BLOCK) * 3 * _delta_s_width(k.shape[2], cfg.block_n) * 2
-    group = max(1, min(h, DELTA_S_BYTES // per_head))
-    out = torch.empty_like(q) if group < h else None
-    for h0 in range(0, h, group):
-        hs = slice(h0, min(h, h0 + group))
+    groups = delta_s_head_groups(b, h, lq, _delta_s_width(k.shape[2], cfg.block_n))
+    out = torch.empty_like(q) if len(groups) > 1 else None
+    for hs in groups:
         qh, kh, vh = q[:, hs], k[:, hs], v[:, hs]
         qf, kf, vf, delta_s = sage3_prepass(qh, kh, vh, cfg, packed=bool(packed_qk))
         o, *_ = attn_qat_forward(qh, kh, vh, sm_scale=sm_scale, causal=causal, training=False,
