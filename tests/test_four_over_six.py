@@ -168,6 +168,27 @@ def test_inference_forward_and_reference_modes_agree(poison):
         assert torch.equal(attention(q, k, v, "attn_qat_dropin", four_over_six=True), out)
 
 
+def test_dropin_trains_with_it_and_nan_stays_visible(poison):
+    """attn_qat_dropin under grad (interpreter): the option's FP4 forward, the reference's high-precision backward;
+    and a NaN in one query row of attn_qat comes out as NaN in that row's output, not a finite value."""
+    q, k, v = (t.requires_grad_() for t in shared_draw(1, 1, 130, 64, 64, seed=8))
+    o = attention(q, k, v, "attn_qat_dropin", four_over_six=True)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ro = R.attn_qat_dropin_attention_ref(qr, kr, vr, four_over_six=True)
+    want = torch.autograd.grad(ro, (qr, kr, vr), do)
+    with torch.no_grad():
+        assert torch.equal(o, nvfp4_attention(q, k, v, four_over_six=True))
+    for got, w in zip(grads, want):
+        assert rel_err(got, w.float()) < 1e-2
+    bad = q.detach().clone()
+    bad[0, 0, 7, 3] = float("nan")
+    with torch.no_grad():
+        out = attention(bad, k.detach(), v.detach(), "attn_qat", four_over_six=True)
+    assert out[0, 0, 7].isnan().all() and out[0, 0, :7].isfinite().all() and out[0, 0, 8:].isfinite().all()
+
+
 def test_lowers_fp4_error_on_gaussian_inputs():
     """What the option is for: the FP4 forward nearer exact attention (float32 inputs, reference path). Measured
     here: 0.189 -> 0.176 relative error (P keeps SPEC §1's scales)."""
