@@ -388,7 +388,7 @@ class DemoEngine:
         self._lock = threading.Lock()
         self._weights = {"base": self._snapshot()}
         self._live = "base"
-        # the Attn-QAT column runs its weights as trained: with the Q/K options their file records (rotation, smoothing)
+        # the Attn-QAT column runs its weights with the options their file records (rotation, smoothings, Four Over Six)
         self.qat_options: dict = {}
         if qat_checkpoint:
             load_qat_checkpoint(pipe.transformer, qat_checkpoint)  # validates keys and shapes
@@ -435,7 +435,7 @@ class DemoEngine:
     def weights(self, mode: str) -> str | None:
         said = mode_weights(mode, self.qat_checkpoint, self.qat_shipped)
         if said and self.qat_options and mode_of(mode).uses_qat_weights:
-            said += f" ({'; '.join(describe_qk_options(self.qat_options))}, as it was trained)"
+            said += f" ({'; '.join(describe_qk_options(self.qat_options))}, as its file records)"
         return said
 
     def vocabulary_note(self, prompt: str) -> str | None:

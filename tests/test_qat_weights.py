@@ -356,7 +356,7 @@ def test_the_qk_options_a_finetune_trained_under_travel_with_its_weights(tmp_pat
         engine.run("a red ball", modes=["attn_qat", "nvfp4"], height=32, width=32, frames=5, steps=1, seed=0,
                    out_dir=tmp_path / f"demo_{options[0]}")
         assert patched == [("bf16", None, None), ("attn_qat", *options), ("nvfp4", None, None)], patched
-        said = "(Q, K rotated: hadamard; K smoothed, as it was trained)"
+        said = "(Q, K rotated: hadamard; K smoothed, as its file records)"
         assert (said in engine.weights("attn_qat")) == (options[0] is not None)
         assert engine.weights("nvfp4") is None
 
