@@ -304,6 +304,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def check_dropin_against_reference(q, k, v, **options) -> None:
+    """attn_qat_dropin under grad with the FP4 options ``options`` (q, k, v bf16, requiring grad; the interpreter):
+    its forward is nvfp4's with the same options, bit for bit, and its gradients the reference's high-precision
+    backward's, to 1e-2 (both bf16: the reference's rounding of its fp32 gradients)."""
+    from attnqat.kernels import attention
+    from attnqat.kernels import reference as R
+    from attnqat.kernels.attn_qat import nvfp4_attention
+
+    o = attention(q, k, v, "attn_qat_dropin", **options)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(R.attn_qat_dropin_attention_ref(qr, kr, vr, **options), (qr, kr, vr), do)
+    with torch.no_grad():
+        assert torch.equal(o, nvfp4_attention(q, k, v, **options))
+    for got, w in zip(grads, want):
+        assert rel_err(got, w.float()) < 1e-2
+
+
 def cos_sim(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 

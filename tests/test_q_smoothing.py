@@ -15,7 +15,7 @@ from attnqat.kernels.attn_qat import attn_qat_attention, attn_qat_forward, nvfp4
 from attnqat.kernels.formats import LOG2E
 from attnqat.kernels.rotation import hadamard_matrix
 from attnqat.train import load_config, validate
-from conftest import fp4_rounding_ties, rel_err
+from conftest import check_dropin_against_reference, fp4_rounding_ties, rel_err
 
 
 def shared_offset_qkv(b, h, lq, lk, d, *, offset=3.0, dtype=torch.bfloat16, seed=None, causal=False,
@@ -156,17 +156,8 @@ def test_kernel_inference_forward_matches_reference_at_head_dim_128(poison):
 def test_dropin_kernel_smooths_its_forward_only(poison):
     """attn_qat_dropin with q_smoothing under grad (interpreter): the smoothed FP4 forward, the high-precision
     backward of the reference (which q_smoothing does not change: exact logits are Q K^T either way)."""
-    q, k, v = (t.requires_grad_() for t in shared_offset_qkv(1, 1, 130, 64, 64))
-    o = attention(q, k, v, "attn_qat_dropin", q_smoothing=True)
-    do = torch.randn_like(o)
-    grads = torch.autograd.grad(o, (q, k, v), do)
-    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ro = R.attn_qat_dropin_attention_ref(qr, kr, vr, q_smoothing=True)
-    want = torch.autograd.grad(ro, (qr, kr, vr), do)
-    with torch.no_grad():
-        assert torch.equal(o, nvfp4_attention(q, k, v, q_smoothing=True))
-    for got, w in zip(grads, want):
-        assert rel_err(got, w.float()) < 1e-2  # both bf16: the reference's rounding of its fp32 gradients
+    check_dropin_against_reference(*(t.requires_grad_() for t in shared_offset_qkv(1, 1, 130, 64, 64)),
+                                   q_smoothing=True)
 
 
 def test_q_smoothing_lowers_fp4_error_when_queries_share_an_offset():
