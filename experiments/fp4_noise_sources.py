@@ -17,19 +17,20 @@ switched in the PyTorch reference (attnqat.kernels.reference), which runs on the
 quantizers, as the shipped QAT file runs: its weights were trained with the rotation). ``--q-smoothing``: a probe
 of SageAttention2's Q smoothing (:func:`quantizers`); ``option`` smooths as the ``q_smoothing`` option does (blocks of
 128 queries, the last partial). ``--four-over-six``: those quantizers choose each block's scale as "Four Over Six"
-does (:func:`fake_quant_four_over_six`). ``--base-nvfp4``: also the base weights in plain nvfp4 to their bf16 (the
-quality table's FP4 reference), so the last line reads as a share of the gap closed.
+does (the ``four_over_six`` option's rule, ``reference.four_over_six_scale``; here also on P, which the option
+leaves alone). ``--base-nvfp4``: also the base weights in plain nvfp4 to their bf16 (the quality table's FP4
+reference), so the last line reads as a share of the gap closed.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import pathlib
 import sys
 
 import torch
 
 from attnqat.kernels import QK_ROTATIONS, api, describe_qk_options, reference
-from attnqat.kernels.formats import E2M1_GRID, NVFP4_BLOCK
 from attnqat.mini.evaluation import Variant, flow_metrics
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -42,32 +43,6 @@ SMOOTHED = {"sequence": ", Q smoothed over the sequence", "block": ", Q smoothed
 SOURCES = {"Q,K": ("qk",), "V": ("v",), "P": ("p",), "Q,K,V": ("qk", "v"), "all (nvfp4)": ("qk", "v", "p")}
 
 
-def fake_quant_four_over_six(x: torch.Tensor, dim: int = -1, pre_scale: float = 1.0) -> torch.Tensor:
-    """phi with "Four Over Six" block scales (Cook et al., arXiv 2512.02010; a probe, no option builds it): each
-    block of 16 is quantized twice, its largest magnitude mapped to 6 (s = e4m3(amax / 6), SPEC §1) and to 4
-    (s = e4m3(amax / 4)), and keeps the one with the smaller squared error. Both are NVFP4 (e2m1 codes, one e4m3
-    scale a block), so an FP4 MMA runs either; only the quantizer's choice of scale differs. Finite inputs only."""
-    xt = x.movedim(dim, -1).float() * pre_scale
-    n = xt.shape[-1]
-    xt = torch.nn.functional.pad(xt, (0, (-n) % NVFP4_BLOCK))
-    xb = xt.reshape(*xt.shape[:-1], -1, NVFP4_BLOCK)
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    grid = torch.tensor(E2M1_GRID, device=x.device)
-    best, best_err = None, None
-    for top in (6.0, 4.0):
-        s = (amax / top).clamp(max=448.0).to(torch.float8_e4m3fn).float()
-        codes = reference.e2m1_codes_ref(xb / torch.where(s > 0, s, torch.ones_like(s)))
-        mag = grid[codes & 0x7]
-        q = torch.where(s > 0, torch.where((codes & 0x8) != 0, -mag, mag) * s, torch.zeros_like(xb))
-        err = (q - xb).square().sum(dim=-1, keepdim=True)
-        if best is None:
-            best, best_err = q, err
-        else:
-            take = err < best_err
-            best, best_err = torch.where(take, q, best), torch.where(take, err, best_err)
-    return (best.reshape(*xt.shape)[..., :n] / pre_scale).to(x.dtype).movedim(-1, dim)
-
-
 @contextlib.contextmanager
 def quantizers(on: tuple[str, ...], q_smoothing: str = "none", four_over_six: tuple[str, ...] = ()):
     """The reference FP4 forward with only the quantizers in ``on`` (the others pass fp32 values through).
@@ -76,7 +51,8 @@ def quantizers(on: tuple[str, ...], q_smoothing: str = "none", four_over_six: tu
     q_mean . K are added back in float32, so exact attention does not change."""
     fq = reference.fake_quant_nvfp4_ref
     forward = reference.attn_qat_forward_ref
-    rule = {name: (fake_quant_four_over_six if name in four_over_six else fq) for name in ("qk", "v", "p")}
+    four = functools.partial(fq, four_over_six=True)  # the four_over_six option's scales
+    rule = {name: (four if name in four_over_six else fq) for name in ("qk", "v", "p")}
 
     def partial(q, k, v, *, sm_scale=None, causal=False, block_n=64, training=True, **option):
         if option.get("q_smoothing"):  # the mode's own option: this probe smooths Q itself (--q-smoothing option)

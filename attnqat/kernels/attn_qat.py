@@ -850,6 +850,11 @@ DELTA_S_TILE = (64, 64)  # (keys, query blocks) per step of _delta_s on the GPU;
 DELTA_S_BYTES = 2 << 30  # ΔS past this is made for groups of heads in turn (delta_s_head_groups)
 
 
+def delta_s_width(lk: int, block_n: int) -> int:
+    """ΔS row length for a forward over block_n-key tiles: Lk padded to whole tiles (it loads whole tiles unmasked)."""
+    return triton.cdiv(lk, block_n) * block_n
+
+
 def delta_s_head_groups(b: int, h: int, lq: int, width: int) -> list[slice]:
     """Head ranges, in order, whose ΔS ((B, heads, ceil(Lq/128), 3, width) bf16: Lq/128 x width x 6 bytes a head)
     stays within DELTA_S_BYTES, one head at least: one range when the whole fits. Q smoothing's and sage3's ΔS is
@@ -936,7 +941,7 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
         raise ValueError("attn_qat_forward: q_smoothing prepares its own operands and ΔS, from quantized Q, K, V")
     if four_over_six and (operands is not None or not quant_qkv):
         raise ValueError("attn_qat_forward: four_over_six is the pre-pass's: it needs quantize_qkv and no operands")
-    groups = delta_s_head_groups(b, k.shape[1], lq, triton.cdiv(lk, cfg.block_n) * cfg.block_n) if q_smoothing else []
+    groups = delta_s_head_groups(b, h, lq, delta_s_width(lk, cfg.block_n)) if q_smoothing else []
     if len(groups) > 1:  # ΔS for all heads at once would pass DELTA_S_BYTES: the heads in groups, in turn
         o = out = None
         for hs in groups:
@@ -949,16 +954,16 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
             out = _into_heads(out, tuple(rest), hs, q.shape[1])
         return (o, *out)
     q_mean = None
-    fos = four_over_six
     if operands is not None:
         qf, kf, vf = operands
-    elif q_smoothing:
-        qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK, packed=packed_qk, four_over_six=fos)
-        kf = quantize_heads(k, wdt, packed=packed_qk, four_over_six=fos)
-        vf = quantize_heads(v, wdt, four_over_six=fos)
-    elif quant_qkv:
-        qf, kf = (quantize_heads(t, wdt, packed=packed_qk, four_over_six=fos) for t in (q, k))
-        vf = quantize_heads(v, wdt, four_over_six=fos)
+    elif quant_qkv:  # q_smoothing (checked above to come with quant_qkv): Q minus its block means, q̄ kept for ΔS
+        if q_smoothing:
+            qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK, packed=packed_qk,
+                                        four_over_six=four_over_six)
+        else:
+            qf = quantize_heads(q, wdt, packed=packed_qk, four_over_six=four_over_six)
+        kf = quantize_heads(k, wdt, packed=packed_qk, four_over_six=four_over_six)
+        vf = quantize_heads(v, wdt, four_over_six=four_over_six)
     else:
         qf, kf, vf = (t.to(wdt).contiguous() for t in (q, k, v))
     if packed_qk:
@@ -974,7 +979,7 @@ def attn_qat_forward(q, k, v, *, sm_scale: float, causal: bool, training: bool, 
     def launch(c, delta_s=delta_s):
         if q_smoothing:  # ΔS laid out for c's key tiles: a step-down (launch_fitting) lays it out again
             check_smoothing_tile(c, "the FP4 forward")
-            delta_s = delta_s_parts(k, q_mean, triton.cdiv(lk, c.block_n) * c.block_n, c.block_n)
+            delta_s = delta_s_parts(k, q_mean, delta_s_width(lk, c.block_n), c.block_n)
         _attn_fwd[(triton.cdiv(lq, c.block_m), b * h)](
             qf, kf, vf, qs, ks, o, o_aux, m, l, vf if delta_s is None else delta_s,
             o.stride(0), o.stride(1), o.stride(2),

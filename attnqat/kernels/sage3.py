@@ -16,10 +16,9 @@ Top to bottom: launch config and pre-pass -> :func:`sage3_forward` (the launch) 
 from __future__ import annotations
 
 import torch
-import triton
 
 from ._common import LaunchConfig, check_qkv, default_scale, launch_fitting, needs_grad, work_dtype
-from .attn_qat import attn_qat_forward, delta_s_head_groups, delta_s_parts, fwd_config, native_fp4
+from .attn_qat import attn_qat_forward, delta_s_head_groups, delta_s_parts, delta_s_width, fwd_config, native_fp4
 from .formats import SAGE3_Q_BLOCK
 from .nvfp4 import quantize_heads
 
@@ -35,11 +34,6 @@ def sage3_config(head_dim: int) -> LaunchConfig:
     return cfg
 
 
-def _delta_s_width(lk: int, block_n: int) -> int:
-    """ΔS row length: Lk padded to whole key tiles of the forward (it loads whole tiles unmasked)."""
-    return triton.cdiv(lk, block_n) * block_n
-
-
 def sage3_prepass(q, k, v, cfg: LaunchConfig, packed: bool = False):
     """Smoothing and quantization for the forward launched with ``cfg``: returns Q^F, K^F, V^F (work dtype,
     contiguous (B, H, L, D)) and ΔS, (B, H, ceil(Lq/128), 3, Lk padded to whole cfg.block_n tiles) bf16
@@ -50,7 +44,7 @@ def sage3_prepass(q, k, v, cfg: LaunchConfig, packed: bool = False):
     qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK, packed=packed)
     kf = quantize_heads(k, wdt, center=k_mean, packed=packed)
     vf = quantize_heads(v, wdt, tokens=True)
-    delta_s = delta_s_parts(k, q_mean, _delta_s_width(lk, cfg.block_n), cfg.block_n, k_mean=k_mean)
+    delta_s = delta_s_parts(k, q_mean, delta_s_width(lk, cfg.block_n), cfg.block_n, k_mean=k_mean)
     return qf, kf, vf, delta_s
 
 
@@ -67,7 +61,7 @@ def sage3_forward(q, k, v, *, sm_scale: float, causal: bool, packed_qk: int | No
 def _sage3_heads(q, k, v, cfg: LaunchConfig, sm_scale: float, causal: bool, packed_qk: int) -> torch.Tensor:
     """sage3 over groups of heads whose ΔS fits in ``attn_qat.DELTA_S_BYTES`` (attn_qat.delta_s_head_groups)."""
     b, h, lq, d = q.shape
-    groups = delta_s_head_groups(b, h, lq, _delta_s_width(k.shape[2], cfg.block_n))
+    groups = delta_s_head_groups(b, h, lq, delta_s_width(k.shape[2], cfg.block_n))
     out = torch.empty_like(q) if len(groups) > 1 else None
     for hs in groups:
         qh, kh, vh = q[:, hs], k[:, hs], v[:, hs]

@@ -157,9 +157,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "weights were trained, else off")
     g.add_argument("--four-over-six", default="auto", metavar="{auto,on,off}", help="scale each block of 16 of "
                    "Q, K and V so that its largest magnitude maps to FP4's 6 or to 4, whichever quantizes it better "
-                   "(Four Over Six; the same modes): 5 to 10 more points of FP4's loss gap closed on mini with no training "
-                   "(docs/kernels.md); "
-                   "auto (default): as the loaded QAT weights were trained, else off")
+                   "(Four Over Six; the same modes): 5 to 10 more points of FP4's loss gap closed on mini with no "
+                   "training (docs/kernels.md); auto (default): as the loaded QAT weights' file or training config "
+                   "records, else off")
     g.add_argument("--layers", default="self", help="which attention layers use --mode: 'self' (default: attn1 "
                    "of every block, the paper's setting), 'all' (attn1 and cross-attention attn2), or comma-"
                    "separated block indices (their attn1)")
