@@ -1,32 +1,34 @@
 #!/usr/bin/env bash
 # `attnqat train` end to end on Wan 2.1 14B-sized random weights (docs/multigpu.md): the folder, the prompt
 # embeddings, full-parameter QAT on NPROC GPUs (FSDP2, AdamW8bit, the teacher sharded, Ulysses over all of them),
-# an exact-resume check (a run stopped after STOP steps and resumed against one that ran through), a run whose
-# rank 1 is killed mid-step and resumed, and LoRA-QAT on one GPU. Step time and memory are in each run's log.csv.
+# an exact-resume check (a run whose rank 1 is killed mid-step after a checkpoint, resumed, against one that ran
+# through), and LoRA-QAT on one GPU. Step time and memory are in each run's log.csv.
 #   bash bench/gpu_wan14b_train.sh folder            # bench/random_wan_folder.py -> $WAN (once a machine; ~29 GB)
 #   bash bench/gpu_wan14b_train.sh data              # attnqat precompute of 8 prompts -> $WAN_DATA
 #   bash bench/gpu_wan14b_train.sh full STEPS        # the full-parameter run, STEPS steps, in $W/full
-#   bash bench/gpu_wan14b_train.sh resume STEPS STOP # $W/through (STEPS) and $W/stopped (STOP, then --resume auto)
-#   bash bench/gpu_wan14b_train.sh kill STEPS        # $W/killed: rank 1 killed after its first checkpoint, resumed
-#                                                    # (against $W/through where `resume` made one of as many steps)
+#   bash bench/gpu_wan14b_train.sh through STEPS     # $W/through: STEPS uninterrupted steps, writing no checkpoint
+#   bash bench/gpu_wan14b_train.sh kill STEPS EVERY  # $W/killed: a checkpoint at step EVERY, rank 1 killed in the step
+#                                                    # after it, --resume auto to STEPS, the losses against $W/through
 #   bash bench/gpu_wan14b_train.sh lora STEPS        # LoRA-QAT on one GPU (configs/wan2.1-14b-lora.yaml), in $W/lora
 #   bash bench/gpu_wan14b_train.sh compare A B       # the loss columns of two runs' log.csv, step by step
 # Knobs (environment): CONFIG (configs/wan2.1-14b-sp.yaml; lora: configs/wan2.1-14b-lora.yaml),
 # WAN (/tmp/wan14b), WAN_DATA (/tmp/wan14b_data), W (runs/wan14b), SIZE (14b | 1.3b),
 # LAYERS (all), NPROC (2), LATENT (the config's 16x21x60x104), SET (more --set values, space-separated).
-# Disk: the folder 29 GB, each full-parameter checkpoint about 100 GB (fp32 master weights, 8-bit moments, the
-# bf16 export): keep 1 (set here) and a machine with room for two while one replaces the other.
+# Disk: the folder 29 GB; a full-parameter checkpoint 86 GB (fp32 master weights, 8-bit moments) with
+# checkpoint.export=false (set here), 115 GB with the bf16 export. The runs stop before a second checkpoint (the last
+# step writes one, so each runs STEPS of STEPS + 1 steps): one checkpoint on disk at a time.
 # A CPU dry run of the same commands: SIZE=1.3b LAYERS=1 NPROC=1 LATENT=16,2,8,8 WAN=/tmp/w WAN_DATA=/tmp/wd \
-#   W=/tmp/wr SET="train.mixed_precision=no" bash bench/gpu_wan14b_train.sh resume 3 1
+#   W=/tmp/wr SET="train.mixed_precision=no" bash bench/gpu_wan14b_train.sh kill 3 2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 CONFIG=${CONFIG:-configs/wan2.1-14b-sp.yaml}
 WAN=${WAN:-/tmp/wan14b}; WAN_DATA=${WAN_DATA:-/tmp/wan14b_data}; W=${W:-runs/wan14b}; NPROC=${NPROC:-2}
 
-sets() {  # --set arguments of a run: the folder, its data, checkpoints every 2 steps (keep 1), the knobs
-  local s="model=$WAN data.path=$WAN_DATA output_dir=$1 train.max_steps=$2 train.warmup_steps=1 checkpoint.every=2
-           checkpoint.keep=1 log.eval_every=1000 data.held_out=1 train.sequence_parallel=$NPROC ${SET:-}"
+sets() {  # --set arguments of a run: the folder, its data, checkpoints every $EVERY steps (keep 1), the knobs
+  local s="model=$WAN data.path=$WAN_DATA output_dir=$1 train.max_steps=$2 train.warmup_steps=1
+           checkpoint.every=${EVERY:-2} checkpoint.keep=1 checkpoint.export=false log.eval_every=1000 data.held_out=1
+           train.sequence_parallel=$NPROC ${SET:-}"
   [ "$NPROC" -gt 1 ] && s="$s train.optimizer=adamw8bit"
   [ -n "${LATENT:-}" ] && s="$s data.latent_shape=[${LATENT}]"
   for x in $s; do printf -- "--set %s " "$x"; done
@@ -58,17 +60,21 @@ case "${1:-}" in
   full)
     train "$W/full" "${2:?steps}" --overwrite 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -5
     losses "$W/full" ;;
-  resume)
-    steps=${2:?steps}; stop=${3:?stop after}
-    train "$W/through" "$steps" --overwrite > "$W.through.log" 2>&1 || { tail -20 "$W.through.log"; exit 1; }
-    train "$W/stopped" "$steps" --overwrite --stop-after "$stop" > "$W.stopped.log" 2>&1 || { tail -20 "$W.stopped.log"; exit 1; }
-    train "$W/stopped" "$steps" --resume auto >> "$W.stopped.log" 2>&1 || { tail -20 "$W.stopped.log"; exit 1; }
-    bash "$0" compare "$W/through" "$W/stopped" ;;
-  kill)
+  through)
     steps=${2:?steps}
-    train "$W/killed" "$steps" --overwrite > "$W.killed.log" 2>&1 &
-    until ls -d "$W"/killed/checkpoints/step-* > /dev/null 2>&1; do sleep 5; done
-    sleep 10  # into the next step
+    EVERY=1000 train "$W/through" $((steps + 1)) --overwrite --stop-after "$steps" > "$W.through.log" 2>&1 \
+      || { tail -20 "$W.through.log"; exit 1; }
+    losses "$W/through" ;;
+  kill)
+    steps=${2:?steps}; export EVERY=${3:?every}; ck=$W/killed/checkpoints/step-$(printf %07d "$EVERY")
+    [ "$steps" -gt "$EVERY" ] && [ "$steps" -lt $((2 * EVERY)) ] || { echo "need EVERY < STEPS < 2 x EVERY"; exit 2; }
+    train "$W/killed" $((steps + 1)) --overwrite > "$W.killed.log" 2>&1 &
+    run=$!
+    alive() { kill -0 "$run" 2> /dev/null || { tail -20 "$W.killed.log"; exit 1; }; }
+    until [ -d "$ck.tmp" ] || [ -f "$ck/manifest.json" ]; do alive; sleep 1; done; t0=$(date +%s)
+    until [ -f "$ck/manifest.json" ]; do alive; sleep 1; done  # committed: the rename follows the manifest
+    echo "checkpoint $ck: written in $(($(date +%s) - t0)) s, $(du -sh "$ck" | cut -f1)"
+    sleep "${KILL_AFTER:-6}"  # into the next step
     for pid in $(pgrep -f "attnqat.train --config"); do  # rank 1 (its LOCAL_RANK), or the one process
       if [ "$NPROC" = 1 ] || tr '\0' '\n' < /proc/$pid/environ 2>/dev/null | grep -qx "LOCAL_RANK=1"; then
         kill -9 "$pid" && echo "killed pid $pid"
@@ -76,8 +82,11 @@ case "${1:-}" in
     done
     wait
     echo "killed ($(grep -c . "$W/killed/log.csv") log lines); resuming"
-    train "$W/killed" "$steps" --resume auto >> "$W.killed.log" 2>&1 || { tail -20 "$W.killed.log"; exit 1; }
-    if [ -f "$W/through/log.csv" ]; then bash "$0" compare "$W/through" "$W/killed"; else losses "$W/killed"; fi ;;
+    t0=$(date +%s)
+    train "$W/killed" $((steps + 1)) --resume auto --stop-after "$steps" >> "$W.killed.log" 2>&1 \
+      || { tail -20 "$W.killed.log"; exit 1; }
+    echo "resumed to step $steps in $(($(date +%s) - t0)) s"
+    bash "$0" compare "$W/through" "$W/killed" ;;
   lora)
     NPROC=1 CONFIG=configs/wan2.1-14b-lora.yaml train "$W/lora" "${2:?steps}" --overwrite 2>&1 | tr '\r' '\n' \
       | grep -v "it/s\]\|s/it\]" | tail -5

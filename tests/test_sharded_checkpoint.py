@@ -131,13 +131,14 @@ except ImportError:
 def runs(tmp_path_factory):
     """2-process FSDP runs side by side: the uninterrupted one (checkpoint.format auto), the same stopped after step 2
     (sharded checkpoint step-2), and one stopped there with checkpoint.format: full (the reference state) and a whole
-    teacher on each process (train.shard_teacher: off); with torchao, the same three with train.optimizer adamw8bit."""
+    teacher on each process (train.shard_teacher: off); with torchao, the same three with train.optimizer adamw8bit,
+    the stopped one with checkpoint.export: false (the two-GPU Wan 14B run's settings)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     jobs = [("whole", fsdp_train(tmp / "whole")), ("cut", fsdp_train(tmp / "cut", stop_after=2)),
             ("full", fsdp_train(tmp / "full", "checkpoint.format=full", "train.shard_teacher=off", stop_after=2))]
     if HAVE_TORCHAO:
         jobs += [("whole8", fsdp_train(tmp / "whole8", *ADAMW8BIT)),
-                 ("cut8", fsdp_train(tmp / "cut8", *ADAMW8BIT, stop_after=2)),
+                 ("cut8", fsdp_train(tmp / "cut8", *ADAMW8BIT, "checkpoint.export=false", stop_after=2)),
                  ("full8", fsdp_train(tmp / "full8", *ADAMW8BIT, "checkpoint.format=full", stop_after=2))]
     with pytest.MonkeyPatch.context() as m:
         m.setenv("TRITON_INTERPRET", "0")
@@ -443,6 +444,32 @@ def test_adamw8bit_shards_hold_its_8bit_moments_and_resume_exactly(runs, tmp_pat
     assert resumed[0]["losses"] == runs["losses8"][2:]
     a, b = (load_file(str(runs[k] / "final" / "transformer.safetensors")) for k in ("cut8", "whole8"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(not HAVE_TORCHAO, reason="needs torchao (pip install torchao; the test extra has it)")
+def test_a_checkpoint_without_its_export_resumes_and_says_how_to_get_its_weights(runs, tmp_path):
+    """checkpoint.export: false: the step checkpoint holds the training state and no weights file (nothing gathered);
+    generate's loader refuses it in one line naming the command that writes its weights, and that command (resumed
+    in one process into a new output_dir at the checkpoint's step) writes final/ with exactly the weights the same
+    run's exporting checkpoint holds."""
+    from attnqat.pipelines.loading import checkpoint_weights_path
+    from conftest import forked_process
+
+    ckpt, full = (runs[k] / "checkpoints" / "step-0000002" for k in ("cut8", "full8"))
+    assert ck.verify(ckpt)["layout"] == "sharded" and (ckpt / ck.SHARDS).is_dir()
+    assert not [p.name for p in ckpt.iterdir() if p.suffix == ".safetensors"]
+    with pytest.raises(FileNotFoundError, match=r"checkpoint\.export: false") as e:
+        checkpoint_weights_path(ckpt)
+    assert "\n" not in str(e.value) and "--set output_dir=NEW --set train.max_steps=2" in str(e.value)
+    new = tmp_path / "weights"
+
+    def resume_at_its_step():
+        train(cfg(new, *ADAMW8BIT, "train.max_steps=2"), resume=str(ckpt))
+
+    p = forked_process(resume_at_its_step)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got, want = (load_file(str(d / "transformer.safetensors")) for d in (new / "final", full))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.skipif(not HAVE_TORCHAO, reason="needs torchao (pip install torchao; the test extra has it)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import warnings
 from pathlib import Path
 
@@ -252,6 +253,12 @@ def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
         return [p]
     if _exported(p) is not None:  # a checkpoint or final/ folder (beside ema.safetensors, state/)
         return [_exported(p)]
+    if (p / MANIFEST).is_file() and STEP_DIR.fullmatch(p.name):  # not its ema.safetensors: no weights file of ours
+        raise FileNotFoundError(
+            f"{str(p)!r} is a training checkpoint saved without its exported weights (checkpoint.export: false); "
+            f"its training state has them: resumed into a new output_dir at its step (attnqat train --config CONFIG "
+            f"--resume {shlex.quote(str(p))} --set output_dir=NEW --set train.max_steps={int(p.name[5:])}), "
+            f"the run writes them to NEW/final/")
     if _exported(p / FINAL_DIR) is not None:  # a finished run folder
         return [_exported(p / FINAL_DIR)]
     if (p / CHECKPOINTS_DIR).is_dir():  # a run folder without final/ (stopped early)

@@ -3,7 +3,8 @@
 A checkpoint folder (``OUTPUT/checkpoints/step-NNNNNNN/``, and ``OUTPUT/final/`` without ``state/``)::
 
     transformer.safetensors     the exported weights (checkpoint.save_dtype), what `generate` loads; a LoRA run
-                                writes the LoRA file pytorch_lora_weights.safetensors instead
+                                writes the LoRA file pytorch_lora_weights.safetensors instead; neither in a step
+                                checkpoint under checkpoint.export: false
     config.yaml                 the run's config
     trainer_state.json          {"step", "position"}
     state/model.safetensors     fp32 master weights (full state dict; a LoRA run's: the adapter's alone)

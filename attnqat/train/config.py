@@ -180,6 +180,7 @@ class CheckpointConfig:
     keep: int = 2                   # how many step checkpoints to keep (final/ is extra)
     save_dtype: str = "bf16"        # dtype of the exported transformer.safetensors
     format: str = "auto"            # training state: full, sharded (each process its own shard), auto (FSDP: sharded)
+    export: bool = True             # step checkpoints hold transformer.safetensors too (final/ always does)
 
 
 @dataclass
