@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 # all weights trained (FSDP's flat parameters with every requires_grad alike), a cosine schedule after a warmup step
 # (a scheduler state that did not come back shows), checkpoints at 2 and 4
-COMMON = ["log.progress=false", "data.held_out=0", "data.batch_size=2", "train.trainable=all", "objective.target=output",
+COMMON = ["log.progress=false", "data.held_out=1", "data.batch_size=2", "train.trainable=all", "objective.target=output",
           "train.lr_schedule=cosine", "train.warmup_steps=1", "train.max_steps=4", "checkpoint.every=2",
           "checkpoint.keep=2", "checkpoint.save_dtype=fp32"]
 

@@ -418,6 +418,8 @@ class Trainer:
                 flows.append(o["flow"].item() * len(batch["sigma"]))
                 if self.corpus is not None and len(batch["sigma"]) > 1:
                     wrong.append((self._wrong_caption_flow(batch) * len(batch["sigma"]), flows[-1]))
+        for module in (self.student, self.teacher):
+            _reshard_root(module)
         n = self.cfg.data.held_out
         out = {"output": sum(gaps) / n, "features": sum(feats) / n}
         if flows:
@@ -950,6 +952,17 @@ def train(cfg: TrainConfig | CheckedConfig, *, resume: str | None = None, stop_a
             if trainer.t_cap is not None:
                 trainer.t_cap.remove()
             trainer.accelerator.end_training()
+
+
+def _reshard_root(module) -> None:
+    """Free the weights FSDP2 gathered for a forward without backward at ``module``'s root (fully_shard keeps the root
+    unsharded after its forward, for the backward it expects): left so, the root's parameters are the gathered plain
+    tensors until the next backward, so a list of the student's parameters taken then (the optimizer's, the clip's)
+    would not be the sharded ones it steps."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        module.reshard()
 
 
 def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, time_limit=None) -> TrainResult:
