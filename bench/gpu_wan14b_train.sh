@@ -16,7 +16,8 @@
 # LAYERS (all), NPROC (2), LATENT (the config's 16x21x60x104), SET (more --set values, space-separated).
 # Disk: the folder 29 GB; a full-parameter checkpoint 86 GB (fp32 master weights, 8-bit moments) with
 # checkpoint.export=false (set here), 115 GB with the bf16 export. The runs stop before a second checkpoint (the last
-# step writes one, so each runs STEPS of STEPS + 1 steps): one checkpoint on disk at a time.
+# step writes one, so each runs STEPS of STEPS + 1 steps): one checkpoint on disk at a time. through and kill run
+# with train.deterministic (DET=false: without): on GPUs two runs are not bit for bit alike otherwise.
 # A CPU dry run of the same commands: SIZE=1.3b LAYERS=1 NPROC=1 LATENT=16,2,8,8 WAN=/tmp/w WAN_DATA=/tmp/wd \
 #   W=/tmp/wr SET="train.mixed_precision=no" bash bench/gpu_wan14b_train.sh kill 3 2
 set -uo pipefail
@@ -62,12 +63,13 @@ case "${1:-}" in
     losses "$W/full" ;;
   through)
     steps=${2:?steps}
-    EVERY=1000 train "$W/through" $((steps + 1)) --overwrite --stop-after "$steps" > "$W.through.log" 2>&1 \
+    EVERY=1000 SET="train.deterministic=${DET:-true} ${SET:-}" train "$W/through" $((steps + 1)) --overwrite --stop-after "$steps" > "$W.through.log" 2>&1 \
       || { tail -20 "$W.through.log"; exit 1; }
     losses "$W/through" ;;
   kill)
     steps=${2:?steps}; export EVERY=${3:?every}; ck=$W/killed/checkpoints/step-$(printf %07d "$EVERY")
     [ "$steps" -gt "$EVERY" ] && [ "$steps" -lt $((2 * EVERY)) ] || { echo "need EVERY < STEPS < 2 x EVERY"; exit 2; }
+    export SET="train.deterministic=${DET:-true} ${SET:-}"  # as through's: GPU runs repeat bit for bit only so
     train "$W/killed" $((steps + 1)) --overwrite > "$W.killed.log" 2>&1 &
     run=$!
     alive() { kill -0 "$run" 2> /dev/null || { tail -20 "$W.killed.log"; exit 1; }; }

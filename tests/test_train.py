@@ -129,6 +129,31 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
 
 
+def test_deterministic_trains_under_torchs_deterministic_algorithms_and_gives_the_setting_back(tmp_path, monkeypatch):
+    """train.deterministic: every loss of the run is computed with torch's deterministic algorithms on and cuBLAS's
+    workspace set, and the caller's setting is back afterwards; the default run has them off. On the CPU both give
+    the same losses (its algorithms are deterministic either way)."""
+    from attnqat.train import loop
+
+    seen, real = [], loop.Trainer.losses
+
+    def spy(self, *args, **kwargs):
+        seen.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(loop.Trainer, "losses", spy)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")  # absent, and absent again after the test
+    common = ["train.max_steps=3", "data.batch_size=2", "data.held_out=1", "objective.target=output"]
+    on = train(tiny(tmp_path / "on", *common, "train.deterministic=true"))
+    assert len(seen) >= 3 and set(seen) == {(True, ":4096:8")}
+    assert not torch.are_deterministic_algorithms_enabled()
+    seen.clear()
+    off = train(tiny(tmp_path / "off", *common))
+    assert len(seen) >= 3 and not any(flag for flag, _ in seen)
+    assert on.losses == off.losses and len(set(on.losses)) == 3
+
+
 @pytest.mark.parametrize("override, message", [
     ("objective.type=distil", "objective.type 'distil'"),
     ("objective.target=logits", "objective.target 'logits'"),

@@ -172,6 +172,8 @@ class TrainSection:
                                     # instead of 8; optimizers.py)
     shard_teacher: str = "auto"     # auto | on | off: under FSDP, shard the teacher copy as the student is (auto:
                                     # whenever the run is under FSDP); off keeps a whole replica on every process
+    deterministic: bool = False     # torch's deterministic algorithms for the run (cuBLAS, cuDNN, SDPA's backward):
+                                    # a GPU run repeats bit for bit; an op without one stops the run, named
 
 
 @dataclass

@@ -942,7 +942,8 @@ def train(cfg: TrainConfig | CheckedConfig, *, resume: str | None = None, stop_a
     # One run writes output_dir at a time. The main process (global rank 0) holds the lock; if it refuses, a
     # launcher (torchrun, accelerate launch) stops the other processes.
     main_process = int(os.environ.get("RANK", "0")) == 0
-    with output_lock(cfg.output_dir, "attnqat train") if main_process else contextlib.nullcontext():
+    with (output_lock(cfg.output_dir, "attnqat train") if main_process else contextlib.nullcontext(),
+          deterministic_algorithms(cfg.train.deterministic)):
         check_request(cfg, resume, stop_after, overwrite)  # again: another run may have finished meanwhile
         trainer = Trainer(checked, accelerator)
         try:
@@ -952,6 +953,29 @@ def train(cfg: TrainConfig | CheckedConfig, *, resume: str | None = None, stop_a
             if trainer.t_cap is not None:
                 trainer.t_cap.remove()
             trainer.accelerator.end_training()
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool):
+    """``train.deterministic``: torch's deterministic algorithms while the run lasts, the caller's setting after.
+    On GPUs a run is otherwise not repeatable bit for bit: two uninterrupted runs of a 2-block Wan 1.3B on two
+    H200s parted at step 3 by 3e-5 of the loss (docs/multigpu.md). This package's attention kernels add nothing
+    atomically (their default backward); torch's may (the bf16 cross-attention's SDPA backward is the suspect, not
+    yet isolated), so an exact-resume check on GPUs needs this. cuBLAS needs its workspace setting before its first
+    call (set here unless the environment has one)."""
+    if not on:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]
 
 
 def _reshard_root(module) -> None:
