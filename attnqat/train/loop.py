@@ -962,7 +962,7 @@ def deterministic_algorithms(on: bool):
     H200s parted at step 3 by 3e-5 of the loss (docs/multigpu.md). This package's attention kernels add nothing
     atomically (their default backward); torch's may (the bf16 cross-attention's SDPA backward is the suspect, not
     yet isolated), so an exact-resume check on GPUs needs this. cuBLAS needs its workspace setting before its first
-    call (set here unless the environment has one)."""
+    call: set here unless the environment has one, and left set (cuBLAS reads it when a handle is made)."""
     if not on:
         yield
         return
