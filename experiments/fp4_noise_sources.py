@@ -4,7 +4,7 @@ file changed")
     python experiments/fp4_noise_sources.py [--model attnqat/models/mini] \
         [--qat attnqat/models/mini/attn_qat.safetensors] [--clips 4] [--size 33x128x128] \
         [--qk-rotation hadamard] [--k-smoothing] [--q-smoothing sequence|block|option] \
-        [--four-over-six qk v p] [--base-nvfp4]
+        [--four-over-six qk v p] [--four-over-six-tops 6,5.5,5,4.5,4] [--base-nvfp4]
 
 For the base weights and for the QAT weights, each in its own bf16 as the reference: the velocity distance
 ``|v_fp4 - v_bf16|^2 / |v_bf16|^2`` of nvfp4 attention with only some of its quantizers on (Q and K; V; P; Q, K
@@ -18,7 +18,8 @@ quantizers, as the shipped QAT file runs: its weights were trained with the rota
 of SageAttention2's Q smoothing (:func:`quantizers`); ``option`` smooths as the ``q_smoothing`` option does (blocks of
 128 queries, the last partial). ``--four-over-six``: those quantizers choose each block's scale as "Four Over Six"
 does (the ``four_over_six`` option's rule, ``reference.four_over_six_scale``; here also on P, which the option
-leaves alone). ``--base-nvfp4``: also the base weights in plain nvfp4 to their bf16 (the quality table's FP4
+leaves alone); ``--four-over-six-tops`` widens the rule's search from the maxima 6 and 4 to others (the reference's
+rule only: the kernels try 6 and 4). ``--base-nvfp4``: also the base weights in plain nvfp4 to their bf16 (the quality table's FP4
 reference), so the last line reads as a share of the gap closed.
 """
 from __future__ import annotations
@@ -102,6 +103,9 @@ def main(argv=None) -> None:
                         help="probe: Q minus its mean quantized, the mean's logits added back exactly (quantizers())")
     parser.add_argument("--four-over-six", nargs="*", choices=("qk", "v", "p"), default=[],
                         help="probe: these quantizers pick each block's scale as Four Over Six does")
+    parser.add_argument("--four-over-six-tops", type=tops_argument, default=(6.0, 4.0), metavar="T,T,...",
+                        help="the maxima --four-over-six tries per block (default 6,4: the option's; e.g. "
+                             "6,5.5,5,4.5,4,3.5,3: a wider search, which the kernels do not offer)")
     parser.add_argument("--base-nvfp4", action="store_true",
                         help="also the base weights in plain nvfp4 (the gap's FP4 end) on the same clips")
     args = parser.parse_args(argv)
@@ -109,6 +113,37 @@ def main(argv=None) -> None:
     sources = {name: SOURCES[name] for name in args.sources}
     options = {**({"qk_rotation": args.qk_rotation} if args.qk_rotation != "none" else {}),
                **({"k_smoothing": True} if args.k_smoothing else {})}
+    with four_over_six_tops(args.four_over_six_tops):
+        report(args, fos, sources, options)
+
+
+def tops_argument(text: str) -> tuple[float, ...]:
+    """--four-over-six-tops: comma-separated maxima in (0, 6], the SPEC's 6 first."""
+    import argparse
+
+    try:
+        tops = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None
+    if not tops or tops[0] != 6.0 or not all(0.0 < t <= 6.0 for t in tops):
+        raise argparse.ArgumentTypeError(f"maxima in (0, 6], 6 first: {text!r}")
+    return tops
+
+
+@contextlib.contextmanager
+def four_over_six_tops(tops: tuple[float, ...]):
+    """The reference's Four Over Six rule trying ``tops`` while the context lasts (the PyTorch reference only:
+    what this probe runs)."""
+    rule = reference.four_over_six_scale
+    reference.four_over_six_scale = functools.partial(rule, tops=tops)
+    try:
+        yield
+    finally:
+        reference.four_over_six_scale = rule
+
+
+def report(args, fos, sources, options) -> None:
+    """Score the rows and print them (main's body, under its --four-over-six-tops)."""
     pipe, qat, data = load_held_out(args)
     base = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
     run = lambda variants: flow_metrics(pipe.transformer, variants, data["x0"], data["embeds"], batch=4)  # noqa: E731
@@ -123,6 +158,7 @@ def main(argv=None) -> None:
     print(f"{args.clips} held-out clips at {args.size}; velocity distance of FP4"
           f"{' (' + '; '.join(describe_qk_options(options)) + ')' if options else ''}"
           f"{SMOOTHED.get(args.q_smoothing, '')}{', Four Over Six on ' + ' '.join(fos) if fos else ''}"
+          f"{' trying maxima ' + ','.join(f'{t:g}' for t in args.four_over_six_tops) if fos else ''}"
           " to the same weights in bf16\n")
     print("| quantizers on | base weights | QAT weights | QAT / base |")
     print("|---|---|---|---|")

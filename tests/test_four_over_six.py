@@ -82,6 +82,28 @@ def test_reference_picks_the_better_of_the_two_scales_block_by_block():
     assert (err(got) <= err(R.fake_quant_nvfp4_ref(x))).all()
 
 
+def test_reference_rule_with_more_maxima_takes_the_best_of_them_in_order():
+    """four_over_six_scale's ``tops`` (the experiments' wider search): each block's scale is, of the brute force's
+    scales for those maxima, the first with the least squared error; (6, 4) is the option's rule exactly."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(60, 16, generator=g) * torch.rand(60, 1, generator=g) * 3
+    tops = (6.0, 5.5, 5.0, 4.5, 4.0, 3.5, 3.0)
+    got = R.four_over_six_scale(x, tops=tops)[:, 0]
+    picked = set()
+    for row, s in zip(x.tolist(), got.tolist()):
+        tried = [brute_force_block(row, t) for t in tops]
+        errs = [sum((a - b) ** 2 for a, b in zip(q, row)) for _, q in tried]
+        first_best = min(range(len(tops)), key=lambda i: (errs[i], i))
+        assert s == tried[first_best][0], row
+        picked.add(first_best)
+    assert len(picked) >= 4  # several maxima win somewhere
+    assert torch.equal(R.four_over_six_scale(x, tops=(6.0, 4.0)), R.four_over_six_scale(x))
+    err = lambda y: (y - x).square().sum(-1)  # noqa: E731
+    wide = R._quantize_blocks(x, R.four_over_six_scale(x, tops=tops))
+    two = R.fake_quant_nvfp4_ref(x, four_over_six=True)
+    assert (err(wide) <= err(two)).all() and (err(wide) < err(two)).any()
+
+
 def test_reference_keeps_non_finite_and_zero_blocks():
     """NaN in, NaN out (the whole block); inf too; an all-zero block stays zero; along any dim."""
     x = torch.randn(3, 32)

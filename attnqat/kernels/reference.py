@@ -59,7 +59,7 @@ def _quantize_blocks(xb: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, torch.full_like(q, float("nan")), torch.where(s > 0, q, torch.zeros_like(q)))
 
 
-def four_over_six_scale(xb: torch.Tensor) -> torch.Tensor:
+def four_over_six_scale(xb: torch.Tensor, tops: tuple[float, ...] = (6.0, 4.0)) -> torch.Tensor:
     """Four Over Six's block scale (Cook et al. 2025, arXiv 2512.02010; the FP4 modes' ``four_over_six`` option,
     docs/kernels.md): of s6 = e4m3(amax / 6) (SPEC §1) and s4 = e4m3(amax / 4), the one whose phi has the smaller
     squared error over the block (float32 sums; s6 on equal errors). s4 maps the block's largest magnitude to the
@@ -67,13 +67,20 @@ def four_over_six_scale(xb: torch.Tensor) -> torch.Tensor:
     values cluster near their max lose less. Both are NVFP4 (e2m1 codes, one e4m3 scale a block), so the FP4 MMA
     takes either unchanged. ``xb`` (..., 16) float32 blocks; returns (..., 1). Non-finite blocks keep s6 (NaN or
     inf: the block comes out NaN). Kernels sum the squares in another order, so where the two errors are within
-    float32 rounding of each other they may pick the other scale (as accurate, to that rounding)."""
+    float32 rounding of each other they may pick the other scale (as accurate, to that rounding).
+    ``tops``: the maxima tried, in order, the earlier kept on equal errors; the option's are (6, 4). Others are
+    for experiments (experiments/fp4_noise_sources.py --four-over-six-tops): the kernels try 6 and 4 only."""
     amax = xb.abs().amax(dim=-1)
-    s6 = e4m3_scale_ref(amax)[..., None]
-    s4 = e4m3_scale_ref(amax, top=4.0)[..., None]
-    e6 = (_quantize_blocks(xb, s6) - xb).square().sum(dim=-1, keepdim=True)
-    e4 = (_quantize_blocks(xb, s4) - xb).square().sum(dim=-1, keepdim=True)
-    return torch.where(e4 < e6, s4, s6)
+    best = best_err = None
+    for top in tops:
+        s = e4m3_scale_ref(amax, top=top)[..., None]
+        err = (_quantize_blocks(xb, s) - xb).square().sum(dim=-1, keepdim=True)
+        if best is None:
+            best, best_err = s, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
+    return best
 
 
 def fake_quant_nvfp4_ref(x: torch.Tensor, dim: int = -1, pre_scale: float = 1.0,
