@@ -19,8 +19,8 @@ of SageAttention2's Q smoothing (:func:`quantizers`); ``option`` smooths as the 
 128 queries, the last partial). ``--four-over-six``: those quantizers choose each block's scale as "Four Over Six"
 does (the ``four_over_six`` option's rule, ``reference.four_over_six_scale``; here also on P, which the option
 leaves alone); ``--four-over-six-tops`` widens the rule's search from the maxima 6 and 4 to others (the reference's
-rule only: the kernels try 6 and 4). ``--base-nvfp4``: also the base weights in plain nvfp4 to their bf16 (the quality table's FP4
-reference), so the last line reads as a share of the gap closed.
+rule only: the kernels try 6 and 4). ``--base-nvfp4``: also the base weights in plain nvfp4 to their bf16 (the
+quality table's FP4 reference), so the last line reads as a share of the gap closed.
 """
 from __future__ import annotations
 
