@@ -152,6 +152,20 @@ def test_deterministic_trains_under_torchs_deterministic_algorithms_and_gives_th
     off = train(tiny(tmp_path / "off", *common))
     assert len(seen) >= 3 and not any(flag for flag, _ in seen)
     assert on.losses == off.losses and len(set(on.losses)) == 3
+    # an op torch has no deterministic version of stops the run in one line naming it (torch's own refusal, raised
+    # here where a GPU op would raise it)
+    refusal = ("index_add_cuda_ does not have a deterministic implementation, but you set "
+               "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation...")
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError(refusal)
+
+    monkeypatch.setattr(loop.Trainer, "losses", refuse)
+    with pytest.raises(ValueError, match=r"^train\.deterministic: index_add_cuda_ does not have") as e:
+        train(tiny(tmp_path / "refused", *common, "train.deterministic=true"))
+    assert "\n" not in str(e.value) and not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(RuntimeError, match="index_add_cuda_"):  # without the setting, torch's error is its own
+        train(tiny(tmp_path / "plain", *common))
 
 
 @pytest.mark.parametrize("override, message", [

@@ -973,6 +973,11 @@ def deterministic_algorithms(on: bool):
     torch.backends.cudnn.benchmark = False
     try:
         yield
+    except RuntimeError as e:  # torch's refusal names the op: one line for the CLI, not a traceback
+        if "does not have a deterministic implementation" not in str(e):
+            raise
+        raise ValueError(f"train.deterministic: {str(e).splitlines()[0]} (turn train.deterministic off to run "
+                         f"with it)") from e
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark = before[2]
