@@ -7,6 +7,7 @@
 #   bash bench/gpu_wan14b_train.sh data              # attnqat precompute of 8 prompts -> $WAN_DATA
 #   bash bench/gpu_wan14b_train.sh full STEPS        # the full-parameter run, STEPS steps, in $W/full
 #   bash bench/gpu_wan14b_train.sh through STEPS     # $W/through: STEPS uninterrupted steps, writing no checkpoint
+#   bash bench/gpu_wan14b_train.sh repeat STEPS      # $W/through twice ($W/again): do two runs give the same losses?
 #   bash bench/gpu_wan14b_train.sh kill STEPS EVERY  # $W/killed: a checkpoint at step EVERY, rank 1 killed in the step
 #                                                    # after it, --resume auto to STEPS, the losses against $W/through
 #   bash bench/gpu_wan14b_train.sh lora STEPS        # LoRA-QAT on one GPU (configs/wan2.1-14b-lora.yaml), in $W/lora
@@ -66,6 +67,11 @@ case "${1:-}" in
     EVERY=1000 SET="train.deterministic=${DET:-true} ${SET:-}" train "$W/through" $((steps + 1)) --overwrite --stop-after "$steps" > "$W.through.log" 2>&1 \
       || { tail -20 "$W.through.log"; exit 1; }
     losses "$W/through" ;;
+  repeat)
+    bash "$0" through "${2:?steps}" > /dev/null || exit 1
+    mv "$W.through.log" "$W.first.log"; rm -rf "$W/again"; mv "$W/through" "$W/again"
+    bash "$0" through "$2" > /dev/null || exit 1
+    bash "$0" compare "$W/through" "$W/again" ;;
   kill)
     steps=${2:?steps}; export EVERY=${3:?every}; ck=$W/killed/checkpoints/step-$(printf %07d "$EVERY")
     [ "$steps" -gt "$EVERY" ] && [ "$steps" -lt $((2 * EVERY)) ] || { echo "need EVERY < STEPS < 2 x EVERY"; exit 2; }
