@@ -50,7 +50,7 @@ train() {  # OUTPUT STEPS [attnqat train options...]: NPROC processes (FSDP2) or
 losses() { python3 -c "
 import csv, sys
 for r in csv.DictReader(open(sys.argv[1])):
-    print(r['step'], r['loss'], r.get('step_s', ''))" "$1/log.csv"; }
+    print(r['step'], r['loss'], r.get('step_s', ''), r.get('peak_gib', ''), r.get('peak_reserved_gib', ''))" "$1/log.csv"; }
 
 case "${1:-}" in
   folder)

@@ -82,7 +82,7 @@ def _trainers(monkeypatch) -> list:
     return made
 
 
-TIMING = ("step_s", "elapsed_s", "tokens_per_s", "peak_gib")  # the clock's and the allocator's columns: the only
+TIMING = ("step_s", "elapsed_s", "tokens_per_s", "peak_gib", "peak_reserved_gib")  # the clock's and the allocator's columns: the only
 # ones two runs may differ in
 
 

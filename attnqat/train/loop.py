@@ -53,7 +53,7 @@ from .student_teacher import (AdapterOffTeacher, FeatureCapture, block_checkpoin
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "loss_consistency", "gap", "grad_norm", "lr",
-              "tokens_per_s", "step_s", "elapsed_s", "peak_gib", "eval_gap_output", "eval_gap_features", "eval_flow",
+              "tokens_per_s", "step_s", "elapsed_s", "peak_gib", "peak_reserved_gib", "eval_gap_output", "eval_gap_features", "eval_flow",
               "eval_prompt_ratio"]
 
 
@@ -1062,7 +1062,10 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
                "tokens_per_s": trainer.tokens_at(step) * cfg.data.batch_size * accum * trainer.sp.dp_size / dt,
                "step_s": dt, "elapsed_s": time.perf_counter() - t_start,
                # the allocator's own count (no wait for the device): what a user sizes a GPU by
-               "peak_gib": torch.cuda.max_memory_allocated(acc.device) / 2 ** 30 if acc.device.type == "cuda" else ""}
+               "peak_gib": torch.cuda.max_memory_allocated(acc.device) / 2 ** 30 if acc.device.type == "cuda" else "",
+               # what the allocator held for them (its cache included): nearer what nvidia-smi shows
+               "peak_reserved_gib": (torch.cuda.max_memory_reserved(acc.device) / 2 ** 30
+                                     if acc.device.type == "cuda" else "")}
         if _evaluates(cfg, step):
             ev = trainer.evaluate()
             if ev:
