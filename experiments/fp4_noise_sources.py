@@ -24,6 +24,7 @@ quality table's FP4 reference), so the last line reads as a share of the gap clo
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import pathlib
@@ -119,8 +120,6 @@ def main(argv=None) -> None:
 
 def tops_argument(text: str) -> tuple[float, ...]:
     """--four-over-six-tops: comma-separated maxima in (0, 6], the SPEC's 6 first."""
-    import argparse
-
     try:
         tops = tuple(float(t) for t in text.split(","))
     except ValueError:

@@ -71,15 +71,16 @@ def four_over_six_scale(xb: torch.Tensor, tops: tuple[float, ...] = (6.0, 4.0)) 
     ``tops``: the maxima tried, in order, the earlier kept on equal errors; the option's are (6, 4). Others are
     for experiments (experiments/fp4_noise_sources.py --four-over-six-tops): the kernels try 6 and 4 only."""
     amax = xb.abs().amax(dim=-1)
-    best = best_err = None
-    for top in tops:
+
+    def scale_and_error(top: float):
         s = e4m3_scale_ref(amax, top=top)[..., None]
-        err = (_quantize_blocks(xb, s) - xb).square().sum(dim=-1, keepdim=True)
-        if best is None:
-            best, best_err = s, err
-        else:
-            better = err < best_err
-            best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
+        return s, (_quantize_blocks(xb, s) - xb).square().sum(dim=-1, keepdim=True)
+
+    best, best_err = scale_and_error(tops[0])
+    for top in tops[1:]:
+        s, err = scale_and_error(top)
+        better = err < best_err
+        best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
     return best
 
 

@@ -253,11 +253,12 @@ def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
         return [p]
     if _exported(p) is not None:  # a checkpoint or final/ folder (beside ema.safetensors, state/)
         return [_exported(p)]
-    if (p / MANIFEST).is_file() and STEP_DIR.fullmatch(p.name):  # not its ema.safetensors: no weights file of ours
+    step = STEP_DIR.fullmatch(p.name)
+    if step and (p / MANIFEST).is_file():  # not its ema.safetensors: no weights file of ours
         raise FileNotFoundError(
             f"{str(p)!r} is a training checkpoint saved without its exported weights (checkpoint.export: false); "
             f"its training state has them: resumed into a new output_dir at its step (attnqat train --config CONFIG "
-            f"--resume {shlex.quote(str(p))} --set output_dir=NEW --set train.max_steps={int(p.name[5:])}), "
+            f"--resume {shlex.quote(str(p))} --set output_dir=NEW --set train.max_steps={int(step.group(1))}), "
             f"the run writes them to NEW/final/")
     if _exported(p / FINAL_DIR) is not None:  # a finished run folder
         return [_exported(p / FINAL_DIR)]
