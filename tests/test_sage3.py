@@ -55,3 +55,39 @@ def test_heads_in_groups_when_delta_s_is_large(monkeypatch, poison):
     whole = sage3.sage3_forward(q, k, v, sm_scale=0.125, causal=False)
     monkeypatch.setattr(attn_qat_module, "DELTA_S_BYTES", 1)
     assert torch.equal(sage3.sage3_forward(q, k, v, sm_scale=0.125, causal=False), whole)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_token_mean_is_each_heads_own(device, poison):
+    """smoothing.token_mean: each head's mean is the same whatever other heads the tensor holds and however they
+    are laid out, as Ulysses's ranks (H / N heads each, after an all-to-all) need; a GPU's torch.mean was not, at
+    Wan's 40 heads and 32,760 tokens. Against a float64 mean; NaN stays in its own head and column."""
+    from attnqat.kernels.smoothing import token_mean
+    n, h, d = (32760, 40, 128) if device == "cuda" else (300, 4, 64)
+    x = (torch.randn(1, n, h, d, device=device) * 3 + torch.randn(d, device=device)).to(torch.bfloat16)
+    x[0, n // 3, 1, 5] = float("nan")
+    whole = token_mean(x.transpose(1, 2))  # diffusers' (B, L, H, D) projection, viewed as (B, H, L, D)
+    want = x.double().mean(dim=1)
+    assert whole.dtype == torch.float32 and whole.shape == (1, h, d)
+    assert torch.equal(whole.isnan(), want.isnan()) and whole[0, 1, 5].isnan()
+    ok = ~want.isnan()
+    assert (whole.double()[ok] - want[ok]).abs().max() <= 1e-5
+    ranks = 4 if h % 4 == 0 else 2
+    for r in range(ranks):
+        hs = slice(r * h // ranks, (r + 1) * h // ranks)
+        rank_heads = x[:, :, hs].transpose(1, 2).contiguous()  # one rank's heads after Ulysses' all-to-all
+        got = token_mean(rank_heads)
+        assert torch.equal(got.isnan(), whole[:, hs].isnan()) and torch.equal(got.nan_to_num(), whole[:, hs].nan_to_num())
+
+
+@pytest.mark.gpu
+def test_sage3_ulysses_heads_bitwise(poison):
+    """sage3 of one Ulysses rank's heads equals those heads of the whole forward, bit for bit, at Wan 14B's
+    480p shape (the 4-GPU step was 1e-2 apart before K's mean became smoothing.token_mean)."""
+    from attnqat.kernels import sage3
+    q, k, v = (torch.randn(1, 32760, 40, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+    whole = sage3.sage3_forward(*(t.transpose(1, 2) for t in (q, k, v)), sm_scale=128 ** -0.5, causal=False)
+    for hs in (slice(0, 10), slice(30, 40)):
+        part = sage3.sage3_forward(*(t[:, :, hs].transpose(1, 2).contiguous() for t in (q, k, v)),
+                                   sm_scale=128 ** -0.5, causal=False)
+        assert torch.equal(part, whole[:, hs])

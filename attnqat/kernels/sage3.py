@@ -21,6 +21,7 @@ from ._common import LaunchConfig, check_qkv, default_scale, launch_fitting, nee
 from .attn_qat import attn_qat_forward, delta_s_head_groups, delta_s_parts, delta_s_width, fwd_config, native_fp4
 from .formats import SAGE3_Q_BLOCK
 from .nvfp4 import quantize_heads
+from .smoothing import token_mean
 
 
 def sage3_config(head_dim: int) -> LaunchConfig:
@@ -40,7 +41,7 @@ def sage3_prepass(q, k, v, cfg: LaunchConfig, packed: bool = False):
     (see _delta_s). ``packed``: Q^F and K^F as NVFP4 storage, (codes, scales) pairs (the native path)."""
     wdt = work_dtype(q.dtype)
     b, h, lk, d = k.shape
-    k_mean = k.mean(dim=2, dtype=torch.float32).contiguous()
+    k_mean = token_mean(k)
     qf, q_mean = quantize_heads(q, wdt, block_mean=SAGE3_Q_BLOCK, packed=packed)
     kf = quantize_heads(k, wdt, center=k_mean, packed=packed)
     vf = quantize_heads(v, wdt, tokens=True)

@@ -66,6 +66,7 @@ from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launc
 from .formats import LOG2E, SAGEBWD_PRECISIONS  # the pv / bwd options, in the order of the PV / BWD constexprs
 from .formats import SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
 from .reference import refuse_double_backward
+from .smoothing import token_mean
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_FLOOR = 1e-30  # s = max(amax, 1e-30) / 127: an all-zero block quantizes to zeros, not NaN
@@ -702,8 +703,8 @@ def sagebwd_forward(q, k, v, *, sm_scale: float, causal: bool, smooth_k: bool, s
     interp = interpreting()
     cfg = launch_configs(d, pv, bwd)["fwd"]
     qk_scale = sm_scale * LOG2E  # exponents in log2 units: exp(x) = exp2(x * log2(e))
-    kmean = k.mean(dim=2, dtype=torch.float32).contiguous() if smooth_k else None
-    qmean = q.mean(dim=2, dtype=torch.float32).contiguous() if smooth_q else None
+    kmean = token_mean(k) if smooth_k else None
+    qmean = token_mean(q) if smooth_q else None
     col8 = km and training and bwd == "int8"  # the K-major int8 copies serve only the int8 dQ and dK
     q8, q8t, sq = quantize_int8_rows(q, Q_BLOCK, qmean, col=col8)
     k8, k8t, sk = quantize_int8_rows(k, K_BLOCK, kmean, col=col8)
