@@ -12,8 +12,9 @@ uncond, batch 1 each, random bf16 weights from the published config, CUDA events
 
 Columns per resolution and mode: the 1-GPU and N-GPU step time, speedup (1-GPU / N-GPU), scaling efficiency
 (speedup / N), the mode's ratio to bf16 on 1 GPU and on N GPUs, and how far the N-GPU output is from the
-1-GPU output (max abs difference over max abs value). Rank 0 writes the `## Multi-GPU: Wan 2.1 14B step`
-section of docs/benchmarks.md (only that section) and bench/results/multigpu.json.
+1-GPU output (max abs difference over max abs value). Rank 0 writes the `## Multi-GPU: Wan 2.1 14B step, LAYOUT
+on N GPUs` section of docs/benchmarks.md (only that section: one per layout and GPU count) and
+bench/results/multigpu/LAYOUT_NGPU.json.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import e2e  # noqa: E402 - bench/e2e.py: the timed step
 from _report import update_section  # noqa: E402
 
 
-SECTION = "## Multi-GPU: Wan 2.1 14B step"
+SECTION = "## Multi-GPU: Wan 2.1 14B step, {parallel} on {world} GPUs"  # one section per layout and GPU count
 # Latents (channels, frames, height / 8, width / 8) of 81-frame videos: 480x832 -> 32,760 tokens,
 # 720x1280 -> 75,600 tokens (patch 1x2x2).
 LATENTS = {"480p": e2e.LATENT_480P, "720p": (16, 21, 90, 160)}
@@ -59,8 +60,9 @@ def parse_args(argv=None):
                    help="torch SDPA backend for bf16 and the unpatched cross-attention (default cudnn; torch's "
                    "choice with --tiny)")
     p.add_argument("--tiny", action="store_true", help="the tiny model and latents: the code path on CPU")
-    p.add_argument("--docs", help="markdown file whose section to write (default docs/benchmarks.md; none with --tiny)")
-    p.add_argument("--json", help="JSON results (default bench/results/multigpu.json; none with --tiny)")
+    p.add_argument("--docs", help="markdown file whose section (one per layout and GPU count) to write (default "
+                                  "docs/benchmarks.md; none with --tiny)")
+    p.add_argument("--json", help="JSON results (default bench/results/multigpu/LAYOUT_NGPU.json; none with --tiny)")
     return p.parse_args(argv)
 
 
@@ -78,7 +80,7 @@ def _time(model, mode, inputs, args, device) -> tuple[dict, list[torch.Tensor]]:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     n = meta["world"]
-    lines = [SECTION, "",
+    lines = [SECTION.format(parallel=meta["parallel"], world=n), "",
              f"{meta['model']}: one denoising step (cond + uncond, batch 1 each) on 1 GPU and on {n} GPUs with "
              f"diffusers' context parallelism ({meta['parallel']}: "
              + ("all-to-all over heads" if meta["parallel"] == "ulysses" else "key/value chunks merged by log-sum-exp")
@@ -175,8 +177,9 @@ def _run(args, launch, device, config, modes, resolutions) -> int:
     print(table)
     docs = args.docs or (None if args.tiny else str(ROOT / "docs" / "benchmarks.md"))
     if docs:
-        update_section("multigpu", table, Path(docs))
-    js = args.json or (None if args.tiny else str(ROOT / "bench" / "results" / "multigpu.json"))
+        update_section(f"multigpu_{meta['parallel']}_{launch.world_size}", table, Path(docs))
+    js = args.json or (None if args.tiny else
+                       str(ROOT / "bench" / "results" / "multigpu" / f"{args.parallel}_{launch.world_size}gpu.json"))
     if js:
         Path(js).parent.mkdir(parents=True, exist_ok=True)
         Path(js).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))

@@ -367,7 +367,7 @@ def test_multigpu_benchmark_code_path_on_two_cpu_processes(tmp_path):
     for r in rows:
         assert r["finite"] and r["one_s"] > 0 and r["many_s"] > 0 and r["gap"] <= 3e-6, r
     text = docs.read_text()
-    assert "keep me" in text and text.count("## Multi-GPU: Wan 2.1 14B step") == 1 and "| tiny | 32 | nvfp4 |" in text
+    assert "keep me" in text and text.count("## Multi-GPU: Wan 2.1 14B step, ring on 2 GPUs") == 1 and "| tiny | 32 | nvfp4 |" in text
 
 
 def test_fsdp_sequence_parallel_training_step_benchmark_on_two_cpu_processes(tmp_path):
