@@ -1,13 +1,14 @@
-"""`attnqat quality` on the CPU with the Four Over Six rule trying other maxima than 6 and 4 (docs/quality.md,
-"Four Over Six"): what a wider search of each block's scale would give the shipped file, before any kernel has it.
+"""`attnqat quality` with the Four Over Six rule trying other maxima than 6 and 4 (docs/quality.md, "Four Over
+Six"): what a wider search of each block's scale would give the shipped file, before any kernel has it.
 
     python experiments/scale_search_quality.py --tops 6,5.5,5,4.5,4,3.5,3 -- --device cpu --size 33x128x128 \
         --clips 16 --prompts 1 --steps 10 --base-modes bf16,nvfp4 \
         --variant shipped=attn_qat:attnqat/models/mini/attn_qat.safetensors --out runs/search
 
-Everything after ``--`` is `attnqat quality`'s. The rule is swapped in the PyTorch reference, which is what plain
-CPU tensors run; on a GPU the kernels would run their own rule (6 and 4), so ``--device cuda`` is refused. Rows with
-``four_over_six`` on (the shipped file records it) use the wider search; the others are unchanged.
+Everything after ``--`` is `attnqat quality`'s. The rule is swapped in the PyTorch reference, so every attention
+call runs the reference while the script lasts, CUDA tensors too (the kernels try 6 and 4 only): on a GPU compare
+it with a run of ``--tops 6,4`` through this script, not with the kernels' rows. Rows with ``four_over_six`` on (the
+shipped file records it) use the wider search; the others are unchanged.
 """
 from __future__ import annotations
 
@@ -26,17 +27,16 @@ def main(argv=None) -> int:
     parser.add_argument("quality", nargs=argparse.REMAINDER, help="-- then attnqat quality's arguments")
     args = parser.parse_args(argv)
     rest = args.quality[1:] if args.quality[:1] == ["--"] else args.quality
-    import torch
-
-    on_cpu = any(a in ("--device=cpu",) for a in rest) or any(
-        a == "--device" and b == "cpu" for a, b in zip(rest, rest[1:]))
-    if not on_cpu and (torch.cuda.is_available() or any("cuda" in a for a in rest)):
-        parser.error("CPU only (give --device cpu): on a GPU the kernels run the option's own rule (6 and 4), "
-                     "not the reference's")
     from attnqat.cli import main as attnqat_main
+    from attnqat.kernels import api
 
-    with four_over_six_tops(args.tops):
-        return attnqat_main(["quality", *rest])
+    use_kernel = api._use_kernel
+    api._use_kernel = lambda q: False  # the reference for every call: the rule above is the reference's
+    try:
+        with four_over_six_tops(args.tops):
+            return attnqat_main(["quality", *rest])
+    finally:
+        api._use_kernel = use_kernel
 
 
 if __name__ == "__main__":
