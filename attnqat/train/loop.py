@@ -48,7 +48,7 @@ from .graphed import TERMS, StepGraphs, use_graphs
 from .data import ShardDataset, sample_indices
 from .lagged import LaggedReads, Sent
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
-from .student_teacher import (AdapterOffTeacher, FeatureCapture, block_checkpoint, make_student_teacher,
+from .student_teacher import (AdapterOffTeacher, FeatureCapture, block_checkpoint, make_student_teacher, make_teacher,
                               shard_teacher, teacher_is_sharded)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -208,9 +208,13 @@ class Trainer:
             transformer = load_transformer(cfg.model, dtype=dtype)
         # the held-out gap is measured against the teacher too, whatever the objective
         with_teacher = self.objective.needs_teacher or self.objective.latents == "teacher" or cfg.data.held_out > 0
+        # A teacher to shard is read from the model again once the student is sharded, not copied from it now: a
+        # process then never holds both whole (Wan 14B: the fp32 student's 57 GB and the bf16 teacher's 29 GB, 8 x 86
+        # GB of host memory on a node of 8 GPUs). Loaded as the student was, then cast: the copy's very values.
+        later = with_teacher and shard and not self.lora and not tr.from_scratch
         student, teacher = make_student_teacher(transformer, cfg.attention.mode, cfg.attention.layers,
                                                 cfg.attention.options, teacher_dtype=self.teacher_dtype,
-                                                trainable=tr.trainable, with_teacher=with_teacher,
+                                                trainable=tr.trainable, with_teacher=with_teacher and not later,
                                                 lora=asdict(tr.lora))
         # a LoRA run's teacher is the student's module (student_teacher.AdapterOffTeacher), else a copy of its own
         shared = isinstance(teacher, AdapterOffTeacher)
@@ -243,6 +247,13 @@ class Trainer:
         self.model_shapes = {k: tuple(v.shape) for k, v in student.state_dict().items()  # checks a resume
                              if self.saved_names is None or k in self.saved_names}
         self.student, self.optimizer = acc.prepare(student, optimizer)
+        if later:
+            teacher = load_transformer(cfg.model, dtype=dtype).to(self.teacher_dtype)
+            teacher = make_teacher(teacher, cfg.attention.layers)
+            if cfg.data.source == "corpus" and cfg.data.corpus.compact_text:
+                compact_text.install(teacher, cfg.data.text_len)
+            if self.sp.degree > 1:
+                sequence_parallel.enable(teacher, self.sp)
         if shared:
             teacher.forward_module = self.student  # through accelerate's wrapper, as the student's forward goes
         if teacher is not None and not shared:  # sharded as the student is (train.shard_teacher), or whole here

@@ -122,10 +122,8 @@ def make_student_teacher(transformer: torch.nn.Module, mode: str, layers="self",
         names = patch_for_training(student, mode, layers, **(options or {}))
         add_lora(student, **lora)
         return student, AdapterOffTeacher(student, names) if with_teacher else None
-    teacher = None
-    if with_teacher:  # copied before the student is patched: the copy starts from diffusers' processors
-        teacher = cast_copy(transformer, teacher_dtype).eval().requires_grad_(False)
-        patch_for_training(teacher, REFERENCE_MODE, layers)
+    # copied before the student is patched: the copy starts from diffusers' processors
+    teacher = make_teacher(cast_copy(transformer, teacher_dtype), layers) if with_teacher else None
     student = transformer.train().requires_grad_(True)
     names = patch_for_training(student, mode, layers, **(options or {}))
     if trainable == "attention":
@@ -133,6 +131,14 @@ def make_student_teacher(transformer: torch.nn.Module, mode: str, layers="self",
         for name in names:
             student.get_submodule(name).requires_grad_(True)
     return student, teacher
+
+
+def make_teacher(transformer: torch.nn.Module, layers="self") -> torch.nn.Module:
+    """The frozen teacher of :func:`make_student_teacher` made of ``transformer`` itself (unpatched, in the teacher's
+    dtype): eval, no gradients, the reference mode's attention in ``layers``."""
+    teacher = transformer.eval().requires_grad_(False)
+    patch_for_training(teacher, REFERENCE_MODE, layers)
+    return teacher
 
 
 SHARD_TEACHER = ("auto", "on", "off")
