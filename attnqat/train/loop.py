@@ -198,6 +198,7 @@ class Trainer:
         optimizers.check_sharding(tr.optimizer, fsdp)  # before a model is built: one line
         shard = teacher_is_sharded(tr.shard_teacher, fsdp)
         dtype = self.teacher_dtype if self.lora and fsdp != 1 else torch.float32
+        t0 = time.perf_counter()  # the model's setup, timed in parts (said when the run starts: Wan 14B's takes minutes)
         if tr.from_scratch:  # the model's architecture at a seeded random initialisation
             from diffusers import WanTransformer3DModel
 
@@ -246,7 +247,9 @@ class Trainer:
         self.saved_names = set(self.trainable_names) if self.lora else None
         self.model_shapes = {k: tuple(v.shape) for k, v in student.state_dict().items()  # checks a resume
                              if self.saved_names is None or k in self.saved_names}
+        t1 = time.perf_counter()
         self.student, self.optimizer = acc.prepare(student, optimizer)
+        t2 = time.perf_counter()
         if later:
             teacher = load_transformer(cfg.model, dtype=dtype).to(self.teacher_dtype)
             teacher = make_teacher(teacher, cfg.attention.layers)
@@ -259,6 +262,7 @@ class Trainer:
         if teacher is not None and not shared:  # sharded as the student is (train.shard_teacher), or whole here
             teacher = shard_teacher(teacher, self.student, acc.device) if shard else teacher.to(acc.device)
         self.teacher = teacher
+        self.setup_s = {"model": t1 - t0, "prepare": t2 - t1, "teacher": time.perf_counter() - t2}
         # Not prepared: accelerate would step it once per process per step; the checkpoint saves it.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainerState()
@@ -666,6 +670,7 @@ class Trainer:
         acc = self.accelerator
         out_dir = Path(self.cfg.output_dir)
         chosen, error = None, None
+        t0 = time.perf_counter()
         if acc.is_main_process:
             try:
                 if resume == "auto":
@@ -686,7 +691,8 @@ class Trainer:
             path = Path(resume).expanduser() if resume != "auto" else self.checkpoint_dir(code)
             chosen = (path, ck.read_manifest(path))
         self.load(*chosen)
-        acc.print(f"attnqat train: resumed from {chosen[0]} at step {self.state.step} (sha256 verified)")
+        acc.print(f"attnqat train: resumed from {chosen[0]} at step {self.state.step} (sha256 verified) in "
+                  f"{time.perf_counter() - t0:.1f} s")
         return chosen[0]
 
 
@@ -1034,7 +1040,8 @@ def _train(trainer: Trainer, cfg: TrainConfig, resume, stop_after, overwrite, ti
               f"({acc.distributed_type.value}{groups}), objective {trainer.objective.label}, "
               f"student {cfg.attention.mode}"
               f"{f' + LoRA rank {tr.lora.rank}' if trainer.lora else ''}, "
-              f"{trainer.tokens_at(start)} tokens/sample, steps {start}..{tr.max_steps}")
+              f"{trainer.tokens_at(start)} tokens/sample, steps {start}..{tr.max_steps}; set up in "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in trainer.setup_s.items()))
     logger = _Logger(cfg, acc, start, resuming=bool(resume))
     gap_before = trainer.evaluate()
     if gap_before and acc.is_main_process:
