@@ -192,6 +192,19 @@ def test_each_process_writes_its_shard_and_a_resume_is_exact(runs, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_bf16_teacher_read_again_for_sharding_is_the_copy_a_replica_would_be(runs, tmp_path):
+    """Under FSDP the teacher to shard is loaded from the model again (in its dtype), after the student is sharded;
+    a whole replica is copied from the student (cast_copy). In bf16 (diffusers keeps some modules in fp32 when it
+    loads, the copy casts them) both give the same losses, and not the fp32 teacher's."""
+    bf16 = "train.teacher_dtype=bf16"
+    results = {k: ok(v) for k, v in run_jobs(tmp_path, ("sharded", fsdp_train(tmp_path / "s", bf16, stop_after=2)),
+                                             ("replica", fsdp_train(tmp_path / "r", bf16, "train.shard_teacher=off",
+                                                                    stop_after=2))).items()}
+    sharded, replica = (results[k][0]["losses"] for k in ("sharded", "replica"))
+    assert sharded == replica and len(sharded) == 2
+    assert sharded != runs["losses"][:2]
+
+
 def leftovers(out: Path) -> list[str]:
     return sorted(p.name for p in out.rglob("*") if p.name.endswith((".tmp", ".old")))
 

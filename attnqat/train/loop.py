@@ -211,7 +211,8 @@ class Trainer:
         with_teacher = self.objective.needs_teacher or self.objective.latents == "teacher" or cfg.data.held_out > 0
         # A teacher to shard is read from the model again once the student is sharded, not copied from it now: a
         # process then never holds both whole (Wan 14B: the fp32 student's 57 GB and the bf16 teacher's 29 GB, 8 x 86
-        # GB of host memory on a node of 8 GPUs). Loaded as the student was, then cast: the copy's very values.
+        # GB of host memory on a node of 8 GPUs). Loaded in the teacher's dtype (diffusers keeps a few modules in fp32:
+        # cast too), the copy's very values (tests/test_sharded_checkpoint.py; a bf16 folder loads without a copy).
         later = with_teacher and shard and not self.lora and not tr.from_scratch
         student, teacher = make_student_teacher(transformer, cfg.attention.mode, cfg.attention.layers,
                                                 cfg.attention.options, teacher_dtype=self.teacher_dtype,
@@ -251,7 +252,7 @@ class Trainer:
         self.student, self.optimizer = acc.prepare(student, optimizer)
         t2 = time.perf_counter()
         if later:
-            teacher = load_transformer(cfg.model, dtype=dtype).to(self.teacher_dtype)
+            teacher = load_transformer(cfg.model, dtype=self.teacher_dtype).to(self.teacher_dtype)
             teacher = make_teacher(teacher, cfg.attention.layers)
             if cfg.data.source == "corpus" and cfg.data.corpus.compact_text:
                 compact_text.install(teacher, cfg.data.text_len)
