@@ -324,6 +324,25 @@ def test_lse_kernel_path_matches_reference():
     torch.testing.assert_close(merged, out.float(), rtol=0, atol=2e-2)
 
 
+@pytest.mark.gpu
+def test_bf16_lse_on_cuda_matches_reference():
+    """bf16's CUDA path (FlashAttention's own log-sum-exp, what ring runs on GPUs): the lse is the fp32 logits'
+    (natural log), the output SDPA's, and key chunks merge to the one-pass output to bf16 rounding."""
+    from attnqat.kernels.api import attention, attention_with_lse
+
+    q, k, v = (torch.randn(1, 4, 1000, 128, device="cuda").bfloat16() for _ in range(3))
+    out, lse = attention_with_lse(q, k, v, "bf16")
+    assert lse.shape == (1, 4, 1000) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, torch.logsumexp(q.float() @ k.float().transpose(-1, -2) / 128 ** 0.5, -1),
+                               rtol=0, atol=1e-3)
+    # outputs ~0.1 here: a few bf16 ulps
+    torch.testing.assert_close(out.float(), attention(q, k, v, "bf16").float(), rtol=0, atol=4e-3)
+    merged, merged_lse = _merge([attention_with_lse(q, k[:, :, a:b], v[:, :, a:b], "bf16")
+                                 for a, b in ((0, 500), (500, 1000))])
+    torch.testing.assert_close(merged, out.float(), rtol=0, atol=4e-3)
+    torch.testing.assert_close(merged_lse, lse, rtol=0, atol=1e-3)
+
+
 def test_lse_refusals():
     from attnqat.kernels.api import attention_with_lse
 
