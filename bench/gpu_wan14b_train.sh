@@ -2,7 +2,8 @@
 # `attnqat train` end to end on Wan 2.1 14B-sized random weights (docs/multigpu.md): the folder, the prompt
 # embeddings, full-parameter QAT on NPROC GPUs (FSDP2, AdamW8bit, the teacher sharded, Ulysses over all of them),
 # an exact-resume check (a run whose rank 1 is killed mid-step after a checkpoint, resumed, against one that ran
-# through), and LoRA-QAT on one GPU. Step time and memory are in each run's log.csv.
+# through), and LoRA-QAT on one GPU. Step time and memory are in each run's log.csv; each run also says the host's
+# peak memory (free -g every 2 s) and its setup times.
 #   bash bench/gpu_wan14b_train.sh folder            # bench/random_wan_folder.py -> $WAN (once a machine; ~29 GB)
 #   bash bench/gpu_wan14b_train.sh data              # attnqat precompute of 8 prompts -> $WAN_DATA
 #   bash bench/gpu_wan14b_train.sh full STEPS        # the full-parameter run, STEPS steps, in $W/full
@@ -36,15 +37,21 @@ sets() {  # --set arguments of a run: the folder, its data, checkpoints every $E
   for x in $s; do printf -- "--set %s " "$x"; done
 }
 
-train() {  # OUTPUT STEPS [attnqat train options...]: NPROC processes (FSDP2) or one
-  local out=$1 steps=$2; shift 2
+train() {  # OUTPUT STEPS [attnqat train options...]: NPROC processes (FSDP2) or one; says the host's peak memory
+  local out=$1 steps=$2 rc watch; shift 2
   mkdir -p "$(dirname "$out")"
+  # the host's used memory every 2 s while the run lasts (loading the 14B is where it peaks: docs/multigpu.md)
+  ( while sleep 2; do free -g | awk '/^Mem:/ {print $3}'; done ) > "$out.hostmem" & watch=$!
   if [ "$NPROC" -gt 1 ]; then
     accelerate launch --config_file configs/fsdp2_wan14b.yaml --num_processes "$NPROC" -m attnqat.train \
       --config "$CONFIG" $(sets "$out" "$steps") "$@"
   else
     python3 -m attnqat.train --config "$CONFIG" $(sets "$out" "$steps") "$@"
   fi
+  rc=$?
+  kill "$watch" 2> /dev/null
+  echo "host memory used at the peak: $(sort -n "$out.hostmem" | tail -n 1) GiB (free -g, every 2 s; $out.hostmem)"
+  return $rc
 }
 
 losses() { python3 -c "
@@ -66,6 +73,7 @@ case "${1:-}" in
     steps=${2:?steps}
     EVERY=1000 SET="train.deterministic=${DET:-true} ${SET:-}" train "$W/through" $((steps + 1)) --overwrite --stop-after "$steps" > "$W.through.log" 2>&1 \
       || { tail -20 "$W.through.log"; exit 1; }
+    grep -h "host memory" "$W.through.log"
     losses "$W/through" ;;
   repeat)
     bash "$0" through "${2:?steps}" > /dev/null || exit 1
@@ -94,6 +102,7 @@ case "${1:-}" in
     train "$W/killed" $((steps + 1)) --resume auto --stop-after "$steps" >> "$W.killed.log" 2>&1 \
       || { tail -20 "$W.killed.log"; exit 1; }
     echo "resumed to step $steps in $(($(date +%s) - t0)) s"
+    grep -h "host memory\|set up in\|resumed from" "$W.killed.log" | sed 's/^.*attnqat train: /attnqat train: /'
     bash "$0" compare "$W/through" "$W/killed" ;;
   lora)
     NPROC=1 CONFIG=configs/wan2.1-14b-lora.yaml train "$W/lora" "${2:?steps}" --overwrite 2>&1 | tr '\r' '\n' \
