@@ -354,6 +354,27 @@ def test_random_wan_folder_is_a_model_folder_the_commands_take(tmp_path, capsys)
     assert (tmp_path / "run" / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
+def test_gpu_wan14b_train_script_runs_its_resume_check_on_the_cpu(tmp_path):
+    """bench/gpu_wan14b_train.sh, what the 14B's GPU sessions run, end to end on the CPU (one process, the 1.3B
+    config cut to one block, its header's dry run): the folder, the embeddings, an uninterrupted run, and a run
+    killed after its checkpoint and resumed, whose losses equal the uninterrupted run's; each run says its setup
+    times and the host's peak memory."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "SIZE": "1.3b", "LAYERS": "1",
+           "NPROC": "1", "LATENT": "16,2,8,8", "WAN": str(tmp_path / "wan"), "WAN_DATA": str(tmp_path / "data"),
+           "W": str(tmp_path / "w"), "SET": "train.mixed_precision=no log.progress=false", "KILL_AFTER": "0"}
+    out = []
+    for stage in (["folder"], ["data"], ["through", "3"], ["kill", "3", "2"]):
+        run = subprocess.run(["bash", str(ROOT / "bench" / "gpu_wan14b_train.sh"), *stage], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, (stage, run.stdout[-2000:], run.stderr[-2000:])
+        out.append(run.stdout)
+    through, kill = out[2], out[3]
+    assert "host memory used at the peak" in through and len(through.strip().splitlines()) == 4  # + steps 1-3
+    assert "checkpoint" in kill and "written in" in kill and "killed pid" in kill and "resumed to step 3" in kill
+    assert "set up in model" in kill and "(sha256 verified) in" in kill
+    assert kill.strip().endswith("losses equal at every step"), kill[-1000:]
+
+
 def test_precompute_reports_an_encoder_failure_as_such(tmp_path, monkeypatch, capsys):
     """A RuntimeError of the encoders (out of memory, say) while the output folder is being written is a
     failed computation (exit 1, one line naming the shard), not "could not write folder"; nothing is left."""
