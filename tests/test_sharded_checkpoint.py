@@ -205,6 +205,25 @@ def test_a_bf16_teacher_read_again_for_sharding_is_the_copy_a_replica_would_be(r
     assert sharded != runs["losses"][:2]
 
 
+def test_attention_only_training_shards_and_resumes_exactly(tmp_path):
+    """train.trainable: attention under FSDP2 (each block's unit then holds trainable and frozen weights): the run
+    stopped at its step-2 checkpoint and resumed in fresh processes repeats the uninterrupted run's losses, and only
+    the self-attention weights moved."""
+    attn = "train.trainable=attention"
+    jobs = (("whole", fsdp_train(tmp_path / "whole", attn)), ("cut", fsdp_train(tmp_path / "cut", attn, stop_after=2)))
+    results = {k: ok(v) for k, v in run_jobs(tmp_path, *jobs).items()}
+    losses = results["whole"][0]["losses"]
+    assert len(losses) == 4 and results["cut"][0]["losses"] == losses[:2]
+    resumed = ok(run_jobs(tmp_path, ("resume", fsdp_train(tmp_path / "cut", attn, resume="auto")))["resume"])
+    assert resumed[0]["losses"] == losses[2:]
+    from attnqat.pipelines.tiny import build_tiny_transformer
+
+    base = build_tiny_transformer().state_dict()
+    final = load_file(str(tmp_path / "cut" / "final" / "transformer.safetensors"))
+    moved = {k for k in final if not torch.equal(final[k].float(), base[k].float())}
+    assert moved and all(".attn1." in k for k in moved), sorted(moved)
+
+
 def leftovers(out: Path) -> list[str]:
     return sorted(p.name for p in out.rglob("*") if p.name.endswith((".tmp", ".old")))
 
