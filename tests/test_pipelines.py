@@ -370,6 +370,22 @@ def test_multigpu_benchmark_code_path_on_two_cpu_processes(tmp_path):
     assert "keep me" in text and text.count("## Multi-GPU: Wan 2.1 14B step, ring on 2 GPUs") == 1 and "| tiny | 32 | nvfp4 |" in text
 
 
+def test_multigpu_plot_draws_the_results_and_names_a_missing_folder(tmp_path):
+    """bench/plot_multigpu.py draws the committed bench/results/multigpu/ JSONs into a PNG (written under a temporary
+    name, then renamed); a folder without results is one line, not a traceback."""
+    from pathlib import Path
+
+    from conftest import load_script
+
+    root = Path(__file__).resolve().parents[1]
+    plot = load_script(root / "bench" / "plot_multigpu.py", "bench_plot_multigpu")
+    out = tmp_path / "scaling.png"
+    assert plot.main(["--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in tmp_path.iterdir()] == ["scaling.png"]
+    with pytest.raises(SystemExit, match="no \\*gpu.json in"):
+        plot.main(["--results", str(tmp_path), "--out", str(tmp_path / "x.png")])
+
+
 def test_fsdp_sequence_parallel_training_step_benchmark_on_two_cpu_processes(tmp_path):
     """bench/train_step_sp.py as under torchrun (2 gloo processes, tiny model): the FSDP1 + Ulysses training step
     runs for both student modes, with finite losses, and rank 0 alone prints the table."""
