@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -656,3 +657,34 @@ def test_a_config_checked_for_another_run_is_refused(tmp_path):
     assert checked.config.train.max_steps > 0 and checked.world_size == 2
     with pytest.raises(ValueError, match=r"checked for 2 process\(es\) on cpu, but the run has 1 on cpu"):
         Trainer(checked)
+
+
+def test_a_bf16_folder_loads_for_training_cast_where_it_runs(tmp_path):
+    """loading.load_transformer_cast_on (the loop's student load): from a folder stored in bf16 (mini, like Wan's
+    hub folders) it loads as stored and casts on the device, with exactly load_transformer(fp32)'s values; a folder
+    stored in fp32, a mixed one and the tiny model load as before. stored_dtype reads only the headers."""
+    from safetensors.torch import load_file, save_file
+
+    from attnqat.pipelines.loading import load_transformer, load_transformer_cast_on, stored_dtype
+
+    assert stored_dtype("mini") == torch.bfloat16 and stored_dtype("tiny") is None
+    assert stored_dtype(str(tmp_path / "absent")) is None and stored_dtype("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") is None
+    got = load_transformer_cast_on("mini", torch.float32, "cpu").state_dict()
+    want = load_transformer("mini", dtype=torch.float32).state_dict()
+    assert got.keys() == want.keys()
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
+    # a copy of mini whose transformer is stored in fp32, then one with a tensor in each dtype
+    from attnqat.mini.model import mini_folder
+
+    folder = tmp_path / "m"
+    shutil.copytree(mini_folder(), folder)
+    files = sorted((folder / "transformer").glob("*.safetensors"))
+    for f in files:
+        save_file({k: v.float() for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    assert stored_dtype(str(folder)) == torch.float32
+    got = load_transformer_cast_on(str(folder), torch.float32, "cpu").state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    first = load_file(str(files[0]))
+    name = next(iter(first))
+    save_file({**first, name: first[name].bfloat16()}, str(files[0]), metadata={"format": "pt"})
+    assert stored_dtype(str(folder)) is None

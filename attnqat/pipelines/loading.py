@@ -225,6 +225,36 @@ def load_transformer(model: str = "tiny", *, dtype: torch.dtype = torch.bfloat16
     return transformer.to(device) if device is not None else transformer
 
 
+_STORED = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def stored_dtype(model: str) -> torch.dtype | None:
+    """The one dtype every tensor of a local model folder's transformer weights is stored in, read from the
+    safetensors headers (nothing loaded), or None: the tiny model, a hub id, mixed or other dtypes."""
+    if is_tiny(model):
+        return None
+    folder = Path(resolve_model(model)).expanduser() / "transformer"
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    found = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            found.update(h.get_slice(k).get_dtype() for k in h.keys())
+    return _STORED.get(found.pop()) if len(found) == 1 else None
+
+
+def load_transformer_cast_on(model: str, dtype: torch.dtype, device: torch.device | str):
+    """:func:`load_transformer`'s model in ``dtype`` on ``device``, the same values: in fp32 from a folder stored in
+    bf16 or fp16 (Wan's hub folders: bf16), loaded as stored and cast on ``device``, so the host never holds the
+    fp32 copy (Wan 14B: 57 GB a process, cast by one CPU thread under a launcher); anything else is loaded in
+    ``dtype`` and moved."""
+    stored = stored_dtype(model)
+    if dtype != torch.float32 or stored not in (torch.bfloat16, torch.float16):
+        return load_transformer(model, dtype=dtype, device=device)
+    # as stored (diffusers keeps a few modules in fp32, exact too), then fp32 on the device (float(): diffusers'
+    # ModelMixin.to warns when given a dtype)
+    return load_transformer(model, dtype=stored).to(device).float()
+
+
 def _exported(folder: Path) -> Path | None:
     """The exported weights of an ``attnqat train`` checkpoint or final/ folder (:data:`EXPORTED_FILES`), or None."""
     return next((folder / name for name in EXPORTED_FILES if (folder / name).is_file()), None)

@@ -34,7 +34,8 @@ import torch
 
 from attnqat.checks import check_not_input
 from attnqat.locking import output_lock
-from attnqat.pipelines.loading import CHECKPOINTS_DIR, load_transformer, model_inputs, step_dir_name
+from attnqat.pipelines.loading import (CHECKPOINTS_DIR, load_transformer, load_transformer_cast_on, model_inputs,
+                                      step_dir_name)
 from attnqat.pipelines.lora import save_lora
 from attnqat.trained_options import SWITCHED, flag as option_flag
 
@@ -198,6 +199,17 @@ class Trainer:
         optimizers.check_sharding(tr.optimizer, fsdp)  # before a model is built: one line
         shard = teacher_is_sharded(tr.shard_teacher, fsdp)
         dtype = self.teacher_dtype if self.lora and fsdp != 1 else torch.float32
+        # the held-out gap is measured against the teacher too, whatever the objective
+        with_teacher = self.objective.needs_teacher or self.objective.latents == "teacher" or cfg.data.held_out > 0
+        # A teacher to shard is read from the model again once the student is sharded, not copied from it now: a
+        # process then never holds both whole (Wan 14B: the fp32 student's 57 GB and the bf16 teacher's 29 GB, 8 x 86
+        # GB of host memory on a node of 8 GPUs). Loaded in the teacher's dtype (diffusers keeps a few modules in fp32:
+        # cast too), the copy's very values (tests/test_sharded_checkpoint.py; a bf16 folder loads without a copy).
+        later = with_teacher and shard and not self.lora and not tr.from_scratch
+        # The student is loaded onto this process's device (a bf16 folder cast to fp32 there: loading.
+        # load_transformer_cast_on), unless FSDP is to shard it beside a whole teacher copied from it, which stays
+        # on the CPU until then (both whole on one GPU would not fit where the sharded run does).
+        where = "cpu" if fsdp and with_teacher and not later and not self.lora else acc.device
         t0 = time.perf_counter()  # the model's setup, timed in parts (said when the run starts: Wan 14B's takes minutes)
         if tr.from_scratch:  # the model's architecture at a seeded random initialisation
             from diffusers import WanTransformer3DModel
@@ -206,14 +218,7 @@ class Trainer:
                 torch.manual_seed(cfg.seed)
                 transformer = WanTransformer3DModel.from_config(self.tc).to(dtype)
         else:
-            transformer = load_transformer(cfg.model, dtype=dtype)
-        # the held-out gap is measured against the teacher too, whatever the objective
-        with_teacher = self.objective.needs_teacher or self.objective.latents == "teacher" or cfg.data.held_out > 0
-        # A teacher to shard is read from the model again once the student is sharded, not copied from it now: a
-        # process then never holds both whole (Wan 14B: the fp32 student's 57 GB and the bf16 teacher's 29 GB, 8 x 86
-        # GB of host memory on a node of 8 GPUs). Loaded in the teacher's dtype (diffusers keeps a few modules in fp32:
-        # cast too), the copy's very values (tests/test_sharded_checkpoint.py; a bf16 folder loads without a copy).
-        later = with_teacher and shard and not self.lora and not tr.from_scratch
+            transformer = load_transformer_cast_on(cfg.model, dtype, where)
         student, teacher = make_student_teacher(transformer, cfg.attention.mode, cfg.attention.layers,
                                                 cfg.attention.options, teacher_dtype=self.teacher_dtype,
                                                 trainable=tr.trainable, with_teacher=with_teacher and not later,
