@@ -659,6 +659,16 @@ def test_a_config_checked_for_another_run_is_refused(tmp_path):
         Trainer(checked)
 
 
+@pytest.mark.gpu
+def test_a_bf16_folder_loads_onto_the_gpu_cast_there():
+    """On a GPU the cast happens there: the same values as the CPU's fp32 load, every tensor fp32 on the GPU."""
+    from attnqat.pipelines.loading import load_transformer, load_transformer_cast_on
+
+    got = load_transformer_cast_on("mini", torch.float32, "cuda").state_dict()
+    want = load_transformer("mini", dtype=torch.float32).state_dict()
+    assert all(got[k].is_cuda and got[k].dtype == torch.float32 and torch.equal(got[k].cpu(), want[k]) for k in want)
+
+
 def test_a_bf16_folder_loads_for_training_cast_where_it_runs(tmp_path):
     """loading.load_transformer_cast_on (the loop's student load): from a folder stored in bf16 (mini, like Wan's
     hub folders) it loads as stored and casts on the device, with exactly load_transformer(fp32)'s values; a folder
