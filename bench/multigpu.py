@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 4 bench/multigpu.py --layers 10          # a partial model (said in the table)
     python -m torch.distributed.run --nproc-per-node 2 bench/multigpu.py --tiny   # the code path on CPU (gloo)
 
-One run measures both ends: rank 0 first times the step alone (the other ranks wait), then every rank
+One run measures both ends: first each (resolution, mode) step on one GPU, the cases shared out over the N GPUs
+(each GPU times its own, alone on it, at the same time as the others), then every rank
 enables diffusers' context parallelism (``--parallel``: Ulysses by default, ring for the modes with a
 log-sum-exp) on the same model and the step is timed again on all N. Same weights, same inputs, same
 process: the ratios are same-run ratios. The step, its inputs and its clock are bench/e2e.py's (cond +
@@ -84,7 +85,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['model']}: one denoising step (cond + uncond, batch 1 each) on 1 GPU and on {n} GPUs with "
              f"diffusers' context parallelism ({meta['parallel']}: "
              + ("all-to-all over heads" if meta["parallel"] == "ulysses" else "key/value chunks merged by log-sum-exp")
-             + f"), same model, inputs and process; self-attention in the mode, cross-attention in SDPA. "
+             + f"), same model, inputs and process (the 1-GPU steps shared out over the {n} GPUs, each alone on its "
+             f"GPU); self-attention in the mode, cross-attention in SDPA. "
              f"{meta['warmup']} warm-up step(s), mean of {meta['repeats']}; {meta['clock']}.", "",
              f"Device: {n} × {meta['device']}; torch {meta['torch']}, diffusers {meta['diffusers']}, triton "
              f"{meta['triton']}; SDPA backend {meta['sdpa']}; {meta['date']}.", ""]
@@ -138,13 +140,17 @@ def _run(args, launch, device, config, modes, resolutions) -> int:
                      "cond": torch.randn(1, text, config["text_dim"], generator=g).to(device, dtype),
                      "uncond": torch.randn(1, text, config["text_dim"], generator=g).to(device, dtype),
                      "timestep": torch.tensor([999.0], device=device)} for name, lat in shapes.items()}
-    one: dict = {}
-    if launch.rank == 0:
-        for name in shapes:
-            for mode in modes:
-                one[name, mode] = _time(model, mode, inputs[name], args, device)
-                print(f"1 GPU   {name} {mode:>10}: {one[name, mode][0]['step_s']:.3f} s", file=sys.stderr)
-    dist.barrier()
+    # The 1-GPU steps, shared out: rank r times cases r, r + N, ... on its own GPU, with no communication while it
+    # does, so the phase takes about 1/N of one GPU timing them all (on 8 GPUs the other 7 would wait minutes); the
+    # results, outputs included (on the CPU), then go to every rank.
+    cases = [(name, mode) for name in shapes for mode in modes]
+    mine = {}
+    for name, mode in cases[launch.rank::launch.world_size]:
+        mine[name, mode] = _time(model, mode, inputs[name], args, device)
+        print(f"1 GPU   {name} {mode:>10}: {mine[name, mode][0]['step_s']:.3f} s (rank {launch.rank})", file=sys.stderr)
+    shared: list = [None] * launch.world_size
+    dist.all_gather_object(shared, mine)
+    one = {case: result for part in shared for case, result in part.items()}
     enable_context_parallel(model, args.parallel, launch.world_size)
     rows = []
     for name, lat in shapes.items():
