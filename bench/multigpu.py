@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     for mode in modes:
         check_degrees(ring, ulysses, heads=config["num_attention_heads"], mode=mode, needs_grad=False)
     device = rank_device(launch, "cpu" if args.tiny else "cuda")
-    with process_group(device, timeout_minutes=60):  # rank 0 times alone while the others wait
+    with process_group(device, timeout_minutes=60):  # ranks wait for each other between the two phases
         return _run(args, launch, device, config, modes, resolutions)
 
 
