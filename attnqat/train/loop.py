@@ -49,8 +49,8 @@ from .graphed import TERMS, StepGraphs, use_graphs
 from .data import ShardDataset, sample_indices
 from .lagged import LaggedReads, Sent
 from .objectives import Objective, flow_loss, noised, sample_sigmas, teacher_gaps, teacher_samples
-from .student_teacher import (AdapterOffTeacher, FeatureCapture, block_checkpoint, make_student_teacher, make_teacher,
-                              shard_teacher, teacher_is_sharded)
+from .student_teacher import (AdapterOffTeacher, FeatureCapture, block_checkpoint, cast_all, make_student_teacher,
+                              make_teacher, shard_teacher, teacher_is_sharded)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "loss_consistency", "gap", "grad_norm", "lr",
@@ -257,7 +257,7 @@ class Trainer:
         self.student, self.optimizer = acc.prepare(student, optimizer)
         t2 = time.perf_counter()
         if later:
-            teacher = load_transformer(cfg.model, dtype=self.teacher_dtype).to(self.teacher_dtype)
+            teacher = cast_all(load_transformer(cfg.model, dtype=self.teacher_dtype), self.teacher_dtype)
             teacher = make_teacher(teacher, cfg.attention.layers)
             if cfg.data.source == "corpus" and cfg.data.corpus.compact_text:
                 compact_text.install(teacher, cfg.data.text_len)

@@ -63,6 +63,13 @@ def patch_for_training(transformer: torch.nn.Module, mode: str, layers="self", *
     return patch_attention(transformer, mode, layers, processor_class=AutocastAttnProcessor, **options)
 
 
+def cast_all(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module.to(dtype)`` in place, through torch's own ``Module.to``: the teacher is cast whole, the modules that
+    diffusers' ``from_pretrained`` keeps in fp32 included, as it always has been (docs/training.md, train.teacher_dtype), and diffusers'
+    ``ModelMixin.to`` would warn at every run's start that they should stay fp32."""
+    return torch.nn.Module.to(module, dtype)
+
+
 def cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``copy.deepcopy(module).to(dtype)`` without its full-precision intermediate: each floating-point
     parameter and buffer is cast as it is copied (through deepcopy's memo), so the peak is the original
@@ -72,7 +79,7 @@ def cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
         if t.is_floating_point() and id(t) not in memo:
             c = t.detach().to(dtype, copy=True)
             memo[id(t)] = torch.nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else c
-    return copy.deepcopy(module, memo).to(dtype)  # .to: whatever else Module.to casts (complex buffers)
+    return cast_all(copy.deepcopy(module, memo), dtype)  # whatever else Module.to casts (complex buffers)
 
 
 class AdapterOffTeacher:
