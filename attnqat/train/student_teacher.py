@@ -65,8 +65,9 @@ def patch_for_training(transformer: torch.nn.Module, mode: str, layers="self", *
 
 def cast_all(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``module.to(dtype)`` in place, through torch's own ``Module.to``: the teacher is cast whole, the modules that
-    diffusers' ``from_pretrained`` keeps in fp32 included, as it always has been (docs/training.md, train.teacher_dtype), and diffusers'
-    ``ModelMixin.to`` would warn at every run's start that they should stay fp32."""
+    diffusers' ``from_pretrained`` keeps in fp32 included, as it always has been (docs/training.md,
+    ``train.teacher_dtype``), and diffusers' ``ModelMixin.to`` would warn at every run's start that they should stay
+    fp32."""
     return torch.nn.Module.to(module, dtype)
 
 
