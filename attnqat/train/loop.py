@@ -225,9 +225,9 @@ class Trainer:
                                                 lora=asdict(tr.lora))
         # a LoRA run's teacher is the student's module (student_teacher.AdapterOffTeacher), else a copy of its own
         shared = isinstance(teacher, AdapterOffTeacher)
-        if cfg.data.source == "corpus" and cfg.data.corpus.compact_text:  # prompt embeddings cut to their first rows
-            for model in (student,) if shared or teacher is None else (student, teacher):
-                compact_text.install(model, cfg.data.text_len)
+        compact = cfg.data.source == "corpus" and cfg.data.corpus.compact_text  # prompt embeddings cut to their rows
+        if compact:
+            compact_text.install(student, cfg.data.text_len)
         if tr.gradient_checkpointing:
             student.enable_gradient_checkpointing(block_checkpoint(tr.save_attention))
         if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are
@@ -236,11 +236,7 @@ class Trainer:
             for block in student.blocks:
                 block.compile(dynamic=False, fullgraph=True)  # the patched attention traces inside
         if self.sp.degree > 1:
-            # the teacher too: its block features must be the same sequence shards as the student's, and a
-            # whole-sequence teacher forward would cost every process N times its share
             sequence_parallel.enable(student, self.sp)
-            if teacher is not None and not shared:
-                sequence_parallel.enable(teacher, self.sp)
         # With CUDA graphs the optimizer is what is left of the host's work in a step: the multi-tensor AdamW's Python
         # kept mini's H200 idle 4-9 ms a step (profiler trace); the fused one is one kernel launch per dtype.
         self.graphs = use_graphs(cfg, acc.device.type, acc.num_processes)
@@ -257,15 +253,18 @@ class Trainer:
         self.student, self.optimizer = acc.prepare(student, optimizer)
         t2 = time.perf_counter()
         if later:
-            teacher = cast_all(load_transformer(cfg.model, dtype=self.teacher_dtype), self.teacher_dtype)
-            teacher = make_teacher(teacher, cfg.attention.layers)
-            if cfg.data.source == "corpus" and cfg.data.corpus.compact_text:
-                compact_text.install(teacher, cfg.data.text_len)
-            if self.sp.degree > 1:
-                sequence_parallel.enable(teacher, self.sp)
+            teacher = make_teacher(cast_all(load_transformer(cfg.model, dtype=self.teacher_dtype), self.teacher_dtype),
+                                   cfg.attention.layers)
         if shared:
             teacher.forward_module = self.student  # through accelerate's wrapper, as the student's forward goes
-        if teacher is not None and not shared:  # sharded as the student is (train.shard_teacher), or whole here
+        if teacher is not None and not shared:  # a teacher of its own, copied or read again
+            if compact:  # the student's prompt rows
+                compact_text.install(teacher, cfg.data.text_len)
+            if self.sp.degree > 1:
+                # the student's sequence shards: its block features must be the same shards as the student's, and a
+                # whole-sequence teacher forward would cost every process N times its share
+                sequence_parallel.enable(teacher, self.sp)
+            # sharded as the student is (train.shard_teacher), or whole here
             teacher = shard_teacher(teacher, self.student, acc.device) if shard else teacher.to(acc.device)
         self.teacher = teacher
         self.setup_s = {"model": t1 - t0, "prepare": t2 - t1, "teacher": time.perf_counter() - t2}
