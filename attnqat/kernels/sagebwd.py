@@ -66,7 +66,7 @@ from ._common import LaunchConfig, check_qkv, default_scale, interpreting, launc
 from .formats import LOG2E, SAGEBWD_PRECISIONS  # the pv / bwd options, in the order of the PV / BWD constexprs
 from .formats import SAGEBWD_K_BLOCK as K_BLOCK, SAGEBWD_Q_BLOCK as Q_BLOCK  # SPEC §4: 128 and 64 rows
 from .reference import refuse_double_backward
-from .smoothing import token_mean
+from .smoothing import key_bias, token_mean
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_FLOOR = 1e-30  # s = max(amax, 1e-30) / 127: an all-zero block quantizes to zeros, not NaN
@@ -716,8 +716,7 @@ def sagebwd_forward(q, k, v, *, sm_scale: float, causal: bool, smooth_k: bool, s
         v8, sv = v, sk  # sv unused
     bias = None
     if smooth_q:  # S = Q_s K_s^T + mean(Q) . K_s,j: the exact rank-1 part, in fp32, log2 units
-        ks = k.float() - kmean[:, :, None, :] if smooth_k else k.float()
-        bias = ((ks @ qmean[..., None]).squeeze(-1) * qk_scale).contiguous()
+        bias = key_bias(k, kmean, qmean, qk_scale)
     o = _empty(q.shape, dtype=torch.float32 if interp else q.dtype, device=q.device)
     lse = _empty(b, h, lq, dtype=torch.float32, device=q.device)
     if gluon_forward(q.device, d, pv, km, smooth_q)[0]:
