@@ -232,11 +232,11 @@ def failing_shard_write(how: str):
     """A job: resume the stopped run (step 2) to step 4, and in process 1 fail the write of its shard of step-4: a
     full disk (OSError ENOSPC), or a real kill (os._exit, no cleanup; the launcher then stops process 0)."""
     def job(rank):
-        import safetensors.torch
+        from attnqat.train import shard_writer
 
-        real, calls = safetensors.torch.save, []
+        real, calls = shard_writer.write_piece, []
 
-        def save(*a, **kw):  # what DCP's safetensors writer calls to serialise a shard
+        def write_piece(*a, **kw):  # writes one piece of a shard, after its header: the file is half written
             calls.append(1)
             if rank == 1 and len(calls) == 1:  # this run's first checkpoint: step-4
                 if how == "kill":
@@ -244,7 +244,7 @@ def failing_shard_write(how: str):
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(*a, **kw)
 
-        safetensors.torch.save = save
+        shard_writer.write_piece = write_piece
         return fsdp_train(OUT[how], resume="auto")(rank)
     return job
 

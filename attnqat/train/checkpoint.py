@@ -18,8 +18,9 @@ A checkpoint folder (``OUTPUT/checkpoints/step-NNNNNNN/``, and ``OUTPUT/final/``
 
 With ``checkpoint.format: sharded`` (:func:`layout_for`; the manifest says ``"layout": "sharded"``) the two
 full-state files are replaced by ``state/shards/``: one safetensors file per process, each written by its own
-process through ``torch.distributed.checkpoint`` (DCP's ``HuggingFaceStorageWriter``: the tensors and, in the
-header's metadata, where each piece sits in its whole tensor; no ``.metadata`` pickle), holding that process's
+process through ``torch.distributed.checkpoint`` (the safetensors files of DCP's ``HuggingFaceStorageWriter``,
+streamed a piece at a time by :mod:`attnqat.train.shard_writer`: the tensors and, in the header's metadata, where
+each piece sits in its whole tensor; no ``.metadata`` pickle), holding that process's
 part of the fp32 master weights (``model/FQN``) and of the optimizer state (``optimizer/FQN/KEY``); the rest of
 the optimizer state stays in ``state/optimizer.json``. Nothing is gathered to one process, and DCP reshards on
 load, so a run may resume on another number of processes.
@@ -532,9 +533,9 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Non
 #
 # DCP's default FileSystemWriter stores its index (which piece of which tensor is where) as a pickle,
 # ``.metadata``, which its FileSystemReader unpickles: loading someone else's checkpoint could run code. Its
-# HuggingFaceStorageWriter with ``save_distributed`` writes each process's pieces as one safetensors file and the
-# index in that file's header (JSON: each piece's offsets in its whole tensor), and HuggingFaceStorageReader
-# rebuilds the index from the headers: nothing is pickled either way. It stores tensors only, so the optimizer's
+# HuggingFaceStorageWriter with ``save_distributed`` (streamed: shard_writer.py) writes each process's pieces as
+# one safetensors file and the index in that file's header (JSON: each piece's offsets in its whole tensor), and
+# HuggingFaceStorageReader rebuilds the index from the headers: nothing is pickled either way. It stores tensors only, so the optimizer's
 # other values (param groups, hyperparameters) go to optimizer.json as in a full checkpoint.
 
 
@@ -589,9 +590,11 @@ def save_sharded(folder: Path, tensors: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from attnqat.train.shard_writer import StreamingShardWriter
+
     try:
         with _single_process_is_meant():
-            dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True))
+            dcp.save(tensors, storage_writer=StreamingShardWriter(folder))
     except CheckpointException as e:  # a BaseException carrying every process's failure
         rank, (exc, _) = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
         if isinstance(exc, OSError):
