@@ -535,8 +535,9 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Non
 # ``.metadata``, which its FileSystemReader unpickles: loading someone else's checkpoint could run code. Its
 # HuggingFaceStorageWriter with ``save_distributed`` (streamed: shard_writer.py) writes each process's pieces as
 # one safetensors file and the index in that file's header (JSON: each piece's offsets in its whole tensor), and
-# HuggingFaceStorageReader rebuilds the index from the headers: nothing is pickled either way. It stores tensors only, so the optimizer's
-# other values (param groups, hyperparameters) go to optimizer.json as in a full checkpoint.
+# HuggingFaceStorageReader rebuilds the index from the headers: nothing is pickled either way. It stores tensors
+# only, so the optimizer's other values (param groups, hyperparameters) go to optimizer.json as in a full
+# checkpoint.
 
 
 def layout_for(fmt: str, distributed_type: str) -> str:
