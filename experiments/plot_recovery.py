@@ -80,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
                 ax_eval.plot(list(curve), list(curve.values()), style, color=f"C{i}", label=f"{label}: {kind}")
         ax_eval.set(title="held-out flow loss (training's evaluation)", xlabel="step", yscale="log")
         ax_eval.legend(fontsize=8)
-    for size, ax in zip(sizes, axes):
-        rows = [(label, r) for label, s, r in frames if s == size]
-        for i, (label, r) in enumerate(rows):
+    colours = {label: f"C{i + 2}" for i, label in enumerate(dict.fromkeys(label for label, _, _ in frames))}
+    for size, ax in zip(sizes, axes):  # a label keeps its colour in every panel
+        for label, r in ((label, r) for label, s, r in frames if s == size):
             gap = r["gap_closed_loss_frames"]
-            ax.plot(range(len(gap)), gap, "o-", ms=4, color=f"C{i + 2}",
-                    label=f"{label}: {r['gap_closed_loss']:.0%} overall")
+            ax.plot(range(len(gap)), gap, "o-", ms=4, color=colours[label],
+                    label=f"{label}: {r['gap_closed_loss']:.1%} overall")
         ax.axhline(args.bar, color="grey", ls=":", label=f"{args.bar:.0%}")
         ax.set(title=f"flow-loss gap closed per latent frame ({size})", xlabel="latent frame", ylim=(0, 1))
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13))  # below: the lines fill it
