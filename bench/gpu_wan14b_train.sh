@@ -86,7 +86,11 @@ case "${1:-}" in
     export SET="train.deterministic=${DET:-true} ${SET:-}"  # as through's: GPU runs repeat bit for bit only so
     train "$W/killed" $((steps + 1)) --overwrite > "$W.killed.log" 2>&1 &
     run=$!
-    alive() { kill -0 "$run" 2> /dev/null || { tail -20 "$W.killed.log"; exit 1; }; }
+    alive() {  # the run ended on its own before its checkpoint was committed (an error, or the kernel's OOM killer)
+      kill -0 "$run" 2> /dev/null && return
+      wait "$run"; local rc=$?; tail -20 "$W.killed.log"
+      echo "the run ended (exit $rc) before $ck was committed; this script killed nothing (host memory at the peak:" \
+           "$(sort -n "$W/killed.hostmem" 2> /dev/null | tail -n 1) GiB)"; exit 1; }
     until [ -d "$ck.tmp" ] || [ -f "$ck/manifest.json" ]; do alive; sleep 1; done; t0=$(date +%s)
     until [ -f "$ck/manifest.json" ]; do alive; sleep 1; done  # committed: the rename follows the manifest
     echo "checkpoint $ck: written in $(($(date +%s) - t0)) s, $(du -sh "$ck" | cut -f1)"
