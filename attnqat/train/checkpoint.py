@@ -52,6 +52,7 @@ import torch
 from attnqat.errors import OutputWriteError
 from attnqat.outputs import save_safetensors
 from attnqat.pipelines.loading import CHECKPOINTS_DIR, FINAL_DIR, MANIFEST, STEP_DIR
+from attnqat.train.shard_writer import StreamingShardWriter
 
 FORMAT = "attnqat-checkpoint"
 VERSION = 1
@@ -590,8 +591,6 @@ def save_sharded(folder: Path, tensors: dict) -> None:
     calls it. A process that fails (a full disk) fails it on all, as an OutputWriteError naming the process."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from attnqat.train.shard_writer import StreamingShardWriter
 
     try:
         with _single_process_is_meant():
