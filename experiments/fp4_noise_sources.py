@@ -131,14 +131,18 @@ def tops_argument(text: str) -> tuple[float, ...]:
 
 @contextlib.contextmanager
 def four_over_six_tops(tops: tuple[float, ...]):
-    """The reference's Four Over Six rule trying ``tops`` while the context lasts (the PyTorch reference only:
-    what this probe runs)."""
-    rule = reference.four_over_six_scale
+    """Four Over Six's rule trying ``tops`` while the context lasts: in the PyTorch reference (what this probe
+    runs) always, in the kernels' pre-pass too where they have that search (nvfp4.FOUR_OVER_SIX_SEARCHES)."""
+    from attnqat.kernels import nvfp4
+
+    rule, kernel_tops = reference.four_over_six_scale, nvfp4.four_over_six_tops
     reference.four_over_six_scale = functools.partial(rule, tops=tops)
+    if tuple(tops) in nvfp4.FOUR_OVER_SIX_SEARCHES:
+        nvfp4.four_over_six_tops = tuple(tops)
     try:
         yield
     finally:
-        reference.four_over_six_scale = rule
+        reference.four_over_six_scale, nvfp4.four_over_six_tops = rule, kernel_tops
 
 
 def report(args, fos, sources, options) -> None:

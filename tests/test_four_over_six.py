@@ -148,6 +148,36 @@ def test_pre_pass_matches_reference(layout, poison):
         assert not torch.equal(got.nan_to_num(7.0), quantize_heads(x, torch.float32).nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_pre_pass_wider_search_matches_reference(packed, device, monkeypatch, poison):
+    """The kernels' second search (nvfp4.FOUR_OVER_SIX_SEARCHES: 6 down to 3 in steps of 0.5, what experiments set
+    through nvfp4.four_over_six_tops) against the reference's rule with those maxima; NaN kept to its block; other
+    maxima are refused by name (the reference alone tries any)."""
+    from attnqat.kernels import nvfp4
+
+    x = (torch.randn(1, 2, 96, 64) * torch.rand(1, 2, 96, 1) * 4).to(torch.bfloat16)
+    x[0, 1, 7, 32:48] = float("nan")
+    wide = nvfp4.FOUR_OVER_SIX_SEARCHES[1]
+    xb = x.float().reshape(1, 2, 96, 4, 16)
+    want = R._quantize_blocks(xb, R.four_over_six_scale(xb, tops=wide)).reshape(x.shape)
+    x = x.to(device)
+    run = (lambda: dequantize_nvfp4(*quantize_heads(x, torch.float32, packed=True, four_over_six=True)).float()) \
+        if packed else (lambda: quantize_heads(x, torch.float32, four_over_six=True))
+    two = run()
+    monkeypatch.setattr(nvfp4, "four_over_six_tops", wide)
+    got = run().cpu()
+    two = two.cpu()
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    assert got[0, 1, 7, 32:48].isnan().all() and not got[0, 1, 7, :32].isnan().any()
+    assert not torch.equal(got.nan_to_num(7.0), two.nan_to_num(7.0))  # the search picks other scales somewhere
+    err = lambda y: (y.nan_to_num() - x.cpu().float().nan_to_num()).square().sum()  # noqa: E731
+    assert err(got) < err(two)
+    monkeypatch.setattr(nvfp4, "four_over_six_tops", (6.0, 5.0))
+    with pytest.raises(ValueError, match=r"tries the maxima .* not \(6\.0, 5\.0\)"):
+        run()
+
+
 def test_pre_pass_refuses_tokens():
     with pytest.raises(ValueError, match="four_over_six is along head_dim only"):
         quantize_heads(torch.zeros(1, 1, 16, 64), torch.float32, tokens=True, four_over_six=True)

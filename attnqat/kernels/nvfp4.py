@@ -121,18 +121,51 @@ def e4m3_value(bits):
     return tl.where((bits & 0x7F) == 0x7F, float("nan"), v)
 
 
+# The maxima Four Over Six tries in the kernels, in order (the earlier kept on equal errors): the option's 6 and 4,
+# or, set by experiments (experiments/fp4_noise_sources.py's four_over_six_tops), one of the other searches here.
+# The FOUR_OVER_SIX constexpr of the kernels below is the search's number: 0 off, 1 and up an entry of SEARCHES.
+FOUR_OVER_SIX_SEARCHES = ((6.0, 4.0), (6.0, 5.5, 5.0, 4.5, 4.0, 3.5, 3.0))
+four_over_six_tops: tuple[float, ...] = FOUR_OVER_SIX_SEARCHES[0]
+
+
+def four_over_six_search(on: bool) -> int:
+    """The FOUR_OVER_SIX constexpr for the option ``on``: 0, or the number of :data:`four_over_six_tops` in
+    :data:`FOUR_OVER_SIX_SEARCHES` (a ValueError naming those the kernels have, for any other)."""
+    if not on:
+        return 0
+    tops = tuple(float(t) for t in four_over_six_tops)
+    if tops not in FOUR_OVER_SIX_SEARCHES:
+        raise ValueError(f"the kernels' Four Over Six tries the maxima {' or '.join(map(str, FOUR_OVER_SIX_SEARCHES))}"
+                         f", not {tops} (the reference tries any: reference.four_over_six_scale's tops)")
+    return FOUR_OVER_SIX_SEARCHES.index(tops) + 1
+
+
+@triton.jit
+def _phi_error(xb, s):
+    """The squared error of phi with block scales ``s`` over each block of 16 (float32 sums)."""
+    e = round_e2m1(tl.math.div_rn(xb, tl.where(s > 0.0, s, 1.0)[:, :, None])) * s[:, :, None] - xb
+    return tl.sum(e * e, axis=2)
+
+
 @triton.jit
 def _block_scale(xb, amax, FOUR_OVER_SIX: tl.constexpr):
     """The e4m3 scale of each block of 16 along xb's last axis (xb (ROWS, COLS/16, 16), amax (ROWS, COLS/16)):
     e4m3(amax / 6) (SPEC §1), or with FOUR_OVER_SIX the one of e4m3(amax / 6) and e4m3(amax / 4) whose phi has
-    the smaller squared error (the six on equal errors; reference.four_over_six_scale). True division, as
-    fake_quant_tile's EXACT_DIV. A non-finite amax stays the scale (both errors NaN: the six is kept)."""
+    the smaller squared error (the six on equal errors; reference.four_over_six_scale); FOUR_OVER_SIX 2: of the
+    maxima 6, 5.5, ..., 3, the first with the least error (FOUR_OVER_SIX_SEARCHES). True division, as
+    fake_quant_tile's EXACT_DIV. A non-finite amax stays the scale (every error NaN: the six is kept)."""
+    tl.static_assert(FOUR_OVER_SIX >= 0 and FOUR_OVER_SIX <= 2)
     s = round_e4m3(tl.math.div_rn(amax, 6.0))
-    if FOUR_OVER_SIX:
+    if FOUR_OVER_SIX == 1:
         s4 = round_e4m3(tl.math.div_rn(amax, 4.0))
-        e6 = round_e2m1(tl.math.div_rn(xb, tl.where(s > 0.0, s, 1.0)[:, :, None])) * s[:, :, None] - xb
-        e4 = round_e2m1(tl.math.div_rn(xb, tl.where(s4 > 0.0, s4, 1.0)[:, :, None])) * s4[:, :, None] - xb
-        s = tl.where(tl.sum(e4 * e4, axis=2) < tl.sum(e6 * e6, axis=2), s4, s)
+        s = tl.where(_phi_error(xb, s4) < _phi_error(xb, s), s4, s)
+    elif FOUR_OVER_SIX == 2:
+        err = _phi_error(xb, s)
+        for i in tl.static_range(1, 7):  # the maxima 5.5 down to 3
+            st = round_e4m3(tl.math.div_rn(amax, 6.0 - 0.5 * i))
+            et = _phi_error(xb, st)
+            s = tl.where(et < err, st, s)
+            err = tl.where(et < err, et, err)
     return s
 
 
@@ -360,7 +393,8 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False,
     layout above), from one pass: x is read once and both are written (the Gluon training forward's K and V, which
     its kernel reads in tile order and the backwards read in key order); each equals its one-order call exactly.
     ``four_over_six=True`` (along head_dim only): each block's scale is Four Over Six's choice
-    (:func:`attnqat.kernels.reference.four_over_six_scale`), in every layout above."""
+    (:func:`attnqat.kernels.reference.four_over_six_scale`), in every layout above, over the maxima
+    :data:`four_over_six_tops` (6 and 4 unless an experiment set the wider search)."""
     b, h, n, d = x.shape
     if packed and tokens:
         raise ValueError("quantize_heads: packed storage is along head_dim only")
@@ -389,7 +423,7 @@ def quantize_heads(x: torch.Tensor, dtype: torch.dtype, *, tokens: bool = False,
     _quantize_rows[grid](x, out, scales, mean, in_order, x.stride(0), x.stride(1), x.stride(2), h, n, n_out,
                          HEAD_DIM=d, BLOCK_L=block_l, CENTER=2 if block_mean else (0 if center is None else 1),
                          AXIS=0 if tokens else 1, PACK=packed, KEY_TILE=key_tile, BOTH_ORDERS=both_orders,
-                         FOUR_OVER_SIX=four_over_six, num_warps=num_warps)
+                         FOUR_OVER_SIX=four_over_six_search(four_over_six), num_warps=num_warps)
     if both_orders:
         return in_order, out
     if packed:
