@@ -10,8 +10,8 @@ to 3 in steps of 0.5: nvfp4.FOUR_OVER_SIX_SEARCHES): with one of those, the kern
 with the kernels' own tables. With other maxima, or ``--reference``, the rule is swapped in the PyTorch reference
 and every attention call runs the reference while the script lasts, CUDA tensors too: compare such a run with one of
 ``--tops 6,4 --reference``, not with the kernels' rows (on an H200 at 33x128x128 the reference's nvfp4 row scored
-0.08417 where the kernels' scored 0.08400; not explained: SPEC §1 lets the kernels round P's ties otherwise). Rows with ``four_over_six`` on (the
-shipped file records it) use the search; the others are unchanged.
+0.08417 where the kernels' scored 0.08400; not explained: SPEC §1 lets the kernels round P's ties otherwise). Rows
+with ``four_over_six`` on (the shipped file records it) use the search; the others are unchanged.
 """
 from __future__ import annotations
 

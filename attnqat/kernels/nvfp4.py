@@ -123,8 +123,9 @@ def e4m3_value(bits):
 
 # The maxima Four Over Six tries in the kernels, in order (the earlier kept on equal errors): the option's 6 and 4,
 # or, set by experiments (experiments/fp4_noise_sources.py's four_over_six_tops), one of the other searches here.
-# The FOUR_OVER_SIX constexpr of the kernels below is the search's number: 0 off, 1 and up an entry of SEARCHES.
-FOUR_OVER_SIX_SEARCHES = ((6.0, 4.0), (6.0, 5.5, 5.0, 4.5, 4.0, 3.5, 3.0))
+# The FOUR_OVER_SIX constexpr of the kernels below is the search's number: 0 off, else its index here + 1. The
+# second is _block_scale's loop over the maxima 6 - 0.5 i, made from the same formula.
+FOUR_OVER_SIX_SEARCHES = ((6.0, 4.0), tuple(6.0 - 0.5 * i for i in range(7)))
 four_over_six_tops: tuple[float, ...] = FOUR_OVER_SIX_SEARCHES[0]
 
 
@@ -161,7 +162,7 @@ def _block_scale(xb, amax, FOUR_OVER_SIX: tl.constexpr):
         s = tl.where(_phi_error(xb, s4) < _phi_error(xb, s), s4, s)
     elif FOUR_OVER_SIX == 2:
         err = _phi_error(xb, s)
-        for i in tl.static_range(1, 7):  # the maxima 5.5 down to 3
+        for i in tl.static_range(1, 7):  # the maxima 5.5 down to 3: FOUR_OVER_SIX_SEARCHES[1] after the 6
             st = round_e4m3(tl.math.div_rn(amax, 6.0 - 0.5 * i))
             et = _phi_error(xb, st)
             s = tl.where(et < err, st, s)

@@ -54,8 +54,8 @@ from .student_teacher import (AdapterOffTeacher, FeatureCapture, block_checkpoin
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_FIELDS = ["step", "loss", "loss_distill", "loss_flow", "loss_consistency", "gap", "grad_norm", "lr",
-              "tokens_per_s", "step_s", "elapsed_s", "peak_gib", "peak_reserved_gib", "eval_gap_output", "eval_gap_features", "eval_flow",
-              "eval_prompt_ratio"]
+              "tokens_per_s", "step_s", "elapsed_s", "peak_gib", "peak_reserved_gib", "eval_gap_output",
+              "eval_gap_features", "eval_flow", "eval_prompt_ratio"]
 
 
 @dataclass
