@@ -216,6 +216,16 @@ def _check_model(rank: int, results: dict):
                 results[key + "/grad"] = worst
     finally:
         processor_module.context_parallel_attention = original
+    # `generate --compile --parallel`: diffusers' split hook on blocks.0 runs inside the block's fullgraph trace
+    model = _tiny_wan()
+    patch_attention(model, "attn_qat")
+    with torch.no_grad():
+        ref = model(**_wan_inputs())[0]
+    cp_module.enable_context_parallel(model, "ulysses", 2)
+    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        out = model(**_wan_inputs())[0]
+    results["model/ulysses/attn_qat/compiled"] = [(out - ref).abs().max().item(), ref.abs().max().item()]
 
 
 def _weights(x):
@@ -278,6 +288,15 @@ def test_patched_wan_under_context_parallel(distributed_results, case):
         assert err <= 1e-5 * max(scale, 1.0), (case, err, scale)
         if case == "ulysses/attn_qat":  # trained through: parameter gradients, summed over ranks
             assert r[f"model/{case}/grad"] <= 1e-5, r[f"model/{case}/grad"]
+
+
+def test_compiled_blocks_under_context_parallel(distributed_results):
+    """Each block compiled with fullgraph=True after enable_parallelism (what ``generate --compile
+    --parallel`` does): dynamo traces diffusers' split hook, whose argument lookup enable_context_parallel
+    cached beforehand; the output equals the unsharded, uncompiled model's."""
+    for r in distributed_results:
+        err, scale = r["model/ulysses/attn_qat/compiled"]
+        assert err <= 1e-5 * max(scale, 1.0), (err, scale)
 
 
 # --------------------------------------------------------------------------------------------------

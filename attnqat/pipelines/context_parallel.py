@@ -29,6 +29,7 @@ mismatch), causal attention.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from typing import Any
 
@@ -177,3 +178,20 @@ def enable_context_parallel(transformer: torch.nn.Module, layout: str, degree: i
     config = ContextParallelConfig(**{f"{layout}_degree": degree}, **({"mesh": mesh} if mesh is not None else {}))
     with _cpu_counts_as_one_device():
         transformer.enable_parallelism(config=config)
+    _cache_forward_signatures(transformer)
+
+
+def _cache_forward_signatures(transformer: torch.nn.Module) -> None:
+    """diffusers' split hooks (0.42.1, ``ModuleForwardMetadata``) find an argument's position from
+    ``inspect.signature(cls.forward)`` on the hooked module's first call, then cache it. Under
+    ``torch.compile(fullgraph=True)`` that first call is traced, and dynamo cannot trace ``inspect`` (on the
+    H200, torch 2.11: "Unexpected type in sourceless builder"), so ``--compile --parallel`` failed in the
+    first block. The cache is filled here, eagerly, with diffusers' own rule (the forward's parameters after
+    ``self``); the traced call then only reads a dict."""
+    for module in transformer.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        for hook in (registry.hooks.values() if registry is not None else ()):
+            metadata = getattr(hook, "module_forward_metadata", None)
+            if metadata is not None and metadata.cached_parameter_indices is None:
+                names = list(inspect.signature(metadata._cls.forward).parameters)[1:]
+                metadata.cached_parameter_indices = {name: i for i, name in enumerate(names)}
