@@ -226,6 +226,27 @@ def _check_model(rank: int, results: dict):
     with torch.no_grad():
         out = model(**_wan_inputs())[0]
     results["model/ulysses/attn_qat/compiled"] = [(out - ref).abs().max().item(), ref.abs().max().item()]
+    # `train.compile` under sequence parallelism: the blocks compiled as the loop compiles them there (the
+    # attention's templated function with gradients runs between two graphs), trained through
+    model = _tiny_wan()
+    patch_attention(model, "attn_qat")
+    ref = model(**_wan_inputs())[0]
+    (ref * _weights(ref)).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    cp_module.enable_context_parallel(model, "ulysses", 2)
+    for block in model.blocks:
+        block.compile(dynamic=False, fullgraph=False, backend="aot_eager")
+    out = model(**_wan_inputs())[0]
+    (out * _weights(out)).sum().backward()
+    worst = 0.0
+    for n, p in model.named_parameters():
+        if n in ref_grads:
+            g = p.grad.clone()
+            torch.distributed.all_reduce(g)
+            worst = max(worst, ((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item())
+    results["model/ulysses/attn_qat/compiled/train"] = [(out - ref).abs().max().item(), ref.abs().max().item(),
+                                                        worst, len(ref_grads)]
 
 
 def _weights(x):
@@ -292,11 +313,15 @@ def test_patched_wan_under_context_parallel(distributed_results, case):
 
 def test_compiled_blocks_under_context_parallel(distributed_results):
     """Each block compiled with fullgraph=True after enable_parallelism (what ``generate --compile
-    --parallel`` does): dynamo traces diffusers' split hook, whose argument lookup enable_context_parallel
-    cached beforehand; the output equals the unsharded, uncompiled model's."""
+    --parallel`` and ``train.compile`` with ``train.sequence_parallel`` do): dynamo traces diffusers' split
+    hook, whose argument lookup enable_context_parallel cached beforehand; the output and the parameter
+    gradients equal the unsharded, uncompiled model's."""
     for r in distributed_results:
         err, scale = r["model/ulysses/attn_qat/compiled"]
         assert err <= 1e-5 * max(scale, 1.0), (err, scale)
+        err, scale, grad, n_grads = r["model/ulysses/attn_qat/compiled/train"]
+        assert err <= 1e-5 * max(scale, 1.0), (err, scale)
+        assert n_grads > 0 and grad <= 1e-5, (grad, n_grads)  # parameter gradients, summed over ranks
 
 
 # --------------------------------------------------------------------------------------------------

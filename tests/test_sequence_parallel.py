@@ -33,7 +33,8 @@ LORA = ["train.trainable=lora", "train.lora.rank=4"]
 # per world size: (output folder, overrides, train() arguments), run in this order on one process group
 RUNS = {2: [("sp", SP2, {}), ("cut", SP2, {"stop_after": 1}), ("cut", SP2, {"resume": "auto"}),
             ("dp", [], {}),                 # plain DDP over 2 processes: the reference of the 4-process run
-            ("sp_lora", SP2 + LORA, {})],
+            ("sp_lora", SP2 + LORA, {}),
+            ("sp_compiled", SP2 + ["train.compile=true"], {})],  # blocks compiled around the Ulysses attention
         4: [("sp4", SP2, {})]}              # two sequence groups of 2, DDP across them
 
 
@@ -256,6 +257,20 @@ def test_a_lora_run_under_sequence_parallel_equals_one_process(runs):
     assert got.keys() == ref.keys() and moved > 1e-5
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=4 * torch.finfo(torch.float32).eps, atol=1e-3 * moved)
+
+
+def test_compiled_blocks_under_sequence_parallel_train_as_one_process(runs):
+    """train.compile with sequence_parallel 2: each block compiled in pieces around the templated Ulysses
+    attention (its backward cannot be traced: attnqat.pipelines.context_parallel), the losses and gradient norms of
+    one eager process to Inductor's rounding."""
+    from attnqat.train.loop import read_log
+
+    root, results = runs
+    losses = [r["sp_compiled/5"] for r in results[2]]
+    assert all(x == losses[0] for x in losses) and len(losses[0]) == 2
+    assert losses[0] == pytest.approx(results[1][0]["one/0"], rel=1e-5, abs=0)
+    norms = [[float(r["grad_norm"]) for r in read_log(root / name / "log.csv")] for name in ("sp_compiled", "one")]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4, abs=0)
 
 
 def test_fsdp1_runs_the_lora_teacher(runs):

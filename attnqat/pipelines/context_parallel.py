@@ -140,9 +140,20 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
 
         parallel_config = ParallelConfig(context_parallel_config=parallel_config)
     forward_op, backward_op = _ops(mode, options, needs_grad)
-    return _templated_context_parallel_attention(query, key, value, None, 0.0, False, scale, False, False,
-                                                 forward_op=forward_op, backward_op=backward_op,
-                                                 _parallel_config=parallel_config)
+    templated = _templated_outside_compile if needs_grad else _templated_context_parallel_attention
+    return templated(query, key, value, None, 0.0, False, scale, False, False, forward_op=forward_op,
+                     backward_op=backward_op, _parallel_config=parallel_config)
+
+
+@torch.compiler.disable
+def _templated_outside_compile(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """diffusers' templated function with gradients, run eagerly under ``torch.compile``: its backward_op
+    differentiates the graph forward_op kept in ctx (:func:`_ops`), which dynamo cannot trace
+    (``torch.autograd.grad``). A compiled block breaks its graph here, so ``train.compile`` under sequence
+    parallelism compiles blocks without ``fullgraph`` (attnqat.train.loop); without gradients the call traces."""
+    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+
+    return _templated_context_parallel_attention(*args, **kwargs)
 
 
 @contextmanager

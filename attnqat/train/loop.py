@@ -233,8 +233,11 @@ class Trainer:
         if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are
             _allow_block_graphs(len(student.blocks), len(self.index.get("latent_shapes") or [self.shape]),
                                 passes=3 if shared else 2)
+            # the patched attention traces inside, except under sequence parallelism, where its templated Ulysses
+            # function runs between two graphs of the block (context_parallel._templated_outside_compile)
+            fullgraph = self.sp.degree == 1
             for block in student.blocks:
-                block.compile(dynamic=False, fullgraph=True)  # the patched attention traces inside
+                block.compile(dynamic=False, fullgraph=fullgraph)
         if self.sp.degree > 1:
             sequence_parallel.enable(student, self.sp)
         # With CUDA graphs the optimizer is what is left of the host's work in a step: the multi-tensor AdamW's Python
