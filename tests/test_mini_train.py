@@ -469,6 +469,33 @@ def test_compiled_blocks_train_like_eager_ones(mini_folder, tmp_path):
     assert runs["True"] == runs["False"]
 
 
+def test_compiled_teacher_distils_like_the_eager_one(mini_folder, tmp_path):
+    """train.compile in a distillation (the QAT fine-tune's objective): the teacher's blocks are compiled as the
+    student's are, and the losses and the held-out gap before training equal the eager run's to float rounding."""
+    from attnqat.train import train
+    from attnqat.train.loop import Trainer
+
+    compiled_teachers = []
+    setup = Trainer.__init__
+
+    def spy(self, *args, **kwargs):
+        setup(self, *args, **kwargs)
+        compiled_teachers.append(all(b._compiled_call_impl is not None for b in self.teacher.blocks))
+
+    runs = {}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Trainer, "__init__", spy)
+        for compiled in (False, True):
+            cfg = _cfg(mini_folder, tmp_path / str(compiled), "train.max_steps=2", "objective.type=distill",
+                       "objective.target=output", "attention.mode=attn_qat", f"train.compile={str(compiled).lower()}")
+            result = train(cfg)
+            runs[compiled] = (result.losses, result.gap_before["output"])  # before AdamW's sign-like first steps
+    assert compiled_teachers == [False, True]
+    assert runs[False][0][0] > 0  # the student in FP4 is away from its bf16 teacher
+    torch.testing.assert_close(torch.tensor(runs[True][0]), torch.tensor(runs[False][0]), rtol=1e-4, atol=0)
+    assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-4)
+
+
 def test_compiled_blocks_may_compile_a_graph_per_block_shape_and_grad_mode(monkeypatch):
     """train.compile's limits cover a deep transformer on many sizes: fullgraph turns Dynamo's recompile limit
     into a hard failure, and a 16-block mini on 6 training sizes hit the old fixed limit of 64 on the GPU."""

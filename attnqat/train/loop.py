@@ -72,13 +72,22 @@ class TrainResult:
 def _allow_block_graphs(blocks: int, shapes: int, passes: int = 2) -> None:
     """Raise Dynamo's recompile limits to the graphs compiled blocks can need, which fullgraph=True turns from a
     warning into a hard failure: static shapes make one graph per video shape and kind of pass (``passes``: training
-    and held-out evaluation, and a LoRA run's teacher, which runs the student's blocks), and on some torch versions
+    and held-out evaluation, and the teacher's forward: its own compiled blocks, or a LoRA run's student's), and on
+    some torch versions
     (2.11 on the H200s) each block instance compiles its own, so a 16-block transformer on 6 sizes failed at the old
     fixed limit of 64 after 8 steps (8 blocks fitted)."""
     graphs = blocks * shapes * passes + 8  # + 8: autocast and other one-off guards
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, graphs)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, graphs + 256)
+
+
+def _compile_blocks(transformer: torch.nn.Module, sequence_parallel_degree: int) -> None:
+    """``train.compile``: each block compiled in place with static shapes. The patched attention traces inside
+    (one graph a block), except under sequence parallelism, where its templated Ulysses function with gradients
+    runs between two graphs of the block (context_parallel._templated_outside_compile)."""
+    for block in transformer.blocks:
+        block.compile(dynamic=False, fullgraph=sequence_parallel_degree == 1)
 
 
 class TrainerState:
@@ -231,13 +240,11 @@ class Trainer:
         if tr.gradient_checkpointing:
             student.enable_gradient_checkpointing(block_checkpoint(tr.save_attention))
         if tr.compile:  # each block in place: parameter names, hooks and checkpoints stay as they are
+            # passes: training and held-out evaluation, and the teacher's forward (its own blocks, or a LoRA run's
+            # student's with the adapter off)
             _allow_block_graphs(len(student.blocks), len(self.index.get("latent_shapes") or [self.shape]),
-                                passes=3 if shared else 2)
-            # the patched attention traces inside, except under sequence parallelism, where its templated Ulysses
-            # function runs between two graphs of the block (context_parallel._templated_outside_compile)
-            fullgraph = self.sp.degree == 1
-            for block in student.blocks:
-                block.compile(dynamic=False, fullgraph=fullgraph)
+                                passes=3 if with_teacher else 2)
+            _compile_blocks(student, self.sp.degree)
         if self.sp.degree > 1:
             sequence_parallel.enable(student, self.sp)
         # With CUDA graphs the optimizer is what is left of the host's work in a step: the multi-tensor AdamW's Python
@@ -263,6 +270,8 @@ class Trainer:
         if teacher is not None and not shared:  # a teacher of its own, copied or read again
             if compact:  # the student's prompt rows
                 compact_text.install(teacher, cfg.data.text_len)
+            if tr.compile:  # its forward runs every step of a distillation: eager, its norms and RoPE cost mini's
+                _compile_blocks(teacher, self.sp.degree)  # QAT step GPU time the student's compiled blocks do not
             if self.sp.degree > 1:
                 # the student's sequence shards: its block features must be the same shards as the student's, and a
                 # whole-sequence teacher forward would cost every process N times its share
