@@ -312,10 +312,11 @@ def test_patched_wan_under_context_parallel(distributed_results, case):
 
 
 def test_compiled_blocks_under_context_parallel(distributed_results):
-    """Each block compiled with fullgraph=True after enable_parallelism (what ``generate --compile
-    --parallel`` and ``train.compile`` with ``train.sequence_parallel`` do): dynamo traces diffusers' split
-    hook, whose argument lookup enable_context_parallel cached beforehand; the output and the parameter
-    gradients equal the unsharded, uncompiled model's."""
+    """Blocks compiled after enable_parallelism: with fullgraph=True and no gradients (``generate --compile
+    --parallel``), dynamo traces diffusers' split hook, whose argument lookup enable_context_parallel cached
+    beforehand; trained through (``train.compile`` with ``train.sequence_parallel``: no fullgraph, the Ulysses
+    attention between two graphs). Outputs, and the parameter gradients summed over ranks, equal the unsharded,
+    uncompiled model's."""
     for r in distributed_results:
         err, scale = r["model/ulysses/attn_qat/compiled"]
         assert err <= 1e-5 * max(scale, 1.0), (err, scale)

@@ -73,9 +73,8 @@ def _allow_block_graphs(blocks: int, shapes: int, passes: int = 2) -> None:
     """Raise Dynamo's recompile limits to the graphs compiled blocks can need, which fullgraph=True turns from a
     warning into a hard failure: static shapes make one graph per video shape and kind of pass (``passes``: training
     and held-out evaluation, and the teacher's forward: its own compiled blocks, or a LoRA run's student's), and on
-    some torch versions
-    (2.11 on the H200s) each block instance compiles its own, so a 16-block transformer on 6 sizes failed at the old
-    fixed limit of 64 after 8 steps (8 blocks fitted)."""
+    some torch versions (2.11 on the H200s) each block instance compiles its own, so a 16-block transformer on 6
+    sizes failed at the old fixed limit of 64 after 8 steps (8 blocks fitted)."""
     graphs = blocks * shapes * passes + 8  # + 8: autocast and other one-off guards
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, graphs)
