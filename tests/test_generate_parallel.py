@@ -210,7 +210,7 @@ def test_python_dash_m_attnqat_is_the_console_script(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("attnqat generate: error: --parallel ulysses needs several processes")
 
 
-def test_ring_note_when_shares_are_not_whole_nvfp4_blocks():
+def test_notes_when_the_video_is_not_the_one_process_video():
     from argparse import Namespace
 
     from attnqat.pipelines.generate import parallel_note
@@ -229,3 +229,14 @@ def test_ring_note_when_shares_are_not_whole_nvfp4_blocks():
     # Wan 2.1 at 480p, 81 frames: 32760 tokens, 16380 a rank on 2 GPUs
     assert "16380" in parallel_note(Namespace(launch=Launch(0, 0, 2), parallel="ring", mode="nvfp4", height=480,
                                               width=832, frames=81), {"patch_size": [1, 2, 2]})
+    # --compile: the compiled blocks see a rank's share; with the ring note, both
+    compiled = dict(launch=Launch(0, 0, 2), mode="attn_qat", height=64, width=64, frames=5, compile=True)
+    for parallel in ("ulysses", "ring"):
+        text = parallel_note(Namespace(parallel=parallel, **compiled), TINY_TRANSFORMER_CONFIG)
+        assert text.startswith("--compile with --parallel") and "to the bit" in text and "\n" not in text
+    both = parallel_note(Namespace(parallel="ring", **{**compiled, "height": 48}), TINY_TRANSFORMER_CONFIG)
+    assert both.startswith("each rank holds 12") and "; --compile with --parallel" in both
+    uncompiled = Namespace(parallel="ulysses", **{**compiled, "compile": False})
+    assert parallel_note(uncompiled, TINY_TRANSFORMER_CONFIG) is None
+    one_process = Namespace(launch=None, compile=True, parallel=None, mode="bf16")
+    assert parallel_note(one_process, TINY_TRANSFORMER_CONFIG) is None

@@ -398,20 +398,30 @@ def check_parallel_layout(args: argparse.Namespace, config: dict) -> None:
 
 
 def parallel_note(args: argparse.Namespace, config) -> str | None:
-    """A note for ring with an FP4 mode when a rank's share of the tokens is not whole NVFP4 blocks: P and V are
-    quantized in blocks of 16 keys, and a share boundary inside a block gives other blocks (other scales) than one
-    process has, so the video differs from the one-process video like another FP4 rounding would."""
+    """Why a video made on several processes will not be the one-process video to the bit, where it will not:
+    - ring with an FP4 mode when a rank's share of the tokens is not whole NVFP4 blocks: P and V are quantized in
+      blocks of 16 keys, and a share boundary inside a block gives other blocks (other scales) than one process has,
+      so the video differs like another FP4 rounding would;
+    - ``--compile``: each process's compiled blocks see its share of the tokens, and the compiler picks a
+      reduction's launch configuration by the number of rows, so the norms may sum in another order than one
+      process's compiled blocks do (measured on two H200s: docs/multigpu.md)."""
     from attnqat.kernels import mode_of
     from attnqat.kernels.formats import NVFP4_BLOCK
 
-    if getattr(args, "launch", None) is None or args.parallel != "ring" or not mode_of(args.mode).naive_fp4_forward:
+    if getattr(args, "launch", None) is None:
         return None
+    notes = []
     share = video_tokens(args, config) // args.launch.world_size
-    if share % NVFP4_BLOCK == 0:
-        return None
-    return (f"each rank holds {share} of the video's tokens, not a multiple of {NVFP4_BLOCK} (NVFP4's block along "
-            f"the keys): ring's {args.mode} quantizes other key blocks than one process does, so this video is not "
-            f"the one-process video to the bit (it differs as another FP4 rounding would)")
+    if args.parallel == "ring" and mode_of(args.mode).naive_fp4_forward and share % NVFP4_BLOCK:
+        notes.append(f"each rank holds {share} of the video's tokens, not a multiple of {NVFP4_BLOCK} (NVFP4's "
+                     f"block along the keys): ring's {args.mode} quantizes other key blocks than one process does, "
+                     f"so this video is not the one-process video to the bit (it differs as another FP4 rounding "
+                     f"would)")
+    if getattr(args, "compile", False):
+        notes.append("--compile with --parallel: each process's compiled blocks see its share of the tokens, and "
+                     "the compiler may sum the norms in another order than for the whole, so this video is not the "
+                     "one-process --compile video to the bit (without --compile, Ulysses gives it exactly)")
+    return "; ".join(notes) or None
 
 
 def check_outputs(args: argparse.Namespace) -> argparse.Namespace:
