@@ -4,8 +4,8 @@
 
 For each entry of ``nvfp4.FOUR_OVER_SIX_SEARCHES`` (the option's 6 or 4, and the wider 6 down to 3 kept for
 experiments): the pre-pass of one (1, heads, length, 128) bf16 tensor, the ``attn_qat`` inference forward and its
-forward + backward with ``four_over_six=True``, and plain ``attn_qat``'s inference forward beside them, in ms
-(``triton.testing.do_bench``, one process, the same inputs). docs/quality.md ("Four Over Six") and
+forward + backward with ``four_over_six=True``, and plain ``attn_qat``'s inference forward and cuDNN SDPA's forward
+beside them, in ms and as ratios to cuDNN's (``triton.testing.do_bench``, one process, the same inputs). docs/quality.md ("Four Over Six") and
 bench/results/four_over_six/gpu/search/ hold what it printed on an H200.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import sys
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnqat.kernels import attention, nvfp4
 
@@ -42,16 +43,19 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.no_grad():
         plain = triton.testing.do_bench(lambda: attention(q, k, v, "attn_qat"))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, shape {shape}; plain attn_qat inference "
-          f"forward {plain:.2f} ms")
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # the ratios' denominator, as in bench/kernels.py
+            cudnn = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, shape {shape}; cuDNN SDPA forward "
+          f"{cudnn:.2f} ms; plain attn_qat inference forward {plain:.2f} ms ({plain / cudnn:.3f}x)")
     default = nvfp4.four_over_six_tops
     try:
         for tops in nvfp4.FOUR_OVER_SIX_SEARCHES:
             nvfp4.four_over_six_tops = tops
             with torch.no_grad():
                 pre = triton.testing.do_bench(lambda: nvfp4.quantize_heads(x, torch.bfloat16, four_over_six=True))
+            infer = triton.testing.do_bench(forward)
             print(f"maxima {', '.join(f'{t:g}' for t in tops)}: pre-pass one tensor {pre:.2f} ms, inference forward "
-                  f"{triton.testing.do_bench(forward):.2f} ms, forward+backward "
+                  f"{infer:.2f} ms ({infer / cudnn:.3f}x cuDNN), forward+backward "
                   f"{triton.testing.do_bench(forward_backward):.2f} ms")
     finally:
         nvfp4.four_over_six_tops = default
