@@ -217,15 +217,16 @@ def _check_model(rank: int, results: dict):
     finally:
         processor_module.context_parallel_attention = original
     # `generate --compile --parallel`: diffusers' split hook on blocks.0 runs inside the block's fullgraph trace
-    model = _tiny_wan()
-    patch_attention(model, "attn_qat")
-    with torch.no_grad():
-        ref = model(**_wan_inputs())[0]
-    cp_module.enable_context_parallel(model, "ulysses", 2)
-    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
-    with torch.no_grad():
-        out = model(**_wan_inputs())[0]
-    results["model/ulysses/attn_qat/compiled"] = [(out - ref).abs().max().item(), ref.abs().max().item()]
+    for layout, mode in (("ulysses", "attn_qat"), ("ring", "nvfp4")):
+        model = _tiny_wan()
+        patch_attention(model, mode)
+        with torch.no_grad():
+            ref = model(**_wan_inputs())[0]
+        cp_module.enable_context_parallel(model, layout, 2)
+        model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            out = model(**_wan_inputs())[0]
+        results[f"model/{layout}/{mode}/compiled"] = [(out - ref).abs().max().item(), ref.abs().max().item()]
     # `train.compile` under sequence parallelism: the blocks compiled as the loop compiles them there (the
     # attention's templated function with gradients runs between two graphs), trained through
     model = _tiny_wan()
@@ -313,13 +314,14 @@ def test_patched_wan_under_context_parallel(distributed_results, case):
 
 def test_compiled_blocks_under_context_parallel(distributed_results):
     """Blocks compiled after enable_parallelism: with fullgraph=True and no gradients (``generate --compile
-    --parallel``), dynamo traces diffusers' split hook, whose argument lookup enable_context_parallel cached
+    --parallel ulysses|ring``), dynamo traces diffusers' split hook, whose argument lookup enable_context_parallel cached
     beforehand; trained through (``train.compile`` with ``train.sequence_parallel``: no fullgraph, the Ulysses
     attention between two graphs). Outputs, and the parameter gradients summed over ranks, equal the unsharded,
     uncompiled model's."""
     for r in distributed_results:
-        err, scale = r["model/ulysses/attn_qat/compiled"]
-        assert err <= 1e-5 * max(scale, 1.0), (err, scale)
+        for case in ("ulysses/attn_qat", "ring/nvfp4"):
+            err, scale = r[f"model/{case}/compiled"]
+            assert err <= 1e-5 * max(scale, 1.0), (case, err, scale)
         err, scale, grad, n_grads = r["model/ulysses/attn_qat/compiled/train"]
         assert err <= 1e-5 * max(scale, 1.0), (err, scale)
         assert n_grads > 0 and grad <= 1e-5, (grad, n_grads)  # parameter gradients, summed over ranks
