@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tops", type=tops_argument, required=True, metavar="T,T,...",
                         help="the maxima the Four Over Six rule tries, 6 first")
     parser.add_argument("--reference", action="store_true",
-                        help="every attention call through the PyTorch reference, even where the kernels have the "
-                             "search (as this script ran before they had it)")
+                        help="every attention call through the PyTorch reference, also for a search the kernels "
+                             "have (the control of a run whose maxima only the reference tries)")
     parser.add_argument("quality", nargs=argparse.REMAINDER, help="-- then attnqat quality's arguments")
     args = parser.parse_args(argv)
     rest = args.quality[1:] if args.quality[:1] == ["--"] else args.quality
